@@ -1,0 +1,292 @@
+"""What the GUI's engine and store panels do, as plain functions over one AppState.
+
+Place in the flow: a click in kvbridge.app -> **a handler here** -> Settings / CachedEngine /
+TieredStore -> a message and view data back to the page. No Gradio here, so every handler is
+unit-tested without a browser. Handlers never raise into the page: a KVBridgeError becomes its
+message, anything else a short message while the traceback goes to the server log. Run-time
+handlers (scenario runs, the free prompt, export) live in kvbridge.app_results.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .backends.registry import engine_specs, make_backend, resolve_engine
+from .charts import format_bytes, tier_usages
+from .config import PROJECT_ROOT, Settings, env_name, settings_to_env, update_env_file
+from .engine import CachedEngine
+from .errors import KVBridgeError
+from .namespace import short_namespace
+from .records import RequestRecord
+
+log = logging.getLogger(__name__)
+
+# Shown for every engine under "Store and generation", after the engine's own fields.
+COMMON_FIELDS = ("chunk_size", "n_predict", "l1_bytes", "l2_enabled", "l2_dir", "l2_bytes")
+STORE_TIERS = ("L1", "L2")
+
+
+@dataclass
+class AppState:
+    """Everything one GUI server holds: settings, the one engine, the current run's records.
+
+    One engine per server, shared by every browser tab: `engine_lock` makes sure only one run,
+    prompt, restart or clear uses it at a time; `stop_event` is what the runner checks to stop.
+    """
+
+    settings: Settings
+    env_path: Path = PROJECT_ROOT / ".env"
+    engine: CachedEngine | None = None
+    records: list[RequestRecord] = field(default_factory=list)
+    run_meta: dict[str, Any] = field(default_factory=dict)
+    stop_event: threading.Event = field(default_factory=threading.Event)
+    engine_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A handler's answer: a message for the page and whether it is an error."""
+
+    message: str
+    ok: bool = True
+
+
+def failure_message(action: str, exc: BaseException) -> str:
+    """A readable message for the page; unexpected errors also log their traceback here."""
+    if isinstance(exc, KVBridgeError):
+        return f"{action} failed: {exc}"
+    log.exception("%s failed", action)
+    return f"{action} failed unexpectedly ({type(exc).__name__}: {exc}). Details are in the server log."
+
+
+# -- the engine form --------------------------------------------------------------------------
+def engine_choices() -> list[tuple[str, str]]:
+    """(label, key) for the engine radio: every registered engine, nothing hard-coded."""
+    return [(spec.label, spec.key) for spec in engine_specs()]
+
+
+def form_fields() -> list[str]:
+    """Every Settings field any engine shows, then the common ones, each once, in a stable order."""
+    seen: dict[str, None] = {}
+    for spec in engine_specs():
+        seen.update(dict.fromkeys(f for f in spec.fields if f not in COMMON_FIELDS))
+    return [*seen, *COMMON_FIELDS]
+
+
+def fields_for_engine(engine_key: str) -> set[str]:
+    """The form fields visible while `engine_key` is selected."""
+    spec = resolve_engine(engine_key)
+    return set(spec.fields) | set(COMMON_FIELDS)
+
+
+def field_type(name: str) -> type:
+    """The Python type of a Settings field (bool fields become checkboxes in the form)."""
+    hints = typing.get_type_hints(Settings)
+    return hints[name]
+
+
+def form_values(settings: Settings) -> dict[str, Any]:
+    """Current values for the form: bools as bools, everything else as its KVB_ text."""
+    as_env = settings_to_env(settings)
+    return {
+        name: getattr(settings, name) if field_type(name) is bool else as_env.get(env_name(name), str(getattr(settings, name)))
+        for name in form_fields()
+    }
+
+
+def engine_notice(engine_key: str, settings: Settings | None = None) -> str:
+    """The blurb under the radio; for engines that send prompts away, a notice saying so."""
+    try:
+        spec = resolve_engine(engine_key)
+    except KVBridgeError as exc:
+        return f"**{exc}**"
+    lines = [spec.blurb] if spec.blurb else []
+    if getattr(spec.cls, "prompts_leave_machine", False):
+        lines.append("**Notice: prompts sent with this engine leave this machine** and go to the provider's "
+                     "servers; the provider's terms and costs apply. The API key itself is read from the "
+                     "variable named in KVB_CLOUD_API_KEY_ENV and is never stored or shown.")
+    return "\n\n".join(lines)
+
+
+def settings_from_form(base: Settings, engine_key: str, values: dict[str, Any]) -> tuple[Settings | None, list[str]]:
+    """New Settings from the form (base for everything not shown), plus problems for a person.
+
+    Values go through Settings.from_env so the form accepts exactly what .env accepts (`512MiB`).
+    """
+    try:
+        key = resolve_engine(engine_key).key
+    except KVBridgeError as exc:
+        return None, [str(exc)]
+    env = settings_to_env(base)
+    env[env_name("engine")] = key
+    for name, value in values.items():
+        if name not in Settings.__dataclass_fields__:
+            continue
+        env[env_name(name)] = ("true" if value else "false") if isinstance(value, bool) else str(value if value is not None else "").strip()
+    try:
+        settings = Settings.from_env(env=env, env_file=None)
+    except (KVBridgeError, ValueError) as exc:
+        return None, [str(exc)]
+    return settings, settings.validate()
+
+
+def problems_message(problems: list[str]) -> str:
+    return "Please fix these settings first:\n" + "\n".join(f"- {p}" for p in problems)
+
+
+# -- engine lifecycle -------------------------------------------------------------------------
+def _busy() -> Outcome:
+    return Outcome("The engine is busy with a run or a request; press Stop or wait for it to finish.", ok=False)
+
+
+def connect_engine(state: AppState, engine_key: str, values: dict[str, Any]) -> Outcome:
+    """Stop the current engine (if any) and start the chosen one with the form's settings."""
+    settings, problems = settings_from_form(state.settings, engine_key, values)
+    if settings is None or problems:
+        return Outcome(problems_message(problems), ok=False)
+    if not state.engine_lock.acquire(blocking=False):
+        return _busy()
+    try:
+        _stop_engine(state)
+        backend = make_backend(settings.engine, settings)
+        engine = CachedEngine(settings, backend)
+        engine.start()
+        state.engine, state.settings = engine, settings
+        return Outcome(f"Connected: {resolve_engine(settings.engine).label}.")
+    except Exception as exc:  # the UI boundary
+        return Outcome(failure_message("Connect", exc), ok=False)
+    finally:
+        state.engine_lock.release()
+
+
+def _stop_engine(state: AppState) -> None:
+    engine, state.engine = state.engine, None
+    if engine is not None:
+        try:
+            engine.close()  # stops the backend, flushes L1 to L2 and closes the store
+        except Exception:  # a failing stop must not keep the person from connecting another engine
+            log.exception("stopping the previous engine failed")
+
+
+def disconnect_engine(state: AppState, timeout: float = 30.0) -> None:
+    """Stop a running scenario, then stop the engine and close its store (shutdown path)."""
+    state.stop_event.set()
+    got_lock = state.engine_lock.acquire(timeout=timeout)
+    try:
+        _stop_engine(state)
+    finally:
+        if got_lock:
+            state.engine_lock.release()
+
+
+def save_settings(state: AppState, engine_key: str, values: dict[str, Any]) -> Outcome:
+    """Write the form's settings to .env through update_env_file (never an API key value)."""
+    settings, problems = settings_from_form(state.settings, engine_key, values)
+    if settings is None or problems:
+        return Outcome(problems_message(problems) + "\n\nNothing was written.", ok=False)
+    as_env = settings_to_env(settings)
+    names = [env_name("engine"), *(env_name(f) for f in values if f in Settings.__dataclass_fields__)]
+    changes = {name: as_env[name] for name in names if name in as_env}
+    try:
+        update_env_file(state.env_path, changes)
+    except Exception as exc:  # the UI boundary
+        return Outcome(failure_message("Saving settings", exc), ok=False)
+    return Outcome(f"Saved {len(changes)} settings to {state.env_path}.")
+
+
+def restart_engine(state: AppState, drop_l1: bool = False) -> Outcome:
+    """Drop the engine's context (or process) and keep the store, to show a restore afterwards."""
+    if state.engine is None:
+        return Outcome("Connect an engine first.", ok=False)
+    if not state.engine_lock.acquire(blocking=False):
+        return _busy()
+    try:
+        state.engine.restart_backend(drop_l1=drop_l1)
+    except Exception as exc:  # the UI boundary
+        return Outcome(failure_message("Restart", exc), ok=False)
+    finally:
+        state.engine_lock.release()
+    source = "L2 (disk)" if drop_l1 else "L1 (RAM) or L2 (disk)"
+    return Outcome(f"Engine restarted: its own cache is empty{' and L1 was dropped' if drop_l1 else ''}. "
+                   f"The next lmcache request restores its prefix from {source}; see the tier column.")
+
+
+# -- status -----------------------------------------------------------------------------------
+def engine_status(state: AppState) -> str:
+    """One status line: engine, where it runs, FULL or SHADOW, namespace (and budget for cloud)."""
+    engine = state.engine
+    if engine is None:
+        return "**Not connected.** Pick an engine and press **Connect**."
+    backend = engine.backend
+    try:
+        label = resolve_engine(backend.key).label
+    except KVBridgeError:
+        label = backend.key
+    parts = [
+        f"**Engine:** {label}",
+        f"**Location:** `{backend.describe()}`",
+        f"**KV mode:** {backend.kv_mode.upper()}",
+        f"**Namespace:** `{short_namespace(engine.namespace)}`",
+    ]
+    remaining_budget = getattr(backend, "remaining_budget", None)
+    if callable(remaining_budget):
+        left = remaining_budget()
+        parts.append("**Token budget:** unlimited" if left is None else f"**Token budget left:** {left:,} tokens")
+    line = " · ".join(parts) + f"\n\n<details><summary>namespace fields</summary><code>{engine.namespace}</code></details>"
+    if backend.kv_mode == "shadow":
+        line += ("\n\nSHADOW mode: this engine keeps its KV to itself. KVBridge indexes every prompt and "
+                 "predicts reuse; the charts put that next to the cached tokens the engine reports.")
+    if getattr(backend, "prompts_leave_machine", False):
+        line += "\n\n**Prompts leave this machine** and are sent to the provider."
+    return line
+
+
+# -- the store panel --------------------------------------------------------------------------
+def store_stats(state: AppState) -> dict | None:
+    if state.engine is None or state.engine.store is None:
+        return None
+    return state.engine.store.stats()
+
+
+def store_markdown(stats: dict | None) -> str:
+    """A table of tiers (objects, bytes against capacity, hits, evictions) and the store's counters."""
+    if not stats:
+        return "No store yet: connect an engine."
+    tiers = stats.get("tiers", {})
+    rows = ["| tier | objects | used | capacity | full | hits | evictions | where |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for tier in tier_usages(stats):
+        extra = tiers.get(tier.name, {}) if isinstance(tiers, dict) else {}
+        full = f"{100 * tier.bytes_used / tier.capacity:.1f} %" if tier.capacity else "n/a"
+        rows.append(f"| {tier.name} | {tier.objects:,} | {format_bytes(tier.bytes_used)} | "
+                    f"{format_bytes(tier.capacity)} | {full} | {extra.get('hits', 0):,} | "
+                    f"{extra.get('evictions', 0):,} | `{extra.get('location', '')}` |")
+    counters = {k: v for k, v in stats.items() if isinstance(v, int) and not isinstance(v, bool)}
+    if counters:
+        rows.append("")
+        rows.append(" · ".join(f"{k.replace('_', ' ')}: **{v:,}**" for k, v in counters.items()))
+    return "\n".join(rows)
+
+
+def clear_tier(state: AppState, tier: str) -> Outcome:
+    """Empty one tier (called after the person confirmed)."""
+    if tier not in STORE_TIERS:
+        return Outcome(f"Unknown tier {tier!r}; choose one of {', '.join(STORE_TIERS)}.", ok=False)
+    stats = store_stats(state)
+    if stats is None:
+        return Outcome("Connect an engine first.", ok=False)
+    if tier not in stats.get("tiers", {}):
+        return Outcome(f"This store has no {tier} tier (L2 is off: KVB_L2_ENABLED=false).", ok=False)
+    if not state.engine_lock.acquire(blocking=False):
+        return _busy()
+    try:
+        state.engine.store.clear(tier)
+    except Exception as exc:  # the UI boundary
+        return Outcome(failure_message(f"Clearing {tier}", exc), ok=False)
+    finally:
+        state.engine_lock.release()
+    return Outcome(f"{tier} cleared.")

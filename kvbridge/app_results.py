@@ -1,0 +1,262 @@
+"""What the GUI's scenario, results and export panels do: runs streamed request by request.
+
+Place in the flow: Run in kvbridge.app -> **run_stream** -> kvbridge.runner.run_scenario ->
+CachedEngine.infer per request -> a ResultsView (table, charts, summary) after every request.
+No Gradio here. A failing run keeps the records it already produced; a new run replaces the
+shown results only once its first record arrives.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import plotly.graph_objects as go
+
+from .app_handlers import AppState, Outcome, failure_message, store_stats
+from .errors import BadSettings, KVBridgeError
+from .charts import mode_summaries, run_figures
+from .export import export_run
+from .records import MODES, RECORD_FIELDS, RequestRecord
+from .runner import run_scenario
+from .scenarios import get_scenario, list_documents, scenario_specs
+
+log = logging.getLogger(__name__)
+
+# The table's column order: what a person reads first, then every other RequestRecord field.
+LEADING_COLUMNS = (
+    "mode", "request_index", "label", "ttft_ms", "prompt_tokens", "matched_tokens", "prefill_tokens", "tier",
+    "chunks_hit", "chunks_total", "lookup_ms", "restore_ms", "store_ms", "total_ms", "gen_tokens",
+    "engine_cached_tokens", "predicted_reuse_tokens", "restore_ok", "approx", "notes", "error", "text",
+)
+TABLE_COLUMNS = [*LEADING_COLUMNS, *(f for f in RECORD_FIELDS if f not in LEADING_COLUMNS)]
+TEXT_PREVIEW_CHARS = 80
+ProgressFn = Callable[..., Any]
+
+
+@dataclass
+class ResultsView:
+    """Everything the results area shows, rebuilt from the records after each request."""
+
+    message: str
+    ok: bool
+    table: dict[str, list]
+    summary: str
+    figures: dict[str, go.Figure]
+    has_shadow: bool
+
+
+def records_table(records: Sequence[RequestRecord], preview_text: bool = True) -> dict[str, list]:
+    """{"headers", "data"} for gr.Dataframe: one row per record, every field, floats rounded."""
+    rows = []
+    for record in records:
+        values = record.to_dict()
+        row = []
+        for column in TABLE_COLUMNS:
+            value = values[column]
+            if isinstance(value, float):
+                value = round(value, 1)
+            elif column == "text" and preview_text and len(value) > TEXT_PREVIEW_CHARS:
+                value = value[:TEXT_PREVIEW_CHARS] + "…"
+            row.append("" if value is None else value)
+        rows.append(row)
+    return {"headers": list(TABLE_COLUMNS), "data": rows}
+
+
+def summary_markdown(records: Sequence[RequestRecord]) -> str:
+    """The run in one table: mean/median TTFT per mode and the speedup against cold."""
+    summaries = mode_summaries(records)
+    if not summaries:
+        return ""
+    lines = ["| mode | requests | mean TTFT | median TTFT | speedup vs cold (mean / median) | L1 / L2 / miss |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for s in summaries:
+        speedup = "baseline" if s.mode == "cold" else (
+            "n/a (no cold run)" if s.speedup_mean is None else f"**{s.speedup_mean:.1f}×** / {s.speedup_median:.1f}×")
+        lines.append(f"| {s.mode} | {s.requests} | {s.mean_ttft_ms:.1f} ms | {s.median_ttft_ms:.1f} ms | "
+                     f"{speedup} | {s.hits_l1} / {s.hits_l2} / {s.misses} |")
+    failed = sum(bool(r.error) for r in records)
+    if failed:
+        lines.append(f"\n{failed} request(s) failed; see the error column.")
+    return "\n".join(lines)
+
+
+def results_view(state: AppState, message: str = "", ok: bool = True) -> ResultsView:
+    records = list(state.records)
+    return ResultsView(
+        message=message,
+        ok=ok,
+        table=records_table(records),
+        summary=summary_markdown(records),
+        figures=run_figures(records, store_stats(state)),
+        has_shadow=any(r.kv_mode == "shadow" for r in records),
+    )
+
+
+# -- scenario choices -------------------------------------------------------------------------
+def scenario_choices() -> list[tuple[str, str]]:
+    return [(s.title, s.key) for s in scenario_specs()]
+
+
+def scenario_description(key: str | None) -> str:
+    try:
+        scenario = get_scenario(key or "")
+    except KVBridgeError as exc:
+        return f"**{exc}**"
+    count = f" Default: {scenario.default_requests} requests per mode." if scenario.default_requests else ""
+    return scenario.description + count
+
+
+def document_choices(state: AppState) -> list[str]:
+    """Built-in documents plus the files in input/ (KVB_INPUT_DIR), by name."""
+    return list(list_documents(state.settings))
+
+
+def document_text(state: AppState, name: str | None) -> str | None:
+    """The text behind a document name; None (the scenario's built-in) when none is chosen."""
+    if not name:
+        return None
+    documents = list_documents(state.settings)
+    if name not in documents:
+        raise BadSettings(f"The document {name!r} is no longer available; files come from {state.settings.input_dir} "
+                          "(KVB_INPUT_DIR). Pick another one.")
+    return documents[name]
+
+
+# -- runs -------------------------------------------------------------------------------------
+def check_run_request(state: AppState, modes: Sequence[str], n_requests: Any) -> list[str]:
+    problems = []
+    if state.engine is None:
+        problems.append("Connect an engine first (Engine panel, Connect).")
+    unknown = [m for m in modes if m not in MODES]
+    if not modes:
+        problems.append(f"Pick at least one mode ({', '.join(MODES)}).")
+    elif unknown:
+        problems.append(f"Unknown mode(s) {', '.join(unknown)}; the modes are {', '.join(MODES)}.")
+    if n_requests not in (None, ""):
+        try:
+            if int(n_requests) < 1:
+                problems.append("Number of requests must be at least 1.")
+        except (TypeError, ValueError):
+            problems.append(f"Number of requests must be a whole number, not {n_requests!r}.")
+    return problems
+
+
+def run_meta(state: AppState, scenario: str, modes: Sequence[str], n_requests: int | None, document: str | None) -> dict:
+    """What the export says about the run: engine, scenario, store settings. Nothing secret."""
+    engine, s = state.engine, state.settings
+    meta = {"scenario": scenario, "modes": ",".join(modes), "n_requests": n_requests or "scenario default",
+            "document": document or "built-in", "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if engine is not None:
+        meta.update(engine=engine.backend.key, location=engine.backend.describe(),
+                    kv_mode=engine.backend.kv_mode, namespace=engine.namespace)
+    meta.update(chunk_size=s.chunk_size, ctx_size=s.ctx_size, n_predict=s.n_predict, threads=s.resolved_threads(),
+                l1_bytes=s.l1_bytes, l2_enabled=s.l2_enabled, l2_bytes=s.l2_bytes)
+    return meta
+
+
+def run_stream(
+    state: AppState,
+    scenario: str,
+    modes: Sequence[str],
+    n_requests: Any = None,
+    document: str | None = None,
+    progress: ProgressFn | None = None,
+) -> Iterator[ResultsView]:
+    """Run a scenario and yield the updated view after every request; errors end the run, not the page."""
+    problems = check_run_request(state, modes, n_requests)
+    if problems:
+        yield results_view(state, "\n".join(problems), ok=False)
+        return
+    if not state.engine_lock.acquire(blocking=False):
+        yield results_view(state, "A run or request is already using the engine; press Stop or wait.", ok=False)
+        return
+    n = int(n_requests) if n_requests not in (None, "") else None
+    modes = [m for m in MODES if m in modes]
+    new_records: list[RequestRecord] = []
+    try:
+        state.stop_event.clear()
+        text = document_text(state, document)
+        meta = run_meta(state, scenario, modes, n, document)
+        yield results_view(state, f"Running **{scenario}** in {', '.join(modes)}…")
+        on_progress = None if progress is None else (
+            lambda done, total, what: progress((done, total), desc=what, unit="requests"))
+        for record in run_scenario(state.engine, scenario, modes, n_requests=n, document=text,
+                                   progress=on_progress, stop_event=state.stop_event):
+            new_records.append(record)
+            if len(new_records) == 1:  # the new run replaces the old results only now
+                state.records, state.run_meta = new_records, meta
+            yield results_view(state, f"Running **{scenario}**: {len(new_records)} requests done "
+                                      f"(last: {record.mode} #{record.request_index}, TTFT {record.ttft_ms:.0f} ms).")
+        word = "Stopped" if state.stop_event.is_set() else "Finished"
+        failed = sum(bool(r.error) for r in new_records)
+        yield results_view(state, f"{word} **{scenario}**: {len(new_records)} requests"
+                                  + (f", {failed} failed (see the error column)." if failed else "."), ok=not failed)
+    except Exception as exc:  # the UI boundary: keep what was shown, say what went wrong
+        message = failure_message(f"Scenario {scenario!r}", exc)
+        if new_records:
+            message += f" The {len(new_records)} requests before the failure are kept."
+        yield results_view(state, message, ok=False)
+    finally:
+        state.engine_lock.release()
+
+
+def request_stop(state: AppState) -> Outcome:
+    state.stop_event.set()
+    return Outcome("Stopping after the current request…")
+
+
+# -- the free prompt --------------------------------------------------------------------------
+@dataclass
+class FreePromptResult:
+    message: str
+    ok: bool
+    answer: str
+    record: dict[str, list]
+
+
+def free_prompt(state: AppState, prompt: str, mode: str, n_predict: Any = None) -> FreePromptResult:
+    """Send one prompt in one mode; return the answer and its record (the run's results stay)."""
+    empty = records_table([])
+    if state.engine is None:
+        return FreePromptResult("Connect an engine first.", False, "", empty)
+    if not (prompt or "").strip():
+        return FreePromptResult("Type a prompt first.", False, "", empty)
+    if mode not in MODES:
+        return FreePromptResult(f"Pick a mode: {', '.join(MODES)}.", False, "", empty)
+    try:
+        n = int(n_predict) if n_predict not in (None, "") else None
+    except (TypeError, ValueError):
+        return FreePromptResult(f"Tokens to generate must be a whole number, not {n_predict!r}.", False, "", empty)
+    if not state.engine_lock.acquire(blocking=False):
+        return FreePromptResult("A run is using the engine; press Stop or wait.", False, "", empty)
+    try:
+        record = state.engine.infer(prompt, mode=mode, n_predict=n, scenario="free prompt", label="free prompt")
+    except Exception as exc:  # the UI boundary
+        return FreePromptResult(failure_message("The prompt", exc), False, "", empty)
+    finally:
+        state.engine_lock.release()
+    table = records_table([record], preview_text=False)
+    if record.error:
+        return FreePromptResult(f"The prompt failed: {record.error}", False, "", table)
+    summary = (f"{record.mode}: TTFT {record.ttft_ms:.1f} ms, {record.matched_tokens} of {record.prompt_tokens} "
+               f"prompt tokens reused (tier {record.tier}), {record.prefill_tokens} computed.")
+    if record.notes:
+        summary += f" Notes: {record.notes}"
+    return FreePromptResult(summary, True, record.text, table)
+
+
+# -- export -----------------------------------------------------------------------------------
+def export_results(state: AppState) -> tuple[Outcome, list[str]]:
+    """CSV, JSON and the HTML report of the shown run into KVB_OUTPUT_DIR; returns the paths too."""
+    records = list(state.records)
+    if not records:
+        return Outcome("Nothing to export yet: run a scenario first.", ok=False), []
+    try:
+        paths = export_run(records, state.settings.output_dir, figures=run_figures(records, store_stats(state)),
+                           meta=state.run_meta)
+    except Exception as exc:  # the UI boundary
+        return Outcome(failure_message("Export", exc), ok=False), []
+    listed = ", ".join(f"`{p.name}`" for p in paths.values())
+    return Outcome(f"Exported {len(records)} requests to {state.settings.output_dir}: {listed}"), [str(p) for p in paths.values()]

@@ -1,0 +1,131 @@
+"""The one Backend base class every engine adapter subclasses.
+
+Place in the flow: prompt -> **tokens (Backend.tokenize)** -> chunk hashes -> lookup -> **restore
+(Backend.restore_state)** -> **suffix prefill + generate (Backend.generate)** -> **store
+(Backend.save_state)**. What an engine can do is the class attribute `kv_mode`, checked in one place
+(kvbridge.engine.CachedEngine); nothing else branches on the engine's type or name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Iterator, Literal, Sequence
+
+from ..config import Settings
+
+KVMode = Literal["full", "shadow"]
+Message = dict  # {"role": "system"|"user"|"assistant", "content": str}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt as the engine will see it: rendered text, its token ids, and the chat messages if any."""
+
+    text: str
+    tokens: tuple[int, ...]
+    messages: tuple[Message, ...] | None = None
+    approx_tokens: bool = False       # token ids come from an approximate tokenizer
+
+
+@dataclass
+class EngineReport:
+    """What the engine itself said about one request; filled by Backend.generate while it streams."""
+
+    engine_cached_tokens: int | None = None   # the engine's own count of reused prompt tokens
+    engine_prefill_tokens: int | None = None  # tokens the engine says it evaluated
+    prompt_tokens: int | None = None          # the engine's own prompt-token count
+    completion_tokens: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SeqState:
+    """One sequence's KV as the engine serialises it (llama.cpp `llama_state_seq_get_data` bytes)."""
+
+    data: bytes | memoryview   # bytes-like; restore paths must not assume `bytes`
+    n_tokens: int
+
+
+class Backend:
+    """An engine adapter. Subclasses set `key` and `kv_mode`, and implement the methods below.
+
+    Full-KV engines (`kv_mode = "full"`) also implement save_state/restore_state/kv_fingerprint.
+    """
+
+    key: ClassVar[str] = ""
+    kv_mode: ClassVar[KVMode] = "shadow"
+    prompts_leave_machine: ClassVar[bool] = False  # True: prompts go to another party (the GUI shows a notice)
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+
+    # lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Load the model / start or reach the server. Raises EngineUnavailable with a clear message."""
+
+    def stop(self) -> None:
+        """Release everything start() took (contexts, child processes)."""
+
+    def restart(self) -> None:
+        """Drop the engine's context or process and start afresh; the store is not touched."""
+        self.stop()
+        self.start()
+
+    def describe(self) -> str:
+        """Where the engine runs, for the status line (a path or URL; never a secret)."""
+        return self.key
+
+    # prompts -------------------------------------------------------------------------------
+    def render(self, messages: Sequence[Message]) -> str:
+        """Chat messages -> the prompt text the engine evaluates (its chat template)."""
+        return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+
+    def tokenize(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    # generation ----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: Prompt,
+        *,
+        n_predict: int,
+        temperature: float,
+        use_native_cache: bool,
+        report: EngineReport,
+    ) -> Iterator[str]:
+        """Stream generated text pieces; the first yield marks TTFT.
+
+        `use_native_cache=False` must defeat the engine's own prefix cache (cold mode) and say how in
+        report.notes. Full engines evaluate only the tokens past what is already in their context.
+        """
+        raise NotImplementedError
+
+    def reset_native_cache(self) -> None:
+        """Drop the engine's own in-context prefix cache."""
+
+    # full KV access (kv_mode == "full") ----------------------------------------------------
+    def kv_fingerprint(self) -> dict[str, str]:
+        """Everything that makes this engine's KV incompatible with another's (goes into the namespace).
+
+        Shadow engines keep no KV; their namespace only has to separate one model/endpoint's index from another's.
+        """
+        return {"engine": self.key, "where": self.describe()}
+
+    def model_file(self) -> Path | None:
+        """The local model file whose sha256 goes into the namespace (None when the engine has none here)."""
+        return None
+
+    def save_state(self) -> SeqState:
+        """The current sequence's KV (prompt and generated tokens) as engine bytes."""
+        raise NotImplementedError
+
+    def restore_state(self, state: SeqState, tokens: Sequence[int]) -> None:
+        """Load `state` (covering exactly `tokens`) so the next generate() evaluates only the rest."""
+        raise NotImplementedError
+
+    def context_tokens(self) -> list[int]:
+        """Token ids whose KV the engine's context holds now (full engines)."""
+        raise NotImplementedError

@@ -1,0 +1,396 @@
+"""LlamaServerBackend: llama.cpp's own HTTP server, with full KV through its slot files.
+
+Place in the flow: prompt -> tokens (`POST /tokenize`) -> chunk hashes -> lookup -> **restore: write
+a slot file, `POST /slots/0?action=restore`** -> suffix prefill + generate (`POST /completion`,
+streaming, prompt sent as token ids) -> **store: `action=save`, read the slot file** -> chunks.
+
+Slot files carry the same sequence-state bytes as llama-cpp-python's in-process API (see
+kvbridge.backends.slot_file), so with the same model, cache types and V layout both engines share
+one namespace and one set of stored chunks. The server runs with one slot (`-np 1`), `--cache-ram 0`
+(its own RAM prompt cache would blur what our store saves) and a private `--slot-save-path`.
+
+Attached to a server whose slot directory is not on this machine (KVB_LLAMA_SERVER_URL without
+KVB_LLAMA_SERVER_SLOT_DIR), the KV bytes cannot be read: save_state() then keeps the slot file on
+the server under a content name and returns a reference (`SeqState.data` starts with SLOT_REF_MAGIC,
+`self.kv_by_reference` is True); restore_state() restores that file by name.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import uuid
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import requests
+
+from ..config import Settings
+from ..errors import BadSettings, EngineUnavailable, KVBridgeError
+from .base import Backend, EngineReport, Message, Prompt, SeqState
+from .llama_server_process import (
+    BUILD_SCRIPT, ServerProcess, built_binary, free_port, pinned_llama_cpp_version, port_is_free)
+from .llamacpp import check_model_file, ggml_type_id, model_path_for
+from .registry import EngineSpec, register_engine
+from .slot_file import SlotFileError, build_slot_file, parse_slot_file, write_atomically
+
+SLOT_ID = 0
+SLOT_REF_MAGIC = b"KVBSLOTREF1\0"   # SeqState.data of a by-name slot file on a remote server
+HTTP_TIMEOUT_S = 30.0               # one request; generation streams, so this bounds the gap between events
+
+
+class RestoreFailed(RuntimeError):
+    """llama-server refused a slot file or restored a different number of tokens; the engine recomputes."""
+
+
+class LlamaServerBackend(Backend):
+    key = "llama-server"
+    kv_mode = "full"
+
+    def __init__(self, settings: Settings):
+        super().__init__(settings)
+        self.server: ServerProcess | None = None
+        self.base_url = ""
+        self.slot_dir: Path | None = None    # where slot files can be read and written from here
+        self.model_path: Path | None = None
+        self.binary: Path | None = None
+        self.n_ctx = settings.ctx_size
+        self.build_info = ""
+        self.last_save_ms: float | None = None      # llama-server's own timings of the last slot action
+        self.last_restore_ms: float | None = None
+        self._http = requests.Session()
+        self._context: list[int] = []
+        self._formatter = None
+        self._chat_template = ""
+        self._bos_text = ""
+        self._eos_text = ""
+        self._lock = threading.Lock()
+
+    @property
+    def kv_by_reference(self) -> bool:
+        """True when KV stays on the (remote) server and SeqState holds a slot-file name."""
+        return bool(self.base_url) and self.slot_dir is None
+
+    # lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        with self._lock:
+            if self.base_url:
+                return
+            if self.settings.llama_server_url:
+                self._attach(self.settings.llama_server_url.rstrip("/"))
+            else:
+                self._start_own()
+            self._read_props()
+            self._context = []
+
+    def _start_own(self) -> None:
+        binary = self._resolve_binary()
+        model = model_path_for(self.settings)
+        check_model_file(model)
+        ggml_type_id(self.settings.cache_type_k, "KVB_CACHE_TYPE_K")
+        ggml_type_id(self.settings.cache_type_v, "KVB_CACHE_TYPE_V")
+        chosen_port = self.settings.llama_server_port
+        if chosen_port and not port_is_free(chosen_port):
+            raise EngineUnavailable(
+                f"Port {chosen_port} on 127.0.0.1 is already in use (KVB_LLAMA_SERVER_PORT); "
+                f"choose another port or 0 for any free one.")
+        threads = str(self.settings.resolved_threads())
+        args = [
+            "--model", str(model), "--ctx-size", str(self.settings.ctx_size),
+            "--threads", threads, "--threads-batch", threads,
+            "--parallel", "1", "--cache-ram", "0",
+            "--flash-attn", "on" if self.settings.flash_attn else "off",
+            "--cache-type-k", self.settings.cache_type_k.lower(),
+            "--cache-type-v", self.settings.cache_type_v.lower(),
+            # the in-process engine's batch sizes, so both evaluate prompts the same way
+            "--batch-size", "512", "--ubatch-size", "512",
+            "--no-webui", "--no-warmup",
+        ]
+        server = ServerProcess(binary, args, "127.0.0.1", chosen_port or free_port())
+        server.start()
+        server.wait_healthy(self.settings.llama_start_timeout)
+        self.server, self.binary, self.model_path = server, binary, model
+        self.base_url, self.slot_dir = server.url, server.slot_dir
+
+    def _resolve_binary(self) -> Path:
+        if self.settings.llama_server_bin:
+            binary = Path(self.settings.llama_server_bin).expanduser()
+            where = f"KVB_LLAMA_SERVER_BIN={self.settings.llama_server_bin}"
+        else:
+            binary = built_binary(pinned_llama_cpp_version())
+            where = "the default build location; KVB_LLAMA_SERVER_BIN can point at another binary"
+        if not binary.is_file():
+            raise EngineUnavailable(f"llama-server binary {binary} does not exist ({where}). "
+                                    f"Build it with ./{BUILD_SCRIPT} (about 5 minutes on 2 cores).")
+        if not binary.stat().st_mode & 0o111:
+            raise EngineUnavailable(f"llama-server binary {binary} is not executable ({where}).")
+        return binary
+
+    def _attach(self, url: str) -> None:
+        try:
+            ok = self._http.get(f"{url}/health", timeout=5).status_code == 200
+        except requests.RequestException as exc:
+            raise EngineUnavailable(f"No llama-server answers at {url} (KVB_LLAMA_SERVER_URL): {exc}") from exc
+        if not ok:
+            raise EngineUnavailable(f"llama-server at {url} (KVB_LLAMA_SERVER_URL) is not healthy (still loading?).")
+        slot_dir = getattr(self.settings, "llama_server_slot_dir", "")
+        if slot_dir and not Path(slot_dir).expanduser().is_dir():
+            raise EngineUnavailable(f"KVB_LLAMA_SERVER_SLOT_DIR={slot_dir} is not a directory on this machine.")
+        self.base_url = url
+        self.slot_dir = Path(slot_dir).expanduser() if slot_dir else None
+
+    def _read_props(self) -> None:
+        props = self._get_json("/props")
+        self.n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx") or self.settings.ctx_size)
+        self.build_info = str(props.get("build_info", ""))
+        if self.model_path is None and props.get("model_path"):
+            self.model_path = Path(props["model_path"])  # attached: the server's own path, maybe not local
+        if int(props.get("total_slots", 1)) < 1:
+            raise EngineUnavailable(f"llama-server at {self.base_url} has no slots.")
+        self._chat_template = props.get("chat_template") or ""
+        self._bos_text = props.get("bos_token") or ""
+        self._eos_text = props.get("eos_token") or ""
+
+    def stop(self) -> None:
+        with self._lock:
+            if self.server is not None:
+                self.server.stop()
+                self.server = None
+            self.base_url = ""
+            self.slot_dir = None
+            self._context = []
+
+    def describe(self) -> str:
+        if not self.base_url:
+            return "llama-server (not started)"
+        model = self.model_path.name if self.model_path else "?"
+        if self.server is not None:
+            return f"llama-server {self.base_url} (own process {self.server.pid}, {model}, slot files in {self.slot_dir})"
+        if self.slot_dir is not None:
+            return f"llama-server {self.base_url} (attached, {model}, slot files in {self.slot_dir})"
+        return (f"llama-server {self.base_url} (attached, {model}; its slot directory is not on this machine: "
+                f"whole-slot save/restore by file name, set KVB_LLAMA_SERVER_SLOT_DIR for chunked KV)")
+
+    # HTTP helpers --------------------------------------------------------------------------
+    def _url(self, path: str) -> str:
+        if not self.base_url:
+            raise EngineUnavailable("llama-server is not started; connect the engine first.")
+        return self.base_url + path
+
+    def _post_json(self, path: str, body: dict) -> dict:
+        return self._request("POST", path, body)
+
+    def _get_json(self, path: str) -> dict:
+        return self._request("GET", path, None)
+
+    def _request(self, method: str, path: str, body: dict | None) -> dict:
+        """One JSON request. Every call made through here is idempotent (tokenize, props, slot
+        save/restore/erase under a given file name), so a connection the server dropped is retried once."""
+        url = self._url(path)
+        for attempt in (1, 2):
+            try:
+                resp = self._http.request(method, url, json=body, timeout=HTTP_TIMEOUT_S)
+                break
+            except requests.ConnectionError as exc:
+                if attempt == 2:
+                    raise EngineUnavailable(f"llama-server at {self.base_url} did not answer {path}: {exc}") from exc
+            except requests.RequestException as exc:
+                raise EngineUnavailable(f"llama-server at {self.base_url} did not answer {path}: {exc}") from exc
+        if resp.status_code != 200:
+            raise LlamaServerError(path, resp)
+        return resp.json()
+
+    # prompts -------------------------------------------------------------------------------
+    def render(self, messages: Sequence[Message]) -> str:
+        """The GGUF's chat template, rendered exactly as the in-process engine renders it."""
+        if not self._chat_template:
+            return super().render(messages)
+        if self._formatter is None:
+            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+            self._formatter = Jinja2ChatFormatter(
+                template=self._chat_template, eos_token=self._eos_text, bos_token=self._bos_text)
+        return self._formatter(messages=list(messages)).prompt
+
+    def tokenize(self, text: str) -> list[int]:
+        # add_special/parse_special mirror Llama.tokenize(add_bos=True, special=True) in-process:
+        # identical ids are what lets both engines share a namespace.
+        body = {"content": text, "add_special": True, "parse_special": True}
+        return [int(t) for t in self._post_json("/tokenize", body)["tokens"]]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self._post_json("/detokenize", {"tokens": [int(t) for t in tokens]})["content"]
+
+    # generation ----------------------------------------------------------------------------
+    def generate(self, prompt: Prompt, *, n_predict: int, temperature: float, use_native_cache: bool,
+                 report: EngineReport) -> Iterator[str]:
+        tokens = [int(t) for t in prompt.tokens]
+        if len(tokens) + n_predict > self.n_ctx:
+            raise BadSettings(f"The prompt ({len(tokens)} tokens) plus {n_predict} new tokens does not fit "
+                              f"the context of {self.n_ctx} tokens (KVB_CTX_SIZE).")
+        body = {
+            "prompt": tokens, "n_predict": n_predict, "stream": True, "return_tokens": True,
+            "cache_prompt": use_native_cache, "id_slot": SLOT_ID,
+            "temperature": temperature, "repeat_penalty": 1.0, "min_p": 0.0,
+            # the in-process engine's sampling: greedy (top-k 1) at temperature 0
+            "top_k": 40 if temperature > 0 else 1, "top_p": 0.95 if temperature > 0 else 1.0,
+        }
+        if not use_native_cache:
+            report.notes.append("cold: cache_prompt=false, llama-server recomputes the whole prompt")
+        generated: list[int] = []
+        try:
+            # Connection: close -- llama-server may drop a connection after a stream ends; a pooled
+            # one would then fail the next request with "Remote end closed connection".
+            resp = self._http.post(self._url("/completion"), json=body, stream=True, timeout=HTTP_TIMEOUT_S,
+                                   headers={"Connection": "close"})
+        except requests.RequestException as exc:
+            raise EngineUnavailable(f"llama-server at {self.base_url} did not answer /completion: {exc}") from exc
+        with resp:
+            if resp.status_code != 200:
+                raise LlamaServerError("/completion", resp)
+            for event in _sse_events(resp):
+                generated.extend(int(t) for t in event.get("tokens") or ())
+                if event.get("content"):
+                    yield event["content"]
+                if event.get("stop"):
+                    _fill_report(report, event, len(tokens))
+        # the slot keeps the prompt and every generated token it evaluated (all but the last)
+        self._context = tokens + generated[:-1]
+
+    def reset_native_cache(self) -> None:
+        self._post_json(f"/slots/{SLOT_ID}?action=erase", {})
+        self._context = []
+
+    # full KV access ------------------------------------------------------------------------
+    def kv_fingerprint(self) -> dict[str, str]:
+        """The in-process engine's keys, so equal configurations give one namespace.
+
+        `llama_cpp_python` is the llama-cpp-python version whose vendored llama.cpp built the binary
+        (only known for scripts/build_llama_server.sh's build); any other binary or an attached
+        server is keyed by its build_info instead and so never shares chunks with the in-process
+        engine. `v_trans` follows KVB_FLASH_ATTN (flash attention off -> V transposed); an attached
+        server started with other flags gets its restores refused by llama.cpp and counted.
+        """
+        version = pinned_llama_cpp_version()
+        own_build = self.server is not None and self.binary == built_binary(version)
+        return {
+            "engine_family": "llama.cpp",
+            "llama_cpp_python": version if own_build else f"llama-server {self.build_info or 'unknown build'}",
+            "cache_type_k": self.settings.cache_type_k.lower(),
+            "cache_type_v": self.settings.cache_type_v.lower(),
+            "v_trans": "0" if self.settings.flash_attn else "1",
+        }
+
+    def model_file(self) -> Path | None:
+        """The GGUF the server runs, when it is a file on this machine (its sha256 keys the namespace)."""
+        return self.model_path if self.model_path is not None and self.model_path.is_file() else None
+
+    def context_tokens(self) -> list[int]:
+        return list(self._context)
+
+    def save_state(self) -> SeqState:
+        if self.kv_by_reference:
+            return self._save_by_reference()
+        name = f"kvb-save-{uuid.uuid4().hex}.bin"
+        path = self.slot_dir / name
+        try:
+            result = self._post_json(f"/slots/{SLOT_ID}?action=save", {"filename": name})
+            self.last_save_ms = _timing(result, "save_ms")
+            slot = parse_slot_file(path.read_bytes(), seq_id=SLOT_ID)
+        except (OSError, SlotFileError) as exc:
+            raise RuntimeError(f"could not read llama-server's slot file {path}: {exc}") from exc
+        finally:
+            path.unlink(missing_ok=True)
+        self._context = slot.tokens[: slot.n_cells]
+        return SeqState(data=slot.state, n_tokens=slot.n_cells)
+
+    def _save_by_reference(self) -> SeqState:
+        digest = hashlib.blake2b(json.dumps(self._context).encode(), digest_size=16).hexdigest()
+        name = f"kvb-slot-{digest}.bin"
+        result = self._post_json(f"/slots/{SLOT_ID}?action=save", {"filename": name})
+        self.last_save_ms = _timing(result, "save_ms")
+        return SeqState(data=SLOT_REF_MAGIC + name.encode(), n_tokens=len(self._context))
+
+    def restore_state(self, state: SeqState, tokens: Sequence[int]) -> None:
+        tokens = [int(t) for t in tokens]
+        data = bytes(state.data[: len(SLOT_REF_MAGIC)])
+        if data == SLOT_REF_MAGIC:
+            name = bytes(state.data[len(SLOT_REF_MAGIC):]).decode()
+            self._restore_file(name, expected=state.n_tokens)
+            self._context = tokens[: state.n_tokens]
+            return
+        if self.slot_dir is None:
+            raise RestoreFailed("this llama-server's slot directory is not on this machine (KVB_LLAMA_SERVER_SLOT_DIR)")
+        name = f"kvb-restore-{uuid.uuid4().hex}.bin"
+        path = self.slot_dir / name
+        try:
+            write_atomically(path, build_slot_file(state.data, tokens))
+            self._restore_file(name, expected=len(tokens))
+        except SlotFileError as exc:
+            raise RestoreFailed(f"cannot build a slot file: {exc}") from exc
+        finally:
+            path.unlink(missing_ok=True)
+        self._context = tokens
+
+    def _restore_file(self, name: str, expected: int) -> None:
+        try:
+            result = self._post_json(f"/slots/{SLOT_ID}?action=restore", {"filename": name})
+        except LlamaServerError as exc:
+            self._context = []
+            raise RestoreFailed(str(exc)) from exc
+        self.last_restore_ms = _timing(result, "restore_ms")
+        if int(result.get("n_restored", -1)) != expected:
+            self.reset_native_cache()
+            raise RestoreFailed(f"llama-server restored {result.get('n_restored')} tokens, expected {expected}")
+
+
+class LlamaServerError(KVBridgeError):
+    """llama-server answered with an error status; the message carries its own error text."""
+
+    def __init__(self, path: str, resp: requests.Response):
+        try:
+            detail = resp.json().get("error", {}).get("message") or resp.text
+        except ValueError:
+            detail = resp.text
+        super().__init__(f"llama-server {path} failed ({resp.status_code}): {str(detail)[:300]}")
+
+
+def _sse_events(resp: requests.Response) -> Iterator[dict]:
+    """The JSON objects of a llama-server event stream (`data: {...}`; `error: {...}` raises)."""
+    for raw in resp.iter_lines():
+        if not raw:
+            continue
+        line = raw.decode("utf-8", errors="replace")
+        field, _, payload = line.partition(":")
+        payload = payload.strip()
+        if field == "data" and payload and payload != "[DONE]":
+            yield json.loads(payload)
+        elif field == "error":
+            raise EngineUnavailable(f"llama-server /completion failed: {payload[:300]}")
+
+
+def _fill_report(report: EngineReport, final: dict, n_prompt: int) -> None:
+    timings = final.get("timings") or {}
+    if "cache_n" in timings:
+        report.engine_cached_tokens = int(timings["cache_n"])
+    if "prompt_n" in timings:
+        report.engine_prefill_tokens = int(timings["prompt_n"])
+    report.prompt_tokens = n_prompt
+    if "predicted_n" in timings:
+        report.completion_tokens = int(timings["predicted_n"])
+
+
+def _timing(result: dict, key: str) -> float | None:
+    value = (result.get("timings") or {}).get(key)
+    return float(value) if value is not None else None
+
+
+register_engine(EngineSpec(
+    key="llama-server",
+    label="llama-server (full KV, slot files)",
+    cls=LlamaServerBackend,
+    blurb="llama.cpp's HTTP server: KV leaves and returns through slot files, shared with the in-process engine.",
+    aliases=("llamaserver", "server"),
+    fields=("llama_server_bin", "llama_server_url", "llama_server_port", "model_path", "ctx_size", "threads",
+            "flash_attn", "cache_type_k", "cache_type_v", "llama_start_timeout", "chunk_size"),
+))

@@ -1,0 +1,167 @@
+"""Starting and stopping a private llama-server child process, with no orphans left behind.
+
+Place in the flow: LlamaServerBackend.start() -> **ServerProcess.start()** -> wait for /health;
+LlamaServerBackend.stop() / interpreter exit -> **ServerProcess.stop()**.
+
+The child runs in its own process group (Ctrl-C in a terminal reaches KVBridge, which then stops it
+in order) and is stopped by stop(), by an atexit hook, and — when started from the main thread — by
+the kernel if KVBridge dies (PR_SET_PDEATHSIG). PDEATHSIG fires when the *thread* that forked exits,
+so it is not used from worker threads (the GUI starts engines on short-lived threads).
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+from ..config import PROJECT_ROOT
+from ..errors import EngineUnavailable
+
+BUILD_SCRIPT = "scripts/build_llama_server.sh"
+_PR_SET_PDEATHSIG = 1
+
+
+def built_binary(version: str) -> Path:
+    """Where scripts/build_llama_server.sh puts llama-server for a llama-cpp-python version."""
+    return PROJECT_ROOT / ".llama-server" / version / "bin" / "llama-server"
+
+
+def pinned_llama_cpp_version() -> str:
+    """The llama-cpp-python version pinned in requirements.txt (the build script reads the same line)."""
+    req = PROJECT_ROOT / "requirements.txt"
+    match = re.search(r"^llama-cpp-python==(\S+)", req.read_text(), re.M) if req.is_file() else None
+    return match.group(1) if match else ""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+class ServerProcess:
+    """One llama-server child with a private directory for its slot files and log."""
+
+    def __init__(self, binary: Path, args: list[str], host: str, port: int):
+        self.binary = binary
+        self.args = args
+        self.host = host
+        self.port = port
+        self.work_dir = Path(tempfile.mkdtemp(prefix="kvb-llama-server-"))
+        self.slot_dir = self.work_dir / "slots"
+        self.slot_dir.mkdir()
+        self.log_path = self.work_dir / "llama-server.log"
+        self.proc: subprocess.Popen | None = None
+        self._atexit = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> None:
+        cmd = [str(self.binary), *self.args, "--host", self.host, "--port", str(self.port),
+               "--slot-save-path", str(self.slot_dir)]
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        with open(self.log_path, "wb") as log:
+            try:
+                self.proc = subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True, preexec_fn=_die_with_parent if in_main_thread else None)
+            except OSError as exc:
+                self.cleanup()
+                raise EngineUnavailable(
+                    f"Cannot run llama-server {self.binary} (KVB_LLAMA_SERVER_BIN): {exc.strerror}. "
+                    f"Build it with {BUILD_SCRIPT} or point KVB_LLAMA_SERVER_BIN at a working binary.") from exc
+        self._atexit = self.stop
+        atexit.register(self._atexit)
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Poll GET /health until 200; on exit or timeout stop the child and raise with its log tail."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc is None or self.proc.poll() is not None:
+                code = self.proc.returncode if self.proc is not None else None
+                raise self._failure(f"llama-server exited with code {code} while starting")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise self._failure(f"llama-server did not become healthy within {timeout_s:g} s "
+                                    f"(KVB_LLAMA_START_TIMEOUT)")
+            time.sleep(0.2)
+
+    def _failure(self, what: str) -> EngineUnavailable:
+        tail = self.log_tail()
+        self.stop()
+        hint = ""
+        if "bind" in tail.lower() or "address already in use" in tail.lower():
+            hint = f" Port {self.port} is in use; choose another with KVB_LLAMA_SERVER_PORT (0 = any free port)."
+        return EngineUnavailable(f"{what}.{hint}\nLast lines of its log:\n{tail}")
+
+    def log_tail(self, n_lines: int = 15) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n_lines:]) or "(empty log)"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the child's process group, wait, SIGKILL if needed; remove the private directory."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=grace_s)
+        elif proc is not None:
+            proc.wait()  # reap
+        if self._atexit is not None:
+            atexit.unregister(self._atexit)
+            self._atexit = None
+        self.cleanup()
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # the child leads its own group (start_new_session)
+    except ProcessLookupError:
+        pass  # already gone

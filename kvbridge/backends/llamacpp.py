@@ -1,0 +1,255 @@
+"""LlamaCppBackend: llama.cpp in-process through llama-cpp-python, with full KV access.
+
+KV leaves and re-enters through the sequence-level state API (`llama_state_seq_get_data` /
+`llama_state_seq_set_data` on sequence 0): about 45x faster than `Llama.save_state()`, which copies
+the whole context and its logits. After a restore, llama-cpp-python's own token bookkeeping
+(`input_ids`, `n_tokens`) is set to the restored tokens, so its prefix matching evaluates only the
+suffix.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from ..config import EMBEDDED_MODEL_PATH, Settings
+from ..errors import BadSettings, EngineUnavailable
+from .base import Backend, EngineReport, Message, Prompt, SeqState
+from .registry import EngineSpec, register_engine
+
+# ggml type ids -> names (the ones llama.cpp accepts for the KV cache)
+_GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+
+
+def ggml_type_id(name: str, variable: str) -> int:
+    try:
+        return _GGML_TYPES[name.lower()]
+    except KeyError:
+        raise BadSettings(f"{variable}={name!r} is not a KV cache type; use one of {', '.join(_GGML_TYPES)}") from None
+
+
+def model_path_for(settings: Settings) -> Path:
+    """KVB_MODEL_PATH, else an Ollama model's GGUF (KVB_OLLAMA_MODEL), else the embedded SmolLM2."""
+    if settings.model_path:
+        return Path(settings.model_path).expanduser()
+    if settings.ollama_model:
+        try:
+            from .ollama_store import find_ollama_gguf
+        except ImportError:  # the Ollama adapter is optional
+            find_ollama_gguf = None
+        if find_ollama_gguf is not None:
+            found = find_ollama_gguf(settings.ollama_models, settings.ollama_model)
+            if found is None:
+                raise EngineUnavailable(
+                    f"KVB_OLLAMA_MODEL={settings.ollama_model!r} was not found in Ollama's model store "
+                    f"{settings.ollama_models} (KVB_OLLAMA_MODELS); pull it with `ollama pull` or set KVB_MODEL_PATH")
+            return found
+    return EMBEDDED_MODEL_PATH
+
+
+def check_model_file(path: Path) -> None:
+    """A clear error for a missing or unreadable GGUF, naming the file and the setting."""
+    if not path.is_file():
+        hint = " Run ./scripts/setup.sh to fetch the embedded model." if path == EMBEDDED_MODEL_PATH else ""
+        raise EngineUnavailable(f"Model file {path} does not exist (KVB_MODEL_PATH).{hint}")
+    if not os.access(path, os.R_OK):
+        raise EngineUnavailable(f"Model file {path} is not readable (KVB_MODEL_PATH).")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise EngineUnavailable(f"Model file {path} is not a GGUF file (KVB_MODEL_PATH).")
+
+
+class LlamaCppBackend(Backend):
+    key = "llamacpp"
+    kv_mode = "full"
+
+    def __init__(self, settings: Settings):
+        super().__init__(settings)
+        self.llm = None
+        self.model_path: Path | None = None
+        self._formatter = None
+
+    # lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.llm is not None:
+            return
+        import llama_cpp  # heavy import: only when an engine really starts
+
+        path = model_path_for(self.settings)
+        check_model_file(path)
+        type_k = ggml_type_id(self.settings.cache_type_k, "KVB_CACHE_TYPE_K")
+        type_v = ggml_type_id(self.settings.cache_type_v, "KVB_CACHE_TYPE_V")
+        try:
+            self.llm = llama_cpp.Llama(
+                model_path=str(path), n_ctx=self.settings.ctx_size, n_threads=self.settings.resolved_threads(),
+                n_batch=512, flash_attn=self.settings.flash_attn, type_k=type_k, type_v=type_v, verbose=False)
+        except (ValueError, RuntimeError) as exc:
+            raise EngineUnavailable(f"llama.cpp could not load {path} (KVB_MODEL_PATH): {exc}") from exc
+        self.model_path = path
+        self._formatter = None
+
+    def stop(self) -> None:
+        if self.llm is not None:
+            self.llm.close()
+            self.llm = None
+
+    def describe(self) -> str:
+        path = self.model_path or model_path_for(self.settings)
+        return f"in-process llama.cpp, {path.name}"
+
+    @property
+    def _llm(self):
+        if self.llm is None:
+            raise EngineUnavailable("The llama.cpp engine is not started; connect it first.")
+        return self.llm
+
+    # prompts -------------------------------------------------------------------------------
+    def render(self, messages: Sequence[Message]) -> str:
+        if self._formatter is None:
+            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+            llm = self._llm
+            template = llm.metadata.get("tokenizer.chat_template")
+            if not template:
+                return super().render(messages)
+            eos = llm._model.token_get_text(llm.token_eos()) if llm.token_eos() >= 0 else ""
+            bos = llm._model.token_get_text(llm.token_bos()) if llm.token_bos() >= 0 else ""
+            self._formatter = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
+        return self._formatter(messages=list(messages)).prompt
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self._llm.detokenize(list(tokens)).decode("utf-8", errors="replace")
+
+    # generation ----------------------------------------------------------------------------
+    def generate(self, prompt: Prompt, *, n_predict: int, temperature: float, use_native_cache: bool,
+                 report: EngineReport) -> Iterator[str]:
+        import llama_cpp
+
+        llm = self._llm
+        tokens = list(prompt.tokens)
+        if len(tokens) + n_predict > llm.n_ctx():
+            raise BadSettings(f"The prompt ({len(tokens)} tokens) plus {n_predict} new tokens does not fit "
+                              f"the context of {llm.n_ctx()} tokens (KVB_CTX_SIZE).")
+        if not use_native_cache:
+            self.reset_native_cache()
+        cached = self._reusable_prefix(tokens)
+        report.engine_cached_tokens = cached
+        report.engine_prefill_tokens = len(tokens) - cached
+        report.prompt_tokens = len(tokens)
+        vocab = llm._model.vocab
+        decoder = _Utf8Decoder()
+        produced = 0
+        for token in llm.generate(tokens, temp=temperature, top_k=40 if temperature > 0 else 1,
+                                  top_p=0.95 if temperature > 0 else 1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+            if llama_cpp.llama_vocab_is_eog(vocab, token):
+                break
+            produced += 1
+            yield decoder.feed(llm.detokenize([token], special=False))
+            if produced >= n_predict:
+                break
+        tail = decoder.flush()
+        if tail:
+            yield tail
+        report.completion_tokens = produced
+
+    def _reusable_prefix(self, tokens: list[int]) -> int:
+        """How many prompt tokens llama-cpp-python's prefix matching will keep (mirrors Llama.generate)."""
+        llm = self._llm
+        n = 0
+        for a, b in zip(llm._input_ids, tokens):
+            if a != b:
+                break
+            n += 1
+        return min(n, len(tokens) - 1)
+
+    def reset_native_cache(self) -> None:
+        import llama_cpp
+
+        llm = self._llm
+        llm.reset()
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm._ctx.ctx), True)
+
+    # full KV access ------------------------------------------------------------------------
+    def kv_fingerprint(self) -> dict[str, str]:
+        import llama_cpp
+
+        return {
+            "engine_family": "llama.cpp",
+            "llama_cpp_python": llama_cpp.__version__,
+            "cache_type_k": self.settings.cache_type_k.lower(),
+            "cache_type_v": self.settings.cache_type_v.lower(),
+            "v_trans": "0" if self.settings.flash_attn else "1",
+        }
+
+    def model_file(self) -> Path | None:
+        return self.model_path
+
+    def context_tokens(self) -> list[int]:
+        llm = self._llm
+        return [int(t) for t in llm.input_ids[: llm.n_tokens]]
+
+    def save_state(self) -> SeqState:
+        import llama_cpp
+
+        ctx = self._llm._ctx.ctx
+        size = llama_cpp.llama_state_seq_get_size(ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(ctx, buf, size, 0)
+        if written != size:
+            raise RuntimeError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
+        return SeqState(data=memoryview(buf).cast("B"), n_tokens=self._llm.n_tokens)
+
+    def restore_state(self, state: SeqState, tokens: Sequence[int]) -> None:
+        import llama_cpp
+
+        llm = self._llm
+        self.reset_native_cache()
+        view = memoryview(state.data).cast("B")
+        if view.readonly:
+            view = memoryview(bytearray(view))
+        buf = (ctypes.c_uint8 * len(view)).from_buffer(view)
+        read = llama_cpp.llama_state_seq_set_data(llm._ctx.ctx, buf, len(view), 0)
+        if read == 0:
+            self.reset_native_cache()
+            raise RuntimeError("llama_state_seq_set_data refused the state")
+        n = len(tokens)
+        llm.input_ids[:n] = list(tokens)
+        llm.n_tokens = n
+        llm._requires_eval = True  # logits are stale: Llama.generate must decode at least one token
+
+
+class _Utf8Decoder:
+    """Joins token bytes so multi-byte characters split across tokens come out whole."""
+
+    def __init__(self):
+        self.pending = b""
+
+    def feed(self, piece: bytes) -> str:
+        data = self.pending + piece
+        for cut in range(len(data), max(len(data) - 4, -1), -1):
+            try:
+                text = data[:cut].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            self.pending = data[cut:]
+            return text
+        self.pending = data
+        return ""
+
+    def flush(self) -> str:
+        text, self.pending = self.pending.decode("utf-8", errors="replace"), b""
+        return text
+
+
+register_engine(EngineSpec(
+    key="llamacpp",
+    label="llama.cpp in-process (full KV)",
+    cls=LlamaCppBackend,
+    blurb="llama-cpp-python in this process: real KV leaves the engine and is restored from L1/L2.",
+    aliases=("llama", "llama.cpp"),
+    fields=("model_path", "ctx_size", "threads", "chunk_size", "flash_attn"),
+))

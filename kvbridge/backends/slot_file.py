@@ -1,0 +1,141 @@
+"""llama-server slot files <-> the in-process sequence-state bytes KVBridge stores.
+
+Place in the flow: llama-server `POST /slots/0?action=save` -> **read the slot file, convert** ->
+kvbridge.kvlayout splits it into chunk objects; and back: kvlayout assembles a state -> **write a
+slot file** -> `action=restore`.
+
+Both formats carry the same `llama_memory::state_write(seq_id)` bytes; only the wrapping differs
+(llama.cpp as vendored in llama-cpp-python 0.3.36, src/llama-context.cpp):
+
+    in-process (llama_state_seq_get_data): u32 io_magic 0xaf143cd8, i32 seq_id, <memory state>
+    slot file  (llama_state_seq_save_file): u32 'ggsq' 0x67677371, u32 version 3, u32 n_words,
+                                            i32 words[n_words], <memory state>
+
+The words are llama-server's `server_tokens::serialize()` (tools/server/server-common.cpp): either a
+plain token list (older servers) or `-1, u32 version 1, u32 n, tokens[n], u32 n_media, ...`. Media
+chunks (multimodal prompts) are deliberately not supported: such a file raises SlotFileError.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+STATE_SEQ_MAGIC = 0x67677371       # LLAMA_STATE_SEQ_MAGIC ('ggsq')
+STATE_SEQ_VERSION = 3              # LLAMA_STATE_SEQ_VERSION in llama.cpp of llama-cpp-python 0.3.36
+STATE_IO_MAGIC = 0xAF143CD8        # llama_context's io_magic, first word of llama_state_seq_get_data
+TOKENS_STATE_MARKER = -1           # LLAMA_TOKEN_NULL: the words are a server_tokens state, not a list
+TOKENS_STATE_VERSION = 1           # SERVER_TOKENS_STATE_VERSION
+_FILE_HEADER = struct.Struct("<III")
+_IO_HEADER = struct.Struct("<Ii")
+
+
+class SlotFileError(ValueError):
+    """The bytes are not a slot file (or sequence state) this module understands."""
+
+
+@dataclass(frozen=True)
+class SlotFile:
+    """A parsed slot file: the token ids it names and its sequence state in the in-process format."""
+
+    tokens: list[int]
+    state: bytes          # llama_state_seq_get_data layout (io magic, seq_id, memory state)
+    n_cells: int          # KV cells in the state (may be fewer than len(tokens), see parse_slot_file)
+    version: int
+
+
+def memory_cell_count(memory_state: bytes | memoryview) -> int:
+    """Cells in a one-stream memory state (`u32 n_stream, u32 cell_count, ...`)."""
+    if len(memory_state) < 8:
+        raise SlotFileError("sequence state ends early")
+    n_stream, n_cells = struct.unpack_from("<II", memory_state, 0)
+    if n_stream != 1:
+        raise SlotFileError(f"{n_stream} KV streams in the slot file; only one is supported")
+    return n_cells
+
+
+def parse_token_words(words: np.ndarray) -> list[int]:
+    """llama-server's serialized slot tokens -> token ids."""
+    if len(words) == 0 or int(words[0]) != TOKENS_STATE_MARKER:
+        return [int(t) for t in words]  # plain token list
+    if len(words) < 3 or int(words[1]) != TOKENS_STATE_VERSION:
+        raise SlotFileError(f"unknown llama-server token-state version {int(words[1]) if len(words) > 1 else '?'}")
+    n = int(np.uint32(words[2]))
+    if 3 + n + 1 > len(words):
+        raise SlotFileError("llama-server token state ends early")
+    n_media = int(np.uint32(words[3 + n]))
+    if n_media:
+        raise SlotFileError("slot holds media (image/audio) chunks; KVBridge handles text prompts only")
+    return [int(t) for t in words[3:3 + n]]
+
+
+def token_words(tokens: Sequence[int]) -> np.ndarray:
+    """Token ids -> llama-server's serialized form (version 1, no media), as this server writes it."""
+    n = len(tokens)
+    words = np.empty(n + 4, dtype="<i4")
+    words[0] = TOKENS_STATE_MARKER
+    words[1] = TOKENS_STATE_VERSION
+    words[2] = n
+    words[3:3 + n] = np.asarray(tokens, dtype="<i4")
+    words[3 + n] = 0  # no media chunks
+    return words
+
+
+def parse_slot_file(data: bytes, seq_id: int = 0) -> SlotFile:
+    """Slot-file bytes -> tokens and the in-process state for `seq_id`.
+
+    llama-server lists the tokens of its slot, which can include the last generated token whose KV
+    was never computed; callers use `n_cells` (what the state really holds) and tokens[:n_cells].
+    """
+    if len(data) < _FILE_HEADER.size:
+        raise SlotFileError("slot file is shorter than its header")
+    magic, version, n_words = _FILE_HEADER.unpack_from(data, 0)
+    if magic != STATE_SEQ_MAGIC:
+        raise SlotFileError(f"not a llama.cpp sequence-state file (magic {magic:#010x})")
+    if version != STATE_SEQ_VERSION:
+        raise SlotFileError(f"slot file version {version}; this KVBridge reads version {STATE_SEQ_VERSION}")
+    body = _FILE_HEADER.size + 4 * n_words
+    if body > len(data):
+        raise SlotFileError("slot file ends inside its token list")
+    words = np.frombuffer(data, dtype="<i4", count=n_words, offset=_FILE_HEADER.size)
+    tokens = parse_token_words(words)
+    memory_state = memoryview(data)[body:]
+    n_cells = memory_cell_count(memory_state)
+    state = _IO_HEADER.pack(STATE_IO_MAGIC, seq_id) + memory_state
+    return SlotFile(tokens=tokens, state=state, n_cells=n_cells, version=version)
+
+
+def build_slot_file(state: bytes | memoryview, tokens: Sequence[int]) -> list[bytes | memoryview]:
+    """In-process state + its tokens -> the slot file's parts (written in order, no joined copy)."""
+    view = memoryview(state).cast("B")
+    if len(view) < _IO_HEADER.size + 8:
+        raise SlotFileError("sequence state is too short")
+    magic, _seq_id = _IO_HEADER.unpack_from(view, 0)
+    if magic != STATE_IO_MAGIC:
+        raise SlotFileError(f"not an in-process sequence state (magic {magic:#010x})")
+    memory_state = view[_IO_HEADER.size:]
+    n_cells = memory_cell_count(memory_state)
+    if n_cells != len(tokens):
+        raise SlotFileError(f"state holds {n_cells} cells but {len(tokens)} tokens were given")
+    words = token_words(tokens)
+    return [_FILE_HEADER.pack(STATE_SEQ_MAGIC, STATE_SEQ_VERSION, len(words)), words.tobytes(), memory_state]
+
+
+def write_atomically(path: Path, parts: Sequence[bytes | memoryview]) -> int:
+    """Write parts to `path` via a temp file in the same directory and a rename; returns the size."""
+    fd, tmp = tempfile.mkstemp(prefix=".kvb-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for part in parts:
+                f.write(part)
+            size = f.tell()
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return size

@@ -1,0 +1,290 @@
+"""Plotly figures for a run: what each mode's TTFT cost and where the reused KV came from.
+
+Place in the flow: the engine fills a RequestRecord per request -> **these figures** -> the GUI
+(gr.Plot) and the HTML report (kvbridge.export). Pure functions of records and store stats; no
+Gradio here, so the bench and the export can draw the same charts.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import plotly.graph_objects as go
+
+from .records import MODES, RequestRecord
+
+MODE_COLORS = {"cold": "#94a3b8", "native": "#10b981", "lmcache": "#2563eb"}
+TIER_COLORS = {"L1": "#2563eb", "L2": "#8b5cf6", "none": "#cbd5e1"}
+TIER_LABELS = {"L1": "hit from L1 (RAM)", "L2": "hit from L2 (disk)", "none": "miss / not from our store"}
+FIGURE_HEIGHT = 340
+EMPTY_HINT = "No results yet: connect an engine and press Run."
+
+
+# -- numbers ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModeSummary:
+    """TTFT statistics of one mode in a run, with the speedup against the cold baseline."""
+
+    mode: str
+    requests: int
+    mean_ttft_ms: float
+    median_ttft_ms: float
+    speedup_mean: float | None      # cold mean / this mode's mean; None without cold records
+    speedup_median: float | None
+    hits_l1: int
+    hits_l2: int
+    misses: int
+    matched_tokens: int
+    prompt_tokens: int
+
+
+def ordered_modes(records: Iterable[RequestRecord]) -> list[str]:
+    """Modes present in the records, in the canonical order (cold, native, lmcache, then others)."""
+    present = {r.mode for r in records}
+    return [m for m in MODES if m in present] + sorted(present - set(MODES))
+
+
+def mode_summaries(records: Sequence[RequestRecord]) -> list[ModeSummary]:
+    """One ModeSummary per mode; requests that failed (record.error) are left out of the timings."""
+    timed = [r for r in records if not r.error]
+    cold = [r.ttft_ms for r in timed if r.mode == "cold"]
+    cold_mean = statistics.fmean(cold) if cold else None
+    cold_median = statistics.median(cold) if cold else None
+    summaries = []
+    for mode in ordered_modes(timed):
+        mine = [r for r in timed if r.mode == mode]
+        ttfts = [r.ttft_ms for r in mine]
+        mean, median = statistics.fmean(ttfts), statistics.median(ttfts)
+        summaries.append(ModeSummary(
+            mode=mode,
+            requests=len(mine),
+            mean_ttft_ms=mean,
+            median_ttft_ms=median,
+            speedup_mean=_ratio(cold_mean, mean),
+            speedup_median=_ratio(cold_median, median),
+            hits_l1=sum(r.tier == "L1" for r in mine),
+            hits_l2=sum(r.tier == "L2" for r in mine),
+            misses=sum(r.tier not in ("L1", "L2") for r in mine),
+            matched_tokens=sum(r.matched_tokens for r in mine),
+            prompt_tokens=sum(r.prompt_tokens for r in mine),
+        ))
+    return summaries
+
+
+def _ratio(baseline: float | None, value: float) -> float | None:
+    if baseline is None or value <= 0:
+        return None
+    return baseline / value
+
+
+# -- figures ----------------------------------------------------------------------------------
+def _base_layout(fig: go.Figure, title: str, **axes: Any) -> go.Figure:
+    fig.update_layout(
+        title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}},
+        template="plotly_white",
+        height=FIGURE_HEIGHT,
+        margin={"l": 60, "r": 20, "t": 70, "b": 50},
+        legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0},
+        font={"family": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif", "size": 12},
+        **axes,
+    )
+    return fig
+
+
+def _empty(title: str, hint: str = EMPTY_HINT) -> go.Figure:
+    fig = go.Figure()
+    fig.add_annotation(text=hint, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
+                       font={"size": 13, "color": "#64748b"})
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return _base_layout(fig, title)
+
+
+def _times(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}×"
+
+
+def ttft_per_request_figure(records: Sequence[RequestRecord]) -> go.Figure:
+    """TTFT of every request, one coloured line per mode, on a log axis (cold and warm differ 10-100×)."""
+    title = "TTFT per request (ms, log scale)"
+    done = [r for r in records if not r.error]
+    if not done:
+        return _empty(title)
+    fig = go.Figure()
+    for mode in ordered_modes(done):
+        mine = [r for r in done if r.mode == mode]
+        fig.add_trace(go.Scatter(
+            x=[r.request_index for r in mine],
+            y=[max(r.ttft_ms, 0.01) for r in mine],
+            mode="lines+markers",
+            name=mode,
+            marker={"color": MODE_COLORS.get(mode), "size": 8},
+            line={"color": MODE_COLORS.get(mode), "width": 2},
+            customdata=[[r.label, r.tier, r.matched_tokens, r.prompt_tokens, r.notes] for r in mine],
+            hovertemplate=("request %{x} · %{customdata[0]}<br>TTFT %{y:.1f} ms<br>tier %{customdata[1]}, "
+                           "reused %{customdata[2]} of %{customdata[3]} tokens<br>%{customdata[4]}"
+                           f"<extra>{mode}</extra>"),
+        ))
+    return _base_layout(fig, title, xaxis={"title": "request", "dtick": 1},
+                        yaxis={"title": "TTFT (ms)", "type": "log"})
+
+
+def speedup_figure(records: Sequence[RequestRecord]) -> go.Figure:
+    """The headline: how many times faster than cold each mode reached the first token."""
+    title = "Speedup vs cold (TTFT, higher is better)"
+    summaries = [s for s in mode_summaries(records) if s.mode != "cold"]
+    if not summaries:
+        return _empty(title)
+    if all(s.speedup_mean is None for s in summaries):
+        return _empty(title, "Run the cold mode too: speedups are measured against it.")
+    modes = [s.mode for s in summaries]
+    fig = go.Figure()
+    for name, values, opacity in (
+        ("mean TTFT", [s.speedup_mean for s in summaries], 1.0),
+        ("median TTFT", [s.speedup_median for s in summaries], 0.55),
+    ):
+        fig.add_trace(go.Bar(
+            x=modes, y=[v or 0 for v in values], name=name, text=[_times(v) for v in values],
+            textposition="outside", cliponaxis=False, opacity=opacity,
+            marker={"color": [MODE_COLORS.get(m, "#475569") for m in modes]},
+            hovertemplate="%{x}: %{text} faster than cold (" + name + ")<extra></extra>",
+        ))
+    fig.add_hline(y=1, line_dash="dot", line_color="#64748b", annotation_text="cold = 1×",
+                  annotation_position="top left")
+    return _base_layout(fig, title, barmode="group", yaxis={"title": "× faster than cold", "rangemode": "tozero"})
+
+
+def ttft_summary_figure(records: Sequence[RequestRecord]) -> go.Figure:
+    """Mean and median TTFT per mode, with the speedup against cold written on the bars."""
+    title = "Mean and median TTFT per mode (ms)"
+    summaries = mode_summaries(records)
+    if not summaries:
+        return _empty(title)
+    modes = [s.mode for s in summaries]
+    fig = go.Figure()
+    for name, values, speedups, opacity in (
+        ("mean", [s.mean_ttft_ms for s in summaries], [s.speedup_mean for s in summaries], 1.0),
+        ("median", [s.median_ttft_ms for s in summaries], [s.speedup_median for s in summaries], 0.55),
+    ):
+        labels = [f"{v:.0f} ms" + ("" if m == "cold" or x is None else f" ({x:.1f}×)")
+                  for v, x, m in zip(values, speedups, modes)]
+        fig.add_trace(go.Bar(
+            x=modes, y=values, name=name, text=labels, textposition="outside", cliponaxis=False,
+            opacity=opacity, marker={"color": [MODE_COLORS.get(m, "#475569") for m in modes]},
+            hovertemplate="%{x} " + name + " TTFT: %{y:.1f} ms<extra></extra>",
+        ))
+    return _base_layout(fig, title, barmode="group", yaxis={"title": "TTFT (ms)", "rangemode": "tozero"})
+
+
+def hits_figure(records: Sequence[RequestRecord]) -> go.Figure:
+    """Requests per mode by where their reused KV came from: L1, L2, or nowhere (a miss)."""
+    title = "Store hits and misses per mode (requests)"
+    summaries = mode_summaries(records)
+    if not summaries:
+        return _empty(title)
+    modes = [s.mode for s in summaries]
+    fig = go.Figure()
+    for tier, counts in (
+        ("L1", [s.hits_l1 for s in summaries]),
+        ("L2", [s.hits_l2 for s in summaries]),
+        ("none", [s.misses for s in summaries]),
+    ):
+        fig.add_trace(go.Bar(
+            x=modes, y=counts, name=TIER_LABELS[tier], marker={"color": TIER_COLORS[tier]},
+            text=[c or "" for c in counts], textposition="inside",
+            hovertemplate="%{x}: %{y} requests " + TIER_LABELS[tier] + "<extra></extra>",
+        ))
+    return _base_layout(fig, title, barmode="stack", yaxis={"title": "requests", "rangemode": "tozero"})
+
+
+def shadow_figure(records: Sequence[RequestRecord]) -> go.Figure:
+    """Shadow engines: the reuse our index predicts next to the cached tokens the engine reported."""
+    title = "SHADOW: predicted reuse vs engine-reported cached tokens"
+    shadow = [r for r in records if r.kv_mode == "shadow" and not r.error]
+    if not shadow:
+        return _empty(title, "Shown for shadow engines (Ollama, cloud), which keep their KV to themselves.")
+    labels = [f"{r.mode} #{r.request_index}" for r in shadow]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=labels, y=[r.predicted_reuse_tokens or 0 for r in shadow],
+                         name="predicted by KVBridge" + (" (approx)" if any(r.approx for r in shadow) else ""),
+                         marker={"color": "#2563eb"}))
+    fig.add_trace(go.Bar(x=labels, y=[r.engine_cached_tokens or 0 for r in shadow],
+                         name="reported by the engine", marker={"color": "#f59e0b"},
+                         text=["not reported" if r.engine_cached_tokens is None else "" for r in shadow],
+                         textposition="outside"))
+    return _base_layout(fig, title, barmode="group", xaxis={"title": "request"},
+                        yaxis={"title": "prompt tokens", "rangemode": "tozero"})
+
+
+# -- the store --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TierUsage:
+    name: str
+    objects: int
+    bytes_used: int
+    capacity: int
+
+
+def tier_usages(stats: dict | None) -> list[TierUsage]:
+    """Per-tier occupancy from TieredStore.stats()."""
+    if not stats:
+        return []
+    tiers = stats.get("tiers", {})
+    items = tiers.items() if isinstance(tiers, dict) else ((t.get("name", "?"), t) for t in tiers)
+    return [
+        TierUsage(
+            name=str(name),
+            objects=int(tier.get("objects", 0)),
+            bytes_used=int(tier.get("bytes", 0)),
+            capacity=int(tier.get("capacity", 0) or tier.get("capacity_bytes", 0)),
+        )
+        for name, tier in items
+    ]
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def store_figure(stats: dict | None) -> go.Figure:
+    """Bytes held per tier against its capacity."""
+    title = "Store occupancy per tier"
+    usages = tier_usages(stats)
+    if not usages:
+        return _empty(title, "Connect an engine to see its store.")
+    names = [u.name for u in usages]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(
+        y=names, x=[u.bytes_used / (1 << 20) for u in usages], orientation="h", name="used",
+        marker={"color": [TIER_COLORS.get(n, "#475569") for n in names]},
+        text=[f"{format_bytes(u.bytes_used)} of {format_bytes(u.capacity)} · {u.objects} objects" for u in usages],
+        textposition="outside", cliponaxis=False,
+        hovertemplate="%{y}: %{x:.1f} MiB used<extra></extra>",
+    ))
+    fig.add_trace(go.Bar(
+        y=names, x=[max(u.capacity - u.bytes_used, 0) / (1 << 20) for u in usages], orientation="h",
+        name="free", marker={"color": "#e2e8f0"}, hovertemplate="%{y}: %{x:.1f} MiB free<extra></extra>",
+    ))
+    fig = _base_layout(fig, title, barmode="stack", xaxis={"title": "MiB"}, yaxis={"autorange": "reversed"})
+    fig.update_layout(height=220)
+    return fig
+
+
+def run_figures(records: Sequence[RequestRecord], store_stats: dict | None = None) -> dict[str, go.Figure]:
+    """Every chart of a run, by a stable name (the GUI and the HTML report use the same names)."""
+    figures = {
+        "speedup": speedup_figure(records),
+        "ttft_per_request": ttft_per_request_figure(records),
+        "ttft_summary": ttft_summary_figure(records),
+        "hits": hits_figure(records),
+    }
+    if any(r.kv_mode == "shadow" for r in records):
+        figures["shadow"] = shadow_figure(records)
+    if store_stats:
+        figures["store"] = store_figure(store_stats)
+    return figures

@@ -1,0 +1,295 @@
+"""CachedEngine: the one place that runs the whole flow and records what it cost.
+
+prompt -> tokens -> chunk hashes -> lookup (L1, L2) -> restore -> prefill only the suffix ->
+generate -> store new chunks and the tail (after generation, off the TTFT path).
+
+Modes, as in LMCache-style testbeds:
+- cold:    the engine's own cache is dropped before every request; full prefill; the baseline.
+- native:  the engine's own in-context prefix reuse only (what a user has today).
+- lmcache: the engine's own cache is dropped first (eviction by another session, or a restart);
+           full engines restore the longest stored prefix from our store, shadow engines index the
+           prompt and predict the reuse, next to the engine's own cached-token count.
+The backend's `kv_mode` is checked here and nowhere else.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Sequence
+
+from .backends.base import Backend, EngineReport, Message, Prompt
+from .config import Settings
+from .errors import BadSettings, KVBridgeError
+from .hashing import make_hasher
+from .kvcache import ChunkKV, ShadowIndex
+from .kvlayout import KVGeometry, LayoutError, parse_state
+from .metrics import Metrics
+from .namespace import build_namespace, file_sha256, short_namespace
+from .records import MODES, RequestRecord
+from .store import TieredStore
+
+log = logging.getLogger(__name__)
+PROBE_TEXT = "KV layout probe."
+
+
+class CachedEngine:
+    def __init__(self, settings: Settings, backend: Backend, store: TieredStore | None = None,
+                 metrics: Metrics | None = None):
+        self.settings = settings
+        self.backend = backend
+        self.store = store if store is not None else TieredStore.from_settings(settings)
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.namespace = ""
+        self.geometry: KVGeometry | None = None
+        self.hasher = None
+        self._kv: ChunkKV | None = None
+        self._index: ShadowIndex | None = None
+        self._lock = threading.RLock()   # one request at a time per engine
+        self.started = False
+
+    # lifecycle -----------------------------------------------------------------------------
+    def start(self) -> "CachedEngine":
+        with self._lock:
+            if not self.started:
+                self.backend.start()
+                self._open_namespace()
+                self.started = True
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            if self.started:
+                self.backend.stop()
+                self.started = False
+            self.store.flush()
+
+    def close(self) -> None:
+        self.stop()
+        self.store.close()
+
+    def __enter__(self) -> "CachedEngine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def restart_backend(self, drop_l1: bool = False) -> None:
+        """Drop the engine's context or process (as a restart would); the store is kept.
+
+        drop_l1=True also empties L1, as a process restart would, so the next request restores from L2.
+        """
+        with self._lock:
+            self.backend.restart()
+            if drop_l1:
+                self.store.clear("L1")
+            self.metrics.inc("engine_restarts")
+
+    def reset_native_cache(self) -> None:
+        """Drop the engine's own prefix cache (each scenario mode starts from it empty)."""
+        with self._lock:
+            if self.started:
+                self.backend.reset_native_cache()
+
+    def _open_namespace(self) -> None:
+        fingerprint = dict(self.backend.kv_fingerprint())
+        model = self.backend.model_file()
+        if model is not None:
+            cache_file = self._sha_cache_file()
+            fingerprint["model_sha256"] = file_sha256(model, cache_file)
+        if self.backend.kv_mode == "full":
+            self.geometry = self._probe_geometry()
+            fingerprint["kv_layout"] = self.geometry.digest().hex()[:16] if self.geometry else "snapshot"
+        self.namespace = build_namespace(fingerprint, self.settings.chunk_size)
+        self.hasher = make_hasher(self.settings.chunk_size, self.namespace, self.settings.prefer_lmcache_hasher)
+        seed = getattr(self.hasher, "seed", b"")
+        if self.backend.kv_mode == "full":
+            self._kv = ChunkKV(self.store, self.namespace, seed, self.settings.chunk_size, self.geometry)
+        else:
+            self._index = ShadowIndex(self.store, self.namespace, seed, self.settings.chunk_size)
+
+    def _sha_cache_file(self):
+        from pathlib import Path
+
+        return Path(self.settings.l2_dir).expanduser().parent / "model-sha256.json"
+
+    def _probe_geometry(self) -> KVGeometry | None:
+        """Learn the engine's KV layout from a tiny real state; None means whole-snapshot fallback."""
+        tokens = self.backend.tokenize(PROBE_TEXT)
+        prompt = Prompt(text=PROBE_TEXT, tokens=tuple(tokens))
+        report = EngineReport()
+        for _ in self.backend.generate(prompt, n_predict=1, temperature=0.0, use_native_cache=False, report=report):
+            pass
+        try:
+            geometry = parse_state(self.backend.save_state().data).geometry
+        except LayoutError as exc:
+            log.warning("KV layout not understood (%s): falling back to whole-sequence snapshots", exc)
+            geometry = None
+        self.backend.reset_native_cache()
+        return geometry
+
+    # status --------------------------------------------------------------------------------
+    def status(self) -> dict:
+        spec_label = self.backend.key
+        try:
+            from .backends.registry import resolve_engine
+
+            spec_label = resolve_engine(self.backend.key).label
+        except KVBridgeError:
+            pass
+        return {
+            "engine": self.backend.key,
+            "label": spec_label,
+            "location": self.backend.describe(),
+            "kv_mode": self.backend.kv_mode,
+            "namespace": self.namespace,
+            "namespace_short": short_namespace(self.namespace) if self.namespace else "",
+            "kv_layout": self.geometry.summary() if self.geometry else ("whole snapshots" if self.backend.kv_mode == "full" else "none (shadow)"),
+            "started": self.started,
+            "store": self.store.stats(),
+            "metrics": self.metrics.snapshot(),
+        }
+
+    # requests ------------------------------------------------------------------------------
+    def prepare(self, prompt: str | Sequence[Message]) -> Prompt:
+        """Text or chat messages -> the rendered text and its token ids."""
+        if isinstance(prompt, str):
+            text, messages = prompt, None
+        else:
+            messages = tuple(dict(m) for m in prompt)
+            text = self.backend.render(messages)
+        tokens = self.backend.tokenize(text)
+        approx = bool(getattr(self.backend, "approx_tokens", False))
+        return Prompt(text=text, tokens=tuple(tokens), messages=messages, approx_tokens=approx)
+
+    def infer(self, prompt: str | Sequence[Message], mode: str = "lmcache", n_predict: int | None = None,
+              temperature: float = 0.0, *, scenario: str = "", label: str = "", request_index: int = 0,
+              on_text: Callable[[str], None] | None = None) -> RequestRecord:
+        """Run one request in `mode`; errors the user must act on end up in record.error, never raised."""
+        if mode not in MODES:
+            raise BadSettings(f"Unknown mode {mode!r}; use one of {', '.join(MODES)}.")
+        n_predict = self.settings.n_predict if n_predict is None else n_predict
+        record = RequestRecord(mode=mode, engine=self.backend.key, kv_mode=self.backend.kv_mode,
+                               scenario=scenario, label=label, request_index=request_index)
+        with self._lock:
+            if not self.started:
+                self.start()
+            t0 = time.perf_counter()
+            try:
+                self._run(prompt, mode, n_predict, temperature, record, t0, on_text)
+            except KVBridgeError as exc:
+                record.error = str(exc)
+                self.metrics.inc("errors")
+            record.total_ms = (time.perf_counter() - t0) * 1000
+        self._record_metrics(record)
+        return record
+
+    def _run(self, prompt, mode, n_predict, temperature, record: RequestRecord, t0: float, on_text) -> None:
+        p = self.prepare(prompt)
+        tokens = list(p.tokens)
+        record.prompt_tokens = len(tokens)
+        record.approx = p.approx_tokens
+        if p.approx_tokens:
+            record.add_note("approx: token figures from an approximate tokenizer")
+        hashes = self.hasher.chunk_hashes(tokens)
+        record.chunks_total = len(hashes)
+        full = self.backend.kv_mode == "full"
+        restored = 0
+        if mode in ("cold", "lmcache"):
+            self.backend.reset_native_cache()
+        if mode == "lmcache" and full:
+            restored = self._restore(tokens, hashes, record)
+        elif mode == "lmcache":
+            t = time.perf_counter()
+            record.chunks_hit, record.predicted_reuse_tokens, record.tier = self._index.predict(tokens, hashes)
+            record.matched_tokens = record.predicted_reuse_tokens
+            record.lookup_ms = (time.perf_counter() - t) * 1000
+        report = EngineReport()
+        pieces: list[str] = []
+        first = True
+        for piece in self.backend.generate(p, n_predict=n_predict, temperature=temperature,
+                                           use_native_cache=(mode != "cold"), report=report):
+            if first:
+                record.ttft_ms = (time.perf_counter() - t0) * 1000
+                first = False
+            pieces.append(piece)
+            if on_text is not None and piece:
+                on_text(piece)
+        if first:   # nothing generated: TTFT is when the engine finished
+            record.ttft_ms = (time.perf_counter() - t0) * 1000
+        record.text = "".join(pieces)
+        record.gen_tokens = report.completion_tokens if report.completion_tokens is not None else len(pieces)
+        record.engine_cached_tokens = report.engine_cached_tokens
+        if report.engine_prefill_tokens is not None:
+            record.prefill_tokens = report.engine_prefill_tokens
+        else:
+            record.prefill_tokens = len(tokens) - (report.engine_cached_tokens or 0)
+        for note in report.notes:
+            record.add_note(note)
+        if restored and report.engine_cached_tokens is not None and report.engine_cached_tokens < restored - 1:
+            record.restore_ok = False
+            record.add_note(f"restore ineffective: engine reused {report.engine_cached_tokens} of {restored} restored tokens")
+            self.metrics.inc("restore_ineffective")
+        if mode == "lmcache":
+            self._store_after(tokens, hashes, record)
+
+    def _restore(self, tokens: list[int], hashes: list[bytes], record: RequestRecord) -> int:
+        t = time.perf_counter()
+        try:
+            plan = self._kv.plan_restore(tokens, hashes)
+        except (LayoutError, ValueError, OSError) as exc:   # storage faults degrade to a miss
+            log.warning("lookup failed, recomputing: %s", exc, exc_info=True)
+            record.add_note(f"lookup failed ({exc}); recomputed")
+            self.metrics.inc("lookup_failed")
+            plan = None
+        record.lookup_ms = (time.perf_counter() - t) * 1000
+        if plan is None:
+            return 0
+        for note in plan.notes:
+            record.add_note(note)
+        if plan.state is None:
+            return 0
+        t = time.perf_counter()
+        try:
+            self.backend.restore_state(plan.state, plan.tokens)
+        except (RuntimeError, ValueError, OSError, KVBridgeError) as exc:
+            log.warning("restore failed, recomputing the prompt: %s", exc)
+            record.add_note(f"restore failed ({exc}); recomputed")
+            record.restore_ok = False
+            self.metrics.inc("restore_failed")
+            self.backend.reset_native_cache()
+            return 0
+        record.restore_ms = (time.perf_counter() - t) * 1000
+        record.restore_ok = True
+        record.chunks_hit = plan.chunks_hit
+        record.matched_tokens = plan.matched_tokens
+        record.tier = plan.tier
+        return plan.matched_tokens
+
+    def _store_after(self, tokens: list[int], hashes: list[bytes], record: RequestRecord) -> None:
+        """After generation: keep the prompt's cells as chunk and tail objects (full) or index it (shadow)."""
+        t = time.perf_counter()
+        try:
+            if self.backend.kv_mode == "full":
+                record.stored_objects = self._kv.store_prompt(self.backend.save_state(), tokens, hashes)
+            else:
+                record.stored_objects = self._index.record(tokens, hashes)
+        except (RuntimeError, OSError, ValueError) as exc:
+            log.warning("storing KV failed (the answer is unaffected): %s", exc)
+            record.add_note(f"store failed ({exc})")
+            self.metrics.inc("store_failed")
+        record.store_ms = (time.perf_counter() - t) * 1000
+
+    def _record_metrics(self, r: RequestRecord) -> None:
+        """Metrics are recorded here and nowhere else."""
+        m = self.metrics
+        m.inc(f"requests_{r.mode}")
+        if r.error:
+            return
+        m.record(f"ttft_ms_{r.mode}", r.ttft_ms)
+        if r.mode == "lmcache":
+            m.inc(f"hits_{r.tier}" if r.matched_tokens else "misses")
+            m.record("lookup_ms", r.lookup_ms)
+            if r.restore_ms:
+                m.record("restore_ms", r.restore_ms)
+            m.record("store_ms", r.store_ms)

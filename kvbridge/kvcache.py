@@ -1,0 +1,239 @@
+"""Chunk-level KV objects with token-granular reuse, on top of the tiered store.
+
+Place in the flow: chunk hashes -> **lookup -> fetch + confirm -> assemble** -> restore ...
+generate -> save_state -> **split -> put new chunks and the tail**.
+
+A prompt of n tokens and chunk size c has n // c full chunks; chunk i is stored under its rolling
+hash H[i] (shared by every prompt with the same first (i+1)*c tokens, so a shared prefix is stored
+once). Only full chunks have hashes, so the rest of the prompt is kept as a *tail*: the cells from
+a chunk boundary to the end of the prompt, with their token ids, filed under tail_key(H[j-1])
+(tail_key(seed) for j = 0). Tails are kept at the last two boundaries, so a prompt that diverges
+inside the previous prompt's last full chunk still reuses up to the divergence. After k chunks
+match, the tail's longest common token prefix with the new prompt is restored too and the rest
+trimmed: reuse is token-granular like llama.cpp's own cache, and deduplicated like LMCache.
+
+Where the layout is not understood (kvlayout.LayoutError), whole-sequence snapshots are kept
+instead (kind "snapshot"), and the engine's own prefix matching trims them after a restore.
+"""
+from __future__ import annotations
+
+import logging
+import struct
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .backends.base import SeqState
+from .hashing import tail_key, tokens_digest
+from .kvlayout import ChunkView, KVGeometry, LayoutError, assemble_state, decode_chunk, encode_chunk, parse_state
+from .store import ObjectMeta, TieredStore
+
+log = logging.getLogger(__name__)
+TAIL_DEPTH = 2          # tails kept at the last TAIL_DEPTH chunk boundaries of each stored prompt
+_TIER_ORDER = {"none": 0, "L1": 1, "L2": 2, "L3": 3}
+_SNAPSHOT_HEADER = struct.Struct("<8sI")  # magic, n_token_ids; then i32 ids, then the raw engine state
+_SNAPSHOT_MAGIC = b"KVBSNAP1"
+
+
+@dataclass
+class RestorePlan:
+    """What a lookup found: the assembled state and how many prompt tokens it covers."""
+
+    state: SeqState | None = None
+    tokens: list[int] = field(default_factory=list)
+    chunks_hit: int = 0
+    matched_tokens: int = 0
+    tier: str = "none"
+    notes: list[str] = field(default_factory=list)
+
+
+def _lcp(a: np.ndarray, b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n], dtype=np.int64))[0]
+    return int(diff[0]) if diff.size else n
+
+
+def _lowest(tier_a: str, tier_b: str) -> str:
+    return tier_a if _TIER_ORDER.get(tier_a, 9) >= _TIER_ORDER.get(tier_b, 9) else tier_b
+
+
+class ChunkKV:
+    """Reads and writes one namespace's chunk and tail objects for a full-KV engine."""
+
+    def __init__(self, store: TieredStore, namespace: str, seed: bytes, chunk_size: int,
+                 geometry: KVGeometry | None):
+        self.store = store
+        self.namespace = namespace
+        self.seed = seed
+        self.chunk_size = chunk_size
+        self.geometry = geometry   # None: layout not understood -> whole snapshots
+
+    # restore -----------------------------------------------------------------------------
+    def plan_restore(self, tokens: Sequence[int], hashes: Sequence[bytes]) -> RestorePlan:
+        """Fetch and confirm the longest stored prefix of `tokens` (at most len-1: the last token is recomputed)."""
+        limit = len(tokens) - 1
+        if limit < 1:
+            return RestorePlan()
+        if self.geometry is None:
+            return self._plan_snapshot(tokens, hashes, limit)
+        c = self.chunk_size
+        found = self.store.lookup(list(hashes), namespace=self.namespace)
+        pieces: list[tuple[ChunkView, int]] = []
+        blobs = []  # keep fetched bytes alive while views point into them
+        plan = RestorePlan()
+        for i in range(found.n_hit):
+            if (i + 1) * c > limit:
+                break
+            obj = self.store.get(hashes[i], namespace=self.namespace)
+            view = self._confirmed(obj, tokens[i * c:(i + 1) * c], plan)
+            if view is None:
+                break
+            pieces.append((view, c))
+            blobs.append(obj.blob)
+            plan.tier = _lowest(plan.tier, obj.tier)
+        plan.chunks_hit = len(pieces)
+        start = plan.chunks_hit * c
+        prev = hashes[plan.chunks_hit - 1] if plan.chunks_hit else self.seed
+        obj = self.store.get(tail_key(prev), namespace=self.namespace)
+        if obj is not None and obj.meta.kind == "tail":
+            view = self._decoded(obj.blob, plan)
+            if view is not None:
+                keep = min(_lcp(view.token_ids, tokens[start:]), limit - start)
+                if keep > 0:
+                    pieces.append((view, keep))
+                    blobs.append(obj.blob)
+                    plan.tier = _lowest(plan.tier, obj.tier)
+        if not pieces:
+            return plan
+        n = sum(keep for _, keep in pieces)
+        plan.state = SeqState(data=assemble_state(self.geometry, pieces), n_tokens=n)
+        plan.tokens = list(tokens[:n])
+        plan.matched_tokens = n
+        return plan
+
+    def _decoded(self, blob: bytes, plan: RestorePlan) -> ChunkView | None:
+        try:
+            return decode_chunk(blob, self.geometry)
+        except LayoutError as exc:
+            plan.notes.append(f"stored object rejected ({exc}); recomputed")
+            return None
+
+    def _confirmed(self, obj, expected: Sequence[int], plan: RestorePlan) -> ChunkView | None:
+        """A hash hit is trusted only when the object's token ids equal the prompt's."""
+        if obj is None or obj.meta.kind != "chunk":
+            return None
+        view = self._decoded(obj.blob, plan)
+        if view is None:
+            return None
+        if view.n_cells != len(expected) or not np.array_equal(view.token_ids, np.asarray(expected)):
+            plan.notes.append("hash hit with different token ids rejected")
+            return None
+        return view
+
+    def _plan_snapshot(self, tokens: Sequence[int], hashes: Sequence[bytes], limit: int) -> RestorePlan:
+        plan = RestorePlan(notes=["whole-sequence snapshot mode (KV layout not understood)"])
+        keys = [tail_key(hashes[-1])] if hashes else []
+        keys.append(tail_key(self.seed))
+        for key in keys:
+            obj = self.store.get(key, namespace=self.namespace)
+            if obj is None or obj.meta.kind != "snapshot":
+                continue
+            magic, n_ids = _SNAPSHOT_HEADER.unpack_from(obj.blob, 0)
+            if magic != _SNAPSHOT_MAGIC:
+                continue
+            ids = np.frombuffer(obj.blob, dtype="<i4", count=n_ids, offset=_SNAPSHOT_HEADER.size)
+            match = min(_lcp(ids, tokens), limit)
+            if match < 1:
+                continue
+            raw = memoryview(obj.blob)[_SNAPSHOT_HEADER.size + 4 * n_ids:]
+            plan.state = SeqState(data=raw, n_tokens=n_ids)
+            plan.tokens = [int(t) for t in ids]   # the whole snapshot; the engine's prefix matching trims it
+            plan.matched_tokens = match
+            plan.chunks_hit = match // self.chunk_size
+            plan.tier = obj.tier
+            return plan
+        return plan
+
+    # store -------------------------------------------------------------------------------
+    def store_prompt(self, state: SeqState, tokens: Sequence[int], hashes: Sequence[bytes]) -> int:
+        """Split the prompt's cells of `state` into chunk and tail objects; put the ones not yet stored."""
+        n = len(tokens)
+        if self.geometry is None:
+            return self._store_snapshot(state, tokens, hashes)
+        try:
+            parsed = parse_state(state.data)
+        except LayoutError as exc:
+            log.warning("saved KV state not understood (%s); not stored", exc)
+            return 0
+        if parsed.geometry != self.geometry or parsed.n_cells < n:
+            log.warning("saved KV state does not match the engine's geometry or prompt; not stored")
+            return 0
+        c = self.chunk_size
+        n_full = n // c
+        stored = 0
+        for i in range(n_full):
+            if self.store.contains(hashes[i]):
+                continue
+            ids = tokens[i * c:(i + 1) * c]
+            stored += self._put(hashes[i], encode_chunk(parsed, i * c, (i + 1) * c, ids), ids, "chunk")
+        for j in range(n_full, max(n_full - TAIL_DEPTH, -1), -1):
+            if j * c >= n:
+                continue
+            prev = hashes[j - 1] if j else self.seed
+            ids = tokens[j * c:n]
+            stored += self._put(tail_key(prev), encode_chunk(parsed, j * c, n, ids), ids, "tail")
+        return stored
+
+    def _store_snapshot(self, state: SeqState, tokens: Sequence[int], hashes: Sequence[bytes]) -> int:
+        ids = np.asarray(tokens[: state.n_tokens], dtype="<i4")
+        blob = _SNAPSHOT_HEADER.pack(_SNAPSHOT_MAGIC, len(ids)) + ids.tobytes() + bytes(state.data)
+        keys = {tail_key(self.seed)} | ({tail_key(hashes[-1])} if hashes else set())
+        return sum(self._put(key, blob, list(ids), "snapshot") for key in keys)
+
+    def _put(self, key: bytes, blob: bytes, ids: Sequence[int], kind: str) -> int:
+        meta = ObjectMeta(namespace=self.namespace, n_tokens=len(ids), tokens_digest=tokens_digest(ids), kind=kind)
+        result = self.store.put(key, blob, meta)
+        return 0 if result is False else 1
+
+
+class ShadowIndex:
+    """For shadow engines: the same hashes and tails, holding token ids only, to predict reuse."""
+
+    def __init__(self, store: TieredStore, namespace: str, seed: bytes, chunk_size: int):
+        self.store = store
+        self.namespace = namespace
+        self.seed = seed
+        self.chunk_size = chunk_size
+
+    def predict(self, tokens: Sequence[int], hashes: Sequence[bytes]) -> tuple[int, int, str]:
+        """(chunks hit, predicted reusable tokens, tier) for a prompt."""
+        found = self.store.lookup(list(hashes), namespace=self.namespace)
+        k = found.n_hit
+        tier = found.tiers[-1] if k else "none"
+        obj = self.store.get(tail_key(hashes[k - 1] if k else self.seed), namespace=self.namespace)
+        extra = 0
+        if obj is not None and obj.meta.kind == "index":
+            ids = np.frombuffer(obj.blob, dtype="<i4")
+            extra = _lcp(ids, tokens[k * self.chunk_size:])
+            tier = _lowest(tier, obj.tier)
+        return k, k * self.chunk_size + extra, tier
+
+    def record(self, tokens: Sequence[int], hashes: Sequence[bytes]) -> int:
+        c = self.chunk_size
+        n = len(tokens)
+        n_full = n // c
+        stored = 0
+        for i in range(n_full):
+            if not self.store.contains(hashes[i]):
+                stored += self._put(hashes[i], tokens[i * c:(i + 1) * c])
+        for j in range(n_full, max(n_full - TAIL_DEPTH, -1), -1):
+            if j * c < n:
+                stored += self._put(tail_key(hashes[j - 1] if j else self.seed), tokens[j * c:n])
+        return stored
+
+    def _put(self, key: bytes, ids: Sequence[int]) -> int:
+        meta = ObjectMeta(namespace=self.namespace, n_tokens=len(ids), tokens_digest=tokens_digest(ids), kind="index")
+        return 0 if self.store.put(key, np.asarray(ids, dtype="<i4").tobytes(), meta) is False else 1

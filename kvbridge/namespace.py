@@ -1,0 +1,70 @@
+"""The namespace: the hash seed that fingerprints everything that makes KV incompatible.
+
+Objects stored under one namespace are never restored under another: the model file's sha256,
+the K/V cache types, the V layout, the state format, the engine library's version and the chunk
+size all go into it. Two engines with identical KV (llama-cpp-python in-process and the llama-server
+built from the same llama.cpp) get the same namespace and so share stored chunks.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+
+NAMESPACE_VERSION = "kvbridge-ns-1"
+_lock = threading.Lock()
+
+
+def file_sha256(path: Path, cache_file: Path | None) -> str:
+    """sha256 of a model file, cached by (path, size, mtime) so a start does not re-hash 100 MB."""
+    path = Path(path).resolve()
+    st = path.stat()
+    cache_key = f"{path}|{st.st_size}|{st.st_mtime_ns}"
+    with _lock:
+        cache = _read_cache(cache_file)
+        if cache_key in cache:
+            return cache[cache_key]
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    value = digest.hexdigest()
+    if cache_file is not None:
+        with _lock:
+            cache = _read_cache(cache_file)
+            cache[cache_key] = value
+            _write_cache(cache_file, cache)
+    return value
+
+
+def _read_cache(cache_file: Path | None) -> dict[str, str]:
+    if cache_file is None or not cache_file.is_file():
+        return {}
+    try:
+        data = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        return {}  # a damaged cache only costs one re-hash
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(data, dict) else {}
+
+
+def _write_cache(cache_file: Path, cache: dict[str, str]) -> None:
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=0, sort_keys=True))
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass  # the cache is an optimisation; hashing again next start is the only cost
+
+
+def build_namespace(fingerprint: dict[str, str], chunk_size: int) -> str:
+    """A readable, stable string: version, then the sorted fingerprint fields, then the chunk size."""
+    parts = [NAMESPACE_VERSION] + [f"{k}={fingerprint[k]}" for k in sorted(fingerprint)] + [f"chunk={chunk_size}"]
+    return "|".join(parts)
+
+
+def short_namespace(namespace: str) -> str:
+    """A 12-hex-digit handle for status lines; the full string is shown on demand."""
+    return hashlib.blake2b(namespace.encode(), digest_size=6).hexdigest()

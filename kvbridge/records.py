@@ -1,0 +1,45 @@
+"""RequestRecord: what one request cost and where its KV came from. The GUI, the bench and exports read it."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+MODES = ("cold", "native", "lmcache")
+
+
+@dataclass
+class RequestRecord:
+    mode: str
+    engine: str = ""
+    kv_mode: str = ""                 # "full" or "shadow"
+    scenario: str = ""
+    request_index: int = 0
+    label: str = ""
+    prompt_tokens: int = 0
+    chunks_total: int = 0
+    chunks_hit: int = 0
+    matched_tokens: int = 0           # tokens whose KV came from our store (full) or would (shadow: predicted)
+    tier: str = "none"                # "L1", "L2" or "none": the lowest tier any restored object came from
+    lookup_ms: float = 0.0
+    restore_ms: float = 0.0
+    prefill_tokens: int = 0           # tokens actually computed
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    gen_tokens: int = 0
+    text: str = ""
+    store_ms: float = 0.0
+    stored_objects: int = 0
+    engine_cached_tokens: int | None = None
+    predicted_reuse_tokens: int | None = None  # shadow engines: what our index predicts
+    restore_ok: bool | None = None    # None: no restore tried
+    approx: bool = False              # token figures come from an approximate tokenizer
+    error: str = ""
+    notes: str = ""
+
+    def add_note(self, note: str) -> None:
+        self.notes = f"{self.notes}; {note}" if self.notes else note
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+RECORD_FIELDS = [f.name for f in fields(RequestRecord)]

@@ -1,0 +1,185 @@
+"""Demo scenarios: repeated long prompts of the kinds that make TTFT suffer, as a registry.
+
+Each scenario builds a list of requests (chat messages, or an engine restart). The documents and
+prompts are written for this project and ship in kvbridge/data; a text file dropped in input/ can be
+used as the document.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .config import Settings
+from .errors import BadSettings
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+DOC_QA_SYSTEM = "You answer questions about the document you are given. Answer briefly, using only the document."
+
+HANDBOOK_QUESTIONS = [
+    "Who is the general manager of the cooperative?",
+    "How deep are Well One and Well Two?",
+    "Why is spring water blended with well water?",
+    "How often are the filters backwashed?",
+    "How much water does the Quarry Hill reservoir hold?",
+    "What happens when turbidity at the plant outlet exceeds 1.0 NTU?",
+    "Where are the bacteriological samples analysed?",
+    "What was the leakage rate in 2024?",
+    "How much is the volumetric charge per cubic metre?",
+    "How is a boil-water notice announced?",
+    "How big is the emergency stock of bottled water?",
+    "What will replace the Ashgrove tank?",
+]
+
+SUPPORT_QUESTIONS = [
+    "Are you open on Mondays?",
+    "How much does a full service cost for my cargo bike?",
+    "My e-bike battery got dropped, can I still charge it?",
+    "What does the lifetime warranty cover?",
+    "How much is a week of touring bike rental?",
+    "My brakes feel weak, what should I do?",
+    "Can I pay by card in the chat?",
+    "How long does a puncture repair on a hub-motor wheel cost?",
+]
+
+CHAT_TURNS = [
+    ("I want to plan a three-day cycling trip along a river. Where should I start?",
+     "Start by choosing a river route with marked cycle paths and villages every 20 to 30 kilometres, so you can rest and find food."),
+    ("How far should I ride each day if I am a beginner?",
+     "Around 40 to 50 kilometres a day is comfortable for a beginner, with breaks every hour."),
+    ("What should I pack?",
+     "Pack a repair kit, a spare tube, rain gear, sun cream, two water bottles, snacks and a light lock."),
+    ("Should I book places to sleep in advance?",
+     "Yes, book the first night at least, and check that the places accept bicycles indoors."),
+    ("What if it rains on the second day?",
+     "Ride shorter, wear the rain gear, keep the brakes in mind on wet roads, and plan a cafe stop to dry off."),
+    ("How do I keep my phone charged for navigation?",
+     "Carry a small power bank, dim the screen, and download offline maps before you leave."),
+    ("Any advice for the last day?",
+     "Keep the last day short so you have time for the trip home, and check the train rules for bicycles."),
+]
+
+
+@dataclass(frozen=True)
+class ScenarioRequest:
+    messages: tuple[dict, ...] = ()
+    label: str = ""
+    action: str = "infer"          # "infer", or "restart": restart the engine and drop L1 (a process restart)
+
+
+@dataclass(frozen=True)
+class ScenarioOptions:
+    n_requests: int | None = None  # None: the scenario's own count
+    document: str | None = None    # None: the built-in document
+
+
+@dataclass(frozen=True)
+class Scenario:
+    key: str
+    title: str
+    description: str
+    build: Callable[[ScenarioOptions], list[ScenarioRequest]] = field(repr=False)
+    default_requests: int = 0
+
+
+_SCENARIOS: dict[str, Scenario] = {}
+
+
+def register_scenario(scenario: Scenario) -> Scenario:
+    _SCENARIOS[scenario.key] = scenario
+    return scenario
+
+
+def scenario_specs() -> list[Scenario]:
+    return list(_SCENARIOS.values())
+
+
+def get_scenario(key: str) -> Scenario:
+    try:
+        return _SCENARIOS[key]
+    except KeyError:
+        raise BadSettings(f"Unknown scenario {key!r}; known scenarios: {', '.join(_SCENARIOS)}.") from None
+
+
+def build_requests(key: str, n_requests: int | None = None, document: str | None = None) -> list[ScenarioRequest]:
+    if n_requests is not None and n_requests < 1:
+        raise BadSettings(f"The number of requests must be at least 1, got {n_requests}.")
+    return get_scenario(key).build(ScenarioOptions(n_requests=n_requests, document=document))
+
+
+def builtin_document() -> str:
+    return (DATA_DIR / "handbook.md").read_text(encoding="utf-8")
+
+
+def list_documents(settings: Settings) -> dict[str, str]:
+    """Built-in documents plus the text files in input/ (name -> text)."""
+    docs = {"Water cooperative handbook (built-in, ~1.7k tokens)": builtin_document()}
+    input_dir = Path(settings.input_dir)
+    if input_dir.is_dir():
+        for path in sorted(input_dir.iterdir()):
+            if path.is_file() and path.suffix.lower() in {".txt", ".md", ".rst", ".csv", ".json", ".html"}:
+                try:
+                    docs[f"input/{path.name}"] = path.read_text(encoding="utf-8", errors="replace")
+                except OSError:
+                    continue   # unreadable files are simply not offered
+    return docs
+
+
+def _take(requests: list, n: int | None) -> list:
+    return requests if n is None else [requests[i % len(requests)] for i in range(n)]
+
+
+def _doc_messages(document: str, question: str) -> tuple[dict, ...]:
+    return ({"role": "system", "content": DOC_QA_SYSTEM},
+            {"role": "user", "content": f"Document:\n{document}\n\nQuestion: {question}"})
+
+
+def _doc_qa(opts: ScenarioOptions) -> list[ScenarioRequest]:
+    doc = opts.document or builtin_document()
+    questions = _take(HANDBOOK_QUESTIONS, opts.n_requests)
+    return [ScenarioRequest(_doc_messages(doc, q), f"Q{i + 1}: {q}") for i, q in enumerate(questions)]
+
+
+def _system_prompt(opts: ScenarioOptions) -> list[ScenarioRequest]:
+    system = (DATA_DIR / "system_prompt.md").read_text(encoding="utf-8")
+    return [ScenarioRequest(({"role": "system", "content": system}, {"role": "user", "content": q}), f"U{i + 1}: {q}")
+            for i, q in enumerate(_take(SUPPORT_QUESTIONS, opts.n_requests))]
+
+
+def _multi_turn(opts: ScenarioOptions) -> list[ScenarioRequest]:
+    history: list[dict] = [{"role": "system", "content": "You are a helpful cycling-trip planner."}]
+    requests = []
+    for i, (user, assistant) in enumerate(_take(CHAT_TURNS, opts.n_requests)):
+        history.append({"role": "user", "content": user})
+        requests.append(ScenarioRequest(tuple(history), f"turn {i + 1}"))
+        history.append({"role": "assistant", "content": assistant})  # scripted, so every mode sees the same history
+    return requests
+
+
+def _engine_restart(opts: ScenarioOptions) -> list[ScenarioRequest]:
+    doc = opts.document or builtin_document()
+    n = max(2, opts.n_requests or 4)
+    questions = _take(HANDBOOK_QUESTIONS, n)
+    half = max(1, n // 2)
+    requests = [ScenarioRequest(_doc_messages(doc, q), f"Q{i + 1} before restart") for i, q in enumerate(questions[:half])]
+    requests.append(ScenarioRequest(label="restart engine, drop L1", action="restart"))
+    requests += [ScenarioRequest(_doc_messages(doc, q), f"Q{i + 1 + half} after restart")
+                 for i, q in enumerate(questions[half:])]
+    return requests
+
+
+register_scenario(Scenario(
+    "doc-qa", "Document Q&A",
+    "One ~1.9k-token document, 12 different questions (RAG). Every request repeats the document; "
+    "only the question changes.", _doc_qa, len(HANDBOOK_QUESTIONS)))
+register_scenario(Scenario(
+    "system-prompt", "Shared system prompt",
+    "One long system prompt shared by varied short user turns, as in a support assistant.",
+    _system_prompt, len(SUPPORT_QUESTIONS)))
+register_scenario(Scenario(
+    "multi-turn", "Multi-turn chat",
+    "A conversation whose history grows every turn, as in an agent loop or chat app.", _multi_turn, len(CHAT_TURNS)))
+register_scenario(Scenario(
+    "engine-restart", "Engine restart",
+    "Document Q&A, then the engine is restarted and L1 dropped (as a process restart would); "
+    "the next requests restore from L2 on disk.", _engine_restart, 4))

@@ -1,0 +1,151 @@
+"""The L2 object file: one file per object, a checked header, then the payload.
+
+Layout, version 1 (little-endian):
+
+    magic        8 bytes  b"KVB-L2\\r\\n"  (the CR LF catches text-mode mangling, as PNG's does)
+    version      u32      FORMAT_VERSION
+    key_len      u16
+    meta_len     u32      JSON metadata (ObjectMeta.to_json, includes the namespace)
+    payload_len  u64
+    payload_sum  32 bytes blake3 of the payload
+    key          key_len bytes
+    meta         meta_len bytes
+    header_sum   16 bytes blake3 of everything above
+    payload      payload_len bytes
+
+Writes are atomic: a uniquely named temp file in the same directory, fsync, os.replace, then an
+fsync of the directory. A reader therefore sees a whole old file, a whole new file or no file.
+Reading the header alone (for the index at start) never touches the payload.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import blake3
+
+from kvbridge.store.objects import MAX_KEY_BYTES, CorruptObject, ObjectMeta
+
+MAGIC = b"KVB-L2\r\n"
+FORMAT_VERSION = 1
+FILE_SUFFIX = ".kvb"
+TEMP_SUFFIX = ".tmp"
+MAX_META_BYTES = 64 << 10
+_FIXED = struct.Struct("<8sIHIQ32s")
+_HEADER_SUM_BYTES = 16
+
+
+class UnsupportedVersion(CorruptObject):
+    """A KVBridge object file of another format version; `newer` ones belong to a newer KVBridge."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"format version {version}, this KVBridge reads {FORMAT_VERSION}")
+        self.newer = version > FORMAT_VERSION
+
+
+@dataclass(frozen=True)
+class Header:
+    key: bytes
+    meta: ObjectMeta
+    payload_len: int
+    payload_sum: bytes
+    header_len: int
+
+
+def encode_header(key: bytes, meta: ObjectMeta, payload: bytes) -> bytes:
+    meta_json = meta.to_json()
+    if len(meta_json) > MAX_META_BYTES:
+        raise ValueError(f"object metadata is {len(meta_json)} bytes; at most {MAX_META_BYTES} (shorten the note)")
+    payload_sum = blake3.blake3(payload, max_threads=blake3.blake3.AUTO).digest()
+    head = _FIXED.pack(MAGIC, FORMAT_VERSION, len(key), len(meta_json), len(payload), payload_sum) + key + meta_json
+    return head + blake3.blake3(head).digest(length=_HEADER_SUM_BYTES)
+
+
+def read_header(stream: BinaryIO, file_size: int) -> Header:
+    """Parse and check the header; the stream is left at the payload. Raises CorruptObject."""
+    fixed = stream.read(_FIXED.size)
+    if len(fixed) < _FIXED.size:
+        raise CorruptObject("truncated header")
+    magic, version, key_len, meta_len, payload_len, payload_sum = _FIXED.unpack(fixed)
+    if magic != MAGIC:
+        raise CorruptObject("not a KVBridge object file (bad magic)")
+    if version != FORMAT_VERSION:
+        raise UnsupportedVersion(version)
+    if not 0 < key_len <= MAX_KEY_BYTES or meta_len > MAX_META_BYTES:
+        raise CorruptObject("implausible header lengths")
+    rest = stream.read(key_len + meta_len + _HEADER_SUM_BYTES)
+    if len(rest) < key_len + meta_len + _HEADER_SUM_BYTES:
+        raise CorruptObject("truncated header")
+    body, header_sum = rest[:-_HEADER_SUM_BYTES], rest[-_HEADER_SUM_BYTES:]
+    if blake3.blake3(fixed + body).digest(length=_HEADER_SUM_BYTES) != header_sum:
+        raise CorruptObject("header checksum mismatch")
+    header_len = _FIXED.size + len(rest)
+    if file_size != header_len + payload_len:
+        raise CorruptObject(f"file is {file_size} bytes, header says {header_len + payload_len} (truncated?)")
+    meta = ObjectMeta.from_json(body[key_len:])
+    return Header(body[:key_len], meta, payload_len, payload_sum, header_len)
+
+
+def read_header_file(path: Path) -> Header:
+    """Header of an object file; FileNotFoundError when it is gone, CorruptObject when bad."""
+    with open(path, "rb") as stream:
+        return read_header(stream, os.fstat(stream.fileno()).st_size)
+
+
+def read_object_file(path: Path, expected_key: bytes) -> tuple[bytes, ObjectMeta]:
+    """Whole object, payload checksum verified. FileNotFoundError when gone, CorruptObject when bad."""
+    with open(path, "rb") as stream:
+        header = read_header(stream, os.fstat(stream.fileno()).st_size)
+        if header.key != expected_key:
+            raise CorruptObject("the file holds another key")
+        payload = stream.read(header.payload_len)
+    if len(payload) != header.payload_len:
+        raise CorruptObject("truncated payload")
+    if blake3.blake3(payload, max_threads=blake3.blake3.AUTO).digest() != header.payload_sum:
+        raise CorruptObject("payload checksum mismatch")
+    return payload, header.meta
+
+
+def write_object_file(path: Path, key: bytes, blob: bytes, meta: ObjectMeta) -> int:
+    """Atomically (re)place the object file; returns the file size. Raises OSError (e.g. disk full)."""
+    header = encode_header(key, meta, blob)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        with os.fdopen(fd, "wb") as stream:
+            stream.write(header)
+            stream.write(blob)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        _unlink_quietly(temp)
+        raise
+    fsync_directory(path.parent)
+    return len(header) + len(blob)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename durable. Some filesystems refuse fsync on a directory; that only costs durability."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # e.g. EINVAL on filesystems without directory fsync; the rename itself is still atomic
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass  # already gone is what we wanted

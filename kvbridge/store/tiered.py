@@ -1,0 +1,341 @@
+"""TieredStore: an ordered list of tiers (L1 RAM, L2 disk, later L3), each paired with an LRU policy.
+
+Flow: the engine hashes a prompt into chunk keys, asks `lookup` how many leading chunks are stored,
+`get`s them (an L2 hit is promoted into L1) and restores them; after generating it `put`s the new
+chunks. A put goes into the first tier that can hold it and also into every persistent tier
+(write-through), so a restart finds it; the engine calls put off the TTFT path, so the disk
+write costs no latency a user sees. An L1 eviction demotes the object to L2 unless L2 has it.
+
+A storage fault is a miss, counted in stats() and logged, never an exception: the caller then
+recomputes. Thread-safe: one lock guards the policies and counters; payload I/O (disk reads,
+writes) runs outside it, protected by pinning so an object being read is never evicted.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Iterable, Iterator, Sequence
+
+from kvbridge.config import env_name
+from kvbridge.errors import BadSettings
+from kvbridge.store.disk import DiskTier
+from kvbridge.store.objects import (
+    TIER_NONE,
+    CorruptObject,
+    LookupResult,
+    ObjectMeta,
+    ObjectVanished,
+    StoredObject,
+    StoreFault,
+    check_key,
+)
+from kvbridge.store.policy import LRUPolicy
+from kvbridge.store.tiers import MemoryTier, Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Level:
+    tier: Tier
+    policy: LRUPolicy
+
+
+class TieredStore:
+    """Content-addressed objects across tiers. `namespace`, when set, is the one expected by default."""
+
+    def __init__(self, tiers: Sequence[Tier], namespace: str | None = None) -> None:
+        names = [tier.name for tier in tiers]
+        if len(set(names)) != len(names) or TIER_NONE in names:
+            raise ValueError(f"tier names must be unique and not {TIER_NONE!r}: {names}")
+        self.namespace = namespace
+        self._levels = [_Level(tier, LRUPolicy(tier.capacity())) for tier in tiers]
+        self._lock = threading.RLock()
+        self._counts: Counter[str] = Counter()
+        self._hits: Counter[str] = Counter()
+        self._evictions: Counter[str] = Counter()
+        for index, level in enumerate(self._levels):
+            level.policy.seed(level.tier.entries())
+            with self._lock:
+                demoted = self._evict_locked(index)  # the capacity may have been lowered since last run
+            self._demote_all(index + 1, demoted)
+
+    @classmethod
+    def from_settings(cls, settings, namespace: str | None = None) -> "TieredStore":
+        """[L1 (KVB_L1_BYTES)] + [L2 (KVB_L2_DIR, KVB_L2_BYTES) when KVB_L2_ENABLED].
+
+        An unusable KVB_L2_DIR is a BadSettings error, not a silent fallback to L1 only: a user who
+        asked for a persistent cache should learn at start that they are not getting one.
+        """
+        tiers: list[Tier] = [MemoryTier(settings.l1_bytes)]
+        if settings.l2_enabled:
+            try:
+                tiers.append(DiskTier(settings.l2_dir, settings.l2_bytes))
+            except OSError as exc:
+                raise BadSettings(
+                    f"{env_name('l2_dir')}={settings.l2_dir!s} cannot be used for the L2 cache: "
+                    f"{exc.strerror or exc}. Point {env_name('l2_dir')} at a writable directory, "
+                    f"or set {env_name('l2_enabled')}=false to run with L1 only."
+                ) from None
+        return cls(tiers, namespace=namespace)
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return [level.tier for level in self._levels]
+
+    # -- reading ---------------------------------------------------------------------------------
+    def lookup(self, hashes: Iterable[bytes], namespace: str | None = None) -> LookupResult:
+        """How many LEADING hashes are stored (in the expected namespace), and in which tier each.
+
+        Index only, no payload reads: a later get() can still miss (a file removed by another
+        process), and the caller treats that as a shorter hit.
+        """
+        expected = self.namespace if namespace is None else namespace
+        tiers: list[str] = []
+        for key in hashes:
+            key = check_key(key)
+            index = self._holder(key, pin=False)
+            if index is None:
+                break
+            meta = self._levels[index].tier.meta(key)
+            if meta is None:
+                break  # removed between the two calls
+            if expected is not None and meta.namespace != expected:
+                self._count("foreign")
+                break
+            tiers.append(self._levels[index].tier.name)
+        with self._lock:
+            self._counts["lookups"] += 1
+        return LookupResult(len(tiers), tiers)
+
+    def contains(self, key: bytes, namespace: str | None = None) -> bool:
+        return self.lookup([key], namespace).n_hit == 1
+
+    def get(self, key: bytes, namespace: str | None = None) -> StoredObject | None:
+        """The object from the fastest tier holding it, or None (a counted miss)."""
+        key = check_key(key)
+        expected = self.namespace if namespace is None else namespace
+        index = self._holder(key, pin=True)
+        if index is None:
+            return self._miss()
+        level = self._levels[index]
+        try:
+            found = self._read(level, key)
+        finally:
+            with self._lock:
+                level.policy.unpin(key)
+        if found is None:
+            return self._miss()
+        blob, meta = found
+        if expected is not None and meta.namespace != expected:
+            self._count("foreign")
+            return self._miss()
+        with self._lock:
+            self._hits[level.tier.name] += 1
+            level.policy.on_put(key, len(blob))  # a hit makes it most recent (and fixes a stale size)
+            for other in self._levels[index + 1:]:
+                # Recent in the copies below too, so L2 does not evict what L1 keeps serving
+                # (L1 would later demote it back with a full rewrite).
+                other.policy.on_hit(key)
+        if index > 0 and self._put_into(0, key, blob, meta):
+            self._count("promotions")
+        return StoredObject(blob, replace(meta, last_used=time.time()), level.tier.name)
+
+    def _holder(self, key: bytes, pin: bool) -> int | None:
+        """Index of the fastest level holding key (pinned there if asked), discovering shared files."""
+        with self._lock:
+            for index, level in enumerate(self._levels):
+                if key in level.policy:
+                    if pin:
+                        level.policy.pin(key)
+                    return index
+        for index, level in enumerate(self._levels):
+            size = level.tier.discover(key)  # I/O outside the lock: a stat, maybe a header read
+            if size is None:
+                continue
+            with self._lock:
+                self._counts["discovered"] += 1
+                level.policy.on_put(key, size)
+                if pin:
+                    level.policy.pin(key)
+            return index
+        return None
+
+    def _read(self, level: _Level, key: bytes) -> tuple[bytes, ObjectMeta] | None:
+        """tier.get with every storage fault turned into a counted miss."""
+        try:
+            found = level.tier.get(key)
+        except CorruptObject:
+            found, reason = None, "corrupt"  # the tier logged what was wrong and dropped it
+        except ObjectVanished:
+            found, reason = None, "vanished"
+        except StoreFault as fault:
+            log.warning("%s: read failed for %s: %s", level.tier.name, key.hex()[:16], fault)
+            found, reason = None, "read_errors"
+        else:
+            reason = "" if found is not None else "vanished"
+        if found is None:
+            with self._lock:
+                self._counts[reason] += 1
+                if not level.tier.contains(key):
+                    level.policy.on_remove(key)
+        return found
+
+    def _miss(self) -> None:
+        self._count("misses")
+        return None
+
+    # -- writing ---------------------------------------------------------------------------------
+    def put(self, key: bytes, blob: bytes, meta: ObjectMeta) -> bool:
+        """Store or replace. False when no tier took it (too large, disk full): counted, not raised."""
+        key = check_key(key)
+        if not isinstance(blob, bytes):
+            blob = bytes(blob)
+        if not isinstance(meta, ObjectMeta):
+            raise TypeError(f"meta must be an ObjectMeta, got {type(meta).__name__}")
+        self._count("puts")
+        stored = False
+        for index, level in enumerate(self._levels):
+            if stored and not level.tier.persistent:
+                continue  # already in a faster tier; only persistent tiers get a write-through copy
+            if self._put_into(index, key, blob, meta):
+                stored = True
+        if not stored:
+            self._count("put_failures")
+        return stored
+
+    def _put_into(self, index: int, key: bytes, blob: bytes, meta: ObjectMeta) -> bool:
+        level = self._levels[index]
+        if not level.policy.fits(len(blob)):
+            return False
+        if not level.tier.put(key, blob, meta):  # I/O outside the lock
+            self._count("write_errors")
+            return False
+        with self._lock:
+            if not level.tier.contains(key):
+                return False  # a concurrent clear() or eviction removed it in the meantime
+            level.policy.on_put(key, len(blob))
+            demoted = self._evict_locked(index)
+        self._demote_all(index + 1, demoted)
+        return True
+
+    def _evict_locked(self, index: int) -> list[tuple[bytes, bytes, ObjectMeta]]:
+        """Evict LRU victims until the level fits; return those the next level should receive."""
+        level = self._levels[index]
+        below = self._levels[index + 1] if index + 1 < len(self._levels) else None
+        demoted = []
+        for key in level.policy.victims():
+            if below is not None and key not in below.policy:
+                # Reads the payload under the lock: free for RAM; a future tier below disk should
+                # hand victims out by path instead.
+                found = self._read(level, key)
+                if found is not None:
+                    demoted.append((key, *found))
+            level.tier.remove(key)
+            level.policy.on_remove(key)
+            self._evictions[level.tier.name] += 1
+        return demoted
+
+    def _demote_all(self, index: int, demoted: list[tuple[bytes, bytes, ObjectMeta]]) -> None:
+        if index >= len(self._levels):
+            return
+        for key, blob, meta in demoted:
+            if self._put_into(index, key, blob, meta):
+                self._count("demotions")
+
+    @contextmanager
+    def pinned(self, keys: Iterable[bytes]) -> Iterator[None]:
+        """Keep these objects from being evicted (from any tier) while the block runs."""
+        keys = [check_key(key) for key in keys]
+        with self._lock:
+            for level in self._levels:
+                for key in keys:
+                    level.policy.pin(key)
+        try:
+            yield
+        finally:
+            with self._lock:
+                for level in self._levels:
+                    for key in keys:
+                        level.policy.unpin(key)
+
+    # -- housekeeping ----------------------------------------------------------------------------
+    def clear(self, tier_name: str) -> None:
+        """Empty one tier ("L1", "L2"); L2 loses every object file in its directory."""
+        level = self._level_named(tier_name)
+        with self._lock:
+            level.tier.clear()
+            level.policy.clear()
+
+    def flush(self) -> int:
+        """Write every object held only in non-persistent tiers to the persistent ones; returns how many."""
+        persistent = [index for index, level in enumerate(self._levels) if level.tier.persistent]
+        written = 0
+        for level in self._levels:
+            if level.tier.persistent:
+                continue
+            for key in level.tier.keys():
+                missing = [index for index in persistent if key not in self._levels[index].policy]
+                found = self._read(level, key) if missing else None
+                if found is None:
+                    continue
+                for index in missing:
+                    written += self._put_into(index, key, *found)
+        return written
+
+    def close(self) -> None:
+        """Release memory held by the tiers (L1 empties); what is on disk stays. Idempotent."""
+        with self._lock:
+            for level in self._levels:
+                level.tier.close()
+                if not level.tier.persistent:
+                    level.policy.clear()
+
+    def stats(self) -> dict:
+        """Plain numbers for the GUI and CLI: per tier, then hit/miss/fault counters."""
+        with self._lock:
+            tiers = {
+                level.tier.name: {
+                    "objects": len(level.policy),
+                    "bytes": level.policy.bytes_used,
+                    "capacity": level.policy.capacity,
+                    "hits": self._hits[level.tier.name],
+                    "evictions": self._evictions[level.tier.name],
+                    "location": level.tier.location,
+                }
+                for level in self._levels
+            }
+            counts = self._counts
+            return {
+                "namespace": self.namespace,
+                "tiers": tiers,
+                "hits": {name: self._hits[name] for name in tiers},
+                "misses": counts["misses"],
+                "evictions": sum(self._evictions.values()),
+                "corrupt": counts["corrupt"] + sum(level.tier.corrupt_found for level in self._levels),
+                "foreign": counts["foreign"],
+                "vanished": counts["vanished"],
+                "read_errors": counts["read_errors"],
+                "puts": counts["puts"],
+                "put_failures": counts["put_failures"],
+                "write_errors": counts["write_errors"],
+                "promotions": counts["promotions"],
+                "demotions": counts["demotions"],
+                "discovered": counts["discovered"],
+                "lookups": counts["lookups"],
+            }
+
+    def _level_named(self, tier_name: str) -> _Level:
+        for level in self._levels:
+            if level.tier.name == tier_name:
+                return level
+        known = ", ".join(level.tier.name for level in self._levels)
+        raise ValueError(f"unknown tier {tier_name!r}; this store has: {known}")
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1

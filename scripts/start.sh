@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Set up (idempotent), then run KVBridge's GUI. Stop it with scripts/stop.sh or Ctrl-C.
+# Usage: scripts/start.sh [--background] [--no-browser]
+#   --background  run detached, logs in output/kvbridge.log
+#   --no-browser  passed to setup.sh (skip installing chromium)
+# KVB_HOST / KVB_PORT (default 127.0.0.1:7860) choose where the GUI listens.
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO_ROOT"
+PID_FILE="$REPO_ROOT/.kvbridge.pid"
+LOG_FILE="$REPO_ROOT/output/kvbridge.log"
+
+background=0
+setup_args=()
+for arg in "$@"; do
+    case "$arg" in
+        --background) background=1 ;;
+        --no-browser) setup_args+=(--no-browser) ;;
+        -h|--help) sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "start.sh: unknown option '$arg' (use --background, --no-browser or --help)" >&2; exit 2 ;;
+    esac
+done
+
+if [[ -f "$PID_FILE" ]]; then
+    old_pid="$(cat "$PID_FILE" 2>/dev/null || true)"
+    if [[ "$old_pid" =~ ^[0-9]+$ ]] && kill -0 "$old_pid" 2>/dev/null; then
+        echo "KVBridge is already running (pid $old_pid). Stop it first: scripts/stop.sh" >&2
+        exit 1
+    fi
+    rm -f "$PID_FILE"  # stale: the process is gone
+fi
+
+"$REPO_ROOT/scripts/setup.sh" "${setup_args[@]}"
+
+host="${KVB_HOST:-}"
+port="${KVB_PORT:-}"
+if [[ -f .env ]]; then
+    # The environment wins over .env, as in Settings.from_env().
+    [[ -n "$host" ]] || host="$(sed -n 's/^[[:space:]]*KVB_HOST[[:space:]]*=[[:space:]]*["'\'']\{0,1\}\([^"'\''#[:space:]]*\).*/\1/p' .env | tail -n1)"
+    [[ -n "$port" ]] || port="$(sed -n 's/^[[:space:]]*KVB_PORT[[:space:]]*=[[:space:]]*["'\'']\{0,1\}\([0-9]*\).*/\1/p' .env | tail -n1)"
+fi
+host="${host:-127.0.0.1}"
+port="${port:-7860}"
+
+mkdir -p output
+if [[ $background -eq 1 ]]; then
+    # setsid: its own session, so closing this terminal does not stop it.
+    setsid "$REPO_ROOT/.venv/bin/python" -m kvbridge gui >>"$LOG_FILE" 2>&1 </dev/null &
+    echo $! >"$PID_FILE"
+    echo "KVBridge started in the background (pid $!): http://$host:$port"
+    echo "logs: output/kvbridge.log · stop: scripts/stop.sh"
+    exit 0
+fi
+
+echo "KVBridge: http://$host:$port  (Ctrl-C or scripts/stop.sh to stop)"
+# exec keeps the PID: the PID file names the GUI process itself, and signals reach it directly.
+echo $$ >"$PID_FILE"
+exec "$REPO_ROOT/.venv/bin/python" -m kvbridge gui

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Run the whole test suite: set-up (idempotent), build llama-server if needed, then pytest over tests/.
+# Extra arguments go to pytest, e.g. scripts/test.sh -x -q -m "not slow" or scripts/test.sh tests/test_store.py
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO_ROOT"
+start_s=$SECONDS
+
+"$REPO_ROOT/scripts/setup.sh"
+"$REPO_ROOT/scripts/build_llama_server.sh"
+
+set +e
+"$REPO_ROOT/.venv/bin/python" -m pytest -ra "$@"
+rc=$?
+set -e
+
+elapsed=$((SECONDS - start_s))
+if [[ $rc -eq 5 ]]; then
+    echo "test.sh: pytest collected no tests; that counts as a failure" >&2
+    rc=1
+fi
+echo "test.sh: finished in $((elapsed / 60)) min $((elapsed % 60)) s (pytest exit code $rc)"
+exit $rc
