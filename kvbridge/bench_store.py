@@ -106,8 +106,14 @@ def bench_tiers(object_mb: float, repeats: int, directory: Path) -> dict:
 
 
 def run_bench_store(settings=None, object_mb: float = 40, repeats: int = 5, directory: str | None = None) -> dict:
-    """Hashing + tier throughput; the L2 part runs in a temp directory that is removed afterwards."""
+    """Hashing + tier throughput; the L2 part runs in a temp directory that is removed afterwards.
+
+    The temp directory sits next to KVB_L2_DIR (same filesystem as the real L2) unless `directory`
+    is given; without settings, or when that place is not writable, in the system temp directory.
+    """
     chunk_size = getattr(settings, "chunk_size", 256) or 256
+    if directory is None and settings is not None:
+        directory = _writable_parent(Path(settings.l2_dir).expanduser())
     result: dict = {"object_mb": object_mb, "repeats": repeats}
     try:
         result["hashing"] = bench_hashing(chunk_size=chunk_size, repeats=repeats)
@@ -117,6 +123,14 @@ def run_bench_store(settings=None, object_mb: float = 40, repeats: int = 5, dire
         result["directory"] = temp
         result["tiers"] = bench_tiers(object_mb, repeats, Path(temp))
     return result
+
+
+def _writable_parent(l2_dir: Path) -> str | None:
+    try:
+        l2_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return str(l2_dir.parent) if os.access(l2_dir.parent, os.W_OK) else None
 
 
 def format_report(result: dict) -> str:

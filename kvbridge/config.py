@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import difflib
 import json
+import math
 import os
 import re
 import stat
@@ -135,7 +136,7 @@ class Settings:
             except (OSError, UnicodeDecodeError) as error:
                 problems.append(("", f"cannot read the settings file {path}: {error}"))
         elif env_file is not None:
-            problems.append(("", f"the settings file {path} does not exist"))
+            problems.append(("", f"the settings file {path} {'is not a file' if path.exists() else 'does not exist'}"))
         values = {**file_values, **{k: v for k, v in environ.items() if k.startswith("KVB_")}}
 
         kwargs = {}
@@ -261,7 +262,8 @@ def _parse_value(name: str, raw: str) -> object:
         try:
             return parse_size(text)
         except ValueError:
-            raise ValueError(f"{var}={raw!r} is not a size; use a number of bytes or a value like 512MiB or 2GiB") from None
+            raise ValueError(
+                f"{var}={raw!r} is not a size; use a number of bytes or a value like 512MiB or 2GiB") from None
     if kind is bool:
         if text.lower() in _TRUE | _FALSE:
             return text.lower() in _TRUE
@@ -274,8 +276,8 @@ def _parse_value(name: str, raw: str) -> object:
     try:
         value = float(text)
     except ValueError:
-        value = float("nan")
-    if value != value or value in (float("inf"), float("-inf")):
+        value = math.nan
+    if not math.isfinite(value):
         raise ValueError(f"{var}={raw!r} is not a number; use seconds like 60 or 2.5")
     return value
 
@@ -308,7 +310,8 @@ def url_problem(var: str, url: str) -> str | None:
     if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url):
         return f"{var}={url!r} is not a URL; use http://host:port or https://host/path"
     if parts.username or parts.password:
-        return f"{var} must not carry a user name or password; the key goes in the variable named by KVB_CLOUD_API_KEY_ENV"
+        return (f"{var} must not carry a user name or password; "
+                "the key goes in the variable named by KVB_CLOUD_API_KEY_ENV")
     if port == 0:
         return f"{var}={url!r} has port 0; use a port from 1 to 65535"
     if parts.query or parts.fragment:
@@ -322,16 +325,19 @@ def _value_problems(s: Settings) -> list[str]:
     rules = (
         (s.chunk_size < 1, f"KVB_CHUNK_SIZE={s.chunk_size} must be at least 1 (LMCache uses 256)"),
         (s.chunk_size >= 1 and s.ctx_size < max(64, s.chunk_size),
-         f"KVB_CTX_SIZE={s.ctx_size} is too small: it must be at least 64 and at least KVB_CHUNK_SIZE ({s.chunk_size})"),
+         f"KVB_CTX_SIZE={s.ctx_size} is too small: it must be at least 64 "
+         f"and at least KVB_CHUNK_SIZE ({s.chunk_size})"),
         (s.threads < 0, f"KVB_THREADS={s.threads} cannot be negative (0 means all cores)"),
         (s.n_predict < 1, f"KVB_N_PREDICT={s.n_predict} must be at least 1"),
         (s.l1_bytes < 0, f"KVB_L1_BYTES={s.l1_bytes} cannot be negative"),
         (s.l2_bytes < 0, f"KVB_L2_BYTES={s.l2_bytes} cannot be negative"),
         (not s.host.strip(), "KVB_HOST is empty; use 127.0.0.1 (this machine only) or 0.0.0.0 (all interfaces)"),
         (not 1 <= s.port <= 65535, f"KVB_PORT={s.port} is not a port; use 1 to 65535 (default 7860)"),
-        (not 0 <= s.llama_server_port <= 65535, f"KVB_LLAMA_SERVER_PORT={s.llama_server_port} is not a port; use 1 to 65535, or 0 for a free one"),
+        (not 0 <= s.llama_server_port <= 65535,
+         f"KVB_LLAMA_SERVER_PORT={s.llama_server_port} is not a port; use 1 to 65535, or 0 for a free one"),
         (s.llama_start_timeout <= 0, f"KVB_LLAMA_START_TIMEOUT={s.llama_start_timeout} must be more than 0 seconds"),
-        (s.cloud_token_budget < 0, f"KVB_CLOUD_TOKEN_BUDGET={s.cloud_token_budget} cannot be negative (0 means no budget)"),
+        (s.cloud_token_budget < 0,
+         f"KVB_CLOUD_TOKEN_BUDGET={s.cloud_token_budget} cannot be negative (0 means no budget)"),
         (s.cloud_timeout <= 0, f"KVB_CLOUD_TIMEOUT={s.cloud_timeout} must be more than 0 seconds"),
         (s.cloud_max_retries < 0, f"KVB_CLOUD_MAX_RETRIES={s.cloud_max_retries} cannot be negative"),
         (not s.engine.strip(), "KVB_ENGINE is empty; use llamacpp (the default) or another registered engine"),
@@ -339,7 +345,8 @@ def _value_problems(s: Settings) -> list[str]:
     problems += [message for failed, message in rules if failed]
     for name in ("cache_type_k", "cache_type_v"):
         if getattr(s, name) not in CACHE_TYPES:
-            problems.append(f"{env_name(name)}={getattr(s, name)!r} is not a KV cache type; use one of {', '.join(CACHE_TYPES)}")
+            problems.append(f"{env_name(name)}={getattr(s, name)!r} is not a KV cache type; "
+                            f"use one of {', '.join(CACHE_TYPES)}")
     for name in URL_FIELDS:
         value = getattr(s, name)
         message = url_problem(env_name(name), value) if value else None
@@ -376,7 +383,8 @@ def _check_model_file(s: Settings, environ: Mapping[str, str], *, ollama_model_o
         if path.is_file():
             return []
         what = "is a directory, not a model file" if path.is_dir() else "does not exist"
-        return [f"KVB_MODEL_PATH={s.model_path} {what}; point it at a .gguf file or leave it empty for the embedded model"]
+        return [f"KVB_MODEL_PATH={s.model_path} {what}; "
+                "point it at a .gguf file or leave it empty for the embedded model"]
     if ollama_model_ok and s.ollama_model:
         return []  # the engine looks the model's GGUF up in KVB_OLLAMA_MODELS
     if not EMBEDDED_MODEL_PATH.is_file():
@@ -438,9 +446,9 @@ def _key_variable_problems(s: Settings, environ: Mapping[str, str], preset: Clou
                 "not the key itself"]
     if environ.get(key_env):
         return []
-    source = "KVB_CLOUD_API_KEY_ENV names" if s.cloud_api_key_env else \
-        f"the {preset.label if preset else 'cloud'} preset reads the key from (KVB_CLOUD_API_KEY_ENV changes it)"
-    return [f"{source} {key_env} but that variable is not set; export it in your shell "
+    where = "KVB_CLOUD_API_KEY_ENV names" if s.cloud_api_key_env else \
+        f"the {preset.label if preset else 'cloud'} preset (KVB_CLOUD_PROVIDER) reads its key from"
+    return [f"{where} {key_env} but that variable is not set; export it in your shell "
             "(KVBridge reads keys only from the environment, never from files)"]
 
 

@@ -10,7 +10,7 @@ import threading
 from collections import Counter, defaultdict
 from typing import Iterable
 
-HIT_PREFIX = "hits."   # counters named "hits.L1", "hits.L2" ... feed hit_rates()
+HIT_PREFIX = "hits_"   # counters named "hits_L1", "hits_L2" ... (the engine's names) feed hit_rates()
 MISS_COUNTER = "misses"
 
 
@@ -71,7 +71,7 @@ class Metrics:
         return summarize(self.series(name))
 
     def hit_rates(self) -> dict[str, float]:
-        """Share of lookups served by each tier, from counters "hits.<tier>" and "misses"."""
+        """Share of lookups served by each tier, from counters "hits_<tier>" and "misses"."""
         with self._lock:
             hits = {name[len(HIT_PREFIX):]: n for name, n in self._counters.items() if name.startswith(HIT_PREFIX)}
             total = sum(hits.values()) + self._counters[MISS_COUNTER]

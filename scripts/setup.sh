@@ -54,17 +54,22 @@ ensure_build_tools() {
     fi
 }
 
-# 1. The virtual environment.
-if [[ ! -x "$VENV/bin/python" ]]; then
+# 1. The virtual environment. An existing one is never removed here: a broken .venv is reported.
+if [[ ! -e "$VENV/pyvenv.cfg" ]]; then
     python="$(command -v python3.11 || command -v python3 || true)"
     [[ -n "$python" ]] || die "no python3.11 or python3 found; on Debian: apt-get install -y python3 python3-venv"
     say "creating .venv with $("$python" --version 2>&1)"
+    venv_existed=0
+    [[ -e "$VENV" ]] && venv_existed=1
     if ! "$python" -m venv "$VENV" >/dev/null 2>&1; then
-        rm -rf "$VENV"
-        # Debian ships venv's ensurepip separately.
+        # Debian ships venv's ensurepip separately; remove only what this attempt created.
+        [[ $venv_existed -eq 1 ]] || rm -rf -- "$VENV"
         apt_install python3-venv
         "$python" -m venv "$VENV"
     fi
+fi
+if ! "$VENV/bin/python" -c "" >/dev/null 2>&1; then
+    die ".venv/bin/python does not run for this user ($(id -un)). Remove .venv and run scripts/setup.sh again."
 fi
 
 # 2. Python packages, only when requirements.txt changed since the last successful install.

@@ -9,6 +9,11 @@ set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"
 PID_FILE="$REPO_ROOT/.kvbridge.pid"
+
+is_kvbridge() {  # the process with this PID runs KVBridge (not some later process given the number)
+    [[ "$1" =~ ^[0-9]+$ && -r "/proc/$1/cmdline" ]] && tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null | grep -q "kvbridge"
+}
+
 LOG_FILE="$REPO_ROOT/output/kvbridge.log"
 
 background=0
@@ -24,7 +29,8 @@ done
 
 if [[ -f "$PID_FILE" ]]; then
     old_pid="$(cat "$PID_FILE" 2>/dev/null || true)"
-    if [[ "$old_pid" =~ ^[0-9]+$ ]] && kill -0 "$old_pid" 2>/dev/null; then
+    # The PID must still be KVBridge: after a reboot or a crash the number may belong to anything.
+    if [[ "$old_pid" =~ ^[0-9]+$ ]] && is_kvbridge "$old_pid"; then
         echo "KVBridge is already running (pid $old_pid). Stop it first: scripts/stop.sh" >&2
         exit 1
     fi

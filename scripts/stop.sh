@@ -7,6 +7,11 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"
 PID_FILE="$REPO_ROOT/.kvbridge.pid"
 
+is_kvbridge() {  # the process with this PID runs KVBridge (not some later process given the number)
+    [[ "$1" =~ ^[0-9]+$ && -r "/proc/$1/cmdline" ]] && tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null | grep -q "kvbridge"
+}
+
+
 timeout_s=30
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -21,7 +26,8 @@ if [[ ! -f "$PID_FILE" ]]; then
     exit 0
 fi
 pid="$(cat "$PID_FILE" 2>/dev/null || true)"
-if ! [[ "$pid" =~ ^[0-9]+$ ]] || ! kill -0 "$pid" 2>/dev/null; then
+# Only signal the PID when it is still KVBridge (the number may have been reused since).
+if ! [[ "$pid" =~ ^[0-9]+$ ]] || ! is_kvbridge "$pid"; then
     echo "KVBridge is not running (stale PID file removed)."
     rm -f "$PID_FILE"
     exit 0
@@ -32,6 +38,18 @@ if [[ -z "$port" && -f .env ]]; then
     port="$(sed -n 's/^[[:space:]]*KVB_PORT[[:space:]]*=[[:space:]]*["'\'']\{0,1\}\([0-9]*\).*/\1/p' .env | tail -n1)"
 fi
 port="${port:-7860}"
+
+children_of() {  # PIDs whose parent is $1, from /proc (no procps needed)
+    local parent="$1" stat line fields
+    for stat in /proc/[0-9]*/stat; do
+        read -r line 2>/dev/null <"$stat" || continue
+        read -r -a fields <<<"${line##*) }"   # the fields after "(comm) ": state, ppid, ...
+        if [[ "${fields[1]:-}" == "$parent" ]]; then
+            stat="${stat#/proc/}"
+            echo "${stat%/stat}"
+        fi
+    done
+}
 
 port_busy() {
     # True while something listens on the port (bash's /dev/tcp; no extra tools needed).
@@ -52,7 +70,12 @@ done
 
 if kill -0 "$pid" 2>/dev/null; then
     echo "still running after ${timeout_s} s; sending SIGKILL"
+    # A killed KVBridge cannot stop its llama-server child itself: find its children first.
+    children="$(children_of "$pid")"
     kill -KILL "$pid" 2>/dev/null || true
+    for child in $children; do
+        kill -TERM "$child" 2>/dev/null || true
+    done
     sleep 1
 fi
 rm -f "$PID_FILE"

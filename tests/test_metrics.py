@@ -39,8 +39,8 @@ def test_empty_series_is_nan_not_an_error():
 
 def test_hit_rates_per_tier_from_counters():
     metrics = Metrics()
-    metrics.inc("hits.L1", 6)
-    metrics.inc("hits.L2", 2)
+    metrics.inc("hits_L1", 6)
+    metrics.inc("hits_L2", 2)
     metrics.inc("misses", 2)
     assert metrics.hit_rates() == {"L1": 0.6, "L2": 0.2}
     assert Metrics().hit_rates() == {}

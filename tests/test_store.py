@@ -257,6 +257,17 @@ def test_get_from_l2_promotes_to_l1_and_reports_l2(tmp_path):
     assert stats["promotions"] == 1 and stats["hits"] == {"L1": 1, "L2": 1}
 
 
+def test_l1_hit_keeps_the_l2_copy_recent(tmp_path):
+    store = make_store(tmp_path, l1=300, l2=300)
+    a, b, c, d = (key(x) for x in "abcd")
+    for k in (a, b, c):
+        store.put(k, blob_for(k), meta())
+    assert store.get(a).tier == "L1"
+    store.put(d, blob_for(d), meta())  # both tiers evict b, the least recently used everywhere
+    assert sorted(store.tiers[1].keys()) == sorted([a, c, d])
+    assert store.stats()["demotions"] == 0
+
+
 def test_put_writes_through_to_l2_and_l1_keeps_the_callers_bytes(tmp_path):
     store = make_store(tmp_path)
     blob = blob_for(key(1))
@@ -424,3 +435,16 @@ def test_concurrent_put_and_get_from_threads(tmp_path):
         assert stats["tiers"][tier.name]["bytes"] == tier.bytes_used() <= tier.capacity()
         assert stats["tiers"][tier.name]["objects"] == len(tier.keys())
     assert stats["corrupt"] == 0 and stats["puts"] == 240
+
+
+# -- bench-store (a command, not a timed test: this only checks it runs and reports) -------------
+def test_bench_store_runs_and_reports(tmp_path):
+    from kvbridge.bench_store import format_report, run_bench_store
+
+    result = run_bench_store(Settings(l2_dir=str(tmp_path / "l2")), object_mb=0.2, repeats=1)
+    assert result["tiers"]["l1_get_tier"] == "L1" and result["tiers"]["l2_get_tier"] == "L2"
+    assert set(result["tiers"]["ratios"]) == {"l1_put", "l1_get", "l2_put", "l2_get"}
+    assert result["hashing"]["tokens_per_s"] > 0
+    report = format_report(result)
+    assert "M tokens/s" in report and "l2_get" in report and "file_write_fsync" in report
+    assert list(tmp_path.iterdir()) == []  # the temp directory next to KVB_L2_DIR is gone

@@ -122,6 +122,11 @@ class CloudBackend(Backend):
     def describe(self) -> str:
         return f"{self.provider_label} at {self.base_url}, model {self.model} (tokens: {self.tokenizer_note})"
 
+    def kv_fingerprint(self) -> dict[str, str]:
+        """What separates this index from another: endpoint, model, and which token ids it holds."""
+        return {"engine": self.key, "url": self.base_url, "model": self.model,
+                "tokens": "server /tokenize" if not self.approx_tokens else "approx v1"}
+
     # budget --------------------------------------------------------------------------------
     @property
     def tokens_used(self) -> int:

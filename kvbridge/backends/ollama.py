@@ -55,6 +55,7 @@ class OllamaBackend(Backend):
         self.vocab: GGUFVocab | None = None
         self.approx_tokens = True           # until start() finds the model's GGUF
         self.tokenizer_note = "not started"
+        self.manifest_digest = ""           # of the local manifest whose GGUF gives the vocabulary
         self._approx = ApproxTokenizer()
         self._session: requests.Session | None = None
         self._calibration_ns = 0            # summed prompt_eval_duration of cold requests
@@ -84,6 +85,14 @@ class OllamaBackend(Backend):
         version = f" {self.server_version}" if self.server_version else ""
         return f"Ollama{version} at {self.url}, model {self.model} (tokens: {self.tokenizer_note})"
 
+    def kv_fingerprint(self) -> dict[str, str]:
+        """What separates this index from another: server, model, and which token ids it holds.
+
+        The manifest digest names the exact model files, so no multi-gigabyte GGUF needs hashing.
+        """
+        return {"engine": self.key, "url": self.url, "model": self.model,
+                "tokens": f"gguf {self.manifest_digest}" if not self.approx_tokens else "approx v1"}
+
     def _load_vocabulary(self) -> None:
         """Use the model's real vocabulary when Ollama's store on this machine holds its GGUF."""
         found = locate_ollama_model(self.settings.ollama_models, self.model)
@@ -101,11 +110,12 @@ class OllamaBackend(Backend):
             self._use_approx(f"approx ({err})")
             return
         self.approx_tokens = False
+        self.manifest_digest = found.manifest_digest
         self.tokenizer_note = f"model vocabulary from {found.gguf_path.name}"
 
     def _use_approx(self, why: str) -> None:
         log.warning("Ollama model %s: %s", self.model, why)
-        self.vocab, self.approx_tokens, self.tokenizer_note = None, True, why
+        self.vocab, self.approx_tokens, self.tokenizer_note, self.manifest_digest = None, True, why, ""
 
     def _served_manifest_digest(self) -> str:
         """The manifest digest Ollama lists for our model ('' when it does not say)."""

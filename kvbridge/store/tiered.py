@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Iterable, Iterator, Sequence
 
-from kvbridge.config import env_name
+from kvbridge.config import Settings, env_name
 from kvbridge.errors import BadSettings
 from kvbridge.store.disk import DiskTier
 from kvbridge.store.objects import (
@@ -65,7 +65,7 @@ class TieredStore:
             self._demote_all(index + 1, demoted)
 
     @classmethod
-    def from_settings(cls, settings, namespace: str | None = None) -> "TieredStore":
+    def from_settings(cls, settings: Settings, namespace: str | None = None) -> "TieredStore":
         """[L1 (KVB_L1_BYTES)] + [L2 (KVB_L2_DIR, KVB_L2_BYTES) when KVB_L2_ENABLED].
 
         An unusable KVB_L2_DIR is a BadSettings error, not a silent fallback to L1 only: a user who

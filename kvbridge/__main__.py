@@ -1,0 +1,198 @@
+"""`python -m kvbridge`: the command line (gui, demo, bench, bench-store, namespace, engines, scenarios)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import tempfile
+
+from .config import Settings
+from .errors import KVBridgeError
+
+COMMANDS = {
+    "gui": "serve the Gradio testbed on KVB_HOST:KVB_PORT (what ./scripts/start.sh runs)",
+    "demo": "run a short Document Q&A in cold and lmcache modes and print what happened",
+    "bench": "run a scenario headless in several modes; print a table and summary; write CSV/JSON to output/",
+    "bench-store": "hashing and L1/L2 throughput against plain memory and file copies",
+    "namespace": "start the configured engine and print its namespace (what its stored KV is keyed under)",
+    "engines": "list the engines in the registry",
+    "scenarios": "list the demo scenarios",
+}
+
+
+def _settings(args) -> Settings:
+    settings = Settings.from_env()
+    overrides = {}
+    for name in ("engine", "chunk_size", "n_predict"):
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides[name] = value
+    if overrides:
+        settings = dataclasses.replace(settings, **overrides)
+    problems = settings.validate()
+    if problems:
+        raise SystemExit("Settings need attention:\n  - " + "\n  - ".join(problems))
+    return settings
+
+
+def _make_engine(settings: Settings, l2_dir: str | None = None):
+    from .backends import make_backend
+    from .engine import CachedEngine
+
+    if l2_dir is not None:
+        settings = dataclasses.replace(settings, l2_dir=l2_dir)
+    return CachedEngine(settings, make_backend(settings.engine, settings))
+
+
+def cmd_gui(args) -> int:
+    from .app import main as app_main
+
+    return app_main() or 0
+
+
+def cmd_engines(args) -> int:
+    from .backends import engine_specs
+
+    for spec in engine_specs():
+        aliases = f" (aliases: {', '.join(spec.aliases)})" if spec.aliases else ""
+        print(f"{spec.key:13} {spec.cls.kv_mode.upper():6} {spec.label}{aliases}\n{'':20} {spec.blurb}")
+    return 0
+
+
+def cmd_scenarios(args) -> int:
+    from .scenarios import scenario_specs
+
+    for sc in scenario_specs():
+        print(f"{sc.key:15} {sc.title}: {sc.description}")
+    return 0
+
+
+def cmd_namespace(args) -> int:
+    settings = _settings(args)
+    with _make_engine(settings) as engine:
+        status = engine.status()
+        print(f"engine:    {status['label']} ({status['location']}), {status['kv_mode'].upper()}")
+        print(f"namespace: {status['namespace']}")
+        print(f"short:     {status['namespace_short']}")
+        print(f"KV layout: {status['kv_layout']}")
+    return 0
+
+
+def cmd_bench_store(args) -> int:
+    from .bench_store import format_report, run_bench_store
+
+    settings = Settings.from_env()
+    print(format_report(run_bench_store(settings, object_mb=args.object_mb, repeats=args.repeats)))
+    return 0
+
+
+def _progress(done: int, total: int, what: str) -> None:
+    width = 30
+    filled = int(width * done / max(total, 1))
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what[:60]:60}")
+    if done >= total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def cmd_bench(args) -> int:
+    from .benchreport import format_summary, format_table, summarize
+    from .export import export_run
+    from .runner import parse_modes, run_scenario
+
+    settings = _settings(args)
+    modes = parse_modes(args.modes)
+    with tempfile.TemporaryDirectory(prefix="kvb-bench-l2-") as fresh_l2:
+        # A fresh store by default: the first lmcache request is a real miss, and nothing of the user's is touched.
+        engine = _make_engine(settings, None if args.keep_store else fresh_l2)
+        records = []
+        with engine:
+            status = engine.status()
+            print(f"engine {status['label']} ({status['location']}), {status['kv_mode'].upper()}, "
+                  f"namespace {status['namespace_short']}, chunk {settings.chunk_size}")
+            document = _read_document(args.document)
+            for record in run_scenario(engine, args.scenario, modes, n_requests=args.requests, document=document,
+                                       progress=_progress, n_predict=args.n_predict):
+                records.append(record)
+            stats = engine.store.stats()
+        print(format_table(records))
+        summary = summarize(records)
+        print(format_summary(summary))
+        paths = export_run(records, settings.output_dir, meta={
+            "command": "bench", "scenario": args.scenario, "modes": modes, "engine": status["engine"],
+            "namespace": status["namespace"], "chunk_size": settings.chunk_size, "summary": summary,
+            "store": stats})
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 1 if any(r.error for r in records) else 0
+
+
+def _read_document(path: str | None) -> str | None:
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise KVBridgeError(f"Cannot read the document {path}: {exc.strerror}") from exc
+
+
+def cmd_demo(args) -> int:
+    from .runner import run_scenario
+
+    settings = _settings(args)
+    with tempfile.TemporaryDirectory(prefix="kvb-demo-l2-") as l2:
+        with _make_engine(settings, l2) as engine:
+            print(f"Demo: Document Q&A on {engine.status()['label']}, 3 questions, cold then lmcache.")
+            for r in run_scenario(engine, "doc-qa", ["cold", "lmcache"], n_requests=3, n_predict=24):
+                print(f"  {r.mode:8} {r.label[:40]:40} TTFT {r.ttft_ms:8.1f} ms  reused {r.matched_tokens:5}/"
+                      f"{r.prompt_tokens} tokens from {r.tier:4}  {r.text.strip()[:50]!r}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvbridge",
+        description="KVBridge: an LMCache-style KV-cache layer for llama.cpp, llama-server, Ollama and "
+                    "OpenAI-compatible engines. Settings come from KVB_ variables and .env (see .env.example).",
+        epilog="commands:\n" + "\n".join(f"  {k:12} {v}" for k, v in COMMANDS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name in ("bench", "demo", "namespace"):
+            p.add_argument("--engine", help="engine key or alias (default: KVB_ENGINE)")
+            p.add_argument("--chunk-size", dest="chunk_size", type=int, help="tokens per chunk (default: KVB_CHUNK_SIZE)")
+        if name == "bench":
+            p.add_argument("--scenario", default="doc-qa", help="scenario key (see `scenarios`); default doc-qa")
+            p.add_argument("--modes", default="cold,native,lmcache", help="comma-separated modes; default all three")
+            p.add_argument("--requests", type=int, default=None, help="number of requests (default: the scenario's)")
+            p.add_argument("--n-predict", dest="n_predict", type=int, default=None, help="tokens to generate")
+            p.add_argument("--document", help="a text file to use as the document")
+            p.add_argument("--keep-store", action="store_true",
+                           help="use the configured L2 (KVB_L2_DIR) instead of a fresh temporary store")
+        if name == "bench-store":
+            p.add_argument("--object-mb", type=float, default=40.0, help="object size in MB (default 40)")
+            p.add_argument("--repeats", type=int, default=5, help="runs per measurement (median is shown)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not args.command:
+        parser.print_help()
+        return 0
+    handler = globals()["cmd_" + args.command.replace("-", "_")]
+    try:
+        return handler(args)
+    except KVBridgeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

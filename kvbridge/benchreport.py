@@ -1,0 +1,74 @@
+"""Text tables and the summary the bench prints: mean/median TTFT per mode, speedups against cold, hits, tiers."""
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from typing import Sequence
+
+from .records import MODES, RequestRecord
+
+
+def summarize(records: Sequence[RequestRecord]) -> dict:
+    """Per mode: mean and median TTFT, speedups against cold, warm-hit medians and hit rates (plain numbers)."""
+    out: dict = {}
+    ok = [r for r in records if not r.error]
+    by_mode = {m: [r for r in ok if r.mode == m] for m in MODES if any(r.mode == m for r in ok)}
+    for mode, rs in by_mode.items():
+        ttfts = [r.ttft_ms for r in rs]
+        warm = [r for r in rs if r.matched_tokens > 0 or (r.mode == "native" and (r.engine_cached_tokens or 0) > 0)]
+        out[mode] = {
+            "requests": len(rs),
+            "mean_ttft_ms": statistics.fmean(ttfts),
+            "median_ttft_ms": statistics.median(ttfts),
+            "warm_requests": len(warm),
+            "median_warm_ttft_ms": statistics.median([r.ttft_ms for r in warm]) if warm else None,
+            "tiers": dict(Counter(r.tier for r in rs)),
+            "reused_tokens": sum(r.matched_tokens for r in rs),
+            "prompt_tokens": sum(r.prompt_tokens for r in rs),
+            "engine_cached_tokens": sum(r.engine_cached_tokens or 0 for r in rs),
+        }
+    cold = out.get("cold")
+    if cold:
+        for mode, s in out.items():
+            s["mean_speedup_vs_cold"] = cold["mean_ttft_ms"] / s["mean_ttft_ms"] if s["mean_ttft_ms"] else None
+            # warm hits against cold on the same requests (request_index pairs them)
+            cold_by_index = {r.request_index: r.ttft_ms for r in by_mode["cold"]}
+            pairs = [cold_by_index[r.request_index] / r.ttft_ms for r in by_mode[mode]
+                     if r.request_index in cold_by_index and r.ttft_ms > 0 and
+                     (r.matched_tokens > 0 or (mode == "native" and (r.engine_cached_tokens or 0) > 0))]
+            s["median_warm_speedup_vs_cold"] = statistics.median(pairs) if pairs else None
+    native, lm = out.get("native"), out.get("lmcache")
+    if native and lm and native.get("median_warm_ttft_ms") and lm.get("median_warm_ttft_ms"):
+        lm["warm_vs_native"] = lm["median_warm_ttft_ms"] / native["median_warm_ttft_ms"]
+    return out
+
+
+def _fmt(value, spec: str = ".1f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def format_table(records: Sequence[RequestRecord]) -> str:
+    head = f"{'mode':8} {'#':>3} {'prompt':>6} {'reused':>6} {'tier':4} {'prefill':>7} {'lookup':>7} {'restore':>8} " \
+           f"{'TTFT ms':>9} {'eng.cached':>10} {'store ms':>8}  notes / answer"
+    lines = [head, "-" * len(head)]
+    for r in records:
+        tail = r.error or r.notes or r.text.strip().replace("\n", " ")
+        lines.append(f"{r.mode:8} {r.request_index:>3} {r.prompt_tokens:>6} {r.matched_tokens:>6} {r.tier:4} "
+                     f"{r.prefill_tokens:>7} {r.lookup_ms:>7.1f} {r.restore_ms:>8.1f} {r.ttft_ms:>9.1f} "
+                     f"{_fmt(r.engine_cached_tokens, 'd'):>10} {r.store_ms:>8.1f}  {tail[:60]}")
+    return "\n".join(lines)
+
+
+def format_summary(summary: dict) -> str:
+    lines = ["", "summary (TTFT):"]
+    for mode, s in summary.items():
+        line = (f"  {mode:8} mean {s['mean_ttft_ms']:9.1f} ms  median {s['median_ttft_ms']:9.1f} ms  "
+                f"warm median {_fmt(s['median_warm_ttft_ms'], '.1f', ' ms'):>10}  "
+                f"hits {s['warm_requests']}/{s['requests']}  tiers {s['tiers']}")
+        if "mean_speedup_vs_cold" in s and mode != "cold":
+            line += (f"\n           speedup vs cold: mean {_fmt(s['mean_speedup_vs_cold'], '.1f', 'x')}, "
+                     f"warm median {_fmt(s['median_warm_speedup_vs_cold'], '.1f', 'x')}")
+        if "warm_vs_native" in s:
+            line += f"; warm median vs native {s['warm_vs_native']:.2f}x"
+        lines.append(line)
+    return "\n".join(lines)

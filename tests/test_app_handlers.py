@@ -1,0 +1,255 @@
+"""GUI handlers without a browser: settings form, validation messages, runs, store panel, export.
+
+The first half needs no engine (records are built by hand); the `live` half connects the real
+embedded llama.cpp engine with a small chunk size and a short document.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from kvbridge import app_handlers as h
+from kvbridge import app_results as r
+from kvbridge.backends import engine_specs
+from kvbridge.config import EMBEDDED_MODEL_PATH, Settings
+from kvbridge.errors import EngineUnavailable
+from kvbridge.records import RECORD_FIELDS, RequestRecord
+
+TINY_DOC = "# Garden rota\n\n" + " ".join(
+    f"Rule {i}: the {['north', 'south', 'east', 'west'][i % 4]} bed is watered on day {i % 7}." for i in range(12))
+
+
+def small_settings(tmp_path: Path, **env: str) -> Settings:
+    (tmp_path / "input").mkdir(exist_ok=True)
+    base = {"KVB_L2_DIR": str(tmp_path / "l2"), "KVB_CHUNK_SIZE": "32", "KVB_N_PREDICT": "4",
+            "KVB_CTX_SIZE": "1024", "KVB_INPUT_DIR": str(tmp_path / "input"), "KVB_OUTPUT_DIR": str(tmp_path / "out"),
+            "KVB_L1_BYTES": "256MiB", "KVB_L2_BYTES": "512MiB"}
+    return Settings.from_env(env={**base, **env}, env_file=None)
+
+
+@pytest.fixture
+def state(tmp_path) -> h.AppState:
+    return h.AppState(small_settings(tmp_path), env_path=tmp_path / ".env")
+
+
+def made_records() -> list[RequestRecord]:
+    return [RequestRecord(mode="cold", request_index=1, ttft_ms=800.0, label="Q1", text="x" * 200),
+            RequestRecord(mode="lmcache", request_index=1, ttft_ms=40.0, label="Q1", tier="L1",
+                          matched_tokens=96, notes="restore ineffective: engine reused 0 of 96 restored tokens")]
+
+
+# -- the engine form ---------------------------------------------------------------------------
+def test_engine_radio_lists_the_registry():
+    keys = [key for _, key in h.engine_choices()]
+    assert keys == [spec.key for spec in engine_specs()]
+    assert {"llamacpp", "llama-server", "ollama", "cloud"} <= set(keys)
+    assert all(label and label != key for label, key in h.engine_choices())
+
+
+def test_form_shows_each_engines_fields():
+    fields = h.form_fields()
+    for spec in engine_specs():
+        shown = h.fields_for_engine(spec.key)
+        assert set(spec.fields) <= shown <= set(fields)
+    assert "cloud_api_key_env" in h.fields_for_engine("cloud") and "cloud_api_key_env" not in h.fields_for_engine("llamacpp")
+    assert len(fields) == len(set(fields))
+
+
+def test_cloud_notice_says_prompts_leave_the_machine():
+    assert "leave this machine" in h.engine_notice("cloud")
+    assert "leave this machine" not in h.engine_notice("llamacpp")
+
+
+def test_form_accepts_what_env_accepts(state):
+    values = h.form_values(state.settings)
+    values.update(l1_bytes="512MiB", chunk_size="64", flash_attn=True)
+    settings, problems = h.settings_from_form(state.settings, "llama.cpp", values)
+    assert problems == []
+    assert (settings.engine, settings.l1_bytes, settings.chunk_size, settings.flash_attn) == ("llamacpp", 512 << 20, 64, True)
+    assert settings.l2_dir == state.settings.l2_dir  # fields not in the form keep their value
+
+
+def test_bad_settings_are_messages_naming_the_variable(state):
+    values = {**h.form_values(state.settings), "chunk_size": "lots", "l2_bytes": "big"}
+    outcome = h.connect_engine(state, "llamacpp", values)
+    assert not outcome.ok and state.engine is None
+    assert "KVB_CHUNK_SIZE" in outcome.message and "KVB_L2_BYTES" in outcome.message
+    assert "Traceback" not in outcome.message
+    unknown = h.connect_engine(state, "vllm-turbo", values)
+    assert not unknown.ok and "llamacpp" in unknown.message  # lists the known engines
+
+
+def test_save_settings_keeps_the_file_and_never_writes_a_key(state):
+    state.env_path.write_text("# my settings\nKVB_PORT=7999  # chosen\nOTHER=1\n")
+    values = {**h.form_values(state.settings), "chunk_size": "128"}
+    outcome = h.save_settings(state, "llamacpp", values)
+    assert outcome.ok, outcome.message
+    text = state.env_path.read_text()
+    assert text.startswith("# my settings\nKVB_PORT=7999  # chosen\nOTHER=1\n")
+    assert "KVB_CHUNK_SIZE=128" in text and "KVB_ENGINE=llamacpp" in text
+    before = state.env_path.read_text()
+    secret = "sk-proj-abcdefghijklmnopqrstuvwxyz012345"
+    cloud = {**h.form_values(state.settings), "cloud_api_key_env": secret, "cloud_base_url": "http://127.0.0.1:9/v1",
+             "cloud_model": "m"}
+    refused = h.save_settings(state, "cloud", cloud)
+    assert not refused.ok and secret not in refused.message
+    assert state.env_path.read_text() == before
+
+
+def test_status_before_connect(state):
+    assert "Not connected" in h.engine_status(state)
+    assert "connect" in h.store_markdown(h.store_stats(state)).lower()
+
+
+# -- handlers that need an engine answer with a message instead --------------------------------
+def test_no_engine_messages_and_results_are_kept(state):
+    state.records = made_records()
+    views = list(r.run_stream(state, "doc-qa", ["cold"], 1, None))
+    assert len(views) == 1 and not views[0].ok and "Connect an engine" in views[0].message
+    assert len(views[0].table["data"]) == 2  # what was shown stays
+    assert not r.free_prompt(state, "hi", "lmcache").ok
+    assert not h.restart_engine(state).ok
+    assert not h.clear_tier(state, "L1").ok
+    assert "Unknown tier" in h.clear_tier(state, "L9").message
+
+
+@pytest.mark.parametrize("modes, n, expected", [([], 2, "at least one mode"), (["warm"], 2, "Unknown mode"),
+                                                (["cold"], 0, "at least 1"), (["cold"], "two", "whole number")])
+def test_run_request_is_checked(state, modes, n, expected):
+    problems = r.check_run_request(state, modes, n)
+    assert any(expected in p for p in problems)
+
+
+def test_table_has_every_record_field_and_notes():
+    table = r.records_table(made_records())
+    assert sorted(table["headers"]) == sorted(RECORD_FIELDS)
+    row = dict(zip(table["headers"], table["data"][1]))
+    assert row["notes"].startswith("restore ineffective") and row["tier"] == "L1"
+    assert len(dict(zip(table["headers"], table["data"][0]))["text"]) == r.TEXT_PREVIEW_CHARS + 1
+    assert "20.0×" in r.summary_markdown(made_records())
+
+
+def test_export_handler_writes_the_records(state):
+    outcome, paths = r.export_results(state)
+    assert not outcome.ok and paths == []
+    state.records, state.run_meta = made_records(), {"scenario": "doc-qa", "engine": "llamacpp"}
+    outcome, paths = r.export_results(state)
+    assert outcome.ok, outcome.message
+    suffixes = sorted(Path(p).suffix for p in paths)
+    assert suffixes == [".csv", ".html", ".json"]
+    assert all(Path(p).parent == Path(state.settings.output_dir) for p in paths)
+    doc = json.loads(Path(next(p for p in paths if p.endswith(".json"))).read_text())
+    assert len(doc["records"]) == 2 and doc["meta"]["scenario"] == "doc-qa"
+
+
+def test_unexpected_errors_are_logged_not_shown(caplog):
+    with caplog.at_level(logging.ERROR):
+        try:
+            raise ZeroDivisionError("boom")
+        except ZeroDivisionError as exc:
+            message = h.failure_message("Run", exc)
+    assert "boom" in message and "server log" in message and "Traceback" not in message
+    assert caplog.records and caplog.records[0].exc_info
+    assert h.failure_message("Connect", EngineUnavailable("model missing")) == "Connect failed: model missing"
+
+
+def test_connect_with_a_missing_model_is_a_message(state, tmp_path):
+    values = {**h.form_values(state.settings), "model_path": str(tmp_path / "nope.gguf")}
+    outcome = h.connect_engine(state, "llamacpp", values)
+    assert not outcome.ok and "nope.gguf" in outcome.message and state.engine is None
+
+
+# -- live: the real embedded engine -------------------------------------------------------------
+needs_model = pytest.mark.skipif(not EMBEDDED_MODEL_PATH.is_file(),
+                                 reason=f"embedded model {EMBEDDED_MODEL_PATH} missing (run ./scripts/setup.sh)")
+
+
+@pytest.fixture(scope="module")
+def live_state(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gui")
+    settings = small_settings(tmp)
+    (Path(settings.input_dir) / "garden.md").write_text(TINY_DOC)
+    state = h.AppState(settings, env_path=tmp / ".env")
+    outcome = h.connect_engine(state, "llamacpp", h.form_values(settings))
+    assert outcome.ok, outcome.message
+    yield state
+    h.disconnect_engine(state)
+    assert state.engine is None
+
+
+@pytest.mark.live
+@needs_model
+def test_live_connect_status(live_state):
+    status = h.engine_status(live_state)
+    assert "FULL" in status and "SmolLM2" in status and "Namespace" in status
+    assert "input/garden.md" in r.document_choices(live_state)
+
+
+@pytest.mark.live
+@needs_model
+def test_live_run_streams_records_and_keeps_them_on_failure(live_state):
+    seen = []
+    views = list(r.run_stream(live_state, "doc-qa", ["cold", "lmcache"], 2, "input/garden.md",
+                              progress=lambda value, desc, unit: seen.append(value)))
+    assert all(v.ok for v in views), [v.message for v in views if not v.ok]
+    assert [len(v.table["data"]) for v in views] == [0, 1, 2, 3, 4, 4]  # one update per request
+    assert seen[0] == (0, 4) and seen[-1] == (4, 4)
+    records = live_state.records
+    assert [(x.mode, x.request_index) for x in records] == [("cold", 1), ("cold", 2), ("lmcache", 1), ("lmcache", 2)]
+    assert records[3].tier in ("L1", "L2") and records[3].matched_tokens >= 32, records[3].notes
+    assert set(views[-1].figures) >= {"speedup", "ttft_per_request", "ttft_summary", "hits", "store"}
+    # a failing run says why and leaves the shown results alone
+    failed = list(r.run_stream(live_state, "no-such-scenario", ["cold"], 1, None))
+    assert not failed[-1].ok and "no-such-scenario" in failed[-1].message
+    assert live_state.records is records and len(failed[-1].table["data"]) == 4
+
+
+@pytest.mark.live
+@needs_model
+def test_live_stop_and_busy(live_state):
+    views = []
+    for view in r.run_stream(live_state, "system-prompt", ["cold"], 3, None):
+        views.append(view)
+        if len(view.table["data"]) == 1:  # the person presses Stop while request 2 is due
+            assert r.request_stop(live_state).ok
+    assert views[-1].message.startswith("Stopped") and len(live_state.records) == 1
+    assert live_state.engine_lock.acquire(blocking=False)
+    try:
+        busy = list(r.run_stream(live_state, "doc-qa", ["cold"], 1, None))
+        assert "already using the engine" in busy[0].message
+        assert "busy" in h.restart_engine(live_state).message
+    finally:
+        live_state.engine_lock.release()
+
+
+@pytest.mark.live
+@needs_model
+def test_live_restart_then_restore_from_l1_and_l2(live_state):
+    prompt = TINY_DOC + "\n\nWhich bed is watered on day 3?"
+    first = r.free_prompt(live_state, prompt, "lmcache", 4)
+    assert first.ok, first.message
+    assert h.restart_engine(live_state, drop_l1=False).ok
+    from_l1 = r.free_prompt(live_state, prompt, "lmcache", 4)
+    row = dict(zip(from_l1.record["headers"], from_l1.record["data"][0]))
+    assert row["tier"] == "L1" and row["matched_tokens"] > 0, from_l1.message
+    assert from_l1.answer == first.answer
+    outcome = h.restart_engine(live_state, drop_l1=True)
+    assert outcome.ok and "L2" in outcome.message
+    from_l2 = r.free_prompt(live_state, prompt, "lmcache", 4)
+    row = dict(zip(from_l2.record["headers"], from_l2.record["data"][0]))
+    assert row["tier"] == "L2", from_l2.message
+    assert from_l2.answer == first.answer
+
+
+@pytest.mark.live
+@needs_model
+def test_live_clear_tiers(live_state):
+    r.free_prompt(live_state, TINY_DOC + "\n\nName the west bed's day.", "lmcache", 2)
+    assert h.store_stats(live_state)["tiers"]["L2"]["objects"] > 0
+    for tier in ("L1", "L2"):
+        assert h.clear_tier(live_state, tier).ok
+        assert h.store_stats(live_state)["tiers"][tier]["objects"] == 0
+    assert "| L1 | 0 |" in h.store_markdown(h.store_stats(live_state))

@@ -1,0 +1,99 @@
+"""CachedEngine on llama-server: the three modes, restores from L1 and L2, and chunks shared with llama.cpp in-process.
+
+The oracle: greedy output after a restore equals the cold output, and llama-server's own
+`timings.cache_n` shows the restored tokens were really reused.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvbridge.backends import make_backend
+from kvbridge.config import Settings
+from kvbridge.engine import CachedEngine
+from kvbridge.store import TieredStore
+
+from test_llama_server import BINARY, BUILDABLE, our_llama_servers, process_gone  # noqa: F401  (shared skips)
+from test_llama_server import pytestmark as _server_marks
+from test_llama_server import server_binary_and_no_orphans  # noqa: F401  (module fixture: build, no orphans)
+
+pytestmark = _server_marks
+
+DOCUMENT = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(20))
+QUESTION = [{"role": "user", "content": DOCUMENT + "\nWhat is 7 squared?"}]
+
+
+@pytest.fixture
+def settings(tmp_path) -> Settings:
+    return dataclasses.replace(Settings(), ctx_size=2048, threads=1, chunk_size=16, n_predict=10,
+                               l2_dir=str(tmp_path / "l2"), llama_start_timeout=60.0)
+
+
+def engine_on(kind: str, settings: Settings) -> CachedEngine:
+    return CachedEngine(settings, make_backend(kind, settings), TieredStore.from_settings(settings))
+
+
+def test_three_modes_and_a_restore_equal_to_cold(settings):
+    with engine_on("llama-server", settings) as engine:
+        cold = engine.infer(QUESTION, mode="cold")
+        assert not cold.error and cold.text and cold.engine_cached_tokens == 0
+        n = cold.prompt_tokens
+
+        native = engine.infer(QUESTION, mode="native")
+        assert native.engine_cached_tokens == n - 1 and native.text == cold.text
+
+        first = engine.infer(QUESTION, mode="lmcache")       # a miss: computes, then stores
+        assert first.matched_tokens == 0 and first.stored_objects > 0 and first.engine_cached_tokens == 0
+
+        hit = engine.infer(QUESTION, mode="lmcache")
+        assert hit.restore_ok is True and hit.tier == "L1"
+        assert hit.matched_tokens == n - 1 and hit.chunks_hit == (n - 1) // settings.chunk_size
+        assert hit.engine_cached_tokens == n - 1             # llama-server really reused the restore
+        assert hit.prefill_tokens == 1 and "ineffective" not in hit.notes
+        assert hit.text == cold.text
+        assert hit.ttft_ms < cold.ttft_ms
+
+
+def test_restart_drops_the_server_and_l1_then_hits_l2(settings):
+    with engine_on("llama-server", settings) as engine:
+        cold = engine.infer(QUESTION, mode="cold")
+        engine.infer(QUESTION, mode="lmcache")
+        old_pid = engine.backend.server.pid
+        engine.restart_backend(drop_l1=True)
+        assert process_gone(old_pid) and engine.backend.server.pid != old_pid
+        hit = engine.infer(QUESTION, mode="lmcache")
+        assert hit.tier == "L2" and hit.restore_ok is True
+        assert hit.engine_cached_tokens == hit.matched_tokens == cold.prompt_tokens - 1
+        assert hit.text == cold.text
+
+
+def test_chunks_stored_in_process_restore_into_llama_server(settings):
+    pytest.importorskip("llama_cpp")
+    with engine_on("llamacpp", settings) as in_process:
+        stored = in_process.infer(QUESTION, mode="lmcache")
+        in_process_cold = in_process.infer(QUESTION, mode="cold")
+        namespace = in_process.namespace
+    assert stored.stored_objects > 0
+
+    with engine_on("llama-server", settings) as server:     # a new store over the same L2 directory
+        assert server.namespace == namespace, "equal model, cache types and V layout must share a namespace"
+        hit = server.infer(QUESTION, mode="lmcache")
+        assert hit.tier == "L2" and hit.restore_ok is True
+        assert hit.engine_cached_tokens == hit.matched_tokens == hit.prompt_tokens - 1
+        assert hit.text == in_process_cold.text
+        cold = server.infer(QUESTION, mode="cold")
+        assert cold.text == hit.text
+
+
+def test_flash_attention_changes_the_namespace(settings):
+    """V is not transposed with flash attention: such KV must never be restored into the other layout."""
+    with engine_on("llama-server", settings) as plain:
+        plain_ns = plain.namespace
+    with engine_on("llama-server", dataclasses.replace(settings, flash_attn=True)) as flash:
+        assert flash.namespace != plain_ns
+        assert "v_trans=0" in flash.namespace
+        cold = flash.infer(QUESTION, mode="cold")
+        flash.infer(QUESTION, mode="lmcache")
+        hit = flash.infer(QUESTION, mode="lmcache")
+        assert hit.restore_ok is True and hit.text == cold.text

@@ -1,0 +1,43 @@
+"""The engine registry is the only list of engines: keys, aliases, clear errors for unknown names."""
+import pytest
+
+from kvbridge.backends import engine_specs, known_engine_names, make_backend, resolve_engine
+from kvbridge.backends.base import Backend
+from kvbridge.backends.registry import EngineSpec, register_engine
+from kvbridge.errors import UnknownEngineError
+
+
+def test_llamacpp_registered_with_aliases():
+    for name in ("llamacpp", "llama", "llama.cpp", "LLAMA.CPP"):
+        assert resolve_engine(name).key == "llamacpp"
+    assert resolve_engine("llamacpp").cls.kv_mode == "full"
+
+
+def test_unknown_engine_lists_known_ones():
+    with pytest.raises(UnknownEngineError) as info:
+        resolve_engine("vllm-turbo")
+    message = str(info.value)
+    assert "vllm-turbo" in message and "KVB_ENGINE" in message
+    for spec in engine_specs():
+        assert spec.key in message
+
+
+def test_every_engine_declares_kv_mode_and_fields():
+    for spec in engine_specs():
+        assert spec.cls.kv_mode in ("full", "shadow")
+        assert spec.cls.key == spec.key
+        assert spec.label and spec.blurb
+
+
+def test_alias_clash_is_refused():
+    class Dummy(Backend):
+        key = "dummy-clash"
+
+    with pytest.raises(ValueError):
+        register_engine(EngineSpec(key="dummy-clash", label="x", cls=Dummy, aliases=("llama",)))
+    assert "dummy-clash" not in known_engine_names()
+
+
+def test_make_backend_builds_the_registered_class(make_settings):
+    backend = make_backend("llama", make_settings())
+    assert backend.key == "llamacpp" and backend.kv_mode == "full"
