@@ -15,6 +15,7 @@ COMMANDS = {
     "demo": "run a short Document Q&A in cold and lmcache modes and print what happened",
     "bench": "run a scenario headless in several modes; print a table and summary; write CSV/JSON to output/",
     "bench-store": "hashing and L1/L2 throughput against plain memory and file copies",
+    "bench-restore": "restore of a 2k-token prefix (lookup+fetch+assemble+set) against a plain memory copy",
     "namespace": "start the configured engine and print its namespace (what its stored KV is keyed under)",
     "engines": "list the engines in the registry",
     "scenarios": "list the demo scenarios",
@@ -84,6 +85,21 @@ def cmd_bench_store(args) -> int:
 
     settings = Settings.from_env()
     print(format_report(run_bench_store(settings, object_mb=args.object_mb, repeats=args.repeats)))
+    return 0
+
+
+def cmd_bench_restore(args) -> int:
+    from .benchreport import bench_restore
+
+    settings = _settings(args)
+    with tempfile.TemporaryDirectory(prefix="kvb-bench-l2-") as l2:
+        with _make_engine(settings, l2) as engine:
+            if engine.backend.kv_mode != "full" or engine.geometry is None:
+                raise KVBridgeError("bench-restore needs a full-KV engine with a chunked layout (llamacpp, llama-server).")
+            r = bench_restore(engine, prompt_tokens=args.tokens, repeats=args.repeats)
+    print(f"restore of {r['restored_tokens']} tokens ({r['state_bytes'] / 1e6:.1f} MB): "
+          f"{r['restore_ms']:.1f} ms (lookup+fetch+assemble+set), plain memory copy {r['memcpy_ms']:.1f} ms, "
+          f"ratio {r['ratio']:.2f}x (target <= 3x)")
     return 0
 
 
@@ -161,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        if name in ("bench", "demo", "namespace"):
+        if name in ("bench", "demo", "namespace", "bench-restore"):
             p.add_argument("--engine", help="engine key or alias (default: KVB_ENGINE)")
             p.add_argument("--chunk-size", dest="chunk_size", type=int, help="tokens per chunk (default: KVB_CHUNK_SIZE)")
         if name == "bench":
@@ -172,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--document", help="a text file to use as the document")
             p.add_argument("--keep-store", action="store_true",
                            help="use the configured L2 (KVB_L2_DIR) instead of a fresh temporary store")
+        if name == "bench-restore":
+            p.add_argument("--tokens", type=int, default=2048, help="prefix length to restore (default 2048)")
+            p.add_argument("--repeats", type=int, default=7, help="runs (median is shown)")
         if name == "bench-store":
             p.add_argument("--object-mb", type=float, default=40.0, help="object size in MB (default 40)")
             p.add_argument("--repeats", type=int, default=5, help="runs per measurement (median is shown)")

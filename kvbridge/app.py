@@ -21,11 +21,13 @@ from .app_handlers import (
     store_markdown, store_stats, COMMON_FIELDS,
 )
 from .app_results import (
-    ResultsView, document_choices, export_results, free_prompt, request_stop, results_view, run_stream,
+    ResultsView, document_choices, records_table, export_results, free_prompt, request_stop, results_view, run_stream,
     scenario_choices, scenario_description,
 )
 from .charts import store_figure
 from .config import Settings, env_name
+from .errors import KVBridgeError
+from .scenarios import get_scenario
 from .records import MODES
 
 __all__ = ["AppState", "build_app", "launch_app", "main"]
@@ -91,29 +93,31 @@ def build_app(settings: Settings, state: AppState | None = None) -> gr.Blocks:
                 modes = gr.CheckboxGroup(list(MODES), value=list(MODES), label="Modes to run", info=MODE_HELP,
                                          elem_id="kvb-modes")
                 with gr.Row():
-                    n_requests = gr.Number(value=None, precision=0, minimum=1, label="Number of requests",
-                                           info="Empty: the scenario's own count.", elem_id="kvb-n-requests")
+                    n_requests = gr.Number(value=_default_requests(first), precision=0, minimum=1,
+                                           label="Requests per mode", info="The scenario's questions or turns, "
+                                           "repeated if you ask for more.", elem_id="kvb-n-requests")
                     docs = _safe_documents(state)
                     document = gr.Dropdown(docs, value=docs[0] if docs else None, label="Document",
                                            info="Built-in documents and files in input/.", elem_id="kvb-document")
                 with gr.Row():
                     run_btn = gr.Button("Run", variant="primary", elem_id="kvb-run")
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="kvb-stop")
+                run_progress = gr.Markdown("", elem_id="kvb-progress", min_height=56)  # the progress bar shows here
                 run_msg = gr.Markdown(elem_classes="kvb-message", elem_id="kvb-run-msg")
 
         gr.Markdown("## 3 · Results")
         summary = gr.Markdown(elem_id="kvb-summary")
         with gr.Row():
-            speedup_plot = gr.Plot(label="Speedup vs cold", elem_id="kvb-plot-speedup")
-            summary_plot = gr.Plot(label="Mean and median TTFT", elem_id="kvb-plot-summary")
+            speedup_plot = gr.Plot(label="Speedup vs cold", show_label=False, elem_id="kvb-plot-speedup")
+            summary_plot = gr.Plot(label="Mean and median TTFT", show_label=False, elem_id="kvb-plot-summary")
         with gr.Row():
-            ttft_plot = gr.Plot(label="TTFT per request", elem_id="kvb-plot-ttft")
-            hits_plot = gr.Plot(label="Hits and misses by tier", elem_id="kvb-plot-hits")
-        shadow_plot = gr.Plot(label="Shadow: predicted vs reported", visible=False, elem_id="kvb-plot-shadow")
-        table = gr.Dataframe(label="Requests", interactive=False, wrap=False, max_height=420,
+            ttft_plot = gr.Plot(label="TTFT per request", show_label=False, elem_id="kvb-plot-ttft")
+            hits_plot = gr.Plot(label="Hits and misses by tier", show_label=False, elem_id="kvb-plot-hits")
+        shadow_plot = gr.Plot(label="Shadow: predicted vs reported", show_label=False, visible=False, elem_id="kvb-plot-shadow")
+        table = gr.Dataframe(records_table([]), label="Requests", interactive=False, wrap=False, max_height=420,
                              elem_id="kvb-results-table")
         with gr.Row():
-            export_btn = gr.Button("Export CSV, JSON and HTML report", elem_id="kvb-export", scale=0, min_width=280)
+            export_btn = gr.Button("Export (CSV, JSON, HTML report)", elem_id="kvb-export", scale=0, min_width=300)
             export_msg = gr.Markdown(elem_classes="kvb-message", elem_id="kvb-export-msg")
         export_files = gr.File(label="Exported files", file_count="multiple", visible=False, elem_id="kvb-export-files")
 
@@ -129,13 +133,13 @@ def build_app(settings: Settings, state: AppState | None = None) -> gr.Blocks:
                 send_btn = gr.Button("Send", variant="primary", elem_id="kvb-send")
                 prompt_msg = gr.Markdown(elem_classes="kvb-message", elem_id="kvb-prompt-msg")
                 answer = gr.Textbox(label="Answer", lines=4, interactive=False, elem_id="kvb-answer")
-                prompt_record = gr.Dataframe(label="Its record", interactive=False, max_height=160)
+                prompt_record = gr.Dataframe(records_table([]), label="Its record", interactive=False, max_height=160)
 
             with gr.Column(scale=1):
                 gr.Markdown("## 5 · Store")
                 stats = store_stats(state)
                 store_md = gr.Markdown(store_markdown(stats), elem_id="kvb-store")
-                store_plot = gr.Plot(store_figure(stats), label="Occupancy", elem_id="kvb-plot-store")
+                store_plot = gr.Plot(store_figure(stats), label="Occupancy", show_label=False, elem_id="kvb-plot-store")
                 with gr.Row():
                     refresh_btn = gr.Button("Refresh")
                     clear_l1_btn = gr.Button("Clear L1", elem_id="kvb-clear-l1")
@@ -189,9 +193,10 @@ def build_app(settings: Settings, state: AppState | None = None) -> gr.Blocks:
             for view in run_stream(state, key, chosen_modes, n, doc, progress=progress):
                 yield results_values(view)
 
-        scenario.change(scenario_description, scenario, description, queue=False)
+        scenario.change(lambda key: [scenario_description(key), _default_requests(key)], scenario,
+                        [description, n_requests], queue=False)
         run_btn.click(on_run, [scenario, modes, n_requests, document], results_outputs, concurrency_limit=1,
-                      concurrency_id="scenario-run", show_progress_on=[run_msg])
+                      concurrency_id="scenario-run", show_progress_on=[run_progress])
         stop_btn.click(lambda: _message(request_stop(state)), None, run_msg, concurrency_limit=None, queue=False)
 
         def on_export() -> list[Any]:
@@ -242,6 +247,13 @@ def _field_input(name: str, value: Any, visible: bool) -> gr.components.Componen
     if field_type(name) is bool:
         return gr.Checkbox(bool(value), label=env_name(name), visible=visible, elem_id=f"kvb-field-{name}")
     return gr.Textbox(str(value), label=env_name(name), visible=visible, max_lines=1, elem_id=f"kvb-field-{name}")
+
+
+def _default_requests(key: str | None) -> int | None:
+    try:
+        return get_scenario(key or "").default_requests or None
+    except KVBridgeError:
+        return None
 
 
 def _safe_documents(state: AppState) -> list[str]:

@@ -252,24 +252,32 @@ def store_stats(state: AppState) -> dict | None:
     return state.engine.store.stats()
 
 
+KEY_COUNTERS = ("misses", "evictions", "corrupt")   # always shown; other counters only when not zero
+
+
 def store_markdown(stats: dict | None) -> str:
     """A table of tiers (objects, bytes against capacity, hits, evictions) and the store's counters."""
     if not stats:
         return "No store yet: connect an engine."
     tiers = stats.get("tiers", {})
-    rows = ["| tier | objects | used | capacity | full | hits | evictions | where |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    rows = ["| tier | objects | used of capacity | full | hits | evictions |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    where = []
     for tier in tier_usages(stats):
         extra = tiers.get(tier.name, {}) if isinstance(tiers, dict) else {}
         full = f"{100 * tier.bytes_used / tier.capacity:.1f} %" if tier.capacity else "n/a"
-        rows.append(f"| {tier.name} | {tier.objects:,} | {format_bytes(tier.bytes_used)} | "
-                    f"{format_bytes(tier.capacity)} | {full} | {extra.get('hits', 0):,} | "
-                    f"{extra.get('evictions', 0):,} | `{extra.get('location', '')}` |")
+        rows.append(f"| {tier.name} | {tier.objects:,} | {format_bytes(tier.bytes_used)} of "
+                    f"{format_bytes(tier.capacity)} | {full} | {extra.get('hits', 0):,} | {extra.get('evictions', 0):,} |")
+        if extra.get("location"):
+            where.append(f"{tier.name}: `{extra['location']}`")
     counters = {k: v for k, v in stats.items() if isinstance(v, int) and not isinstance(v, bool)}
-    if counters:
-        rows.append("")
-        rows.append(" · ".join(f"{k.replace('_', ' ')}: **{v:,}**" for k, v in counters.items()))
-    return "\n".join(rows)
+    shown = {k: v for k, v in counters.items() if k in KEY_COUNTERS or v}
+    lines = ["\n".join(rows), ""]
+    if shown:
+        lines.append(" · ".join(f"{k.replace('_', ' ')}: **{v:,}**" for k, v in shown.items()))
+    if where:
+        lines.append("Where: " + " · ".join(where))
+    return "\n\n".join(line for line in lines if line)
 
 
 def clear_tier(state: AppState, tier: str) -> Outcome:

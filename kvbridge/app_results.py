@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 
 from .app_handlers import AppState, Outcome, failure_message, store_stats
 from .errors import BadSettings, KVBridgeError
-from .charts import mode_summaries, run_figures
+from .charts import ModeSummary, mode_summaries, run_figures
 from .export import export_run
 from .records import MODES, RECORD_FIELDS, RequestRecord
 from .runner import run_scenario
@@ -69,7 +69,7 @@ def summary_markdown(records: Sequence[RequestRecord]) -> str:
     summaries = mode_summaries(records)
     if not summaries:
         return ""
-    lines = ["| mode | requests | mean TTFT | median TTFT | speedup vs cold (mean / median) | L1 / L2 / miss |",
+    lines = [headline(summaries), "","| mode | requests | mean TTFT | median TTFT | speedup vs cold (mean / median) | L1 / L2 / miss |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for s in summaries:
         speedup = "baseline" if s.mode == "cold" else (
@@ -80,6 +80,15 @@ def summary_markdown(records: Sequence[RequestRecord]) -> str:
     if failed:
         lines.append(f"\n{failed} request(s) failed; see the error column.")
     return "\n".join(lines)
+
+
+def headline(summaries: Sequence[ModeSummary]) -> str:
+    """One sentence a person reads first: how much faster than cold each mode was."""
+    faster = [f"**{s.mode}** {s.speedup_mean:.1f}× (median {s.speedup_median:.1f}×)"
+              for s in summaries if s.mode != "cold" and s.speedup_mean is not None]
+    if not faster:
+        return "Run the **cold** mode too to see speedups: they are measured against it."
+    return "Time to first token, times faster than cold on average: " + " · ".join(faster)
 
 
 def results_view(state: AppState, message: str = "", ok: bool = True) -> ResultsView:

@@ -132,47 +132,40 @@ def ttft_per_request_figure(records: Sequence[RequestRecord]) -> go.Figure:
 
 def speedup_figure(records: Sequence[RequestRecord]) -> go.Figure:
     """The headline: how many times faster than cold each mode reached the first token."""
-    title = "Speedup vs cold (TTFT, higher is better)"
+    title = "Speedup vs cold: how many times faster to the first token"
     summaries = [s for s in mode_summaries(records) if s.mode != "cold"]
     if not summaries:
         return _empty(title)
     if all(s.speedup_mean is None for s in summaries):
         return _empty(title, "Run the cold mode too: speedups are measured against it.")
-    modes = [s.mode for s in summaries]
     fig = go.Figure()
-    for name, values, opacity in (
-        ("mean TTFT", [s.speedup_mean for s in summaries], 1.0),
-        ("median TTFT", [s.speedup_median for s in summaries], 0.55),
-    ):
+    for s in summaries:
+        values = [s.speedup_mean, s.speedup_median]
         fig.add_trace(go.Bar(
-            x=modes, y=[v or 0 for v in values], name=name, text=[_times(v) for v in values],
-            textposition="outside", cliponaxis=False, opacity=opacity,
-            marker={"color": [MODE_COLORS.get(m, "#475569") for m in modes]},
-            hovertemplate="%{x}: %{text} faster than cold (" + name + ")<extra></extra>",
+            x=["mean TTFT", "median TTFT"], y=[v or 0 for v in values], name=s.mode,
+            text=[_times(v) for v in values], textposition="outside", cliponaxis=False,
+            textfont={"size": 14}, marker={"color": MODE_COLORS.get(s.mode, "#475569")},
+            hovertemplate=s.mode + ": %{text} faster than cold (%{x})<extra></extra>",
         ))
     fig.add_hline(y=1, line_dash="dot", line_color="#64748b", annotation_text="cold = 1×",
-                  annotation_position="top left")
-    return _base_layout(fig, title, barmode="group", yaxis={"title": "× faster than cold", "rangemode": "tozero"})
+                  annotation_position="bottom right")
+    return _base_layout(fig, title, barmode="group",
+                        yaxis={"title": "× faster than cold", "rangemode": "tozero"})
 
 
 def ttft_summary_figure(records: Sequence[RequestRecord]) -> go.Figure:
-    """Mean and median TTFT per mode, with the speedup against cold written on the bars."""
-    title = "Mean and median TTFT per mode (ms)"
+    """Mean and median TTFT per mode, side by side."""
+    title = "Mean and median TTFT per mode (ms, lower is better)"
     summaries = mode_summaries(records)
     if not summaries:
         return _empty(title)
-    modes = [s.mode for s in summaries]
     fig = go.Figure()
-    for name, values, speedups, opacity in (
-        ("mean", [s.mean_ttft_ms for s in summaries], [s.speedup_mean for s in summaries], 1.0),
-        ("median", [s.median_ttft_ms for s in summaries], [s.speedup_median for s in summaries], 0.55),
-    ):
-        labels = [f"{v:.0f} ms" + ("" if m == "cold" or x is None else f" ({x:.1f}×)")
-                  for v, x, m in zip(values, speedups, modes)]
+    for s in summaries:
+        values = [s.mean_ttft_ms, s.median_ttft_ms]
         fig.add_trace(go.Bar(
-            x=modes, y=values, name=name, text=labels, textposition="outside", cliponaxis=False,
-            opacity=opacity, marker={"color": [MODE_COLORS.get(m, "#475569") for m in modes]},
-            hovertemplate="%{x} " + name + " TTFT: %{y:.1f} ms<extra></extra>",
+            x=["mean", "median"], y=values, name=s.mode, text=[f"{v:.0f} ms" for v in values],
+            textposition="outside", cliponaxis=False, marker={"color": MODE_COLORS.get(s.mode, "#475569")},
+            hovertemplate=s.mode + " %{x} TTFT: %{y:.1f} ms<extra></extra>",
         ))
     return _base_layout(fig, title, barmode="group", yaxis={"title": "TTFT (ms)", "rangemode": "tozero"})
 
@@ -252,26 +245,23 @@ def format_bytes(n: float) -> str:
 
 
 def store_figure(stats: dict | None) -> go.Figure:
-    """Bytes held per tier against its capacity."""
-    title = "Store occupancy per tier"
+    """How full each tier is, as a share of its capacity (tiers differ 10x in size, so not in bytes)."""
+    title = "Store occupancy per tier (% of capacity)"
     usages = tier_usages(stats)
     if not usages:
         return _empty(title, "Connect an engine to see its store.")
     names = [u.name for u in usages]
+    used = [100 * u.bytes_used / u.capacity if u.capacity else 0 for u in usages]
     fig = go.Figure()
     fig.add_trace(go.Bar(
-        y=names, x=[u.bytes_used / (1 << 20) for u in usages], orientation="h", name="used",
+        y=names, x=used, orientation="h", name="used",
         marker={"color": [TIER_COLORS.get(n, "#475569") for n in names]},
         text=[f"{format_bytes(u.bytes_used)} of {format_bytes(u.capacity)} · {u.objects} objects" for u in usages],
-        textposition="outside", cliponaxis=False,
-        hovertemplate="%{y}: %{x:.1f} MiB used<extra></extra>",
+        textposition="outside", cliponaxis=False, hovertemplate="%{y}: %{x:.2f} % full<extra></extra>",
     ))
-    fig.add_trace(go.Bar(
-        y=names, x=[max(u.capacity - u.bytes_used, 0) / (1 << 20) for u in usages], orientation="h",
-        name="free", marker={"color": "#e2e8f0"}, hovertemplate="%{y}: %{x:.1f} MiB free<extra></extra>",
-    ))
-    fig = _base_layout(fig, title, barmode="stack", xaxis={"title": "MiB"}, yaxis={"autorange": "reversed"})
-    fig.update_layout(height=220)
+    fig = _base_layout(fig, title, showlegend=False, xaxis={"title": "% of capacity", "range": [0, 100]},
+                       yaxis={"autorange": "reversed"})
+    fig.update_layout(height=230, margin={"l": 40, "r": 20, "t": 50, "b": 45})
     return fig
 
 

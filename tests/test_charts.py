@@ -65,9 +65,11 @@ def test_ttft_per_request_one_trace_per_mode(run_records):
 
 def test_speedup_figure_labels_bars(run_records):
     fig = charts.speedup_figure(run_records)
-    mean_trace = fig.data[0]
-    assert list(mean_trace.x) == ["native", "lmcache"]
-    assert list(mean_trace.text) == [f"{1100 / 400:.1f}×", f"{1100 / 360:.1f}×"]
+    assert [t.name for t in fig.data] == ["native", "lmcache"]  # cold is the baseline, not a bar
+    lmcache = fig.data[1]
+    assert list(lmcache.x) == ["mean TTFT", "median TTFT"]
+    assert list(lmcache.text) == [f"{1100 / 360:.1f}×", "22.0×"]
+    assert lmcache.marker.color == charts.MODE_COLORS["lmcache"]
 
 
 def test_hits_figure_stacks_tiers(run_records):
@@ -113,6 +115,7 @@ def test_store_figure_from_real_store_stats(tmp_path):
     fig = charts.store_figure(stats)
     assert list(fig.data[0].y) == ["L1", "L2"]
     assert "1 objects" in fig.data[0].text[0]
+    assert fig.data[0].x[0] == pytest.approx(100 * 300_000 / (1 << 20))
     assert "connect" in charts.store_figure(None).layout.annotations[0].text.lower()
 
 

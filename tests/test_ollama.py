@@ -246,6 +246,27 @@ def test_a_store_that_differs_from_the_served_model_is_not_trusted(store):
         assert backend.approx_tokens and "differs" in backend.describe()
 
 
+@needs_gguf
+def test_cached_engine_records_ollama_ground_truth(store, tmp_path):
+    """Ollama binary not available here: its newer-version streams are replayed; the engine is real."""
+    from kvbridge.engine import CachedEngine
+
+    models_dir, manifest_digest = store
+    with ReplayServer() as server:
+        script_ollama(server, version="newer", manifest_digest=manifest_digest,
+                      streams=["ollama_generate_newer_cold.ndjson", "ollama_generate_newer_warm.ndjson"])
+        settings = ollama_settings(server.url, models_dir).replace(chunk_size=32, l2_dir=str(tmp_path / "l2"),
+                                                                   n_predict=8)
+        with CachedEngine(settings, make_backend("ollama", settings)) as engine:
+            assert "manifest" not in engine.namespace or manifest_digest in engine.namespace
+            cold = engine.infer(PROMPT["messages"], mode="cold")
+            warm = engine.infer(PROMPT["messages"], mode="native")
+    assert not cold.error and not warm.error and not cold.approx
+    assert (cold.prompt_tokens, cold.engine_cached_tokens) == (PROMPT_TOKENS, 0) and COLD_NOTE in cold.notes
+    assert (warm.engine_cached_tokens, warm.prefill_tokens, warm.gen_tokens) == (100, 1, 8)
+    assert "estimated from prompt_eval_duration" in warm.notes and warm.text == " A full service costs 60 euros, but"
+
+
 # --- bad input ------------------------------------------------------------------------------------
 
 def free_port() -> int:

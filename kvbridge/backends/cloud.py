@@ -238,7 +238,8 @@ class CloudBackend(Backend):
         headers = self._auth_headers()
         messages = [dict(m) for m in prompt.messages] if prompt.messages else [{"role": "user", "content": prompt.text}]
         if not use_native_cache:
-            messages[0]["content"] = f"[kvbridge cold-run nonce {uuid.uuid4().hex}]\n{messages[0]['content']}"
+            # The random hex comes first: any fixed lead-in would itself be a shared, cacheable prefix.
+            messages[0]["content"] = f"{uuid.uuid4().hex} (kvbridge cold-run nonce)\n{messages[0]['content']}"
             report.notes.append(COLD_NOTE)
         if self.approx_tokens or prompt.approx_tokens:
             report.notes.append(APPROX_NOTE)

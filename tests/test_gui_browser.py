@@ -1,0 +1,200 @@
+"""End to end in a real headless Chromium: start `python -m kvbridge gui`, connect the embedded
+llama.cpp engine, run Document Q&A in all three modes, check charts and table, export, use the
+store panel and the free prompt, save the screenshot README shows, then stop the server with SIGTERM.
+
+Drives Debian's /usr/bin/chromium through the PyPI `playwright` package (never `playwright install`).
+"""
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from kvbridge.backends import resolve_engine
+from kvbridge.config import EMBEDDED_MODEL_PATH, PROJECT_ROOT
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic"]
+SCREENSHOT = PROJECT_ROOT / "Docs" / "screenshot-gui.png"
+TINY_DOC = "# Garden rota\n\n" + " ".join(
+    f"Rule {i}: the {['north', 'south', 'east', 'west'][i % 4]} bed is watered on day {i % 7}." for i in range(12))
+FREE_PROMPT = TINY_DOC + "\n\nQuestion: which bed is watered on day 3?\nAnswer:"
+
+try:
+    from playwright.sync_api import expect, sync_playwright
+except ImportError:  # setup installs it; say so instead of failing at import
+    sync_playwright = None
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.live,
+    pytest.mark.skipif(not CHROMIUM.exists(), reason="/usr/bin/chromium missing (apt-get install chromium)"),
+    pytest.mark.skipif(sync_playwright is None, reason="the playwright package is not installed (requirements.txt)"),
+    pytest.mark.skipif(not EMBEDDED_MODEL_PATH.is_file(), reason=f"embedded model {EMBEDDED_MODEL_PATH} missing"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture
+def gui_server(tmp_path):
+    """The GUI as a person starts it, on a free port, with a private L2, input/ and output/."""
+    port = free_port()
+    (tmp_path / "input").mkdir()
+    (tmp_path / "input" / "garden.md").write_text(TINY_DOC, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVB_")}
+    env.update(KVB_PORT=str(port), KVB_HOST="127.0.0.1", KVB_ENGINE="llamacpp", KVB_L2_DIR=str(tmp_path / "l2"),
+               KVB_CHUNK_SIZE="32", KVB_CTX_SIZE="1024", KVB_N_PREDICT="8", KVB_L1_BYTES="256MiB",
+               KVB_L2_BYTES="512MiB", KVB_INPUT_DIR=str(tmp_path / "input"), KVB_OUTPUT_DIR=str(tmp_path / "output"),
+               GRADIO_ANALYTICS_ENABLED="False")
+    log_path = tmp_path / "gui.log"
+    log = log_path.open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "gui"], cwd=PROJECT_ROOT, env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"the GUI exited early:\n{log_path.read_text()}"
+            try:
+                if requests.get(url, timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, f"the GUI did not answer on {url}:\n{log_path.read_text()}"
+            time.sleep(0.5)
+        yield {"url": url, "port": port, "proc": proc, "log": log_path, "output": tmp_path / "output"}
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+def test_gui_end_to_end(gui_server):
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(gui_server["url"])
+            drive_the_page(page, gui_server)
+        finally:
+            browser.close()
+
+    # SIGTERM (what scripts/stop.sh sends): the run is stopped, the store flushed, the port freed.
+    proc = gui_server["proc"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    assert "Stopped." in gui_server["log"].read_text()
+    assert port_is_free(gui_server["port"])
+
+
+def drive_the_page(page, server) -> None:
+    long = 300_000  # ms: a prefill on 2 busy cores can take seconds
+    expect(page.locator("#kvb-status")).to_contain_text("Not connected", timeout=30_000)
+
+    # Switching engines needs no restart; the cloud engine warns that prompts leave the machine.
+    engines = page.locator("#kvb-engine")
+    engines.get_by_text(resolve_engine("cloud").label).click()
+    expect(page.locator("#kvb-notice")).to_contain_text("leave this machine")
+    expect(page.locator("#kvb-field-cloud_api_key_env")).to_be_visible()
+    engines.get_by_text(resolve_engine("llamacpp").label).click()
+    expect(page.locator("#kvb-field-cloud_api_key_env")).to_be_hidden()
+    expect(page.locator("#kvb-notice")).not_to_contain_text("leave this machine")
+
+    # A bad setting is a readable message naming the variable, not a stack trace.
+    ctx = page.locator("#kvb-field-ctx_size").get_by_role("textbox")
+    ctx.fill("lots")
+    page.click("#kvb-connect")
+    message = page.locator("#kvb-engine-msg")
+    expect(message).to_contain_text("KVB_CTX_SIZE", timeout=30_000)
+    expect(message).not_to_contain_text("Traceback")
+    expect(page.locator("#kvb-status")).to_contain_text("Not connected")
+    ctx.fill("1024")
+
+    page.click("#kvb-connect")
+    status = page.locator("#kvb-status")
+    expect(status).to_contain_text("FULL", timeout=long)
+    expect(status).to_contain_text("Namespace")
+
+    # Document Q&A on a short document from input/, two requests in each of the three modes.
+    page.click("#kvb-document input")
+    page.get_by_role("option", name="input/garden.md").click()
+    page.fill("#kvb-n-requests input", "2")
+    page.click("#kvb-run")
+    expect(page.locator("#kvb-run-msg")).to_contain_text("Finished", timeout=long)
+
+    rows = page.locator("#kvb-results-table [role=row][data-index]")
+    expect(rows).to_have_count(6)
+    modes = page.locator('#kvb-results-table [role=gridcell][data-col="0"]').all_inner_texts()
+    assert sorted(m.strip() for m in modes) == ["cold", "cold", "lmcache", "lmcache", "native", "native"]
+    expect(page.locator("#kvb-summary")).to_contain_text("faster than cold")
+
+    ttft = page.locator("#kvb-plot-ttft")
+    expect(ttft.locator(".scatterlayer .trace")).to_have_count(3)
+    expect(ttft.locator(".scatterlayer .trace .points path")).to_have_count(6)
+    assert [t.strip() for t in ttft.locator(".legendtext").all_inner_texts()] == ["cold", "native", "lmcache"]
+    speedup = page.locator("#kvb-plot-speedup")
+    expect(speedup.locator(".barlayer .trace")).to_have_count(2)  # native and lmcache against cold
+    expect(speedup).to_contain_text("×")
+    expect(page.locator("#kvb-plot-hits .barlayer .trace")).to_have_count(3)
+    expect(page.locator("#kvb-plot-store .barlayer .trace")).to_have_count(1)
+
+    # Export: CSV, JSON and the HTML report land in KVB_OUTPUT_DIR.
+    page.click("#kvb-export")
+    expect(page.locator("#kvb-export-msg")).to_contain_text("Exported 6 requests", timeout=60_000)
+    exported = {p.suffix: p for p in server["output"].iterdir()}
+    assert set(exported) == {".csv", ".json", ".html"}
+    with exported[".csv"].open(newline="", encoding="utf-8") as f:
+        assert len(list(csv.DictReader(f))) == 6
+    assert "Plotly" in exported[".html"].read_text(encoding="utf-8")
+
+    # Store panel: Clear L1 asks first; Restart engine keeps the store.
+    page.click("#kvb-clear-l1")
+    expect(page.get_by_text("Really clear L1?")).to_be_visible()
+    page.click("#kvb-confirm-clear")
+    expect(page.locator("#kvb-store-msg")).to_contain_text("L1 cleared", timeout=30_000)
+    l1_row = page.locator("#kvb-store tbody tr").first.locator("td")
+    expect(l1_row.nth(0)).to_have_text("L1")
+    expect(l1_row.nth(1)).to_have_text("0")  # objects in L1 after the clear
+    page.click("#kvb-restart")
+    expect(page.locator("#kvb-store-msg")).to_contain_text("Engine restarted", timeout=long)
+
+    # The free prompt: sent twice in lmcache mode, the second one is restored from L1.
+    page.locator("#kvb-prompt").get_by_role("textbox").fill(FREE_PROMPT)
+    page.click("#kvb-send")
+    expect(page.locator("#kvb-prompt-msg")).to_contain_text("TTFT", timeout=long)
+    page.click("#kvb-send")
+    expect(page.locator("#kvb-prompt-msg")).to_contain_text("tier L1", timeout=long)
+    assert page.locator("#kvb-answer").get_by_role("textbox").input_value().strip()
+
+    page.wait_for_timeout(500)  # let the last plot finish drawing
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOT), full_page=True)
+    assert SCREENSHOT.stat().st_size > 50_000
