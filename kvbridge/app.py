@@ -39,6 +39,7 @@ APP_CSS = """
 #kvb-status {background: #eff6ff; border: 1px solid #bfdbfe; border-radius: 8px; padding: 8px 12px}
 #kvb-notice strong {color: #b45309}
 .kvb-message p {margin: 4px 0}
+#kvb-summary > p:first-child, #kvb-summary p:first-of-type {font-size: 1.15em}
 #kvb-results-table {font-size: 12px}
 """
 MODE_HELP = "cold: no reuse (baseline) · native: the engine's own prefix cache · lmcache: restored from KVBridge's store"
@@ -102,7 +103,7 @@ def build_app(settings: Settings, state: AppState | None = None) -> gr.Blocks:
                 with gr.Row():
                     run_btn = gr.Button("Run", variant="primary", elem_id="kvb-run")
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="kvb-stop")
-                run_progress = gr.Markdown("", elem_id="kvb-progress", min_height=56)  # the progress bar shows here
+                run_progress = gr.Markdown("", elem_id="kvb-progress", min_height=44)  # the progress bar shows here
                 run_msg = gr.Markdown(elem_classes="kvb-message", elem_id="kvb-run-msg")
 
         gr.Markdown("## 3 · Results")
@@ -124,7 +125,7 @@ def build_app(settings: Settings, state: AppState | None = None) -> gr.Blocks:
         with gr.Row(equal_height=False):
             with gr.Column(scale=1):
                 gr.Markdown("## 4 · Free prompt")
-                prompt = gr.Textbox(lines=4, label="Prompt", placeholder="Ask anything; send it twice in lmcache mode "
+                prompt = gr.Textbox(lines=4, max_lines=8, label="Prompt", placeholder="Ask anything; send it twice in lmcache mode "
                                     "to see a restore.", elem_id="kvb-prompt")
                 with gr.Row():
                     prompt_mode = gr.Radio(list(MODES), value="lmcache", label="Mode", elem_id="kvb-prompt-mode")

@@ -25,8 +25,12 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic"]
 SCREENSHOT = PROJECT_ROOT / "Docs" / "screenshot-gui.png"
-TINY_DOC = "# Garden rota\n\n" + " ".join(
-    f"Rule {i}: the {['north', 'south', 'east', 'west'][i % 4]} bed is watered on day {i % 7}." for i in range(12))
+# About 550 tokens: a few hundred keeps the cold prefills short on 2 cores, yet the reuse is visible.
+SHORT_DOC = "# Garden rota\n\n" + " ".join(
+    f"Rule {i}: the {['north', 'south', 'east', 'west'][i % 4]} bed is watered on day {i % 7} by team {i % 5}."
+    for i in range(36))
+TINY_DOC = SHORT_DOC[:600]
+N_REQUESTS = 3
 FREE_PROMPT = TINY_DOC + "\n\nQuestion: which bed is watered on day 3?\nAnswer:"
 
 try:
@@ -49,13 +53,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def port_is_free(port: int) -> bool:
+def nothing_listens(port: int) -> bool:
+    """As scripts/stop.sh checks it: a connection is refused (TIME_WAIT sockets may linger, harmlessly)."""
     with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+        return s.connect_ex(("127.0.0.1", port)) != 0
 
 
 @pytest.fixture
@@ -63,7 +64,7 @@ def gui_server(tmp_path):
     """The GUI as a person starts it, on a free port, with a private L2, input/ and output/."""
     port = free_port()
     (tmp_path / "input").mkdir()
-    (tmp_path / "input" / "garden.md").write_text(TINY_DOC, encoding="utf-8")
+    (tmp_path / "input" / "garden.md").write_text(SHORT_DOC, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVB_")}
     env.update(KVB_PORT=str(port), KVB_HOST="127.0.0.1", KVB_ENGINE="llamacpp", KVB_L2_DIR=str(tmp_path / "l2"),
                KVB_CHUNK_SIZE="32", KVB_CTX_SIZE="1024", KVB_N_PREDICT="8", KVB_L1_BYTES="256MiB",
@@ -112,7 +113,7 @@ def test_gui_end_to_end(gui_server):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
     assert "Stopped." in gui_server["log"].read_text()
-    assert port_is_free(gui_server["port"])
+    assert nothing_listens(gui_server["port"])
 
 
 def drive_the_page(page, server) -> None:
@@ -143,23 +144,31 @@ def drive_the_page(page, server) -> None:
     expect(status).to_contain_text("FULL", timeout=long)
     expect(status).to_contain_text("Namespace")
 
-    # Document Q&A on a short document from input/, two requests in each of the three modes.
+    # Document Q&A on a short document from input/, N_REQUESTS in each of the three modes.
     page.click("#kvb-document input")
     page.get_by_role("option", name="input/garden.md").click()
-    page.fill("#kvb-n-requests input", "2")
-    page.click("#kvb-run")
-    expect(page.locator("#kvb-run-msg")).to_contain_text("Finished", timeout=long)
-
+    page.fill("#kvb-n-requests input", str(N_REQUESTS))
     rows = page.locator("#kvb-results-table [role=row][data-index]")
-    expect(rows).to_have_count(6)
+    run_msg = page.locator("#kvb-run-msg")
+
+    # The page stays responsive while a run streams: Stop ends it after the current request.
+    page.click("#kvb-run")
+    expect(run_msg).to_contain_text("1 requests done", timeout=long)
+    page.click("#kvb-stop")
+    expect(run_msg).to_contain_text("Stopped", timeout=long)
+    assert 1 <= rows.count() < 3 * N_REQUESTS
+
+    page.click("#kvb-run")
+    expect(run_msg).to_contain_text("Finished", timeout=long)
+    expect(rows).to_have_count(3 * N_REQUESTS)
     modes = page.locator('#kvb-results-table [role=gridcell][data-col="0"]').all_inner_texts()
-    assert sorted(m.strip() for m in modes) == ["cold", "cold", "lmcache", "lmcache", "native", "native"]
+    assert sorted(m.strip() for m in modes) == sorted(["cold", "native", "lmcache"] * N_REQUESTS)
     expect(page.locator("#kvb-summary")).to_contain_text("faster than cold")
 
     ttft = page.locator("#kvb-plot-ttft")
     expect(ttft.locator(".scatterlayer .trace")).to_have_count(3)
-    expect(ttft.locator(".scatterlayer .trace .points path")).to_have_count(6)
-    assert [t.strip() for t in ttft.locator(".legendtext").all_inner_texts()] == ["cold", "native", "lmcache"]
+    expect(ttft.locator(".scatterlayer .trace .points path")).to_have_count(3 * N_REQUESTS)
+    assert [t.strip() for t in ttft.locator(".legendtext").all_text_contents()] == ["cold", "native", "lmcache"]
     speedup = page.locator("#kvb-plot-speedup")
     expect(speedup.locator(".barlayer .trace")).to_have_count(2)  # native and lmcache against cold
     expect(speedup).to_contain_text("×")
@@ -168,11 +177,11 @@ def drive_the_page(page, server) -> None:
 
     # Export: CSV, JSON and the HTML report land in KVB_OUTPUT_DIR.
     page.click("#kvb-export")
-    expect(page.locator("#kvb-export-msg")).to_contain_text("Exported 6 requests", timeout=60_000)
+    expect(page.locator("#kvb-export-msg")).to_contain_text(f"Exported {3 * N_REQUESTS} requests", timeout=60_000)
     exported = {p.suffix: p for p in server["output"].iterdir()}
     assert set(exported) == {".csv", ".json", ".html"}
     with exported[".csv"].open(newline="", encoding="utf-8") as f:
-        assert len(list(csv.DictReader(f))) == 6
+        assert len(list(csv.DictReader(f))) == 3 * N_REQUESTS
     assert "Plotly" in exported[".html"].read_text(encoding="utf-8")
 
     # Store panel: Clear L1 asks first; Restart engine keeps the store.

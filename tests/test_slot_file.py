@@ -86,3 +86,15 @@ def test_registered_under_its_key_and_aliases():
         spec = resolve_engine(name)
         assert spec.key == "llama-server" and spec.cls is LlamaServerBackend
     assert LlamaServerBackend.kv_mode == "full"
+
+
+def test_reading_from_disk_equals_parsing_bytes(tmp_path):
+    from kvbridge.backends.slot_file import read_slot_file
+
+    state = struct.pack("<Ii", STATE_IO_MAGIC, 0) + memory_state(4, payload=bytes(range(256)) * 3)
+    path = tmp_path / "slot.bin"
+    write_atomically(path, build_slot_file(state, [10, 11, 12, 13]))
+    from_disk = read_slot_file(path)
+    from_bytes = parse_slot_file(path.read_bytes())
+    assert bytes(from_disk.state) == bytes(from_bytes.state) == state
+    assert from_disk.tokens == from_bytes.tokens == [10, 11, 12, 13] and from_disk.n_cells == 4

@@ -17,7 +17,6 @@ from typing import Sequence
 # pre-tokenizer's shape, simplified.
 _PIECE_RE = re.compile(r" ?[^\W\d_]+| ?\d{1,3}| ?(?:[^\s\w]|_)+|\s+", re.UNICODE)
 MAX_PIECE_CHARS = 4
-APPROX_NOTE = "approx: token ids from KVBridge's approximate tokenizer, not the engine's"
 
 
 def _piece_id(piece: str) -> int:

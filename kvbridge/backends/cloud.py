@@ -24,7 +24,7 @@ import requests
 
 from ..config import Settings, looks_like_secret
 from ..errors import BadSettings, BudgetExhausted, EngineUnavailable, KVBridgeError, NeedsKey
-from .approx_tokenizer import APPROX_NOTE, ApproxTokenizer
+from .approx_tokenizer import ApproxTokenizer
 from .base import Backend, EngineReport, Message, Prompt
 from .gguf_vocab import chatml
 from .registry import EngineSpec, register_engine
@@ -241,8 +241,6 @@ class CloudBackend(Backend):
             # The random hex comes first: any fixed lead-in would itself be a shared, cacheable prefix.
             messages[0]["content"] = f"{uuid.uuid4().hex} (kvbridge cold-run nonce)\n{messages[0]['content']}"
             report.notes.append(COLD_NOTE)
-        if self.approx_tokens or prompt.approx_tokens:
-            report.notes.append(APPROX_NOTE)
         body = {"model": self.model, "messages": messages, "stream": True,
                 "stream_options": {"include_usage": True}, "max_tokens": n_predict, "temperature": temperature}
         response = self._open_stream(body, headers, report)

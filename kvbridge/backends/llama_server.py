@@ -32,7 +32,7 @@ from .llama_server_process import (
     BUILD_SCRIPT, ServerProcess, built_binary, free_port, pinned_llama_cpp_version, port_is_free)
 from .llamacpp import check_model_file, ggml_type_id, model_path_for
 from .registry import EngineSpec, register_engine
-from .slot_file import SlotFileError, build_slot_file, parse_slot_file, write_atomically
+from .slot_file import SlotFileError, build_slot_file, read_slot_file, write_atomically
 
 SLOT_ID = 0
 SLOT_REF_MAGIC = b"KVBSLOTREF1\0"   # SeqState.data of a by-name slot file on a remote server
@@ -296,7 +296,7 @@ class LlamaServerBackend(Backend):
         try:
             result = self._post_json(f"/slots/{SLOT_ID}?action=save", {"filename": name})
             self.last_save_ms = _timing(result, "save_ms")
-            slot = parse_slot_file(path.read_bytes(), seq_id=SLOT_ID)
+            slot = read_slot_file(path, seq_id=SLOT_ID)
         except (OSError, SlotFileError) as exc:
             raise RuntimeError(f"could not read llama-server's slot file {path}: {exc}") from exc
         finally:

@@ -59,6 +59,17 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         return True
 
 
+def scratch_dir(min_free: int = 1 << 30) -> str | None:
+    """/dev/shm when it is a roomy tmpfs: slot files (tens of MB per request) then never touch the disk."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    if st.f_bavail * st.f_frsize >= min_free and os.access("/dev/shm", os.W_OK):
+        return "/dev/shm"
+    return None  # the system temp directory
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
@@ -72,7 +83,7 @@ class ServerProcess:
         self.args = args
         self.host = host
         self.port = port
-        self.work_dir = Path(tempfile.mkdtemp(prefix="kvb-llama-server-"))
+        self.work_dir = Path(tempfile.mkdtemp(prefix="kvb-llama-server-", dir=scratch_dir()))
         self.slot_dir = self.work_dir / "slots"
         self.slot_dir.mkdir()
         self.log_path = self.work_dir / "llama-server.log"

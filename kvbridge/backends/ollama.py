@@ -19,7 +19,7 @@ import requests
 
 from ..config import Settings, env_name
 from ..errors import BadSettings, EngineUnavailable, KVBridgeError
-from .approx_tokenizer import APPROX_NOTE, ApproxTokenizer
+from .approx_tokenizer import ApproxTokenizer
 from .base import Backend, EngineReport, Message, Prompt
 from .gguf_vocab import GGUFVocab, chatml
 from .ollama_store import locate_ollama_model
@@ -151,8 +151,6 @@ class OllamaBackend(Backend):
         if not use_native_cache:
             self.reset_native_cache()
             report.notes.append(COLD_NOTE)
-        if self.approx_tokens or prompt.approx_tokens:
-            report.notes.append(APPROX_NOTE)
         request = {
             "model": self.model, "prompt": prompt.text, "raw": True, "stream": True,
             "keep_alive": keep_alive_value(self.settings.ollama_keep_alive),
@@ -254,5 +252,5 @@ register_engine(EngineSpec(
     cls=OllamaBackend,
     blurb="A model served by Ollama; KVBridge predicts reuse and compares it with Ollama's own prompt cache.",
     aliases=(),
-    fields=("ollama_url", "ollama_model", "ollama_keep_alive", "ollama_models"),
+    fields=("ollama_url", "ollama_model", "ollama_keep_alive", "ollama_models", "ctx_size"),
 ))

@@ -44,7 +44,7 @@ class SlotFile:
     """A parsed slot file: the token ids it names and its sequence state in the in-process format."""
 
     tokens: list[int]
-    state: bytes          # llama_state_seq_get_data layout (io magic, seq_id, memory state)
+    state: bytes | bytearray  # llama_state_seq_get_data layout (io magic, seq_id, memory state)
     n_cells: int          # KV cells in the state (may be fewer than len(tokens), see parse_slot_file)
     version: int
 
@@ -86,27 +86,54 @@ def token_words(tokens: Sequence[int]) -> np.ndarray:
     return words
 
 
+def _check_header(head: bytes) -> tuple[int, int]:
+    """(version, n_words) of a slot-file header, or SlotFileError."""
+    if len(head) < _FILE_HEADER.size:
+        raise SlotFileError("slot file is shorter than its header")
+    magic, version, n_words = _FILE_HEADER.unpack_from(head, 0)
+    if magic != STATE_SEQ_MAGIC:
+        raise SlotFileError(f"not a llama.cpp sequence-state file (magic {magic:#010x})")
+    if version != STATE_SEQ_VERSION:
+        raise SlotFileError(f"slot file version {version}; this KVBridge reads version {STATE_SEQ_VERSION}")
+    return version, n_words
+
+
 def parse_slot_file(data: bytes, seq_id: int = 0) -> SlotFile:
     """Slot-file bytes -> tokens and the in-process state for `seq_id`.
 
     llama-server lists the tokens of its slot, which can include the last generated token whose KV
     was never computed; callers use `n_cells` (what the state really holds) and tokens[:n_cells].
     """
-    if len(data) < _FILE_HEADER.size:
-        raise SlotFileError("slot file is shorter than its header")
-    magic, version, n_words = _FILE_HEADER.unpack_from(data, 0)
-    if magic != STATE_SEQ_MAGIC:
-        raise SlotFileError(f"not a llama.cpp sequence-state file (magic {magic:#010x})")
-    if version != STATE_SEQ_VERSION:
-        raise SlotFileError(f"slot file version {version}; this KVBridge reads version {STATE_SEQ_VERSION}")
+    version, n_words = _check_header(data[: _FILE_HEADER.size])
     body = _FILE_HEADER.size + 4 * n_words
     if body > len(data):
         raise SlotFileError("slot file ends inside its token list")
-    words = np.frombuffer(data, dtype="<i4", count=n_words, offset=_FILE_HEADER.size)
-    tokens = parse_token_words(words)
+    tokens = parse_token_words(np.frombuffer(data, dtype="<i4", count=n_words, offset=_FILE_HEADER.size))
     memory_state = memoryview(data)[body:]
     n_cells = memory_cell_count(memory_state)
     state = _IO_HEADER.pack(STATE_IO_MAGIC, seq_id) + memory_state
+    return SlotFile(tokens=tokens, state=state, n_cells=n_cells, version=version)
+
+
+def read_slot_file(path: Path, seq_id: int = 0) -> SlotFile:
+    """parse_slot_file() straight from disk: the state is read once into its final buffer (no copy)."""
+    with open(path, "rb") as f:
+        version, n_words = _check_header(f.read(_FILE_HEADER.size))
+        raw_words = f.read(4 * n_words)
+        if len(raw_words) != 4 * n_words:
+            raise SlotFileError("slot file ends inside its token list")
+        tokens = parse_token_words(np.frombuffer(raw_words, dtype="<i4"))
+        size = os.fstat(f.fileno()).st_size - f.tell()
+        state = bytearray(_IO_HEADER.size + size)
+        _IO_HEADER.pack_into(state, 0, STATE_IO_MAGIC, seq_id)
+        view = memoryview(state)
+        got = _IO_HEADER.size
+        while got < len(state):
+            n = f.readinto(view[got:])
+            if not n:
+                raise SlotFileError("slot file shrank while it was read")
+            got += n
+    n_cells = memory_cell_count(view[_IO_HEADER.size:])
     return SlotFile(tokens=tokens, state=state, n_cells=n_cells, version=version)
 
 
