@@ -11,6 +11,7 @@ import logging
 import signal
 import sys
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import gradio as gr
@@ -18,17 +19,17 @@ import gradio as gr
 from .app_handlers import (
     AppState, Outcome, clear_tier, connect_engine, disconnect_engine, engine_choices, engine_notice,
     engine_status, field_type, fields_for_engine, form_fields, form_values, restart_engine, save_settings,
-    store_markdown, store_stats, COMMON_FIELDS,
+    selected_engine, store_markdown, store_stats, COMMON_FIELDS,
 )
 from .app_results import (
-    ResultsView, document_choices, records_table, export_results, free_prompt, request_stop, results_view, run_stream,
-    scenario_choices, scenario_description,
+    ResultsView, document_choices, export_results, free_prompt, records_table, request_stop, results_view,
+    run_stream, scenario_choices, scenario_description,
 )
 from .charts import store_figure
 from .config import Settings, env_name
 from .errors import KVBridgeError
-from .scenarios import get_scenario
 from .records import MODES
+from .scenarios import get_scenario
 
 __all__ = ["AppState", "build_app", "launch_app", "main"]
 log = logging.getLogger(__name__)
@@ -56,191 +57,208 @@ def _message(outcome: Outcome | ResultsView) -> str:
 def build_app(settings: Settings, state: AppState | None = None) -> gr.Blocks:
     """The whole page; `state` (one per server) defaults to a fresh AppState over `settings`."""
     state = state or AppState(settings)
-    fields = form_fields()
-    values = form_values(settings)
-    choices = engine_choices()
-    selected = settings.engine if settings.engine in {key for _, key in choices} else choices[0][1]
-
+    ui = SimpleNamespace()  # the components event wiring needs, by name
     with gr.Blocks(title="KVBridge testbed", analytics_enabled=False) as demo:
         gr.Markdown("# KVBridge testbed\nHow much time-to-first-token does reusing KV save? Connect an engine, "
                     "run a scenario in several modes, and compare. " + MODE_HELP)
-        status = gr.Markdown(engine_status(state), elem_id="kvb-status")
-
+        ui.status = gr.Markdown(engine_status(state), elem_id="kvb-status")
         with gr.Row(equal_height=False):
             with gr.Column(scale=1):
-                gr.Markdown("## 1 · Engine")
-                engine_radio = gr.Radio(choices, value=selected, label="Engine", elem_id="kvb-engine")
-                notice = gr.Markdown(engine_notice(selected), elem_id="kvb-notice")
-                inputs: dict[str, gr.components.Component] = {}
-                visible = fields_for_engine(selected)
-                with gr.Accordion("Engine settings", open=True):
-                    for name in fields:
-                        if name not in COMMON_FIELDS:
-                            inputs[name] = _field_input(name, values[name], name in visible)
-                with gr.Accordion("Store and generation settings", open=False):
-                    for name in COMMON_FIELDS:
-                        inputs[name] = _field_input(name, values[name], True)
-                with gr.Row():
-                    connect_btn = gr.Button("Connect", variant="primary", elem_id="kvb-connect")
-                    save_btn = gr.Button("Save settings to .env", elem_id="kvb-save")
-                engine_msg = gr.Markdown(elem_classes="kvb-message", elem_id="kvb-engine-msg")
-
+                _engine_panel(ui, settings)
             with gr.Column(scale=1):
-                gr.Markdown("## 2 · Scenario")
-                scenarios = scenario_choices()
-                first = scenarios[0][1] if scenarios else None
-                scenario = gr.Dropdown(scenarios, value=first, label="Scenario", elem_id="kvb-scenario")
-                description = gr.Markdown(scenario_description(first) if first else "")
-                modes = gr.CheckboxGroup(list(MODES), value=list(MODES), label="Modes to run", info=MODE_HELP,
-                                         elem_id="kvb-modes")
-                with gr.Row():
-                    n_requests = gr.Number(value=_default_requests(first), precision=0, minimum=1,
-                                           label="Requests per mode", info="The scenario's questions or turns, "
-                                           "repeated if you ask for more.", elem_id="kvb-n-requests")
-                    docs = _safe_documents(state)
-                    document = gr.Dropdown(docs, value=docs[0] if docs else None, label="Document",
-                                           info="Built-in documents and files in input/.", elem_id="kvb-document")
-                with gr.Row():
-                    run_btn = gr.Button("Run", variant="primary", elem_id="kvb-run")
-                    stop_btn = gr.Button("Stop", variant="stop", elem_id="kvb-stop")
-                run_progress = gr.Markdown("", elem_id="kvb-progress", min_height=44)  # the progress bar shows here
-                run_msg = gr.Markdown(elem_classes="kvb-message", elem_id="kvb-run-msg")
-
-        gr.Markdown("## 3 · Results")
-        summary = gr.Markdown(elem_id="kvb-summary")
-        with gr.Row():
-            speedup_plot = gr.Plot(label="Speedup vs cold", show_label=False, elem_id="kvb-plot-speedup")
-            summary_plot = gr.Plot(label="Mean and median TTFT", show_label=False, elem_id="kvb-plot-summary")
-        with gr.Row():
-            ttft_plot = gr.Plot(label="TTFT per request", show_label=False, elem_id="kvb-plot-ttft")
-            hits_plot = gr.Plot(label="Hits and misses by tier", show_label=False, elem_id="kvb-plot-hits")
-        shadow_plot = gr.Plot(label="Shadow: predicted vs reported", show_label=False, visible=False, elem_id="kvb-plot-shadow")
-        table = gr.Dataframe(records_table([]), label="Requests", interactive=False, wrap=False, max_height=420,
-                             elem_id="kvb-results-table")
-        with gr.Row():
-            export_btn = gr.Button("Export (CSV, JSON, HTML report)", elem_id="kvb-export", scale=0, min_width=300)
-            export_msg = gr.Markdown(elem_classes="kvb-message", elem_id="kvb-export-msg")
-        export_files = gr.File(label="Exported files", file_count="multiple", visible=False, elem_id="kvb-export-files")
-
+                _scenario_panel(ui, state)
+        _results_panel(ui)
         with gr.Row(equal_height=False):
             with gr.Column(scale=1):
-                gr.Markdown("## 4 · Free prompt")
-                prompt = gr.Textbox(lines=4, max_lines=8, label="Prompt", placeholder="Ask anything; send it twice in lmcache mode "
-                                    "to see a restore.", elem_id="kvb-prompt")
-                with gr.Row():
-                    prompt_mode = gr.Radio(list(MODES), value="lmcache", label="Mode", elem_id="kvb-prompt-mode")
-                    prompt_tokens = gr.Number(value=settings.n_predict, precision=0, minimum=1,
-                                              label="Tokens to generate")
-                send_btn = gr.Button("Send", variant="primary", elem_id="kvb-send")
-                prompt_msg = gr.Markdown(elem_classes="kvb-message", elem_id="kvb-prompt-msg")
-                answer = gr.Textbox(label="Answer", lines=4, interactive=False, elem_id="kvb-answer")
-                prompt_record = gr.Dataframe(records_table([]), label="Its record", interactive=False, max_height=160)
-
+                _prompt_panel(ui, settings)
             with gr.Column(scale=1):
-                gr.Markdown("## 5 · Store")
-                stats = store_stats(state)
-                store_md = gr.Markdown(store_markdown(stats), elem_id="kvb-store")
-                store_plot = gr.Plot(store_figure(stats), label="Occupancy", show_label=False, elem_id="kvb-plot-store")
-                with gr.Row():
-                    refresh_btn = gr.Button("Refresh")
-                    clear_l1_btn = gr.Button("Clear L1", elem_id="kvb-clear-l1")
-                    clear_l2_btn = gr.Button("Clear L2", elem_id="kvb-clear-l2")
-                pending_tier = gr.State(None)
-                with gr.Row(visible=False) as confirm_row:
-                    confirm_md = gr.Markdown()
-                    confirm_btn = gr.Button("Yes, clear it", variant="stop", elem_id="kvb-confirm-clear")
-                    cancel_btn = gr.Button("Cancel")
-                with gr.Row():
-                    drop_l1 = gr.Checkbox(False, label="Also drop L1 (as a process restart would: next restore from L2)")
-                    restart_btn = gr.Button("Restart engine", elem_id="kvb-restart")
-                store_msg = gr.Markdown(elem_classes="kvb-message", elem_id="kvb-store-msg")
-
-        field_inputs = [inputs[name] for name in fields]
-        results_outputs = [run_msg, summary, speedup_plot, summary_plot, ttft_plot, hits_plot, shadow_plot, table,
-                           store_md, store_plot]
-
-        def results_values(view: ResultsView) -> list[Any]:
-            figs = view.figures
-            shadow = gr.update(value=figs.get("shadow"), visible=view.has_shadow)
-            stats_now = store_stats(state)
-            return [_message(view), view.summary, figs["speedup"], figs["ttft_summary"], figs["ttft_per_request"],
-                    figs["hits"], shadow, view.table, store_markdown(stats_now), store_figure(stats_now)]
-
-        def store_values(outcome: Outcome | None = None) -> list[Any]:
-            stats_now = store_stats(state)
-            return [store_markdown(stats_now), store_figure(stats_now), _message(outcome) if outcome else ""]
-
-        # -- engine ------------------------------------------------------------------------------
-        def on_engine_change(key: str) -> list[Any]:
-            shown = fields_for_engine(key)
-            return [engine_notice(key), *(gr.update(visible=(name in shown)) for name in fields)]
-
-        def on_connect(key: str, *field_values: Any) -> list[Any]:
-            outcome = connect_engine(state, key, dict(zip(fields, field_values)))
-            docs_now = _safe_documents(state)
-            return [engine_status(state), _message(outcome), gr.update(choices=docs_now),
-                    *store_values()[:2]]
-
-        def on_save(key: str, *field_values: Any) -> str:
-            return _message(save_settings(state, key, dict(zip(fields, field_values))))
-
-        engine_radio.change(on_engine_change, engine_radio, [notice, *field_inputs], queue=False)
-        connect_btn.click(on_connect, [engine_radio, *field_inputs], [status, engine_msg, document, store_md, store_plot],
-                          concurrency_limit=1, show_progress_on=[engine_msg])
-        save_btn.click(on_save, [engine_radio, *field_inputs], engine_msg, concurrency_limit=1)
-
-        # -- scenario runs -----------------------------------------------------------------------
-        def on_run(key: str, chosen_modes: list[str], n: Any, doc: str | None, progress=gr.Progress()):
-            for view in run_stream(state, key, chosen_modes, n, doc, progress=progress):
-                yield results_values(view)
-
-        scenario.change(lambda key: [scenario_description(key), _default_requests(key)], scenario,
-                        [description, n_requests], queue=False)
-        run_btn.click(on_run, [scenario, modes, n_requests, document], results_outputs, concurrency_limit=1,
-                      concurrency_id="scenario-run", show_progress_on=[run_progress])
-        stop_btn.click(lambda: _message(request_stop(state)), None, run_msg, concurrency_limit=None, queue=False)
-
-        def on_export() -> list[Any]:
-            outcome, paths = export_results(state)
-            return [_message(outcome), gr.update(value=paths or None, visible=bool(paths))]
-
-        export_btn.click(on_export, None, [export_msg, export_files], concurrency_limit=1)
-
-        # -- free prompt -------------------------------------------------------------------------
-        def on_send(text: str, mode: str, n: Any) -> list[Any]:
-            result = free_prompt(state, text, mode, n)
-            return [_message(result), result.answer, result.record, *store_values()[:2]]
-
-        send_btn.click(on_send, [prompt, prompt_mode, prompt_tokens], [prompt_msg, answer, prompt_record, store_md,
-                                                                      store_plot], concurrency_limit=1)
-
-        # -- store -------------------------------------------------------------------------------
-        def ask_clear(tier: str) -> list[Any]:
-            stats_now = store_stats(state)
-            question = f"**Really clear {tier}?** Every object in {tier} is deleted; the store keeps the other tier."
-            if stats_now is None:
-                question = "Connect an engine first."
-            return [tier, gr.update(visible=stats_now is not None), question]
-
-        def on_confirm_clear(tier: str | None) -> list[Any]:
-            outcome = clear_tier(state, tier or "")
-            return [None, gr.update(visible=False), *store_values(outcome)]
-
-        refresh_btn.click(lambda: store_values(), None, [store_md, store_plot, store_msg], queue=False)
-        clear_l1_btn.click(lambda: ask_clear("L1"), None, [pending_tier, confirm_row, confirm_md], queue=False)
-        clear_l2_btn.click(lambda: ask_clear("L2"), None, [pending_tier, confirm_row, confirm_md], queue=False)
-        cancel_btn.click(lambda: [None, gr.update(visible=False)], None, [pending_tier, confirm_row], queue=False)
-        confirm_btn.click(on_confirm_clear, pending_tier, [pending_tier, confirm_row, store_md, store_plot, store_msg],
-                          concurrency_limit=1)
-        restart_btn.click(lambda drop: [engine_status(state), *store_values(restart_engine(state, drop))], drop_l1,
-                          [status, store_md, store_plot, store_msg], concurrency_limit=1)
-
-        # A reload (or a second tab) shows the server's current engine and results.
-        demo.load(lambda: [engine_status(state), *results_values(results_view(state))], None,
-                  [status, *results_outputs])
-
+                _store_panel(ui, state)
+        _wire(ui, state, demo)
     demo.app_state = state  # main() stops this engine on SIGTERM
     return demo
+
+
+# -- layout -------------------------------------------------------------------------------------
+def _engine_panel(ui: SimpleNamespace, settings: Settings) -> None:
+    gr.Markdown("## 1 · Engine")
+    selected = selected_engine(settings)
+    ui.engine_radio = gr.Radio(engine_choices(), value=selected, label="Engine", elem_id="kvb-engine")
+    ui.notice = gr.Markdown(engine_notice(selected), elem_id="kvb-notice")
+    values, visible = form_values(settings), fields_for_engine(selected)
+    ui.fields = form_fields()
+    ui.inputs = {}
+    with gr.Accordion("Engine settings", open=True):
+        for name in ui.fields:
+            if name not in COMMON_FIELDS:
+                ui.inputs[name] = _field_input(name, values[name], name in visible)
+    with gr.Accordion("Store and generation settings", open=False):
+        for name in COMMON_FIELDS:
+            ui.inputs[name] = _field_input(name, values[name], True)
+    with gr.Row():
+        ui.connect_btn = gr.Button("Connect", variant="primary", elem_id="kvb-connect")
+        ui.save_btn = gr.Button("Save settings to .env", elem_id="kvb-save")
+    ui.engine_msg = gr.Markdown(elem_classes="kvb-message", elem_id="kvb-engine-msg")
+
+
+def _scenario_panel(ui: SimpleNamespace, state: AppState) -> None:
+    gr.Markdown("## 2 · Scenario")
+    scenarios = scenario_choices()
+    first = scenarios[0][1] if scenarios else None
+    ui.scenario = gr.Dropdown(scenarios, value=first, label="Scenario", elem_id="kvb-scenario")
+    ui.description = gr.Markdown(scenario_description(first) if first else "")
+    ui.modes = gr.CheckboxGroup(list(MODES), value=list(MODES), label="Modes to run", info=MODE_HELP,
+                                elem_id="kvb-modes")
+    with gr.Row():
+        ui.n_requests = gr.Number(value=_default_requests(first), precision=0, minimum=1, label="Requests per mode",
+                                  info="The scenario's questions or turns, repeated if you ask for more.",
+                                  elem_id="kvb-n-requests")
+        docs = _safe_documents(state)
+        ui.document = gr.Dropdown(docs, value=docs[0] if docs else None, label="Document",
+                                  info="Built-in documents and files in input/.", elem_id="kvb-document")
+    with gr.Row():
+        ui.run_btn = gr.Button("Run", variant="primary", elem_id="kvb-run")
+        ui.stop_btn = gr.Button("Stop", variant="stop", elem_id="kvb-stop")
+    ui.run_progress = gr.Markdown("", elem_id="kvb-progress", min_height=44)  # the progress bar shows here
+    ui.run_msg = gr.Markdown(elem_classes="kvb-message", elem_id="kvb-run-msg")
+
+
+def _results_panel(ui: SimpleNamespace) -> None:
+    gr.Markdown("## 3 · Results")
+    ui.summary = gr.Markdown(elem_id="kvb-summary")
+    with gr.Row():
+        ui.speedup_plot = gr.Plot(show_label=False, elem_id="kvb-plot-speedup")   # the headline
+        ui.summary_plot = gr.Plot(show_label=False, elem_id="kvb-plot-summary")
+    with gr.Row():
+        ui.ttft_plot = gr.Plot(show_label=False, elem_id="kvb-plot-ttft")
+        ui.hits_plot = gr.Plot(show_label=False, elem_id="kvb-plot-hits")
+    ui.shadow_plot = gr.Plot(show_label=False, visible=False, elem_id="kvb-plot-shadow")
+    ui.table = gr.Dataframe(records_table([]), label="Requests", interactive=False, wrap=False, max_height=420,
+                            elem_id="kvb-results-table")
+    with gr.Row():
+        ui.export_btn = gr.Button("Export (CSV, JSON, HTML report)", elem_id="kvb-export", scale=0, min_width=300)
+        ui.export_msg = gr.Markdown(elem_classes="kvb-message", elem_id="kvb-export-msg")
+    ui.export_files = gr.File(label="Exported files", file_count="multiple", visible=False,
+                              elem_id="kvb-export-files")
+
+
+def _prompt_panel(ui: SimpleNamespace, settings: Settings) -> None:
+    gr.Markdown("## 4 · Free prompt")
+    ui.prompt = gr.Textbox(lines=4, max_lines=8, label="Prompt", elem_id="kvb-prompt",
+                           placeholder="Ask anything; send it twice in lmcache mode to see a restore.")
+    with gr.Row():
+        ui.prompt_mode = gr.Radio(list(MODES), value="lmcache", label="Mode", elem_id="kvb-prompt-mode")
+        ui.prompt_tokens = gr.Number(value=settings.n_predict, precision=0, minimum=1, label="Tokens to generate")
+    ui.send_btn = gr.Button("Send", variant="primary", elem_id="kvb-send")
+    ui.prompt_msg = gr.Markdown(elem_classes="kvb-message", elem_id="kvb-prompt-msg")
+    ui.answer = gr.Textbox(label="Answer", lines=4, interactive=False, elem_id="kvb-answer")
+    ui.prompt_record = gr.Dataframe(records_table([]), label="Its record", interactive=False, max_height=160)
+
+
+def _store_panel(ui: SimpleNamespace, state: AppState) -> None:
+    gr.Markdown("## 5 · Store")
+    stats = store_stats(state)
+    ui.store_md = gr.Markdown(store_markdown(stats), elem_id="kvb-store")
+    ui.store_plot = gr.Plot(store_figure(stats), show_label=False, elem_id="kvb-plot-store")
+    with gr.Row():
+        ui.refresh_btn = gr.Button("Refresh")
+        ui.clear_l1_btn = gr.Button("Clear L1", elem_id="kvb-clear-l1")
+        ui.clear_l2_btn = gr.Button("Clear L2", elem_id="kvb-clear-l2")
+    ui.pending_tier = gr.State(None)
+    with gr.Row(visible=False) as ui.confirm_row:
+        ui.confirm_md = gr.Markdown()
+        ui.confirm_btn = gr.Button("Yes, clear it", variant="stop", elem_id="kvb-confirm-clear")
+        ui.cancel_btn = gr.Button("Cancel")
+    with gr.Row():
+        ui.drop_l1 = gr.Checkbox(False, label="Also drop L1 (as a process restart would: next restore from L2)")
+        ui.restart_btn = gr.Button("Restart engine", elem_id="kvb-restart")
+    ui.store_msg = gr.Markdown(elem_classes="kvb-message", elem_id="kvb-store-msg")
+
+
+# -- events -------------------------------------------------------------------------------------
+def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
+    """Connect clicks to handlers. Engine-using events run one at a time on Gradio's worker threads."""
+    field_inputs = [ui.inputs[name] for name in ui.fields]
+    store_outputs = [ui.store_md, ui.store_plot]
+    results_outputs = [ui.run_msg, ui.summary, ui.speedup_plot, ui.summary_plot, ui.ttft_plot, ui.hits_plot,
+                       ui.shadow_plot, ui.table, *store_outputs]
+
+    def store_values() -> list[Any]:
+        stats = store_stats(state)
+        return [store_markdown(stats), store_figure(stats)]
+
+    def results_values(view: ResultsView) -> list[Any]:
+        figs = view.figures
+        shadow = gr.update(value=figs.get("shadow"), visible=view.has_shadow)
+        return [_message(view), view.summary, figs["speedup"], figs["ttft_summary"], figs["ttft_per_request"],
+                figs["hits"], shadow, view.table, *store_values()]
+
+    # engine
+    def on_engine_change(key: str) -> list[Any]:
+        shown = fields_for_engine(key)
+        return [engine_notice(key), *(gr.update(visible=(name in shown)) for name in ui.fields)]
+
+    def on_connect(key: str, *values: Any) -> list[Any]:
+        outcome = connect_engine(state, key, dict(zip(ui.fields, values)))
+        return [engine_status(state), _message(outcome), gr.update(choices=_safe_documents(state)), *store_values()]
+
+    def on_save(key: str, *values: Any) -> str:
+        return _message(save_settings(state, key, dict(zip(ui.fields, values))))
+
+    ui.engine_radio.change(on_engine_change, ui.engine_radio, [ui.notice, *field_inputs], queue=False)
+    ui.connect_btn.click(on_connect, [ui.engine_radio, *field_inputs],
+                         [ui.status, ui.engine_msg, ui.document, *store_outputs], show_progress_on=[ui.engine_msg])
+    ui.save_btn.click(on_save, [ui.engine_radio, *field_inputs], ui.engine_msg)
+
+    # runs, streamed: one update per request; Stop bypasses the queue so it works mid-run
+    def on_run(key: str, modes: list[str], n: Any, doc: str | None, progress=gr.Progress()):
+        for view in run_stream(state, key, modes, n, doc, progress=progress):
+            yield results_values(view)
+
+    def on_export() -> list[Any]:
+        outcome, paths = export_results(state)
+        return [_message(outcome), gr.update(value=paths or None, visible=bool(paths))]
+
+    ui.scenario.change(lambda key: [scenario_description(key), _default_requests(key)], ui.scenario,
+                       [ui.description, ui.n_requests], queue=False)
+    ui.run_btn.click(on_run, [ui.scenario, ui.modes, ui.n_requests, ui.document], results_outputs,
+                     concurrency_limit=1, show_progress_on=[ui.run_progress])
+    ui.stop_btn.click(lambda: _message(request_stop(state)), None, ui.run_msg, queue=False)
+    ui.export_btn.click(on_export, None, [ui.export_msg, ui.export_files])
+
+    # free prompt
+    def on_send(text: str, mode: str, n: Any) -> list[Any]:
+        result = free_prompt(state, text, mode, n)
+        return [_message(result), result.answer, result.record, *store_values()]
+
+    ui.send_btn.click(on_send, [ui.prompt, ui.prompt_mode, ui.prompt_tokens],
+                      [ui.prompt_msg, ui.answer, ui.prompt_record, *store_outputs])
+
+    # store: Clear asks first (the tier waits in pending_tier until Yes or Cancel)
+    def ask_clear(tier: str) -> list[Any]:
+        connected = store_stats(state) is not None
+        question = (f"**Really clear {tier}?** Every object in {tier} is deleted; the other tier is kept."
+                    if connected else "Connect an engine first.")
+        return [tier, gr.update(visible=connected), question]
+
+    def on_confirm_clear(tier: str | None) -> list[Any]:
+        outcome = clear_tier(state, tier or "")
+        return [None, gr.update(visible=False), *store_values(), _message(outcome)]
+
+    def on_restart(drop_l1: bool) -> list[Any]:
+        outcome = restart_engine(state, drop_l1)
+        return [engine_status(state), *store_values(), _message(outcome)]
+
+    confirm_outputs = [ui.pending_tier, ui.confirm_row, ui.confirm_md]
+    ui.refresh_btn.click(lambda: [*store_values(), ""], None, [*store_outputs, ui.store_msg], queue=False)
+    ui.clear_l1_btn.click(lambda: ask_clear("L1"), None, confirm_outputs, queue=False)
+    ui.clear_l2_btn.click(lambda: ask_clear("L2"), None, confirm_outputs, queue=False)
+    ui.cancel_btn.click(lambda: [None, gr.update(visible=False)], None, confirm_outputs[:2], queue=False)
+    ui.confirm_btn.click(on_confirm_clear, ui.pending_tier, [*confirm_outputs[:2], *store_outputs, ui.store_msg])
+    ui.restart_btn.click(on_restart, ui.drop_l1, [ui.status, *store_outputs, ui.store_msg])
+
+    # a reload (or a second tab) shows the server's current engine and results
+    demo.load(lambda: [engine_status(state), *results_values(results_view(state))], None,
+              [ui.status, *results_outputs])
 
 
 def _field_input(name: str, value: Any, visible: bool) -> gr.components.Component:

@@ -77,6 +77,14 @@ def form_fields() -> list[str]:
     return [*seen, *COMMON_FIELDS]
 
 
+def selected_engine(settings: Settings) -> str:
+    """The registry key of KVB_ENGINE (an alias is fine); the first engine when it names none."""
+    try:
+        return resolve_engine(settings.engine).key
+    except KVBridgeError:
+        return engine_specs()[0].key
+
+
 def fields_for_engine(engine_key: str) -> set[str]:
     """The form fields visible while `engine_key` is selected."""
     spec = resolve_engine(engine_key)

@@ -195,7 +195,9 @@ class CachedEngine:
         record.chunks_total = len(hashes)
         full = self.backend.kv_mode == "full"
         restored = 0
-        if mode in ("cold", "lmcache"):
+        # lmcache on a full engine models eviction (the engine's cache is dropped, ours restores);
+        # a shadow engine keeps its cache, since its cached-token count is the ground truth we predict.
+        if mode == "cold" or (mode == "lmcache" and full):
             self.backend.reset_native_cache()
         if mode == "lmcache" and full:
             restored = self._restore(tokens, hashes, record)

@@ -104,6 +104,26 @@ def test_status_before_connect(state):
     assert "connect" in h.store_markdown(h.store_stats(state)).lower()
 
 
+def test_page_builds_with_registry_engines_and_kvb_labels(state):
+    import gradio as gr
+
+    from kvbridge.app import build_app
+    from kvbridge.config import env_name
+
+    demo = build_app(state.settings, state)
+    blocks = list(demo.blocks.values())
+    labels = {b.label for b in blocks if getattr(b, "label", None)}
+    assert {env_name(f) for f in h.form_fields()} <= labels
+    radio = next(b for b in blocks if isinstance(b, gr.Radio) and b.elem_id == "kvb-engine")
+    assert [value for _, value in radio.choices] == [key for _, key in h.engine_choices()]
+    assert demo.app_state is state
+
+
+def test_an_alias_in_kvb_engine_selects_its_engine(tmp_path):
+    assert h.selected_engine(small_settings(tmp_path, KVB_ENGINE="llama.cpp")) == "llamacpp"
+    assert h.selected_engine(small_settings(tmp_path, KVB_ENGINE="nonsense")) == h.engine_choices()[0][1]
+
+
 # -- handlers that need an engine answer with a message instead --------------------------------
 def test_no_engine_messages_and_results_are_kept(state):
     state.records = made_records()
@@ -253,3 +273,38 @@ def test_live_clear_tiers(live_state):
         assert h.clear_tier(live_state, tier).ok
         assert h.store_stats(live_state)["tiers"][tier]["objects"] == 0
     assert "| L1 | 0 |" in h.store_markdown(h.store_stats(live_state))
+
+
+# -- a shadow engine: the cloud adapter against a loopback replay of a provider's stream ---------
+FAKE_KEY = "sk-kvbgui-FAKE-0123456789abcdef-NEVER-SHOWN"
+
+
+def test_shadow_cloud_engine_status_budget_and_charts(tmp_path, monkeypatch):
+    """Hosted providers cannot be reached from here: a recorded OpenAI stream is replayed on loopback."""
+    from replay_server import Reply, ReplayServer, load_fixture
+
+    monkeypatch.setenv("KVB_GUI_TEST_KEY", FAKE_KEY)
+    recorded = load_fixture("cloud_openai_stream.json")
+    state = h.AppState(small_settings(tmp_path), env_path=tmp_path / ".env")
+    with ReplayServer() as server:
+        server.add("POST", "/v1/chat/completions", Reply.sse(recorded["sse"]))
+        values = {**h.form_values(state.settings), "cloud_base_url": server.url + "/v1", "cloud_model": "gpt-4.1-mini",
+                  "cloud_api_key_env": "KVB_GUI_TEST_KEY", "cloud_token_budget": "10000"}
+        outcome = h.connect_engine(state, "cloud", values)
+        assert outcome.ok, outcome.message
+        try:
+            status = h.engine_status(state)
+            assert "SHADOW" in status and "leave this machine" in status.lower()
+            assert "Token budget left:** 10,000" in status
+            views = list(r.run_stream(state, "system-prompt", ["lmcache"], 2, None))
+            assert views[-1].ok, views[-1].message
+            assert views[-1].has_shadow and "shadow" in views[-1].figures
+            assert all(x.kv_mode == "shadow" and x.predicted_reuse_tokens is not None for x in state.records)
+            assert state.records[1].predicted_reuse_tokens > 0  # the shared system prompt was indexed
+            assert "Token budget left:** 5,972" in h.engine_status(state)  # 2 x 2,014 billed tokens
+            _, paths = r.export_results(state)
+            for path in paths:
+                assert FAKE_KEY not in Path(path).read_text(encoding="utf-8")
+        finally:
+            h.disconnect_engine(state)
+    assert FAKE_KEY not in status

@@ -238,6 +238,16 @@ def test_retries_are_bounded():
         assert len(server.requests_to("/v1/chat/completions")) == 3
 
 
+def test_a_stalled_stream_is_a_clear_timeout():
+    """A provider that stops sending mid-stream is replayed on loopback (a chunk arrives after the timeout)."""
+    recorded = load_fixture("cloud_openai_stream.json")
+    with ReplayServer() as server:
+        server.add("POST", "/v1/chat/completions", Reply.sse(recorded["sse"], chunk_delay_s=0.5))
+        backend = started(cloud_settings(server.url + "/v1", cloud_timeout=0.2))
+        with pytest.raises(EngineUnavailable, match=r"sent nothing for KVB_CLOUD_TIMEOUT=0\.2 s mid-stream"):
+            run(backend, message_prompt(backend))
+
+
 def test_malformed_stream_lines_are_skipped_and_counted():
     """A flaky proxy's damaged SSE stream is replayed on loopback."""
     recorded = load_fixture("cloud_malformed_stream.json")
@@ -314,6 +324,7 @@ def _llama_server_binary() -> Path:
 
 
 LLAMA_SERVER = _llama_server_binary()
+LIVE_TIMEOUT_S = 180.0  # a 600-token prefill on 2 busy cores can take tens of seconds before the first byte
 DOCUMENT = " ".join(
     f"Section {i}: the bicycle shop logs repair number {i * 7}, a {['tube', 'brake', 'chain', 'wheel'][i % 4]} job "
     f"finished on day {i % 28 + 1}." for i in range(24))
@@ -360,7 +371,8 @@ def llama_server(tmp_path_factory):
 
 @pytest.mark.live
 def test_live_llama_server_streams_and_reports_cached_tokens(llama_server):
-    backend = started(cloud_settings(llama_server + "/v1", cloud_model="smollm2", cloud_extra_headers=""))
+    backend = started(cloud_settings(llama_server + "/v1", cloud_model="smollm2", cloud_extra_headers="",
+                                     cloud_timeout=LIVE_TIMEOUT_S))
     assert not backend.approx_tokens, backend.tokenizer_note          # the server's /tokenize
     messages = ({"role": "system", "content": "Answer from the log. " + DOCUMENT},
                 {"role": "user", "content": "Which job was repair number 21?"})
@@ -396,7 +408,7 @@ def test_live_cached_engine_shadow_records(llama_server, tmp_path):
     from kvbridge.engine import CachedEngine
 
     settings = cloud_settings(llama_server + "/v1", cloud_model="smollm2", cloud_extra_headers="", chunk_size=32,
-                              l2_dir=str(tmp_path / "l2"), n_predict=4)
+                              l2_dir=str(tmp_path / "l2"), n_predict=4, cloud_timeout=LIVE_TIMEOUT_S)
     messages = [{"role": "system", "content": "Answer from the log. " + DOCUMENT},
                 {"role": "user", "content": "Which job was repair number 21?"}]
     with CachedEngine(settings, make_backend("cloud", settings)) as engine:

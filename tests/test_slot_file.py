@@ -8,7 +8,7 @@ from kvbridge.backends import resolve_engine
 from kvbridge.backends.llama_server import LlamaServerBackend
 from kvbridge.backends.slot_file import (
     STATE_IO_MAGIC, STATE_SEQ_MAGIC, SlotFileError, build_slot_file, parse_slot_file, parse_token_words,
-    token_words, write_atomically)
+    token_words, write_in_place)
 
 
 def memory_state(n_cells: int, payload: bytes = b"\x01\x02\x03\x04") -> bytes:
@@ -74,11 +74,11 @@ def test_build_refuses_a_foreign_state_or_wrong_token_count():
         build_slot_file(struct.pack("<Ii", STATE_IO_MAGIC, 0) + memory_state(2), [1, 2, 3])
 
 
-def test_write_atomically_leaves_no_temp_file(tmp_path):
+def test_write_in_place_overwrites_and_truncates(tmp_path):
     target = tmp_path / "slot.bin"
-    size = write_atomically(target, [b"abc", memoryview(b"def")])
-    assert size == 6 and target.read_bytes() == b"abcdef"
-    assert [p.name for p in tmp_path.iterdir()] == ["slot.bin"]
+    assert write_in_place(target, [b"abcdef", memoryview(b"ghij")]) == 10
+    assert write_in_place(target, [b"xyz"]) == 3
+    assert target.read_bytes() == b"xyz"
 
 
 def test_registered_under_its_key_and_aliases():
@@ -93,7 +93,7 @@ def test_reading_from_disk_equals_parsing_bytes(tmp_path):
 
     state = struct.pack("<Ii", STATE_IO_MAGIC, 0) + memory_state(4, payload=bytes(range(256)) * 3)
     path = tmp_path / "slot.bin"
-    write_atomically(path, build_slot_file(state, [10, 11, 12, 13]))
+    write_in_place(path, build_slot_file(state, [10, 11, 12, 13]))
     from_disk = read_slot_file(path)
     from_bytes = parse_slot_file(path.read_bytes())
     assert bytes(from_disk.state) == bytes(from_bytes.state) == state

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Iterator, Sequence
 
 import requests
 
@@ -27,6 +27,7 @@ from ..errors import BadSettings, BudgetExhausted, EngineUnavailable, KVBridgeEr
 from .approx_tokenizer import ApproxTokenizer
 from .base import Backend, EngineReport, Message, Prompt
 from .gguf_vocab import chatml
+from .http_util import error_message, error_text, is_read_timeout
 from .registry import EngineSpec, register_engine
 from .usage import UsageCounts, usage_counts_from
 
@@ -228,7 +229,7 @@ class CloudBackend(Backend):
             raise self._unreachable(err) from None
         with response:
             if response.status_code != 200:
-                raise EngineUnavailable(f"{url} answered {response.status_code}: {self._scrub(_error_text(response))}")
+                raise EngineUnavailable(f"{url} answered {response.status_code}: {self._scrub(error_text(response))}")
             return response.json()
 
     # generation ----------------------------------------------------------------------------
@@ -260,7 +261,7 @@ class CloudBackend(Backend):
                     continue
                 if event.get("error"):
                     raise KVBridgeError(f"the provider reported an error mid-stream: "
-                                        f"{self._scrub(_error_message(event['error']))}")
+                                        f"{self._scrub(error_message(event['error']))}")
                 usage = usage_counts_from(event) or usage
                 for choice in event.get("choices") or []:
                     piece = (choice.get("delta") or {}).get("content") if isinstance(choice, dict) else None
@@ -268,6 +269,10 @@ class CloudBackend(Backend):
                         pieces += 1
                         yield piece
         except requests.RequestException as err:
+            if is_read_timeout(err):
+                raise EngineUnavailable(f"{self.base_url} sent nothing for KVB_CLOUD_TIMEOUT="
+                                        f"{self.settings.cloud_timeout:g} s mid-stream (a long prefill on a slow "
+                                        "server needs a larger value)") from None
             raise EngineUnavailable(f"the stream from {self.base_url} broke off ({type(err).__name__})") from None
         finally:
             response.close()
@@ -321,7 +326,7 @@ class CloudBackend(Backend):
     def _refused(self, response: requests.Response, attempt: int) -> KVBridgeError:
         status = response.status_code
         with response:
-            detail = "" if status in (401, 403) else self._scrub(_error_text(response))
+            detail = "" if status in (401, 403) else self._scrub(error_text(response))
         if status in (401, 403):
             if not self.key_env:
                 return NeedsKey(f"{self.base_url} wants an API key ({status}); set KVB_CLOUD_API_KEY_ENV to the "
@@ -348,22 +353,6 @@ class CloudBackend(Backend):
 def _read_env(name: str) -> str:
     """The one place KVBridge reads an API key: the variable named by KVB_CLOUD_API_KEY_ENV."""
     return os.environ.get(name, "")
-
-
-def _error_message(error: Any) -> str:
-    if isinstance(error, Mapping):
-        return str(error.get("message") or error.get("type") or error)[:300]
-    return str(error)[:300]
-
-
-def _error_text(response: requests.Response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return (response.text or response.reason or "")[:300].strip()
-    if isinstance(body, Mapping) and "error" in body:
-        return _error_message(body["error"])
-    return str(body)[:300]
 
 
 register_engine(EngineSpec(

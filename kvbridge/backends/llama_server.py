@@ -32,7 +32,7 @@ from .llama_server_process import (
     BUILD_SCRIPT, ServerProcess, built_binary, free_port, pinned_llama_cpp_version, port_is_free)
 from .llamacpp import check_model_file, ggml_type_id, model_path_for
 from .registry import EngineSpec, register_engine
-from .slot_file import SlotFileError, build_slot_file, read_slot_file, write_atomically
+from .slot_file import SlotFileError, build_slot_file, read_slot_file, write_in_place
 
 SLOT_ID = 0
 SLOT_REF_MAGIC = b"KVBSLOTREF1\0"   # SeqState.data of a by-name slot file on a remote server
@@ -65,6 +65,7 @@ class LlamaServerBackend(Backend):
         self._bos_text = ""
         self._eos_text = ""
         self._lock = threading.Lock()
+        self._restore_name = f"kvb-restore-{uuid.uuid4().hex}.bin"
 
     @property
     def kv_by_reference(self) -> bool:
@@ -153,6 +154,8 @@ class LlamaServerBackend(Backend):
 
     def stop(self) -> None:
         with self._lock:
+            if self.slot_dir is not None:
+                (self.slot_dir / self._restore_name).unlink(missing_ok=True)
             if self.server is not None:
                 self.server.stop()
                 self.server = None
@@ -321,15 +324,13 @@ class LlamaServerBackend(Backend):
             return
         if self.slot_dir is None:
             raise RestoreFailed("this llama-server's slot directory is not on this machine (KVB_LLAMA_SERVER_SLOT_DIR)")
-        name = f"kvb-restore-{uuid.uuid4().hex}.bin"
-        path = self.slot_dir / name
+        # one file per backend, rewritten in place for every restore (see write_in_place); removed by stop()
+        path = self.slot_dir / self._restore_name
         try:
-            write_atomically(path, build_slot_file(state.data, tokens))
-            self._restore_file(name, expected=len(tokens))
+            write_in_place(path, build_slot_file(state.data, tokens))
         except SlotFileError as exc:
             raise RestoreFailed(f"cannot build a slot file: {exc}") from exc
-        finally:
-            path.unlink(missing_ok=True)
+        self._restore_file(self._restore_name, expected=len(tokens))
         self._context = tokens
 
     def _restore_file(self, name: str, expected: int) -> None:

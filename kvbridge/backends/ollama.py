@@ -22,6 +22,7 @@ from ..errors import BadSettings, EngineUnavailable, KVBridgeError
 from .approx_tokenizer import ApproxTokenizer
 from .base import Backend, EngineReport, Message, Prompt
 from .gguf_vocab import GGUFVocab, chatml
+from .http_util import error_text, is_read_timeout
 from .ollama_store import locate_ollama_model
 from .registry import EngineSpec, register_engine
 from .usage import ollama_cached_tokens
@@ -180,6 +181,9 @@ class OllamaBackend(Backend):
                 if event.get("done"):
                     final = event
         except requests.RequestException as err:
+            if is_read_timeout(err):
+                raise EngineUnavailable(f"Ollama at {self.url} sent nothing for {self.read_timeout_s:g} s "
+                                        "mid-stream") from None
             raise EngineUnavailable(f"the stream from Ollama at {self.url} broke off: {type(err).__name__}") from None
         finally:
             response.close()
@@ -228,22 +232,12 @@ class OllamaBackend(Backend):
             raise EngineUnavailable(f"Ollama at {self.url} did not answer {method} {path} in time "
                                     f"({env_name('ollama_url')}).") from None
         if response.status_code >= 400 and response.status_code not in allow:
-            detail = _error_text(response)
+            detail = error_text(response)
             response.close()
             raise KVBridgeError(f"Ollama refused {method} {path} ({response.status_code}): {detail}"
                                 + (f" (model {self.model!r}, {env_name('ollama_model')})"
                                    if response.status_code == 404 else ""))
         return response
-
-
-def _error_text(response: requests.Response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:200].strip() or response.reason
-    if isinstance(body, dict) and body.get("error"):
-        return str(body["error"])[:200]
-    return str(body)[:200]
 
 
 register_engine(EngineSpec(

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -153,16 +152,16 @@ def build_slot_file(state: bytes | memoryview, tokens: Sequence[int]) -> list[by
     return [_FILE_HEADER.pack(STATE_SEQ_MAGIC, STATE_SEQ_VERSION, len(words)), words.tobytes(), memory_state]
 
 
-def write_atomically(path: Path, parts: Sequence[bytes | memoryview]) -> int:
-    """Write parts to `path` via a temp file in the same directory and a rename; returns the size."""
-    fd, tmp = tempfile.mkstemp(prefix=".kvb-", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for part in parts:
-                f.write(part)
-            size = f.tell()
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def write_in_place(path: Path, parts: Sequence[bytes | memoryview]) -> int:
+    """Overwrite `path` with parts, reusing its pages; returns the size.
+
+    Rewriting one file in place is about twice as fast as a fresh file on tmpfs (no page
+    allocation). No rename is needed: the file is private and only read after this returns.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "r+b") as f:
+        for part in parts:
+            f.write(part)
+        size = f.tell()
+        f.truncate()
     return size
