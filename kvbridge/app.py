@@ -39,6 +39,7 @@ APP_CSS = """
 .gradio-container {max-width: 1400px !important}
 #kvb-status {background: #eff6ff; border: 1px solid #bfdbfe; border-radius: 8px; padding: 8px 12px}
 #kvb-notice strong {color: #b45309}
+#kvb-notice:has(strong) {background: #fffbeb; border: 1px solid #fcd34d; border-radius: 8px; padding: 4px 12px}
 .kvb-message p {margin: 4px 0}
 #kvb-summary > p:first-child, #kvb-summary p:first-of-type {font-size: 1.15em}
 #kvb-results-table {font-size: 12px}
@@ -49,7 +50,7 @@ MODE_HELP = "cold: no reuse (baseline) · native: the engine's own prefix cache 
 def _message(outcome: Outcome | ResultsView) -> str:
     """Show the message in the page; errors also pop up as a warning toast."""
     if not outcome.ok:
-        gr.Warning(outcome.message.splitlines()[0][:300])
+        gr.Warning(" ".join(outcome.message.split())[:300])  # the toast: the whole message on one line
         return f"⚠️ {outcome.message}"
     return outcome.message
 
@@ -179,8 +180,8 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
     """Connect clicks to handlers. Engine-using events run one at a time on Gradio's worker threads."""
     field_inputs = [ui.inputs[name] for name in ui.fields]
     store_outputs = [ui.store_md, ui.store_plot]
-    results_outputs = [ui.run_msg, ui.summary, ui.speedup_plot, ui.summary_plot, ui.ttft_plot, ui.hits_plot,
-                       ui.shadow_plot, ui.table, *store_outputs]
+    results_outputs = [ui.status, ui.run_msg, ui.summary, ui.speedup_plot, ui.summary_plot, ui.ttft_plot,
+                       ui.hits_plot, ui.shadow_plot, ui.table, *store_outputs]
 
     def store_values() -> list[Any]:
         stats = store_stats(state)
@@ -189,8 +190,8 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
     def results_values(view: ResultsView) -> list[Any]:
         figs = view.figures
         shadow = gr.update(value=figs.get("shadow"), visible=view.has_shadow)
-        return [_message(view), view.summary, figs["speedup"], figs["ttft_summary"], figs["ttft_per_request"],
-                figs["hits"], shadow, view.table, *store_values()]
+        return [engine_status(state), _message(view), view.summary, figs["speedup"], figs["ttft_summary"],
+                figs["ttft_per_request"], figs["hits"], shadow, view.table, *store_values()]
 
     # engine
     def on_engine_change(key: str) -> list[Any]:
@@ -228,10 +229,10 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
     # free prompt
     def on_send(text: str, mode: str, n: Any) -> list[Any]:
         result = free_prompt(state, text, mode, n)
-        return [_message(result), result.answer, result.record, *store_values()]
+        return [_message(result), result.answer, result.record, engine_status(state), *store_values()]
 
     ui.send_btn.click(on_send, [ui.prompt, ui.prompt_mode, ui.prompt_tokens],
-                      [ui.prompt_msg, ui.answer, ui.prompt_record, *store_outputs])
+                      [ui.prompt_msg, ui.answer, ui.prompt_record, ui.status, *store_outputs])
 
     # store: Clear asks first (the tier waits in pending_tier until Yes or Cancel)
     def ask_clear(tier: str) -> list[Any]:
@@ -257,8 +258,7 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
     ui.restart_btn.click(on_restart, ui.drop_l1, [ui.status, *store_outputs, ui.store_msg])
 
     # a reload (or a second tab) shows the server's current engine and results
-    demo.load(lambda: [engine_status(state), *results_values(results_view(state))], None,
-              [ui.status, *results_outputs])
+    demo.load(lambda: results_values(results_view(state)), None, results_outputs)
 
 
 def _field_input(name: str, value: Any, visible: bool) -> gr.components.Component:
@@ -301,6 +301,14 @@ def main(settings: Settings | None = None) -> int:
         print(f"Setting problem (fix it in the Engine panel or .env): {problem}", file=sys.stderr)
     state = AppState(settings)
     demo = build_app(settings, state)
+    try:
+        url = launch_app(demo, settings)
+    except OSError as exc:
+        log.debug("launch failed: %s", exc)
+        print(f"Cannot serve on {settings.host}:{settings.port}: the port is in use or the address is not "
+              "available here. Set KVB_PORT to a free port (or KVB_HOST to an address of this machine).",
+              file=sys.stderr)
+        return 2
     shutdown = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -308,11 +316,6 @@ def main(settings: Settings | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    try:
-        url = launch_app(demo, settings)
-    except OSError as exc:
-        print(f"Cannot serve on {settings.host}:{settings.port} (KVB_HOST / KVB_PORT): {exc}", file=sys.stderr)
-        return 2
     print(f"KVBridge GUI running at {url} (stop with Ctrl+C or ./scripts/stop.sh)", flush=True)
     while not shutdown.wait(0.5):
         pass

@@ -159,7 +159,7 @@ def connect_engine(state: AppState, engine_key: str, values: dict[str, Any]) -> 
     if not state.engine_lock.acquire(blocking=False):
         return _busy()
     try:
-        _stop_engine(state)
+        _stop_engine(state)  # first: two engines would hold two models and two stores over one L2 directory
         backend = make_backend(settings.engine, settings)
         engine = CachedEngine(settings, backend)
         engine.start()
@@ -180,7 +180,7 @@ def _stop_engine(state: AppState) -> None:
             log.exception("stopping the previous engine failed")
 
 
-def disconnect_engine(state: AppState, timeout: float = 30.0) -> None:
+def disconnect_engine(state: AppState, timeout: float = 20.0) -> None:
     """Stop a running scenario, then stop the engine and close its store (shutdown path)."""
     state.stop_event.set()
     got_lock = state.engine_lock.acquire(timeout=timeout)

@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterator, Sequence
 import plotly.graph_objects as go
 
 from .app_handlers import AppState, Outcome, failure_message, store_stats
-from .errors import BadSettings, KVBridgeError
 from .charts import ModeSummary, mode_summaries, run_figures
+from .errors import BadSettings, KVBridgeError
 from .export import export_run
 from .records import MODES, RECORD_FIELDS, RequestRecord
 from .runner import run_scenario
@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 
 # The table's column order: what a person reads first, then every other RequestRecord field.
 LEADING_COLUMNS = (
-    "mode", "request_index", "label", "ttft_ms", "prompt_tokens", "matched_tokens", "prefill_tokens", "tier",
-    "chunks_hit", "chunks_total", "lookup_ms", "restore_ms", "store_ms", "total_ms", "gen_tokens",
-    "engine_cached_tokens", "predicted_reuse_tokens", "restore_ok", "approx", "notes", "error", "text",
+    "mode", "request_index", "label", "ttft_ms", "tier", "matched_tokens", "prompt_tokens", "prefill_tokens",
+    "notes", "error", "engine_cached_tokens", "predicted_reuse_tokens", "chunks_hit", "chunks_total", "lookup_ms",
+    "restore_ms", "store_ms", "total_ms", "gen_tokens", "restore_ok", "approx", "text",
 )
 TABLE_COLUMNS = [*LEADING_COLUMNS, *(f for f in RECORD_FIELDS if f not in LEADING_COLUMNS)]
 TEXT_PREVIEW_CHARS = 80

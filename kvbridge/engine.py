@@ -30,7 +30,9 @@ from .records import MODES, RequestRecord
 from .store import TieredStore
 
 log = logging.getLogger(__name__)
-PROBE_TEXT = "KV layout probe."
+# The probe learns the KV layout and warms the engine up: the first large prefill after a start is
+# several times slower (buffers are allocated), which would otherwise inflate the first cold request.
+PROBE_TEXT = " ".join(["KV layout probe and warm-up."] * 24)
 
 
 class CachedEngine:
@@ -276,7 +278,7 @@ class CachedEngine:
                 record.stored_objects = self._kv.store_prompt(self.backend.save_state(), tokens, hashes)
             else:
                 record.stored_objects = self._index.record(tokens, hashes)
-        except (RuntimeError, OSError, ValueError) as exc:
+        except (RuntimeError, OSError, ValueError, OverflowError) as exc:
             log.warning("storing KV failed (the answer is unaffected): %s", exc)
             record.add_note(f"store failed ({exc})")
             self.metrics.inc("store_failed")

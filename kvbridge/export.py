@@ -134,7 +134,7 @@ body{font-family:system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;margin:2re
 h1{font-size:1.5rem}h2{font-size:1.15rem;margin-top:2rem;border-bottom:1px solid #e2e8f0;padding-bottom:.3rem}
 table{border-collapse:collapse;font-size:.8rem;width:100%}th,td{border:1px solid #e2e8f0;padding:.25rem .4rem;text-align:left;vertical-align:top}
 th{background:#f1f5f9}dl{display:grid;grid-template-columns:max-content 1fr;gap:.2rem 1rem;font-size:.85rem}dt{font-weight:600}
-.charts{display:grid;grid-template-columns:repeat(auto-fit,minmax(520px,1fr));gap:1rem}.wide{overflow-x:auto}
+.charts{display:grid;grid-template-columns:repeat(2,minmax(0,1fr));gap:1rem}.wide{overflow-x:auto}
 """
 
 
@@ -144,7 +144,10 @@ def render_html(
     """One self-contained page: summary, charts (plotly.js inlined once), settings and every record."""
     chart_divs = []
     for i, (name, fig) in enumerate(figures.items()):
+        # Two fixed grid columns: each chart is drawn as its script runs, before later cells exist,
+        # so a grid that re-flows afterwards would leave the first charts clipped.
         chart_divs.append(fig.to_html(full_html=False, include_plotlyjs="inline" if i == 0 else False,
+                                      config={"responsive": True},
                                       div_id=f"chart-{re.sub(r'[^A-Za-z0-9_-]', '-', name)}"))
     meta_html = "".join(f"<dt>{html.escape(str(k))}</dt><dd>{html.escape(_cell(v))}</dd>" for k, v in meta.items())
     summary = summary_rows(records)

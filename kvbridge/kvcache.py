@@ -216,7 +216,7 @@ class ShadowIndex:
         obj = self.store.get(tail_key(hashes[k - 1] if k else self.seed), namespace=self.namespace)
         extra = 0
         if obj is not None and obj.meta.kind == "index":
-            ids = np.frombuffer(obj.blob, dtype="<i4")
+            ids = np.frombuffer(obj.blob, dtype="<u4")
             extra = _lcp(ids, tokens[k * self.chunk_size:])
             tier = _lowest(tier, obj.tier)
         return k, k * self.chunk_size + extra, tier
@@ -236,4 +236,4 @@ class ShadowIndex:
 
     def _put(self, key: bytes, ids: Sequence[int]) -> int:
         meta = ObjectMeta(namespace=self.namespace, n_tokens=len(ids), tokens_digest=tokens_digest(ids), kind="index")
-        return 0 if self.store.put(key, np.asarray(ids, dtype="<i4").tobytes(), meta) is False else 1
+        return 0 if self.store.put(key, np.asarray(ids, dtype="<u4").tobytes(), meta) is False else 1

@@ -26,7 +26,7 @@ fi
 install_dir="$REPO_ROOT/.llama-server/$version"
 binary="$install_dir/bin/llama-server"
 
-if [[ $force -eq 0 && -x "$binary" ]] && "$binary" --version >/dev/null 2>&1; then
+if [[ $force -eq 0 && -x "$binary" ]] && "$binary" --version >"$install_dir/version.txt" 2>&1; then
     echo "llama-server $version already built: $binary"
     exit 0
 fi

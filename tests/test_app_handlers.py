@@ -119,6 +119,21 @@ def test_page_builds_with_registry_engines_and_kvb_labels(state):
     assert demo.app_state is state
 
 
+def test_main_explains_a_busy_port(tmp_path, capsys):
+    import dataclasses
+    import socket
+
+    from kvbridge.app import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        settings = dataclasses.replace(small_settings(tmp_path), port=busy.getsockname()[1])
+        assert main(settings) == 2
+    err = capsys.readouterr().err
+    assert "KVB_PORT" in err and "GRADIO" not in err and "Traceback" not in err
+
+
 def test_an_alias_in_kvb_engine_selects_its_engine(tmp_path):
     assert h.selected_engine(small_settings(tmp_path, KVB_ENGINE="llama.cpp")) == "llamacpp"
     assert h.selected_engine(small_settings(tmp_path, KVB_ENGINE="nonsense")) == h.engine_choices()[0][1]

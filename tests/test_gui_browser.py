@@ -103,8 +103,12 @@ def test_gui_end_to_end(gui_server):
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            elsewhere: list[str] = []  # the page must work offline: nothing fetched from other hosts
+            page.on("request", lambda request: None if request.url.startswith((gui_server["url"], "data:", "blob:"))
+                    else elsewhere.append(request.url))
             page.goto(gui_server["url"])
             drive_the_page(page, gui_server)
+            assert elsewhere == []
         finally:
             browser.close()
 

@@ -11,7 +11,9 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -226,6 +228,35 @@ def test_attach_without_local_slot_dir_saves_and_restores_by_name(backend, setti
     assert backend.server.alive()  # stopping an attached backend leaves the server alone
 
 
+@dataclasses.dataclass(frozen=True)
+class SettingsWithSlotDir(Settings):
+    """KVB_LLAMA_SERVER_SLOT_DIR: the attached server's --slot-save-path, seen from this machine."""
+
+    llama_server_slot_dir: str = ""
+
+
+def test_attach_with_a_local_slot_dir_moves_real_kv(backend, settings):
+    from kvbridge.kvlayout import parse_state
+
+    attached = LlamaServerBackend(SettingsWithSlotDir(**{
+        **dataclasses.asdict(settings), "llama_server_url": backend.base_url,
+        "llama_server_slot_dir": str(backend.server.slot_dir)}))
+    attached.start()
+    try:
+        assert not attached.kv_by_reference and "attached" in attached.describe()
+        prompt = prompt_for(attached, QUESTION)
+        cold_text, _, _ = run(attached, prompt, native=False)
+        state = attached.save_state()
+        assert parse_state(state.data).n_cells == state.n_tokens   # real KV bytes, not a reference
+        tokens = attached.context_tokens()
+        run(attached, prompt_for(attached, OTHER), native=False)
+        attached.restore_state(state, tokens)
+        text, report, _ = run(attached, prompt, native=True)
+        assert report.engine_cached_tokens == len(prompt.tokens) - 1 and text == cold_text
+    finally:
+        attached.stop()
+
+
 # clear errors --------------------------------------------------------------------------------
 def test_missing_binary_names_the_setting_and_the_build_script(settings, tmp_path):
     b = LlamaServerBackend(dataclasses.replace(settings, llama_server_bin=str(tmp_path / "nope" / "llama-server")))
@@ -267,3 +298,42 @@ def test_unreachable_attach_url_names_the_setting(settings):
         b = LlamaServerBackend(dataclasses.replace(settings, llama_server_url=f"http://127.0.0.1:{port}"))
         with pytest.raises(EngineUnavailable, match="KVB_LLAMA_SERVER_URL"):
             b.start()
+
+
+def test_server_errors_carry_the_servers_own_message(backend):
+    from kvbridge.backends.base import SeqState
+    from kvbridge.backends.llama_server import SLOT_REF_MAGIC, RestoreFailed
+
+    missing = SeqState(data=SLOT_REF_MAGIC + struct.pack("<I", 3) + b"kvb-slot-missing.bin", n_tokens=3)
+    with pytest.raises(RestoreFailed, match=r"llama-server /slots/0\?action=restore failed \(\d+\): .*restore") as err:
+        backend.restore_state(missing, [1, 2, 3])
+    assert "Traceback" not in str(err.value)
+
+
+def test_a_killed_owners_leftovers_are_removed_at_the_next_start(settings):
+    from kvbridge.backends.llama_server_process import WORK_DIR_PREFIX, scratch_dir
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a PID that no longer exists
+    parent = Path(scratch_dir() or tempfile.gettempdir())
+    stale = parent / f"{WORK_DIR_PREFIX}{dead.pid}-test"
+    (stale / "slots").mkdir(parents=True)
+    (stale / "slots" / "kvb-restore-left.bin").write_bytes(b"x" * 1024)
+    b = LlamaServerBackend(settings)
+    b.start()
+    try:
+        assert not stale.exists()
+    finally:
+        b.stop()
+
+
+def test_an_attached_server_of_the_same_build_shares_the_namespace_keys(backend, settings):
+    attached = LlamaServerBackend(dataclasses.replace(settings, llama_server_url=backend.base_url))
+    attached.start()
+    try:
+        assert attached.kv_fingerprint() == backend.kv_fingerprint()
+        assert backend.kv_fingerprint()["llama_cpp_python"] == pinned_llama_cpp_version()
+        attached.build_info = "b9999-0000000"   # another llama.cpp: its own namespace
+        assert attached.kv_fingerprint()["llama_cpp_python"] == "llama-server b9999-0000000"
+    finally:
+        attached.stop()

@@ -14,11 +14,9 @@ from kvbridge.config import Settings
 from kvbridge.engine import CachedEngine
 from kvbridge.store import TieredStore
 
-from test_llama_server import BINARY, BUILDABLE, our_llama_servers, process_gone  # noqa: F401  (shared skips)
-from test_llama_server import pytestmark as _server_marks
-from test_llama_server import server_binary_and_no_orphans  # noqa: F401  (module fixture: build, no orphans)
-
-pytestmark = _server_marks
+from test_llama_server import process_gone
+from test_llama_server import pytestmark  # noqa: F401  (the same live marker and skip conditions)
+from test_llama_server import server_binary_and_no_orphans  # noqa: F401  (autouse: build if needed, no orphans)
 
 DOCUMENT = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(20))
 QUESTION = [{"role": "user", "content": DOCUMENT + "\nWhat is 7 squared?"}]
@@ -97,3 +95,23 @@ def test_flash_attention_changes_the_namespace(settings):
         flash.infer(QUESTION, mode="lmcache")
         hit = flash.infer(QUESTION, mode="lmcache")
         assert hit.restore_ok is True and hit.text == cold.text
+
+
+def test_attached_without_local_slot_files_restores_whole_snapshots(settings):
+    """KVB_LLAMA_SERVER_URL and no slot directory here: the KV stays on the server, the store keeps references."""
+    from kvbridge.backends.llama_server import LlamaServerBackend
+
+    own = LlamaServerBackend(settings)
+    own.start()
+    try:
+        attached = dataclasses.replace(settings, llama_server_url=own.base_url)
+        with engine_on("llama-server", attached) as engine:
+            assert "whole snapshots" in engine.status()["kv_layout"]
+            assert "not on this machine" in engine.status()["location"]
+            cold = engine.infer(QUESTION, mode="cold")
+            engine.infer(QUESTION, mode="lmcache")
+            hit = engine.infer(QUESTION, mode="lmcache")
+            assert hit.restore_ok is True and hit.matched_tokens == cold.prompt_tokens - 1
+            assert hit.engine_cached_tokens == cold.prompt_tokens - 1 and hit.text == cold.text
+    finally:
+        own.stop()

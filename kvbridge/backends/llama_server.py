@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 import threading
 import uuid
 from pathlib import Path
@@ -29,14 +30,16 @@ from ..config import Settings
 from ..errors import BadSettings, EngineUnavailable, KVBridgeError
 from .base import Backend, EngineReport, Message, Prompt, SeqState
 from .llama_server_process import (
-    BUILD_SCRIPT, ServerProcess, built_binary, free_port, pinned_llama_cpp_version, port_is_free)
+    BUILD_SCRIPT, ServerProcess, built_binary, built_build_info, free_port, pinned_llama_cpp_version, port_is_free)
+from .llama_server_api import LlamaServerError, fill_report, slot_timing, sse_events
 from .llamacpp import check_model_file, ggml_type_id, model_path_for
 from .registry import EngineSpec, register_engine
 from .slot_file import SlotFileError, build_slot_file, read_slot_file, write_in_place
 
 SLOT_ID = 0
-SLOT_REF_MAGIC = b"KVBSLOTREF1\0"   # SeqState.data of a by-name slot file on a remote server
-HTTP_TIMEOUT_S = 30.0               # one request; generation streams, so this bounds the gap between events
+SLOT_REF_MAGIC = b"KVBSLOTREF1\0"   # SeqState.data of a remote slot file: magic, u32 n_tokens, file name
+HTTP_TIMEOUT_S = 30.0               # tokenize, props, slot actions
+STREAM_TIMEOUT_S = (5.0, 600.0)     # /completion: connect, then the longest silence (a long cold prefill)
 
 
 class RestoreFailed(RuntimeError):
@@ -81,7 +84,11 @@ class LlamaServerBackend(Backend):
                 self._attach(self.settings.llama_server_url.rstrip("/"))
             else:
                 self._start_own()
-            self._read_props()
+            try:
+                self._read_props()
+            except KVBridgeError:
+                self._release()  # a half-started engine would leave its server running
+                raise
             self._context = []
 
     def _start_own(self) -> None:
@@ -107,9 +114,16 @@ class LlamaServerBackend(Backend):
             "--batch-size", "512", "--ubatch-size", "512",
             "--no-webui", "--no-warmup",
         ]
-        server = ServerProcess(binary, args, "127.0.0.1", chosen_port or free_port())
-        server.start()
-        server.wait_healthy(self.settings.llama_start_timeout)
+        for attempt in (1, 2):
+            server = ServerProcess(binary, args, "127.0.0.1", chosen_port or free_port())
+            server.start()
+            try:
+                server.wait_healthy(self.settings.llama_start_timeout)
+                break
+            except EngineUnavailable as exc:
+                # a free port can be taken between our probe and the server's bind: try another once
+                if chosen_port or attempt == 2 or "KVB_LLAMA_SERVER_PORT" not in str(exc):
+                    raise
         self.server, self.binary, self.model_path = server, binary, model
         self.base_url, self.slot_dir = server.url, server.slot_dir
 
@@ -154,14 +168,17 @@ class LlamaServerBackend(Backend):
 
     def stop(self) -> None:
         with self._lock:
-            if self.slot_dir is not None:
-                (self.slot_dir / self._restore_name).unlink(missing_ok=True)
-            if self.server is not None:
-                self.server.stop()
-                self.server = None
-            self.base_url = ""
-            self.slot_dir = None
-            self._context = []
+            self._release()
+
+    def _release(self) -> None:
+        if self.slot_dir is not None:
+            (self.slot_dir / self._restore_name).unlink(missing_ok=True)
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        self.base_url = ""
+        self.slot_dir = None
+        self._context = []
 
     def describe(self) -> str:
         if not self.base_url:
@@ -244,19 +261,19 @@ class LlamaServerBackend(Backend):
         try:
             # Connection: close -- llama-server may drop a connection after a stream ends; a pooled
             # one would then fail the next request with "Remote end closed connection".
-            resp = self._http.post(self._url("/completion"), json=body, stream=True, timeout=HTTP_TIMEOUT_S,
+            resp = self._http.post(self._url("/completion"), json=body, stream=True, timeout=STREAM_TIMEOUT_S,
                                    headers={"Connection": "close"})
         except requests.RequestException as exc:
             raise EngineUnavailable(f"llama-server at {self.base_url} did not answer /completion: {exc}") from exc
         with resp:
             if resp.status_code != 200:
                 raise LlamaServerError("/completion", resp)
-            for event in _sse_events(resp):
+            for event in sse_events(resp):
                 generated.extend(int(t) for t in event.get("tokens") or ())
                 if event.get("content"):
                     yield event["content"]
                 if event.get("stop"):
-                    _fill_report(report, event, len(tokens))
+                    fill_report(report, event, len(tokens))
         # the slot keeps the prompt and every generated token it evaluated (all but the last)
         self._context = tokens + generated[:-1]
 
@@ -268,17 +285,18 @@ class LlamaServerBackend(Backend):
     def kv_fingerprint(self) -> dict[str, str]:
         """The in-process engine's keys, so equal configurations give one namespace.
 
-        `llama_cpp_python` is the llama-cpp-python version whose vendored llama.cpp built the binary
-        (only known for scripts/build_llama_server.sh's build); any other binary or an attached
-        server is keyed by its build_info instead and so never shares chunks with the in-process
-        engine. `v_trans` follows KVB_FLASH_ATTN (flash attention off -> V transposed); an attached
-        server started with other flags gets its restores refused by llama.cpp and counted.
+        `llama_cpp_python` names the llama-cpp-python release whose vendored llama.cpp the server
+        runs: known when its build_info (`b<n>-<commit>`) equals that of scripts/build_llama_server.sh's
+        build for the pinned release; any other server is keyed by its own build_info and so never
+        shares chunks with the in-process engine. `v_trans` follows KVB_FLASH_ATTN (flash attention
+        off -> V transposed); an attached server started otherwise has its restores refused by
+        llama.cpp, counted, and recomputed.
         """
         version = pinned_llama_cpp_version()
-        own_build = self.server is not None and self.binary == built_binary(version)
+        same_llama_cpp = bool(self.build_info) and self.build_info == built_build_info(version)
         return {
             "engine_family": "llama.cpp",
-            "llama_cpp_python": version if own_build else f"llama-server {self.build_info or 'unknown build'}",
+            "llama_cpp_python": version if same_llama_cpp else f"llama-server {self.build_info or 'unknown build'}",
             "cache_type_k": self.settings.cache_type_k.lower(),
             "cache_type_v": self.settings.cache_type_v.lower(),
             "v_trans": "0" if self.settings.flash_attn else "1",
@@ -298,7 +316,7 @@ class LlamaServerBackend(Backend):
         path = self.slot_dir / name
         try:
             result = self._post_json(f"/slots/{SLOT_ID}?action=save", {"filename": name})
-            self.last_save_ms = _timing(result, "save_ms")
+            self.last_save_ms = slot_timing(result, "save_ms")
             slot = read_slot_file(path, seq_id=SLOT_ID)
         except (OSError, SlotFileError) as exc:
             raise RuntimeError(f"could not read llama-server's slot file {path}: {exc}") from exc
@@ -308,19 +326,28 @@ class LlamaServerBackend(Backend):
         return SeqState(data=slot.state, n_tokens=slot.n_cells)
 
     def _save_by_reference(self) -> SeqState:
+        """Save the slot on the server under a name derived from its tokens: equal tokens, equal KV,
+        so a name is only ever rewritten with the same content and saved files do not pile up."""
+        if not self._context:
+            raise RuntimeError("the slot's tokens are unknown (nothing generated since start); not saved")
         digest = hashlib.blake2b(json.dumps(self._context).encode(), digest_size=16).hexdigest()
         name = f"kvb-slot-{digest}.bin"
         result = self._post_json(f"/slots/{SLOT_ID}?action=save", {"filename": name})
-        self.last_save_ms = _timing(result, "save_ms")
-        return SeqState(data=SLOT_REF_MAGIC + name.encode(), n_tokens=len(self._context))
+        self.last_save_ms = slot_timing(result, "save_ms")
+        if int(result.get("n_saved", -1)) != len(self._context):
+            raise RuntimeError(f"llama-server saved {result.get('n_saved')} tokens, expected {len(self._context)}")
+        # the count travels inside the reference: a store may re-wrap the state with fewer token ids
+        ref = SLOT_REF_MAGIC + struct.pack("<I", len(self._context)) + name.encode()
+        return SeqState(data=ref, n_tokens=len(self._context))
 
     def restore_state(self, state: SeqState, tokens: Sequence[int]) -> None:
         tokens = [int(t) for t in tokens]
-        data = bytes(state.data[: len(SLOT_REF_MAGIC)])
-        if data == SLOT_REF_MAGIC:
-            name = bytes(state.data[len(SLOT_REF_MAGIC):]).decode()
-            self._restore_file(name, expected=state.n_tokens)
-            self._context = tokens[: state.n_tokens]
+        head = len(SLOT_REF_MAGIC)
+        if bytes(state.data[:head]) == SLOT_REF_MAGIC:
+            (n_saved,) = struct.unpack_from("<I", state.data, head)
+            name = bytes(state.data[head + 4:]).decode()
+            self._restore_file(name, expected=n_saved)
+            self._context = []  # the server's slot holds n_saved tokens we no longer list
             return
         if self.slot_dir is None:
             raise RestoreFailed("this llama-server's slot directory is not on this machine (KVB_LLAMA_SERVER_SLOT_DIR)")
@@ -339,51 +366,10 @@ class LlamaServerBackend(Backend):
         except LlamaServerError as exc:
             self._context = []
             raise RestoreFailed(str(exc)) from exc
-        self.last_restore_ms = _timing(result, "restore_ms")
+        self.last_restore_ms = slot_timing(result, "restore_ms")
         if int(result.get("n_restored", -1)) != expected:
             self.reset_native_cache()
             raise RestoreFailed(f"llama-server restored {result.get('n_restored')} tokens, expected {expected}")
-
-
-class LlamaServerError(KVBridgeError):
-    """llama-server answered with an error status; the message carries its own error text."""
-
-    def __init__(self, path: str, resp: requests.Response):
-        try:
-            detail = resp.json().get("error", {}).get("message") or resp.text
-        except ValueError:
-            detail = resp.text
-        super().__init__(f"llama-server {path} failed ({resp.status_code}): {str(detail)[:300]}")
-
-
-def _sse_events(resp: requests.Response) -> Iterator[dict]:
-    """The JSON objects of a llama-server event stream (`data: {...}`; `error: {...}` raises)."""
-    for raw in resp.iter_lines():
-        if not raw:
-            continue
-        line = raw.decode("utf-8", errors="replace")
-        field, _, payload = line.partition(":")
-        payload = payload.strip()
-        if field == "data" and payload and payload != "[DONE]":
-            yield json.loads(payload)
-        elif field == "error":
-            raise EngineUnavailable(f"llama-server /completion failed: {payload[:300]}")
-
-
-def _fill_report(report: EngineReport, final: dict, n_prompt: int) -> None:
-    timings = final.get("timings") or {}
-    if "cache_n" in timings:
-        report.engine_cached_tokens = int(timings["cache_n"])
-    if "prompt_n" in timings:
-        report.engine_prefill_tokens = int(timings["prompt_n"])
-    report.prompt_tokens = n_prompt
-    if "predicted_n" in timings:
-        report.completion_tokens = int(timings["predicted_n"])
-
-
-def _timing(result: dict, key: str) -> float | None:
-    value = (result.get("timings") or {}).get(key)
-    return float(value) if value is not None else None
 
 
 register_engine(EngineSpec(

@@ -29,12 +29,31 @@ from ..config import PROJECT_ROOT
 from ..errors import EngineUnavailable
 
 BUILD_SCRIPT = "scripts/build_llama_server.sh"
+WORK_DIR_PREFIX = "kvb-llama-server-"
 _PR_SET_PDEATHSIG = 1
 
 
 def built_binary(version: str) -> Path:
     """Where scripts/build_llama_server.sh puts llama-server for a llama-cpp-python version."""
     return PROJECT_ROOT / ".llama-server" / version / "bin" / "llama-server"
+
+
+def built_build_info(version: str) -> str:
+    """`b<build>-<commit>` of the pinned build, as llama-server reports it in /props (from its --version)."""
+    binary = built_binary(version)
+    info = binary.parent.parent / "version.txt"  # written by the build script
+    if info.is_file():
+        text = info.read_text(errors="replace")
+    elif binary.is_file():
+        try:
+            run = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        text = run.stdout + run.stderr
+    else:
+        return ""
+    match = re.search(r"build (\d+), commit (\w+)", text)
+    return f"b{match.group(1)}-{match.group(2)}" if match else ""
 
 
 def pinned_llama_cpp_version() -> str:
@@ -70,6 +89,20 @@ def scratch_dir(min_free: int = 1 << 30) -> str | None:
     return None  # the system temp directory
 
 
+def remove_stale_work_dirs(parent: Path) -> None:
+    """Remove private directories of KVBridge processes that no longer exist (killed, never cleaned up)."""
+    for entry in parent.glob(f"{WORK_DIR_PREFIX}*-*"):
+        owner = entry.name[len(WORK_DIR_PREFIX):].split("-", 1)[0]
+        if not owner.isdigit() or int(owner) == os.getpid():
+            continue
+        try:
+            os.kill(int(owner), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)  # a restore file left here would hold RAM on tmpfs
+        except PermissionError:
+            continue  # alive, another user's
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
@@ -83,7 +116,10 @@ class ServerProcess:
         self.args = args
         self.host = host
         self.port = port
-        self.work_dir = Path(tempfile.mkdtemp(prefix="kvb-llama-server-", dir=scratch_dir()))
+        scratch = scratch_dir()
+        remove_stale_work_dirs(Path(scratch or tempfile.gettempdir()))
+        # the owner's PID in the name lets a later start remove what a killed KVBridge left behind
+        self.work_dir = Path(tempfile.mkdtemp(prefix=f"{WORK_DIR_PREFIX}{os.getpid()}-", dir=scratch))
         self.slot_dir = self.work_dir / "slots"
         self.slot_dir.mkdir()
         self.log_path = self.work_dir / "llama-server.log"
