@@ -115,3 +115,22 @@ def test_attached_without_local_slot_files_restores_whole_snapshots(settings):
             assert hit.engine_cached_tokens == cold.prompt_tokens - 1 and hit.text == cold.text
     finally:
         own.stop()
+
+
+def test_a_restore_the_server_does_not_use_is_marked_ineffective(settings):
+    """Upstream bug class: the restore reports success, the next request reuses nothing (cache_n = 0)."""
+    from kvbridge.backends.llama_server import LlamaServerBackend
+
+    class SilentlyFailingRestore(LlamaServerBackend):
+        def restore_state(self, state, tokens):
+            super().restore_state(state, tokens)
+            self.reset_native_cache()   # what the bug amounts to: the slot is empty afterwards
+
+    with CachedEngine(settings, SilentlyFailingRestore(settings), TieredStore.from_settings(settings)) as engine:
+        cold = engine.infer(QUESTION, mode="cold")
+        engine.infer(QUESTION, mode="lmcache")
+        record = engine.infer(QUESTION, mode="lmcache")
+        assert record.matched_tokens > 0 and record.engine_cached_tokens == 0
+        assert record.restore_ok is False and "restore ineffective" in record.notes
+        assert engine.metrics.count("restore_ineffective") == 1
+        assert record.text == cold.text   # recomputed, still correct

@@ -6,7 +6,8 @@ LlamaServerBackend.stop() / interpreter exit -> **ServerProcess.stop()**.
 The child runs in its own process group (Ctrl-C in a terminal reaches KVBridge, which then stops it
 in order) and is stopped by stop(), by an atexit hook, and — when started from the main thread — by
 the kernel if KVBridge dies (PR_SET_PDEATHSIG). PDEATHSIG fires when the *thread* that forked exits,
-so it is not used from worker threads (the GUI starts engines on short-lived threads).
+so it is not used from worker threads (a GUI may start engines on short-lived ones). A private
+directory left by a KVBridge that was killed outright is removed at the next start.
 """
 from __future__ import annotations
 
