@@ -68,6 +68,8 @@ class CachedEngine:
 
     def close(self) -> None:
         self.stop()
+        if self._kv is not None:
+            self._kv.close()
         self.store.close()
 
     def __enter__(self) -> "CachedEngine":

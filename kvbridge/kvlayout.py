@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -211,57 +211,81 @@ def decode_chunk(payload: bytes, geometry: KVGeometry) -> ChunkView:
     return ChunkView(n_cells, ids, k, v)
 
 
-def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]], seq_id: int = 0) -> memoryview:
+def assembled_size(geometry: KVGeometry, n_cells: int) -> int:
+    """Bytes of a sequence state holding n_cells cells of this geometry."""
+    g = geometry
+    return 16 + 12 * n_cells + 8 + sum(12 + n_cells * row for row in g.k_rows) + sum(12 + n_cells * row for row in g.v_rows)
+
+
+def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]], seq_id: int = 0,
+                   out: np.ndarray | None = None, run: Callable[[list[Callable[[], None]]], None] | None = None) -> memoryview:
     """Concatenate the first `keep` cells of each chunk into one valid sequence state for `seq_id`.
 
-    Returns a writable memoryview over one fresh buffer (no second copy; ctypes can point into it).
+    Writes into `out` (a uint8 buffer at least assembled_size() long, reused across restores to avoid
+    page faults) or a fresh buffer, and returns a writable memoryview of exactly the state (ctypes can
+    point into it: no second copy). `run` executes the per-layer copy jobs, e.g. on two threads
+    (numpy releases the GIL while copying); by default they run here, one after another.
     """
     keeps = [keep for _, keep in pieces]
     if not pieces or any(keep < 1 or keep > view.n_cells for view, keep in pieces):
         raise ValueError("nothing to assemble, or a keep count outside its chunk")
     n = sum(keeps)
     g = geometry
-    meta_size = 12 * n
-    head = struct.pack("<IiII", STATE_IO_MAGIC, seq_id, 1, n)
-    k_block = sum(12 + n * row for row in g.k_rows)
-    v_block = sum(12 + n * row for row in g.v_rows)   # i32 type + u64 row, or i32 type + u32 el + u32 n_embd
-    out = np.empty(len(head) + meta_size + 8 + k_block + v_block, dtype=np.uint8)
-    out[: len(head)] = np.frombuffer(head, np.uint8)
-    off = len(head)
-    meta = out[off: off + meta_size].view("<i4").reshape(n, 3)
+    size = assembled_size(g, n)
+    if out is None or len(out) < size:
+        out = np.empty(size, dtype=np.uint8)
+    out = out[:size]
+    off = 0
+    out[:16] = np.frombuffer(struct.pack("<IiII", STATE_IO_MAGIC, seq_id, 1, n), np.uint8)
+    off = 16
+    meta = out[off: off + 12 * n].view("<i4").reshape(n, 3)
     meta[:, 0] = np.arange(n, dtype="<i4")
     meta[:, 1] = 1
     meta[:, 2] = seq_id
-    off += meta_size
+    off += 12 * n
     out[off: off + 8] = np.frombuffer(struct.pack("<II", g.v_trans, g.n_layer), np.uint8)
     off += 8
+    jobs: list[Callable[[], None]] = []
     for il, row in enumerate(g.k_rows):
         out[off: off + 12] = np.frombuffer(struct.pack("<iQ", g.k_types[il], row), np.uint8)
         off += 12
-        dst = out[off: off + n * row].reshape(n, row)
-        at = 0
-        for view, keep in pieces:
-            dst[at: at + keep] = view.k[il][:keep]
-            at += keep
+        jobs.append(_rows_job(out[off: off + n * row].reshape(n, row), [(v.k[il], keep) for v, keep in pieces]))
         off += n * row
     for il, row in enumerate(g.v_rows):
         if g.v_trans:
             el, embd = g.v_els[il], g.v_embds[il]
             out[off: off + 12] = np.frombuffer(struct.pack("<iII", g.v_types[il], el, embd), np.uint8)
             off += 12
-            dst = out[off: off + n * row].reshape(embd, n, el)
-            at = 0
-            for view, keep in pieces:
-                dst[:, at: at + keep] = view.v[il][:, :keep]
-                at += keep
+            # (embd, n*el) 2-D views: each dimension's run is one contiguous block per chunk
+            dst = out[off: off + n * row].reshape(embd, n * el)
+            jobs.append(_runs_job(dst, [(v.v[il].reshape(embd, v.n_cells * el), keep * el) for v, keep in pieces]))
         else:
             out[off: off + 12] = np.frombuffer(struct.pack("<iQ", g.v_types[il], row), np.uint8)
             off += 12
-            dst = out[off: off + n * row].reshape(n, row)
-            at = 0
-            for view, keep in pieces:
-                dst[at: at + keep] = view.v[il][:keep]
-                at += keep
+            jobs.append(_rows_job(out[off: off + n * row].reshape(n, row), [(v.v[il], keep) for v, keep in pieces]))
         off += n * row
-    assert off == len(out)
+    assert off == size
+    if run is None:
+        for job in jobs:
+            job()
+    else:
+        run(jobs)
     return memoryview(out)
+
+
+def _rows_job(dst: np.ndarray, sources: list[tuple[np.ndarray, int]]) -> Callable[[], None]:
+    def job() -> None:
+        at = 0
+        for src, keep in sources:
+            dst[at: at + keep] = src[:keep]
+            at += keep
+    return job
+
+
+def _runs_job(dst: np.ndarray, sources: list[tuple[np.ndarray, int]]) -> Callable[[], None]:
+    def job() -> None:
+        at = 0
+        for src, width in sources:
+            dst[:, at: at + width] = src[:, :width]
+            at += width
+    return job
