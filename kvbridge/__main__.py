@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import signal
 import sys
 import tempfile
 
@@ -206,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     handler = globals()["cmd_" + args.command.replace("-", "_")]
+    if args.command != "gui":   # the GUI installs its own handler; elsewhere SIGTERM must still run cleanup
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         return handler(args)
     except KVBridgeError as exc:

@@ -73,6 +73,7 @@ class Settings:
     llama_server_bin: str = ""        # empty: the binary scripts/build_llama_server.sh built
     llama_server_url: str = ""        # set: attach to a running server instead of starting one
     llama_server_port: int = 0        # 0: a free port
+    llama_server_slot_dir: str = ""   # attach mode: the server's --slot-save-path as seen from here (chunked KV)
     llama_start_timeout: float = 60.0
     # Ollama
     ollama_url: str = "http://127.0.0.1:11434"
@@ -173,7 +174,8 @@ def setting_fields() -> list[dataclasses.Field]:
 
 SETTING_NAMES = [f.name for f in setting_fields()]
 SIZE_FIELDS = tuple(n for n in SETTING_NAMES if n.endswith("_bytes"))
-PATH_FIELDS = ("model_path", "l2_dir", "input_dir", "output_dir", "llama_server_bin", "ollama_models")
+PATH_FIELDS = ("model_path", "l2_dir", "input_dir", "output_dir", "llama_server_bin", "llama_server_slot_dir",
+               "ollama_models")
 _FIELD_TYPES = get_type_hints(Settings)
 
 # ---------------------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ class LlamaServerBackend(Backend):
             raise EngineUnavailable(f"No llama-server answers at {url} (KVB_LLAMA_SERVER_URL): {exc}") from exc
         if not ok:
             raise EngineUnavailable(f"llama-server at {url} (KVB_LLAMA_SERVER_URL) is not healthy (still loading?).")
-        slot_dir = getattr(self.settings, "llama_server_slot_dir", "")
+        slot_dir = self.settings.llama_server_slot_dir
         if slot_dir and not Path(slot_dir).expanduser().is_dir():
             raise EngineUnavailable(f"KVB_LLAMA_SERVER_SLOT_DIR={slot_dir} is not a directory on this machine.")
         self.base_url = url
@@ -378,6 +378,7 @@ register_engine(EngineSpec(
     cls=LlamaServerBackend,
     blurb="llama.cpp's HTTP server: KV leaves and returns through slot files, shared with the in-process engine.",
     aliases=("llamaserver", "server"),
-    fields=("llama_server_bin", "llama_server_url", "llama_server_port", "model_path", "ctx_size", "threads",
+    fields=("llama_server_bin", "llama_server_url", "llama_server_slot_dir", "llama_server_port", "model_path",
+            "ctx_size", "threads",
             "flash_attn", "cache_type_k", "cache_type_v", "llama_start_timeout", "chunk_size"),
 ))
