@@ -242,7 +242,7 @@ class CachedEngine:
     def _restore(self, tokens: list[int], hashes: list[bytes], record: RequestRecord) -> int:
         t = time.perf_counter()
         try:
-            plan = self._kv.plan_restore(tokens, hashes)
+            plan = self._kv.plan_restore(tokens, hashes, buffer_for=self.backend.state_buffer)
         except (LayoutError, ValueError, OSError) as exc:   # storage faults degrade to a miss
             log.warning("lookup failed, recomputing: %s", exc, exc_info=True)
             record.add_note(f"lookup failed ({exc}); recomputed")

@@ -21,7 +21,7 @@ import logging
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -91,7 +91,8 @@ class ChunkKV:
         other.result()
 
     # restore -----------------------------------------------------------------------------
-    def plan_restore(self, tokens: Sequence[int], hashes: Sequence[bytes]) -> RestorePlan:
+    def plan_restore(self, tokens: Sequence[int], hashes: Sequence[bytes],
+                     buffer_for: Callable[[int, Sequence[int]], np.ndarray | None] | None = None) -> RestorePlan:
         """Fetch and confirm the longest stored prefix of `tokens` (at most len-1: the last token is recomputed)."""
         limit = len(tokens) - 1
         if limit < 1:
@@ -129,10 +130,13 @@ class ChunkKV:
             return plan
         n = sum(keep for _, keep in pieces)
         size = assembled_size(self.geometry, n)
-        if self._scratch is None or len(self._scratch) < size:
-            self._scratch = np.empty(size, dtype=np.uint8)
-        # the state lives in the scratch buffer: valid until the next plan_restore (one request at a time)
-        data = assemble_state(self.geometry, pieces, out=self._scratch, run=self._run_jobs)
+        out = buffer_for(size, tokens[:n]) if buffer_for is not None else None
+        if out is None:
+            if self._scratch is None or len(self._scratch) < size:
+                self._scratch = np.empty(size, dtype=np.uint8)
+            out = self._scratch
+        # the state lives in `out`: valid until the next plan_restore (one request at a time)
+        data = assemble_state(self.geometry, pieces, out=out, run=self._run_jobs)
         plan.state = SeqState(data=data, n_tokens=n)
         plan.tokens = list(tokens[:n])
         plan.matched_tokens = n

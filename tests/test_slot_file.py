@@ -7,7 +7,7 @@ import pytest
 from kvbridge.backends import resolve_engine
 from kvbridge.backends.llama_server import LlamaServerBackend
 from kvbridge.backends.slot_file import (
-    STATE_IO_MAGIC, STATE_SEQ_MAGIC, SlotFileError, build_slot_file, parse_slot_file, parse_token_words,
+    STATE_IO_MAGIC, STATE_SEQ_MAGIC, MappedSlotFile, SlotFileError, build_slot_file, parse_slot_file, parse_token_words,
     token_words, write_in_place)
 
 
@@ -98,3 +98,27 @@ def test_reading_from_disk_equals_parsing_bytes(tmp_path):
     from_bytes = parse_slot_file(path.read_bytes())
     assert bytes(from_disk.state) == bytes(from_bytes.state) == state
     assert from_disk.tokens == from_bytes.tokens == [10, 11, 12, 13] and from_disk.n_cells == 4
+
+
+def test_mapped_slot_file_equals_a_built_one_across_growing_and_shrinking_states(tmp_path):
+    """The engine assembles straight into the mapped file; the result must be the same bytes as build_slot_file."""
+    path = tmp_path / "restore.bin"
+    mapped = MappedSlotFile(path)
+    for n_cells, tokens in [(3, [5, 6, 7]), (5, [1, 2, 3, 4, 5]), (2, [9, 8])]:
+        state = struct.pack("<Ii", STATE_IO_MAGIC, 0) + memory_state(n_cells, payload=bytes(range(50 + n_cells)))
+        buffer = mapped.buffer(tokens, len(state))
+        buffer[:] = np.frombuffer(state, dtype=np.uint8)      # what assemble_state does
+        assert mapped.holds(memoryview(buffer))
+        mapped.finish()
+        assert path.read_bytes() == b"".join(bytes(p) for p in build_slot_file(state, tokens))
+    mapped.close()
+
+
+def test_mapped_slot_file_refuses_a_state_that_does_not_match_its_tokens(tmp_path):
+    mapped = MappedSlotFile(tmp_path / "restore.bin")
+    state = struct.pack("<Ii", STATE_IO_MAGIC, 0) + memory_state(3)
+    buffer = mapped.buffer([1, 2], len(state))
+    buffer[:] = np.frombuffer(state, dtype=np.uint8)
+    with pytest.raises(SlotFileError, match="3 cells but 2 tokens"):
+        mapped.finish()
+    mapped.close()

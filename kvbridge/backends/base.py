@@ -122,6 +122,14 @@ class Backend:
         """The current sequence's KV (prompt and generated tokens) as engine bytes."""
         raise NotImplementedError
 
+    def state_buffer(self, size: int, tokens: Sequence[int]):
+        """Optional: a writable uint8 buffer of `size` bytes to assemble the next restore state into.
+
+        An engine that must copy the state somewhere anyway (llama-server: a slot file) returns that
+        place, saving one copy; None (the default) lets the engine use its own reusable buffer.
+        """
+        return None
+
     def restore_state(self, state: SeqState, tokens: Sequence[int]) -> None:
         """Load `state` (covering exactly `tokens`) so the next generate() evaluates only the rest."""
         raise NotImplementedError
