@@ -199,12 +199,15 @@ class CachedEngine:
         record.chunks_total = len(hashes)
         full = self.backend.kv_mode == "full"
         restored = 0
-        # lmcache on a full engine models eviction (the engine's cache is dropped, ours restores);
-        # a shadow engine keeps its cache, since its cached-token count is the ground truth we predict.
-        if mode == "cold" or (mode == "lmcache" and full):
+        # lmcache on a full engine models eviction: the engine's own cache is gone and ours restores
+        # (a restore replaces whatever the context held, so only a miss needs the explicit drop).
+        # A shadow engine keeps its cache, since its cached-token count is the ground truth we predict.
+        if mode == "cold":
             self.backend.reset_native_cache()
-        if mode == "lmcache" and full:
+        elif mode == "lmcache" and full:
             restored = self._restore(tokens, hashes, record)
+            if not restored:
+                self.backend.reset_native_cache()
         elif mode == "lmcache":
             t = time.perf_counter()
             record.chunks_hit, record.predicted_reuse_tokens, record.tier = self._index.predict(tokens, hashes)

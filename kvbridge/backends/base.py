@@ -131,7 +131,11 @@ class Backend:
         return None
 
     def restore_state(self, state: SeqState, tokens: Sequence[int]) -> None:
-        """Load `state` (covering exactly `tokens`) so the next generate() evaluates only the rest."""
+        """Load `state` (covering exactly `tokens`) so the next generate() evaluates only the rest.
+
+        Whatever the engine's context held before is replaced (the engine relies on this: lmcache mode
+        models an engine whose own cache was evicted).
+        """
         raise NotImplementedError
 
     def context_tokens(self) -> list[int]:
