@@ -8,6 +8,15 @@ from typing import Sequence
 from .records import MODES, RequestRecord
 
 
+def engine_warm(r: RequestRecord) -> bool:
+    """The engine itself reports a real reuse (a few template tokens do not count)."""
+    return (r.engine_cached_tokens or 0) >= max(1, r.prompt_tokens // 10)
+
+
+def is_warm(r: RequestRecord) -> bool:
+    return r.matched_tokens > 0 or (r.mode == "native" and engine_warm(r))
+
+
 def summarize(records: Sequence[RequestRecord]) -> dict:
     """Per mode: mean and median TTFT, speedups against cold, warm-hit medians and hit rates (plain numbers)."""
     out: dict = {}
@@ -15,7 +24,7 @@ def summarize(records: Sequence[RequestRecord]) -> dict:
     by_mode = {m: [r for r in ok if r.mode == m] for m in MODES if any(r.mode == m for r in ok)}
     for mode, rs in by_mode.items():
         ttfts = [r.ttft_ms for r in rs]
-        warm = [r for r in rs if r.matched_tokens > 0 or (r.mode == "native" and (r.engine_cached_tokens or 0) > 0)]
+        warm = [r for r in rs if is_warm(r)]
         out[mode] = {
             "requests": len(rs),
             "mean_ttft_ms": statistics.fmean(ttfts),
@@ -34,9 +43,16 @@ def summarize(records: Sequence[RequestRecord]) -> dict:
             # warm hits against cold on the same requests (request_index pairs them)
             cold_by_index = {r.request_index: r.ttft_ms for r in by_mode["cold"]}
             pairs = [cold_by_index[r.request_index] / r.ttft_ms for r in by_mode[mode]
-                     if r.request_index in cold_by_index and r.ttft_ms > 0 and
-                     (r.matched_tokens > 0 or (mode == "native" and (r.engine_cached_tokens or 0) > 0))]
+                     if r.request_index in cold_by_index and r.ttft_ms > 0 and is_warm(r)]
             s["median_warm_speedup_vs_cold"] = statistics.median(pairs) if pairs else None
+    shadow = [r for r in by_mode.get("lmcache", []) if r.predicted_reuse_tokens is not None
+              and r.engine_cached_tokens is not None]
+    if shadow and "lmcache" in out:
+        # shadow engines: how well our prediction matches the engine's own count (within 5% of the prompt)
+        agree = [abs(r.predicted_reuse_tokens - r.engine_cached_tokens) <= max(1, r.prompt_tokens // 20) for r in shadow]
+        out["lmcache"]["prediction_agreement"] = {
+            "requests": len(shadow), "agreeing": sum(agree),
+            "mean_abs_diff_tokens": statistics.fmean(abs(r.predicted_reuse_tokens - r.engine_cached_tokens) for r in shadow)}
     native, lm = out.get("native"), out.get("lmcache")
     if native and lm and native.get("median_warm_ttft_ms") and lm.get("median_warm_ttft_ms"):
         lm["warm_vs_native"] = lm["median_warm_ttft_ms"] / native["median_warm_ttft_ms"]
@@ -70,6 +86,10 @@ def format_summary(summary: dict) -> str:
                      f"warm median {_fmt(s['median_warm_speedup_vs_cold'], '.1f', 'x')}")
         if "warm_vs_native" in s:
             line += f"; warm median vs native {s['warm_vs_native']:.2f}x"
+        if "prediction_agreement" in s:
+            a = s["prediction_agreement"]
+            line += (f"\n           shadow: predicted reuse agrees with the engine's cached-token count on "
+                     f"{a['agreeing']}/{a['requests']} requests (mean |difference| {a['mean_abs_diff_tokens']:.0f} tokens)")
         lines.append(line)
     return "\n".join(lines)
 

@@ -123,3 +123,23 @@ def test_cli_bad_engine_is_a_readable_error():
                          text=True, env=env)
     assert out.returncode != 0
     assert "warp-drive" in (out.stdout + out.stderr) and "Traceback" not in out.stderr
+
+
+def test_summary_reports_speedups_and_shadow_agreement():
+    from kvbridge.benchreport import format_summary, summarize
+    from kvbridge.records import RequestRecord
+
+    def rec(mode, i, ttft, matched=0, cached=None, predicted=None):
+        return RequestRecord(mode=mode, request_index=i, prompt_tokens=1000, ttft_ms=ttft, matched_tokens=matched,
+                             engine_cached_tokens=cached, predicted_reuse_tokens=predicted)
+
+    records = [rec("cold", 1, 4000, cached=3), rec("cold", 2, 4000, cached=3),
+               rec("native", 1, 4000, cached=3), rec("native", 2, 40, cached=990),
+               rec("lmcache", 1, 4000, matched=0, cached=990, predicted=0),
+               rec("lmcache", 2, 50, matched=990, cached=990, predicted=990)]
+    summary = summarize(records)
+    assert summary["native"]["warm_requests"] == 1          # 3 template tokens are not a hit
+    assert summary["lmcache"]["median_warm_speedup_vs_cold"] == 80
+    assert summary["lmcache"]["warm_vs_native"] == 50 / 40
+    assert summary["lmcache"]["prediction_agreement"]["agreeing"] == 1
+    assert "agrees with the engine's cached-token count on 1/2" in format_summary(summary)
