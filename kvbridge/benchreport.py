@@ -119,7 +119,7 @@ def bench_restore(engine, prompt_tokens: int = 2048, repeats: int = 7) -> dict:
     restore_ms, copy_ms, state_bytes = [], [], 0
     for _ in range(repeats):
         t = time.perf_counter()
-        plan = engine._kv.plan_restore(tokens, hashes)
+        plan = engine._kv.plan_restore(tokens, hashes, buffer_for=backend.state_buffer)  # always rebuilt here
         backend.restore_state(plan.state, plan.tokens)
         restore_ms.append((time.perf_counter() - t) * 1000)
         state_bytes = len(plan.state.data)

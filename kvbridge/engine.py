@@ -243,9 +243,10 @@ class CachedEngine:
             self._store_after(tokens, hashes, record)
 
     def _restore(self, tokens: list[int], hashes: list[bytes], record: RequestRecord) -> int:
+        """lookup_ms: find and confirm the stored prefix; restore_ms: assemble it and load it into the engine."""
         t = time.perf_counter()
         try:
-            plan = self._kv.plan_restore(tokens, hashes, buffer_for=self.backend.state_buffer)
+            plan = self._kv.find_prefix(tokens, hashes)
         except (LayoutError, ValueError, OSError) as exc:   # storage faults degrade to a miss
             log.warning("lookup failed, recomputing: %s", exc, exc_info=True)
             record.add_note(f"lookup failed ({exc}); recomputed")
@@ -256,11 +257,15 @@ class CachedEngine:
             return 0
         for note in plan.notes:
             record.add_note(note)
-        if plan.state is None:
+        if not plan.matched_tokens:
             return 0
         t = time.perf_counter()
         try:
-            self.backend.restore_state(plan.state, plan.tokens)
+            if self.backend.reuse_last_restore(plan.tokens):
+                record.add_note("restore file reused: the engine's restore file already held this prefix, loaded again without rebuilding it")
+            else:
+                state = self._kv.assemble(plan, buffer_for=self.backend.state_buffer)
+                self.backend.restore_state(state, plan.tokens)
         except (RuntimeError, ValueError, OSError, KVBridgeError) as exc:
             log.warning("restore failed, recomputing the prompt: %s", exc)
             record.add_note(f"restore failed ({exc}); recomputed")

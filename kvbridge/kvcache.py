@@ -40,9 +40,11 @@ _SNAPSHOT_MAGIC = b"KVBSNAP1"
 
 @dataclass
 class RestorePlan:
-    """What a lookup found: the assembled state and how many prompt tokens it covers."""
+    """What a lookup found: the confirmed pieces (or a snapshot state) and how many prompt tokens they cover."""
 
-    state: SeqState | None = None
+    state: SeqState | None = None      # set by assemble() (or directly, for a whole snapshot)
+    pieces: list = field(default_factory=list)   # (ChunkView, keep) in order; views point into `blobs`
+    blobs: list = field(default_factory=list)    # the fetched bytes, kept alive while views use them
     tokens: list[int] = field(default_factory=list)
     chunks_hit: int = 0
     matched_tokens: int = 0
@@ -93,6 +95,13 @@ class ChunkKV:
     # restore -----------------------------------------------------------------------------
     def plan_restore(self, tokens: Sequence[int], hashes: Sequence[bytes],
                      buffer_for: Callable[[int, Sequence[int]], np.ndarray | None] | None = None) -> RestorePlan:
+        """find_prefix() and assemble() in one step."""
+        plan = self.find_prefix(tokens, hashes)
+        if plan.matched_tokens:
+            self.assemble(plan, buffer_for)
+        return plan
+
+    def find_prefix(self, tokens: Sequence[int], hashes: Sequence[bytes]) -> RestorePlan:
         """Fetch and confirm the longest stored prefix of `tokens` (at most len-1: the last token is recomputed)."""
         limit = len(tokens) - 1
         if limit < 1:
@@ -101,8 +110,6 @@ class ChunkKV:
             return self._plan_snapshot(tokens, hashes, limit)
         c = self.chunk_size
         found = self.store.lookup(list(hashes), namespace=self.namespace)
-        pieces: list[tuple[ChunkView, int]] = []
-        blobs = []  # keep fetched bytes alive while views point into them
         plan = RestorePlan()
         for i in range(found.n_hit):
             if (i + 1) * c > limit:
@@ -111,10 +118,10 @@ class ChunkKV:
             view = self._confirmed(obj, tokens[i * c:(i + 1) * c], plan)
             if view is None:
                 break
-            pieces.append((view, c))
-            blobs.append(obj.blob)
+            plan.pieces.append((view, c))
+            plan.blobs.append(obj.blob)
             plan.tier = _lowest(plan.tier, obj.tier)
-        plan.chunks_hit = len(pieces)
+        plan.chunks_hit = len(plan.pieces)
         start = plan.chunks_hit * c
         prev = hashes[plan.chunks_hit - 1] if plan.chunks_hit else self.seed
         obj = self.store.get(tail_key(prev), namespace=self.namespace)
@@ -123,24 +130,30 @@ class ChunkKV:
             if view is not None:
                 keep = min(_lcp(view.token_ids, tokens[start:]), limit - start)
                 if keep > 0:
-                    pieces.append((view, keep))
-                    blobs.append(obj.blob)
+                    plan.pieces.append((view, keep))
+                    plan.blobs.append(obj.blob)
                     plan.tier = _lowest(plan.tier, obj.tier)
-        if not pieces:
-            return plan
-        n = sum(keep for _, keep in pieces)
+        n = sum(keep for _, keep in plan.pieces)
+        plan.tokens = list(tokens[:n])
+        plan.matched_tokens = n
+        return plan
+
+    def assemble(self, plan: RestorePlan,
+                 buffer_for: Callable[[int, Sequence[int]], np.ndarray | None] | None = None) -> SeqState:
+        """The plan's pieces as one engine state, in the engine's buffer (buffer_for) or a reusable one."""
+        if plan.state is not None:
+            return plan.state
+        n = plan.matched_tokens
         size = assembled_size(self.geometry, n)
-        out = buffer_for(size, tokens[:n]) if buffer_for is not None else None
+        out = buffer_for(size, plan.tokens) if buffer_for is not None else None
         if out is None:
             if self._scratch is None or len(self._scratch) < size:
                 self._scratch = np.empty(size, dtype=np.uint8)
             out = self._scratch
-        # the state lives in `out`: valid until the next plan_restore (one request at a time)
-        data = assemble_state(self.geometry, pieces, out=out, run=self._run_jobs)
+        # the state lives in `out`: valid until the next assemble (one request at a time)
+        data = assemble_state(self.geometry, plan.pieces, out=out, run=self._run_jobs)
         plan.state = SeqState(data=data, n_tokens=n)
-        plan.tokens = list(tokens[:n])
-        plan.matched_tokens = n
-        return plan
+        return plan.state
 
     def _decoded(self, blob: bytes, plan: RestorePlan) -> ChunkView | None:
         try:

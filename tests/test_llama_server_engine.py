@@ -134,3 +134,19 @@ def test_a_restore_the_server_does_not_use_is_marked_ineffective(settings):
         assert record.restore_ok is False and "restore ineffective" in record.notes
         assert engine.metrics.count("restore_ineffective") == 1
         assert record.text == cold.text   # recomputed, still correct
+
+
+def test_reused_restore_file_gives_the_cold_answer_for_another_question(settings):
+    """Questions on one document restore the same prefix: the second restore reloads the restore file
+    (no rebuild), and the server trims what the new question does not share; output equals cold."""
+    other = [{"role": "user", "content": DOCUMENT + "\nWhat is 12 squared?"}]
+    with engine_on("llama-server", settings) as engine:
+        engine.infer(QUESTION, mode="lmcache")                 # miss: stores the document prefix
+        first_hit = engine.infer(QUESTION, mode="lmcache")     # builds and loads the restore file
+        assert first_hit.restore_ok and "restore file reused" not in first_hit.notes
+        cold = engine.infer(other, mode="cold")
+        second_hit = engine.infer(other, mode="lmcache")       # same document prefix: the file is reused
+        assert "restore file reused" in second_hit.notes and second_hit.restore_ok
+        assert 0 < second_hit.matched_tokens < second_hit.prompt_tokens
+        assert second_hit.engine_cached_tokens >= second_hit.matched_tokens
+        assert second_hit.text == cold.text

@@ -130,6 +130,11 @@ class Backend:
         """
         return None
 
+    def reuse_last_restore(self, tokens: Sequence[int]) -> bool:
+        """Optional: load again, without new bytes, the state of the previous restore when it starts with
+        `tokens` (llama-server keeps that state in its restore file). False: not possible here."""
+        return False
+
     def restore_state(self, state: SeqState, tokens: Sequence[int]) -> None:
         """Load `state` (covering exactly `tokens`) so the next generate() evaluates only the rest.
 

@@ -70,6 +70,7 @@ class LlamaServerBackend(Backend):
         self._lock = threading.Lock()
         self._restore_name = f"kvb-restore-{uuid.uuid4().hex}.bin"
         self._mapped: MappedSlotFile | None = None   # the restore file while the engine assembles into it
+        self._file_tokens: list[int] | None = None  # tokens of the complete state in the restore file
 
     @property
     def kv_by_reference(self) -> bool:
@@ -172,6 +173,7 @@ class LlamaServerBackend(Backend):
             self._release()
 
     def _release(self) -> None:
+        self._file_tokens = None
         if self._mapped is not None:
             self._mapped.close()
             self._mapped = None
@@ -350,7 +352,20 @@ class LlamaServerBackend(Backend):
             return None
         if self._mapped is None:
             self._mapped = MappedSlotFile(self.slot_dir / self._restore_name)
+        self._file_tokens = None   # the file is being rebuilt
         return self._mapped.buffer(tokens, size)
+
+    def reuse_last_restore(self, tokens: Sequence[int]) -> bool:
+        """Restore the restore file again when it starts with `tokens` (document Q&A: every question
+        restores the same document prefix), skipping assembly and the file write. Extra tokens at its
+        end are trimmed by the server's own prefix matching on the next request, as after any restore."""
+        tokens = [int(t) for t in tokens]
+        held = self._file_tokens
+        if self.slot_dir is None or held is None or len(held) < len(tokens) or held[: len(tokens)] != tokens:
+            return False
+        self._restore_file(self._restore_name, expected=len(held))
+        self._context = list(held)
+        return True
 
     def restore_state(self, state: SeqState, tokens: Sequence[int]) -> None:
         tokens = [int(t) for t in tokens]
@@ -366,6 +381,7 @@ class LlamaServerBackend(Backend):
         # one file per backend, rewritten in place for every restore (see write_in_place); removed by stop()
         path = self.slot_dir / self._restore_name
         mapped = self._mapped
+        self._file_tokens = None
         try:
             if mapped is not None and mapped.holds(state.data) and mapped.tokens == tokens:
                 mapped.finish()     # the state was assembled straight into the file
@@ -375,6 +391,7 @@ class LlamaServerBackend(Backend):
             raise RestoreFailed(f"cannot build a slot file: {exc}") from exc
         self._restore_file(self._restore_name, expected=len(tokens))
         self._context = tokens
+        self._file_tokens = tokens   # the file is complete and the server took it
 
     def _restore_file(self, name: str, expected: int) -> None:
         try:
