@@ -103,7 +103,6 @@ def bench_restore(engine, prompt_tokens: int = 2048, repeats: int = 7) -> dict:
 
     import numpy as np
 
-    from .backends.base import Prompt
     from .scenarios import builtin_document
 
     backend = engine.backend

@@ -1,7 +1,7 @@
 """RequestRecord: what one request cost and where its KV came from. The GUI, the bench and exports read it."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
 MODES = ("cold", "native", "lmcache")
 

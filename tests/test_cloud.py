@@ -10,17 +10,15 @@ from __future__ import annotations
 import json
 import logging
 import re
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-import requests
 
 from kvbridge.backends import make_backend, resolve_engine
 from kvbridge.backends.base import EngineReport, Prompt
 from kvbridge.backends.cloud import COLD_NOTE, CloudBackend, iter_sse_data, retry_delay_s, server_root
-from kvbridge.backends.llama_server_process import built_binary, free_port, pinned_llama_cpp_version
+from kvbridge.backends.llama_server_process import ServerProcess, built_binary, free_port, pinned_llama_cpp_version
 from kvbridge.config import EMBEDDED_MODEL_PATH, Settings
 from kvbridge.errors import BadSettings, BudgetExhausted, EngineUnavailable, KVBridgeError, NeedsKey
 from kvbridge.records import RequestRecord
@@ -338,35 +336,14 @@ def llama_server(tmp_path_factory):
                     "(./scripts/test.sh builds it) or set KVB_LLAMA_SERVER_BIN")
     if not EMBEDDED_MODEL_PATH.is_file():
         pytest.skip(f"embedded model {EMBEDDED_MODEL_PATH} missing (run scripts/setup.sh)")
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("llama-server") / "server.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [str(LLAMA_SERVER), "-m", str(EMBEDDED_MODEL_PATH), "--host", "127.0.0.1", "--port", str(port),
-             "-c", "2048", "-np", "1", "-t", "2", "--cache-ram", "0", "--api-key", FAKE_KEY],
-            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    server = ServerProcess(LLAMA_SERVER, ["-m", str(EMBEDDED_MODEL_PATH), "-c", "2048", "-np", "1", "-t", "2",
+                                          "--cache-ram", "0", "--api-key", FAKE_KEY], "127.0.0.1", free_port())
+    server.start()   # the same process handling the llama-server engine uses (own group, log, no orphans)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"llama-server exited ({process.returncode}):\n{log_path.read_text()[-2000:]}")
-            try:
-                if requests.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass  # not listening yet
-            if time.monotonic() > deadline:
-                pytest.fail(f"llama-server not healthy in 90 s:\n{log_path.read_text()[-2000:]}")
-            time.sleep(0.2)
-        yield url
+        server.wait_healthy(90)
+        yield server.url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        server.stop()
 
 
 @pytest.mark.live
