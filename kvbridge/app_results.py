@@ -165,6 +165,9 @@ def run_meta(state: AppState, scenario: str, modes: Sequence[str], n_requests: i
     return meta
 
 
+GUI_SETTLE_S = 0.5   # seconds between requests of a GUI run (see run_stream)
+
+
 def run_stream(
     state: AppState,
     scenario: str,
@@ -198,6 +201,9 @@ def run_stream(
                 state.records, state.run_meta = new_records, meta
             yield results_view(state, f"Running **{scenario}**: {len(new_records)} requests done "
                                       f"(last: {record.mode} #{record.request_index}, TTFT {record.ttft_ms:.0f} ms).")
+            # let the page draw the updated charts before the next timed request: on a 2-core machine the
+            # browser's own rendering would otherwise share the CPU with that request's prefill
+            time.sleep(GUI_SETTLE_S)
         word = "Stopped" if state.stop_event.is_set() else "Finished"
         failed = sum(bool(r.error) for r in new_records)
         yield results_view(state, f"{word} **{scenario}**: {len(new_records)} requests"
