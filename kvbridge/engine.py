@@ -109,6 +109,7 @@ class CachedEngine:
         seed = getattr(self.hasher, "seed", b"")
         if self.backend.kv_mode == "full":
             self._kv = ChunkKV(self.store, self.namespace, seed, self.settings.chunk_size, self.geometry)
+            self._kv.prefault_scratch = not self.backend.assembles_in_place
         else:
             self._index = ShadowIndex(self.store, self.namespace, seed, self.settings.chunk_size)
 

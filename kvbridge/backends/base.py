@@ -54,6 +54,8 @@ class Backend:
 
     key: ClassVar[str] = ""
     kv_mode: ClassVar[KVMode] = "shadow"
+    # True when state_buffer() hands out the engine's own memory (then KVBridge keeps no assembly buffer)
+    assembles_in_place: ClassVar[bool] = False
     prompts_leave_machine: ClassVar[bool] = False  # True: prompts go to another party (the GUI shows a notice)
 
     def __init__(self, settings: Settings):

@@ -49,6 +49,7 @@ class RestoreFailed(RuntimeError):
 class LlamaServerBackend(Backend):
     key = "llama-server"
     kv_mode = "full"
+    assembles_in_place = True   # restores are assembled straight into a mapped slot file
 
     def __init__(self, settings: Settings):
         super().__init__(settings)
