@@ -264,7 +264,7 @@ def _misspelt_names(values: Mapping[str, str]) -> list[str]:
 
 
 def settings_to_env(settings: Settings, only_changed: bool = False) -> dict[str, str]:
-    """Settings -> {KVB_NAME: text} as update_env_file() writes it (for the GUI's Save button)."""
+    """Settings -> {KVB_ variable: text} as update_env_file() writes it (for the GUI's Save button)."""
     defaults = Settings()
     env = {}
     for f in setting_fields():

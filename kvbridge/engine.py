@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Sequence
 
 from .backends.base import Backend, EngineReport, Message, Prompt
@@ -113,9 +114,7 @@ class CachedEngine:
         else:
             self._index = ShadowIndex(self.store, self.namespace, seed, self.settings.chunk_size)
 
-    def _sha_cache_file(self):
-        from pathlib import Path
-
+    def _sha_cache_file(self) -> Path:
         return Path(self.settings.l2_dir).expanduser().parent / "model-sha256.json"
 
     def _probe_geometry(self) -> KVGeometry | None:

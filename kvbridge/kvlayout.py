@@ -235,7 +235,6 @@ def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]]
     if out is None or len(out) < size:
         out = np.empty(size, dtype=np.uint8)
     out = out[:size]
-    off = 0
     out[:16] = np.frombuffer(struct.pack("<IiII", STATE_IO_MAGIC, seq_id, 1, n), np.uint8)
     off = 16
     meta = out[off: off + 12 * n].view("<i4").reshape(n, 3)
