@@ -1,0 +1,426 @@
+#!/usr/bin/env python3
+"""Which instruction set llama.cpp is built with, for both engines, and proof that it runs here.
+
+The problem: a CPU may advertise instructions (AMX on some cloud VMs) that its hypervisor will
+not execute, so a -march=native build dies at its first decode. The answer is a ladder of build
+variants, fastest first and safest last; each is built, then vetted by a smoke decode in a child
+process (scripts/smoke_decode.py), and the first one that runs is kept:
+
+    native   GGML_NATIVE=ON (-march=native): every instruction the CPU claims
+    no-amx   GGML_NATIVE=OFF, the AVX/AVX2/FMA/F16C/AVX-512 set the CPU claims, AMX off
+    avx2     GGML_NATIVE=OFF, AVX/AVX2/FMA/F16C only: AVX-512 and AMX off
+
+KVB_LLAMA_CMAKE_ARGS (environment, else .env) replaces the ladder with exactly those flags.
+The choice is recorded in .venv/kvbridge-build.json; scripts/build_llama_server.sh reads it and
+builds llama-server with the same flags, so both engines run the same kernels and their greedy
+outputs match. The record's stamp covers requirements.txt and the requested flags: a change of
+either rebuilds.
+
+Deliberately left out: a failed compile does not step down the ladder (a missing compiler or
+network breaks every rung alike), and the ladder is not tried on non-x86 CPUs (only native).
+
+Commands (stdlib only; setup.sh runs them with .venv's python):
+    check                 exit 0 when the recorded build is current, else say why and exit 1
+    install               build llama-cpp-python down the ladder, smoke each build, record the winner
+    server-args           the recorded cmake flags, one per line (for build_llama_server.sh)
+    smoke-server BINARY   smoke-test a llama-server binary with the recorded variant's name
+    source                fetch the pinned sdist into build/ and print its vendored llama.cpp folder
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SMOKE_SCRIPT = REPO_ROOT / "scripts" / "smoke_decode.py"
+DEFAULT_MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_RECORD = REPO_ROOT / ".venv" / "kvbridge-build.json"
+RECORD_FORMAT = "kvbridge-build v1"
+CMAKE_ARGS_VAR = "KVB_LLAMA_CMAKE_ARGS"
+CUSTOM = "custom"  # the variant name of flags the user chose
+EXIT_DOES_NOT_RUN, EXIT_ENVIRONMENT = 1, 3  # smoke_decode.py's exit codes
+
+
+class BuildError(RuntimeError):
+    """Something the user must act on; the message is written for a person."""
+
+
+def say(message: str, tag: str = "setup") -> None:
+    print(f"[{tag}] {message}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the ladder
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    cmake_args: tuple[str, ...]
+    about: str
+
+    @property
+    def cmake_args_text(self) -> str:
+        return shlex.join(self.cmake_args)
+
+
+AMX_OFF = ("-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
+AVX512_EXTRAS = (("avx512vbmi", "GGML_AVX512_VBMI"), ("avx512_vnni", "GGML_AVX512_VNNI"),
+                 ("avx512_bf16", "GGML_AVX512_BF16"))
+# GGML_AVX512 compiles with -mavx512f/cd/vl/dq/bw (ggml-cpu/CMakeLists.txt): all five or none
+AVX512_BASE = {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"}
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The instruction-set flags the CPU claims (first 'flags' line), empty where unknown."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def explicit_x86(flags: set[str], extensions: bool) -> tuple[str, ...]:
+    """GGML_NATIVE=OFF with every x86 option spelled out: ON where the CPU claims it (and, for
+    AVX-VNNI and AVX-512, where extensions are wanted), OFF otherwise; AMX always OFF."""
+    def on(option: str, wanted: bool) -> str:
+        return f"-D{option}={'ON' if wanted else 'OFF'}"
+
+    use_avx512 = extensions and AVX512_BASE <= flags
+    args = ["-DGGML_NATIVE=OFF", on("GGML_SSE42", "sse4_2" in flags), on("GGML_AVX", "avx" in flags),
+            on("GGML_AVX2", "avx2" in flags), on("GGML_FMA", "fma" in flags), on("GGML_F16C", "f16c" in flags),
+            on("GGML_BMI2", "bmi2" in flags), on("GGML_AVX_VNNI", extensions and "avx_vnni" in flags),
+            on("GGML_AVX512", use_avx512)]
+    args += [on(option, use_avx512 and flag in flags) for flag, option in AVX512_EXTRAS]
+    return tuple(args) + AMX_OFF
+
+
+# the avx2 rung asks for these whatever /proc/cpuinfo says: it is the floor, and a CPU without
+# them needs KVB_LLAMA_CMAKE_ARGS anyway (the error message says so)
+AVX2_FLOOR = {"sse4_2", "avx", "avx2", "fma", "f16c"}
+
+
+def build_ladder(flags: set[str], machine: str) -> list[Variant]:
+    """Fastest first, safest last; a rung whose flags equal an earlier one's is dropped."""
+    ladder = [Variant("native", ("-DGGML_NATIVE=ON",), "-march=native, every instruction the CPU claims")]
+    if machine.lower() in ("x86_64", "amd64"):
+        ladder += [Variant("no-amx", explicit_x86(flags, extensions=True), "the claimed AVX/AVX-512 set, AMX off"),
+                   Variant("avx2", explicit_x86(AVX2_FLOOR | (flags & {"bmi2"}), extensions=False),
+                           "AVX2/FMA/F16C only, AVX-512 and AMX off")]
+    unique: list[Variant] = []
+    for variant in ladder:
+        if all(variant.cmake_args != kept.cmake_args for kept in unique):
+            unique.append(variant)
+    return unique
+
+
+# ---------------------------------------------------------------------------------------------
+# what was asked for: KVB_LLAMA_CMAKE_ARGS from the environment or .env, else the ladder
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines of a .env file, never executed: comments, blank lines, 'export ' and one
+    level of matching quotes are handled; a later line wins, as in python-dotenv."""
+    values: dict[str, str] = {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return values
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        key, value = line.split("=", 1)
+        key = key.removeprefix("export ").strip()
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        elif " #" in value:
+            value = value.split(" #", 1)[0].rstrip()
+        values[key] = value
+    return values
+
+
+def requested_cmake_args(environ: dict[str, str] | os._Environ, env_file: Path) -> str | None:
+    """The user's flags, or None for the ladder. The environment wins over .env even when empty
+    (as for every KVB_ setting); an empty value means the default, the ladder."""
+    raw = environ[CMAKE_ARGS_VAR] if CMAKE_ARGS_VAR in environ else read_env_file(env_file).get(CMAKE_ARGS_VAR, "")
+    return raw.strip() or None
+
+
+def plan(environ, env_file: Path, flags: set[str], machine: str) -> list[Variant]:
+    user_args = requested_cmake_args(environ, env_file)
+    if user_args is not None:
+        return [Variant(CUSTOM, tuple(shlex.split(user_args)), f"{CMAKE_ARGS_VAR} ({user_args})")]
+    return build_ladder(flags, machine)
+
+
+def pinned_version(requirements: Path) -> str:
+    for line in requirements.read_text().splitlines():
+        if line.startswith("llama-cpp-python=="):
+            return line.split("==", 1)[1].split()[0]
+    raise BuildError(f"no pinned 'llama-cpp-python==VERSION' line in {requirements}")
+
+
+def stamp_parts(requirements: Path, variants: list[Variant]) -> dict[str, str]:
+    """What decides a rebuild: the requirements and the requested flags (user's or the ladder's)."""
+    requested = json.dumps([[v.name, *v.cmake_args] for v in variants])
+    return {"requirements_sha256": hashlib.sha256(requirements.read_bytes()).hexdigest(),
+            "requested_sha256": hashlib.sha256(requested.encode()).hexdigest()}
+
+
+# ---------------------------------------------------------------------------------------------
+# the record: magic, format version and checksum; anything that does not match means "rebuild"
+
+
+def record_checksum(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def write_record(path: Path, body: dict) -> None:
+    body = {"format": RECORD_FORMAT, **body}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps({**body, "checksum": record_checksum(body)}, indent=2) + "\n")
+    partial.replace(path)
+
+
+def read_record(path: Path) -> dict | None:
+    """The record, or None when missing, unreadable, of another format or failing its checksum."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("format") != RECORD_FORMAT:
+        return None
+    checksum = data.pop("checksum", None)
+    return data if checksum == record_checksum(data) else None
+
+
+def why_rebuild(record: dict | None, parts: dict[str, str]) -> str | None:
+    """None when the recorded build is current, else the reason in words."""
+    if record is None:
+        return "no valid build record (first install, or the stamp format changed)"
+    if record.get("requirements_sha256") != parts["requirements_sha256"]:
+        return "requirements.txt changed since the last install"
+    if record.get("requested_sha256") != parts["requested_sha256"]:
+        return f"the requested build flags changed ({CMAKE_ARGS_VAR}, or the ladder for this CPU)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# building and smoke-testing
+
+
+def pip_build_commands(python: str, version: str) -> list[list[str]]:
+    """Build llama-cpp-python from source with $CMAKE_ARGS. --no-cache-dir: pip's wheel cache keys
+    on the sdist, not on CMAKE_ARGS, so it would hand back a build made with other flags.
+    --no-deps keeps --force-reinstall to this one package; the second call adds its dependencies."""
+    pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input"]
+    return [pip + ["--no-cache-dir", "--force-reinstall", "--no-deps", "--no-binary", "llama-cpp-python",
+                   f"llama-cpp-python=={version}"],
+            pip + ["--quiet", f"llama-cpp-python=={version}"]]
+
+
+def run_build(variant: Variant, commands: list[list[str]] | str, log: Path) -> None:
+    """Run the build step (argv lists, or one shell command in tests) with CMAKE_ARGS set."""
+    env = {**os.environ, "CMAKE_ARGS": variant.cmake_args_text, "FORCE_CMAKE": "1", "KVB_BUILD_VARIANT": variant.name}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        steps = [commands] if isinstance(commands, str) else commands
+        for step in steps:
+            out.write(f"$ CMAKE_ARGS={shlex.quote(env['CMAKE_ARGS'])} {step if isinstance(step, str) else shlex.join(step)}\n")
+            out.flush()
+            done = subprocess.run(step, shell=isinstance(step, str), env=env, stdout=out, stderr=subprocess.STDOUT)
+            if done.returncode != 0:
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+                raise BuildError(f"building llama-cpp-python as '{variant.name}' failed (full log: {log}):\n{tail}")
+
+
+@dataclass(frozen=True)
+class SmokeOutcome:
+    ok: bool
+    detail: str          # "runs" or how it failed, e.g. "crashed (SIGILL)"
+    result: dict | None  # the smoke script's JSON line when ok
+
+
+def run_smoke(argv: list[str], timeout: float) -> SmokeOutcome:
+    """Run smoke_decode.py as a child and read its fate; an environment problem raises BuildError."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return SmokeOutcome(False, f"hung (no result within {timeout:.0f} s)", None)
+    last = (done.stderr.strip().splitlines() or [""])[-1]
+    if done.returncode < 0:
+        return SmokeOutcome(False, f"crashed ({signal.Signals(-done.returncode).name})", None)
+    if done.returncode == EXIT_ENVIRONMENT:
+        raise BuildError(f"the smoke decode cannot run: {last} (not an instruction-set problem; "
+                         f"run ./scripts/setup.sh, or check the model file)")
+    if done.returncode != 0:
+        detail = "\n".join(done.stderr.strip().splitlines()[-4:]) if done.returncode == EXIT_DOES_NOT_RUN else last
+        return SmokeOutcome(False, f"failed (exit {done.returncode}: {detail})", None)
+    return SmokeOutcome(True, "runs", json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def smoke_llama_argv(python: str, model: Path, variant: str) -> list[str]:
+    return [python, str(SMOKE_SCRIPT), "llama", "--model", str(model), "--variant", variant]
+
+
+def install(variants: list[Variant], build_step, python: str, model: Path, record: Path,
+            parts: dict[str, str], version: str, smoke_timeout: float, log_dir: Path, tag: str = "setup") -> dict:
+    """Down the ladder: build, smoke, keep the first that runs; write the record and return it."""
+    tried: list[dict] = []
+    for index, variant in enumerate(variants):
+        if tried:
+            say(f"rebuilding llama-cpp-python as '{variant.name}' ({variant.about})…", tag)
+        else:
+            say(f"building llama-cpp-python {version} as '{variant.name}' ({variant.about}); "
+                f"it compiles from source, about 5 minutes on 2 cores…", tag)
+        run_build(variant, build_step(variant), log_dir / f"llama-cpp-python-{variant.name}.log")
+        say(f"smoke decode of build '{variant.name}' in a child process…", tag)
+        outcome = run_smoke(smoke_llama_argv(python, model, variant.name), smoke_timeout)
+        tried.append({"variant": variant.name, "cmake_args": variant.cmake_args_text, "smoke": outcome.detail})
+        if outcome.ok:
+            say(f"build '{variant.name}' runs here (greedy text {outcome.result['text']!r})", tag)
+            body = {"variant": variant.name, "cmake_args": list(variant.cmake_args), "about": variant.about,
+                    "llama_cpp_python": version, **parts, "smoke": outcome.result, "tried": tried,
+                    "built_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            write_record(record, body)
+            return body
+        if variant.name == CUSTOM:
+            raise BuildError(f"llama-cpp-python built with {CMAKE_ARGS_VAR}='{variant.cmake_args_text}' does not "
+                             f"run on this machine: its smoke decode {outcome.detail}. Change or empty "
+                             f"{CMAKE_ARGS_VAR} (environment or .env) and run ./scripts/setup.sh again.")
+        if index + 1 < len(variants):
+            say(f"smoke decode of build '{variant.name}' {outcome.detail}; this CPU does not run what it claims. "
+                f"Stepping down to '{variants[index + 1].name}' ({variants[index + 1].about})…", tag)
+    lines = "\n".join(f"  {t['variant']:8} {t['smoke']:30} {t['cmake_args']}" for t in tried)
+    raise BuildError(f"no build variant of llama-cpp-python runs on this machine:\n{lines}\n"
+                     f"Set {CMAKE_ARGS_VAR} (environment or .env) to flags for this CPU, e.g. "
+                     f"'-DGGML_NATIVE=OFF -DGGML_AVX2=OFF -DGGML_FMA=OFF -DGGML_F16C=OFF', "
+                     f"and run ./scripts/setup.sh again.")
+
+
+# ---------------------------------------------------------------------------------------------
+# the vendored llama.cpp source (for llama-server and the variant benchmark)
+
+
+def fetch_source(python: str, version: str, build_dir: Path) -> Path:
+    """Download and unpack the pinned sdist once into build/; return its vendor/llama.cpp."""
+    target = build_dir / f"llama-cpp-python-{version}"
+    source = target / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    if (target / ".complete").is_file() and source.is_dir():
+        return source
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=build_dir) as tmp:
+        subprocess.run([python, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
+                        "--no-binary", ":all:", f"llama-cpp-python=={version}", "-d", tmp], check=True)
+        sdists = sorted(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        if not sdists:
+            raise BuildError(f"pip did not produce a llama-cpp-python {version} sdist")
+        unpacked = Path(tmp) / "unpacked"
+        with tarfile.open(sdists[0]) as archive:
+            archive.extractall(unpacked, filter="data")
+        if target.exists():
+            shutil.rmtree(target)
+        unpacked.replace(target)
+    (target / ".complete").write_text(version + "\n")
+    return source
+
+
+def server_does_not_run(record: dict, variants: list[Variant], detail: str) -> str:
+    """The message when llama-server fails with the flags llama-cpp-python runs with.
+
+    The server does not step down on its own: both engines must share one instruction set, and
+    that choice is setup.sh's (it rebuilds llama-cpp-python too). The message names the next rung."""
+    message = (f"llama-server built as '{record['variant']}' ({shlex.join(record['cmake_args'])}) does not run "
+               f"here: its smoke decode {detail}. llama-cpp-python runs with the same flags.")
+    names = [v.name for v in variants]
+    if record["variant"] in names and names.index(record["variant"]) + 1 < len(variants):
+        lower = variants[names.index(record["variant"]) + 1]
+        message += (f" To move both engines to '{lower.name}': {CMAKE_ARGS_VAR}='{lower.cmake_args_text}' "
+                    f"./scripts/setup.sh && ./scripts/build_llama_server.sh")
+    return message
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=("check", "install", "server-args", "smoke-server", "source", "plan"))
+    parser.add_argument("binary", nargs="?", help="smoke-server: the llama-server binary")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter to build for and smoke with")
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--record", type=Path, default=DEFAULT_RECORD)
+    parser.add_argument("--env-file", type=Path, default=REPO_ROOT / ".env")
+    parser.add_argument("--requirements", type=Path, default=REPO_ROOT / "requirements.txt")
+    parser.add_argument("--build-command", help="tests: a shell command replacing the pip build "
+                        "(it sees CMAKE_ARGS and KVB_BUILD_VARIANT)")
+    parser.add_argument("--smoke-timeout", type=float, default=180.0)
+    parser.add_argument("--log-dir", type=Path, default=REPO_ROOT / "build" / "logs")
+    parser.add_argument("--tag", default="setup", help="prefix of the progress lines")
+    args = parser.parse_args(argv)
+
+    try:
+        variants = plan(os.environ, args.env_file, cpu_flags(), platform.machine())
+        parts = stamp_parts(args.requirements, variants)
+        if args.command == "plan":
+            for variant in variants:
+                print(f"{variant.name:8} {variant.cmake_args_text}")
+            return 0
+        if args.command == "check":
+            reason = why_rebuild(read_record(args.record), parts)
+            if reason:
+                print(reason)
+                return 1
+            return 0
+        if args.command == "install":
+            version = pinned_version(args.requirements)
+            build_step = ((lambda variant: args.build_command) if args.build_command
+                          else (lambda variant: pip_build_commands(args.python, version)))
+            install(variants, build_step, args.python, args.model, args.record, parts, version,
+                    args.smoke_timeout, args.log_dir, args.tag)
+            return 0
+        if args.command == "source":
+            print(fetch_source(args.python, pinned_version(args.requirements), REPO_ROOT / "build"))
+            return 0
+        record = read_record(args.record)
+        if record is None:
+            raise BuildError(f"no valid build record at {args.record}: run ./scripts/setup.sh first "
+                             f"(it chooses the instruction set both engines use)")
+        if args.command == "server-args":
+            print("\n".join([f"variant={record['variant']}", *record["cmake_args"]]))
+            return 0
+        if not args.binary:
+            parser.error("smoke-server needs the llama-server binary")
+        outcome = run_smoke([args.python, str(SMOKE_SCRIPT), "server", "--model", str(args.model),
+                             "--binary", args.binary, "--variant", record["variant"],
+                             "--timeout", str(args.smoke_timeout)], args.smoke_timeout + 30)
+        if not outcome.ok:
+            raise BuildError(server_does_not_run(record, variants, outcome.detail))
+        say(f"llama-server smoke decode: runs (greedy text {outcome.result['text']!r}; "
+            f"llama-cpp-python's was {record['smoke']['text']!r})", args.tag)
+        return 0
+    except BuildError as error:
+        print(f"[{args.tag}] ERROR: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
