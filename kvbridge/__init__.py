@@ -1,6 +1,35 @@
 """KVBridge: an LMCache-style KV-cache layer for llama.cpp, llama-server, Ollama and OpenAI-compatible engines.
 
 The flow: prompt -> tokens -> chunk hashes -> lookup (L1 RAM, L2 disk) -> restore -> prefill only
-the suffix -> generate -> store new chunks. Start with kvbridge.engine.CachedEngine.
+the suffix -> generate -> store new chunks. The packages follow it:
+
+    settings/  Settings (frozen, from env and .env), checks, .env writer, cloud presets
+    backends/  the Backend base, the engine registry, one adapter per engine
+    engine/    CachedEngine, records, metrics, hashing, namespace, chunk and tail objects
+    formats/   llama.cpp's sequence state and llama-server's slot files
+    store/     tiers (L1 RAM, L2 disk) in an ordered list under one LRU policy
+    bench/     scenarios, runner, summaries; gui/ the Gradio testbed
+
+Public API: `from kvbridge import CachedEngine, Settings, make_backend`. The names are resolved
+on first use, so `import kvbridge.store` does not load the engines.
 """
 __version__ = "0.1.0"
+__all__ = ["CachedEngine", "Settings", "make_backend"]
+
+_PUBLIC = {
+    "CachedEngine": "kvbridge.engine",
+    "Settings": "kvbridge.settings",
+    "make_backend": "kvbridge.backends",
+}
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        import importlib
+
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'kvbridge' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

@@ -8,8 +8,8 @@ import signal
 import sys
 import tempfile
 
-from .config import Settings
-from .errors import KVBridgeError
+from kvbridge.settings import Settings
+from kvbridge.errors import KVBridgeError
 
 COMMANDS = {
     "gui": "serve the Gradio testbed on KVB_HOST:KVB_PORT (what ./scripts/start.sh runs)",
@@ -39,8 +39,8 @@ def _settings(args) -> Settings:
 
 
 def _make_engine(settings: Settings, l2_dir: str | None = None):
-    from .backends import make_backend
-    from .engine import CachedEngine
+    from kvbridge.backends import make_backend
+    from kvbridge.engine.cached_engine import CachedEngine
 
     if l2_dir is not None:
         settings = dataclasses.replace(settings, l2_dir=l2_dir)
@@ -48,13 +48,13 @@ def _make_engine(settings: Settings, l2_dir: str | None = None):
 
 
 def cmd_gui(args) -> int:
-    from .app import main as app_main
+    from kvbridge.gui.app import main as app_main
 
     return app_main() or 0
 
 
 def cmd_engines(args) -> int:
-    from .backends import engine_specs
+    from kvbridge.backends import engine_specs
 
     for spec in engine_specs():
         aliases = f" (aliases: {', '.join(spec.aliases)})" if spec.aliases else ""
@@ -63,7 +63,7 @@ def cmd_engines(args) -> int:
 
 
 def cmd_scenarios(args) -> int:
-    from .scenarios import scenario_specs
+    from kvbridge.bench.scenarios import scenario_specs
 
     for sc in scenario_specs():
         print(f"{sc.key:15} {sc.title}: {sc.description}")
@@ -82,7 +82,7 @@ def cmd_namespace(args) -> int:
 
 
 def cmd_bench_store(args) -> int:
-    from .bench_store import format_report, run_bench_store
+    from kvbridge.bench.store_bench import format_report, run_bench_store
 
     settings = Settings.from_env()
     print(format_report(run_bench_store(settings, object_mb=args.object_mb, repeats=args.repeats)))
@@ -90,7 +90,7 @@ def cmd_bench_store(args) -> int:
 
 
 def cmd_bench_restore(args) -> int:
-    from .benchreport import bench_restore
+    from kvbridge.bench.report import bench_restore
 
     settings = _settings(args)
     with tempfile.TemporaryDirectory(prefix="kvb-bench-l2-") as l2:
@@ -114,9 +114,9 @@ def _progress(done: int, total: int, what: str) -> None:
 
 
 def cmd_bench(args) -> int:
-    from .benchreport import format_summary, format_table, summarize
-    from .export import export_run
-    from .runner import parse_modes, run_scenario
+    from kvbridge.bench.report import format_summary, format_table, summarize
+    from kvbridge.gui.export import export_run
+    from kvbridge.bench.runner import parse_modes, run_scenario
 
     settings = _settings(args)
     modes = parse_modes(args.modes)
@@ -155,7 +155,7 @@ def _read_document(path: str | None) -> str | None:
 
 
 def cmd_demo(args) -> int:
-    from .runner import run_scenario
+    from kvbridge.bench.runner import run_scenario
 
     settings = _settings(args)
     with tempfile.TemporaryDirectory(prefix="kvb-demo-l2-") as l2:

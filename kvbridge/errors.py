@@ -1,6 +1,9 @@
 """The small exception hierarchy: errors a person must act on carry a message written for them.
 
-Internal storage faults never surface here: the store turns them into counted misses.
+Internal storage faults never surface to a user: the store raises `StoreFault` (kvbridge.store),
+the byte formats `LayoutError` / `SlotFileError` (kvbridge.formats), an engine that refuses or cannot
+produce a KV state `StateTransferError` (here); CachedEngine catches exactly these and turns them
+into a counted miss or a skipped store, so any other exception is a bug that fails its tests.
 """
 
 
@@ -29,3 +32,14 @@ class UnknownEngineError(KVBridgeError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return self.args[0] if self.args else "unknown engine"
+
+
+class StateTransferError(KVBridgeError):
+    """The engine refused a KV state we restored, or could not hand one over to be stored.
+
+    CachedEngine recomputes the prompt (restore) or skips the store (save) and counts it.
+    """
+
+
+class EmptyPrompt(BadSettings):
+    """A prompt with no tokens: there is nothing to prefill or to answer."""

@@ -2,7 +2,7 @@
 # Installs what LMCache's real TokenHasher needs, on CPU, without LMCache's CUDA wheel and its
 # dependencies: numba into .venv, and the single file lmcache/v1/multiprocess/token_hasher.py from
 # the lmcache wheel, extracted into .lmcache-hasher/ (git-ignored) with stand-in package files.
-# kvbridge.hashing.make_hasher(prefer_lmcache=True) and tests/test_lmcache_parity.py put that folder
+# kvbridge.engine.hashing.make_hasher(prefer_lmcache=True) and tests/test_lmcache_parity.py put that folder
 # on sys.path when `import lmcache` does not work on its own. Idempotent: done steps are skipped.
 # Usage: scripts/install_lmcache.sh [--force]
 set -euo pipefail
@@ -94,7 +94,7 @@ fi
 # 3. Prove it: LMCache's TokenHasher and KVBridge's ChunkHasher give the same digests.
 "$PY" - <<'PYEOF'
 import sys
-from kvbridge.hashing import ChunkHasher, LMCacheChunkHasher, load_lmcache_token_hasher
+from kvbridge.engine.hashing import ChunkHasher, LMCacheChunkHasher, load_lmcache_token_hasher
 
 tokens = list(range(1000, 1000 + 4 * 64 + 17))
 ours = ChunkHasher(64, "install-check").chunk_hashes(tokens)

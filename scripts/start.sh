@@ -52,11 +52,36 @@ port="${port:-7860}"
 mkdir -p output
 if [[ $background -eq 1 ]]; then
     # setsid: its own session, so closing this terminal does not stop it.
+    log_start=$(( $(wc -l <"$LOG_FILE" 2>/dev/null || echo 0) + 1 ))
     setsid "$REPO_ROOT/.venv/bin/python" -m kvbridge gui >>"$LOG_FILE" 2>&1 </dev/null &
-    echo $! >"$PID_FILE"
-    echo "KVBridge started in the background (pid $!): http://$host:$port"
-    echo "logs: output/kvbridge.log · stop: scripts/stop.sh"
-    exit 0
+    pid=$!
+    echo $pid >"$PID_FILE"
+    # The URL is printed only once the page answers: opening it earlier would be refused.
+    probe_host="$host"
+    [[ "$probe_host" == "0.0.0.0" || "$probe_host" == "::" ]] && probe_host="127.0.0.1"
+    wait_s=120
+    echo "KVBridge is starting in the background (pid $pid); waiting up to ${wait_s} s for http://$host:$port …"
+    for ((i = 0; i < wait_s * 4; i++)); do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            rm -f "$PID_FILE"
+            echo "start.sh: KVBridge exited before it served the page. The end of output/kvbridge.log:" >&2
+            tail -n +"$log_start" "$LOG_FILE" | tail -n 20 >&2
+            exit 1
+        fi
+        if "$REPO_ROOT/.venv/bin/python" - "$probe_host" "$port" <<'PY' 2>/dev/null; then
+import sys, urllib.request
+urllib.request.urlopen(f"http://{sys.argv[1]}:{sys.argv[2]}/", timeout=2).read(1)
+PY
+            echo "KVBridge is running in the background (pid $pid): http://$host:$port"
+            echo "logs: output/kvbridge.log · stop: scripts/stop.sh"
+            exit 0
+        fi
+        sleep 0.25
+    done
+    echo "start.sh: nothing answered at http://$host:$port after ${wait_s} s (pid $pid still runs; stop it with scripts/stop.sh)." >&2
+    echo "The end of output/kvbridge.log:" >&2
+    tail -n +"$log_start" "$LOG_FILE" | tail -n 20 >&2
+    exit 1
 fi
 
 echo "KVBridge: http://$host:$port  (Ctrl-C or scripts/stop.sh to stop)"

@@ -1,17 +1,46 @@
-"""Shared fixtures: settings isolated from the user's .env and L2, and the embedded model."""
+"""Shared fixtures: every test isolated from the user's environment, .env, cache directory and
+from engines other tests registered; settings with a private L2; the embedded model.
+"""
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from kvbridge.config import EMBEDDED_MODEL_PATH, Settings
+# The user's cache directory (~/.cache/kvbridge: L2, the model-hash cache) is never touched: HOME and
+# XDG_CACHE_HOME point into a private folder before kvbridge is imported, since Settings' default
+# l2_dir is resolved at import. Child processes the tests start inherit it.
+_PRIVATE_HOME = Path(tempfile.mkdtemp(prefix="kvb-test-home-"))
+os.environ["HOME"] = str(_PRIVATE_HOME)
+os.environ["XDG_CACHE_HOME"] = str(_PRIVATE_HOME / ".cache")
+
+from kvbridge.backends import registry as engine_registry  # noqa: E402  (after HOME is private)
+from kvbridge.settings import EMBEDDED_MODEL_PATH, Settings  # noqa: E402
+from kvbridge.settings import core as settings_core  # noqa: E402
 
 needs_model = pytest.mark.skipif(not EMBEDDED_MODEL_PATH.is_file(),
                                  reason=f"embedded model {EMBEDDED_MODEL_PATH} missing: run ./scripts/setup.sh")
 
 # a short slice of the built-in handbook keeps prefills fast on 2 cores
 SHORT_DOC_CHARS = 1200
+
+
+@pytest.fixture(autouse=True)
+def isolated(monkeypatch, tmp_path):
+    """Every test: no KVB_ variable from the developer's shell, no project .env, and the engine
+    registry as it was (a fake engine a test registers is gone after it). Live tests that look for a
+    developer's own server (Ollama) read the settings at collection time, before this runs."""
+    for name in [n for n in os.environ if n.startswith("KVB_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(settings_core, "DEFAULT_ENV_FILE", tmp_path / "no-project.env")
+    engine_registry.engine_specs()   # the built-in adapters register now, so they are part of the snapshot
+    engines = dict(engine_registry._ENGINES)
+    yield
+    engine_registry._ENGINES.clear()
+    engine_registry._ENGINES.update(engines)
 
 
 @pytest.fixture
@@ -29,6 +58,6 @@ def make_settings(tmp_path):
 
 @pytest.fixture(scope="session")
 def short_doc() -> str:
-    from kvbridge.scenarios import builtin_document
+    from kvbridge.bench.scenarios import builtin_document
 
     return builtin_document()[:SHORT_DOC_CHARS]

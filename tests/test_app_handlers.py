@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge import app_handlers as h
-from kvbridge import app_results as r
+from kvbridge.gui import handlers as h
+from kvbridge.gui import results as r
 from kvbridge.backends import engine_specs
-from kvbridge.config import EMBEDDED_MODEL_PATH, Settings
+from kvbridge.settings import EMBEDDED_MODEL_PATH, Settings
 from kvbridge.errors import EngineUnavailable
-from kvbridge.records import RECORD_FIELDS, RequestRecord
+from kvbridge.engine.records import RECORD_FIELDS, RequestRecord
 
 TINY_DOC = "# Garden rota\n\n" + " ".join(
     f"Rule {i}: the {['north', 'south', 'east', 'west'][i % 4]} bed is watered on day {i % 7}." for i in range(12))
@@ -107,8 +107,8 @@ def test_status_before_connect(state):
 def test_page_builds_with_registry_engines_and_kvb_labels(state):
     import gradio as gr
 
-    from kvbridge.app import build_app
-    from kvbridge.config import env_name
+    from kvbridge.gui.app import build_app
+    from kvbridge.settings import env_name
 
     demo = build_app(state.settings, state)
     blocks = list(demo.blocks.values())
@@ -123,7 +123,7 @@ def test_main_explains_a_busy_port(tmp_path, capsys):
     import dataclasses
     import socket
 
-    from kvbridge.app import main
+    from kvbridge.gui.app import main
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from kvbridge import charts
-from kvbridge.config import Settings
-from kvbridge.records import RequestRecord
+from kvbridge.gui import charts
+from kvbridge.settings import Settings
+from kvbridge.engine.records import RequestRecord
 from kvbridge.store import ObjectMeta, TieredStore
-from kvbridge.hashing import tokens_digest
+from kvbridge.engine.hashing import tokens_digest
 
 
 def rec(mode: str, index: int, ttft: float, tier: str = "none", **extra) -> RequestRecord:

@@ -18,10 +18,10 @@ import pytest
 from kvbridge.backends import make_backend, resolve_engine
 from kvbridge.backends.base import EngineReport, Prompt
 from kvbridge.backends.cloud import COLD_NOTE, CloudBackend, iter_sse_data, retry_delay_s, server_root
-from kvbridge.backends.llama_server_process import ServerProcess, built_binary, free_port, pinned_llama_cpp_version
-from kvbridge.config import EMBEDDED_MODEL_PATH, Settings
+from kvbridge.backends.llama_server.process import ServerProcess, built_binary, free_port, pinned_llama_cpp_version
+from kvbridge.settings import EMBEDDED_MODEL_PATH, Settings
 from kvbridge.errors import BadSettings, BudgetExhausted, EngineUnavailable, KVBridgeError, NeedsKey
-from kvbridge.records import RequestRecord
+from kvbridge.engine.records import RequestRecord
 from replay_server import Reply, ReplayServer, load_fixture
 
 KEY_VAR = "KVB_TEST_FAKE_PROVIDER_KEY"
@@ -382,7 +382,7 @@ def test_live_llama_server_refuses_a_wrong_key(llama_server, monkeypatch):
 @pytest.mark.live
 def test_live_cached_engine_shadow_records(llama_server, tmp_path):
     """KVB_ENGINE=cloud against the real llama-server through CachedEngine: what the bench and GUI show."""
-    from kvbridge.engine import CachedEngine
+    from kvbridge.engine.cached_engine import CachedEngine
 
     settings = cloud_settings(llama_server + "/v1", cloud_model="smollm2", cloud_extra_headers="", chunk_size=32,
                               l2_dir=str(tmp_path / "l2"), n_predict=4, cloud_timeout=LIVE_TIMEOUT_S)

@@ -11,8 +11,9 @@ import pytest
 from dotenv import dotenv_values
 
 from kvbridge import config
-from kvbridge.config import (
-    CLOUD_PRESETS, ENGINE_CHECKS, EMBEDDED_MODEL_PATH, SETTING_NAMES, Settings, env_name, format_size,
+from kvbridge.settings import core as settings_core
+from kvbridge.settings import (
+    CLOUD_PRESETS, EMBEDDED_MODEL_PATH, SETTING_NAMES, Settings, env_name, format_size,
     parse_size, settings_to_env, update_env_file, url_problem,
 )
 from kvbridge.errors import BadSettings
@@ -34,8 +35,9 @@ def problems_of(settings: Settings, environ: dict[str, str] | None = None) -> li
 
 
 def engine_problems(engine_key: str, settings: Settings, environ: dict[str, str] | None = None) -> list[str]:
-    """The engine-specific checks validate() runs once KVB_ENGINE resolves to `engine_key`."""
-    return [p for check in ENGINE_CHECKS[engine_key] for p in check(settings, environ or {})]
+    """The engine-specific checks validate() runs once KVB_ENGINE resolves to `engine_key` (on its Backend class)."""
+    from kvbridge.backends import resolve_engine
+    return resolve_engine(engine_key).cls.settings_problems(settings, environ or {})
 
 
 def registered(key: str) -> bool:
@@ -244,7 +246,7 @@ def test_missing_model_file_is_named(tmp_path):
 
 
 def test_missing_embedded_model_says_to_run_setup(tmp_path, monkeypatch):
-    monkeypatch.setattr(config, "EMBEDDED_MODEL_PATH", tmp_path / "absent.gguf")
+    monkeypatch.setattr(settings_core, "EMBEDDED_MODEL_PATH", tmp_path / "absent.gguf")
     problems = problems_of(Settings())
     assert any("./scripts/setup.sh" in p and "absent.gguf" in p for p in problems), problems
     # the llamacpp engine can take an Ollama model's GGUF instead

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from kvbridge.charts import run_figures
-from kvbridge.export import REDACTED, export_run, scrub_meta
-from kvbridge.records import RECORD_FIELDS, RequestRecord
+from kvbridge.gui.charts import run_figures
+from kvbridge.gui.export import REDACTED, export_run, scrub_meta
+from kvbridge.engine.records import RECORD_FIELDS, RequestRecord
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from kvbridge.backends import resolve_engine
-from kvbridge.config import EMBEDDED_MODEL_PATH, PROJECT_ROOT
+from kvbridge.settings import EMBEDDED_MODEL_PATH, PROJECT_ROOT
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from blake3 import blake3
 
-from kvbridge import hashing
-from kvbridge.hashing import ChunkHasher, make_hasher, pack_tokens, tail_key, tokens_digest
+from kvbridge.engine import hashing
+from kvbridge.engine.hashing import ChunkHasher, make_hasher, pack_tokens, tail_key, tokens_digest
 
 
 def reference_chunk_hashes(tokens: list[int], chunk_size: int, namespace: str) -> list[bytes]:

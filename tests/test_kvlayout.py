@@ -9,7 +9,7 @@ import pytest
 from conftest import needs_model
 from kvbridge.backends import make_backend
 from kvbridge.backends.base import EngineReport, Prompt
-from kvbridge.kvlayout import LayoutError, assemble_state, decode_chunk, encode_chunk, parse_state
+from kvbridge.formats.llama_state import LayoutError, assemble_state, decode_chunk, encode_chunk, parse_state
 
 pytestmark = [needs_model, pytest.mark.live]
 
@@ -18,7 +18,7 @@ pytestmark = [needs_model, pytest.mark.live]
 def real_state(tmp_path_factory):
     import dataclasses
 
-    from kvbridge.config import Settings
+    from kvbridge.settings import Settings
 
     settings = dataclasses.replace(Settings(), ctx_size=1024, l2_dir=str(tmp_path_factory.mktemp("l2")))
     backend = make_backend("llamacpp", settings)

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from kvbridge.backends.base import EngineReport, Prompt
-from kvbridge.backends.llama_server import LlamaServerBackend
-from kvbridge.backends.llama_server_process import built_binary, pinned_llama_cpp_version
-from kvbridge.config import EMBEDDED_MODEL_PATH, PROJECT_ROOT, Settings
+from kvbridge.backends.llama_server.backend import LlamaServerBackend
+from kvbridge.backends.llama_server.process import built_binary, pinned_llama_cpp_version
+from kvbridge.settings import EMBEDDED_MODEL_PATH, PROJECT_ROOT, Settings
 from kvbridge.errors import EngineUnavailable
 
 BINARY = built_binary(pinned_llama_cpp_version())
@@ -193,7 +193,7 @@ def test_state_bytes_equal_the_in_process_engine(backend, settings):
 
 
 def test_a_corrupt_state_is_refused_not_restored(backend):
-    from kvbridge.backends.llama_server import RestoreFailed
+    from kvbridge.backends.llama_server.backend import RestoreFailed
 
     prompt = prompt_for(backend, QUESTION)
     run(backend, prompt, native=False, n_predict=2)
@@ -236,7 +236,7 @@ class SettingsWithSlotDir(Settings):
 
 
 def test_attach_with_a_local_slot_dir_moves_real_kv(backend, settings):
-    from kvbridge.kvlayout import parse_state
+    from kvbridge.formats.llama_state import parse_state
 
     attached = LlamaServerBackend(SettingsWithSlotDir(**{
         **dataclasses.asdict(settings), "llama_server_url": backend.base_url,
@@ -302,7 +302,7 @@ def test_unreachable_attach_url_names_the_setting(settings):
 
 def test_server_errors_carry_the_servers_own_message(backend):
     from kvbridge.backends.base import SeqState
-    from kvbridge.backends.llama_server import SLOT_REF_MAGIC, RestoreFailed
+    from kvbridge.backends.llama_server.backend import SLOT_REF_MAGIC, RestoreFailed
 
     missing = SeqState(data=SLOT_REF_MAGIC + struct.pack("<I", 3) + b"kvb-slot-missing.bin", n_tokens=3)
     with pytest.raises(RestoreFailed, match=r"llama-server /slots/0\?action=restore failed \(\d+\): .*restore") as err:
@@ -311,7 +311,7 @@ def test_server_errors_carry_the_servers_own_message(backend):
 
 
 def test_a_killed_owners_leftovers_are_removed_at_the_next_start(settings):
-    from kvbridge.backends.llama_server_process import WORK_DIR_PREFIX, scratch_dir
+    from kvbridge.backends.llama_server.process import WORK_DIR_PREFIX, scratch_dir
 
     dead = subprocess.Popen(["true"])
     dead.wait()  # a PID that no longer exists

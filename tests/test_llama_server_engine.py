@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 
 from kvbridge.backends import make_backend
-from kvbridge.config import Settings
-from kvbridge.engine import CachedEngine
+from kvbridge.settings import Settings
+from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.store import TieredStore
 
 from test_llama_server import process_gone
@@ -99,7 +99,7 @@ def test_flash_attention_changes_the_namespace(settings):
 
 def test_attached_without_local_slot_files_restores_whole_snapshots(settings):
     """KVB_LLAMA_SERVER_URL and no slot directory here: the KV stays on the server, the store keeps references."""
-    from kvbridge.backends.llama_server import LlamaServerBackend
+    from kvbridge.backends.llama_server.backend import LlamaServerBackend
 
     own = LlamaServerBackend(settings)
     own.start()
@@ -119,7 +119,7 @@ def test_attached_without_local_slot_files_restores_whole_snapshots(settings):
 
 def test_a_restore_the_server_does_not_use_is_marked_ineffective(settings):
     """Upstream bug class: the restore reports success, the next request reuses nothing (cache_n = 0)."""
-    from kvbridge.backends.llama_server import LlamaServerBackend
+    from kvbridge.backends.llama_server.backend import LlamaServerBackend
 
     class SilentlyFailingRestore(LlamaServerBackend):
         def restore_state(self, state, tokens):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from blake3 import blake3
 
-from kvbridge.hashing import ChunkHasher, LMCacheChunkHasher, load_lmcache_token_hasher, make_hasher
+from kvbridge.engine.hashing import ChunkHasher, LMCacheChunkHasher, load_lmcache_token_hasher, make_hasher
 
 try:
     TokenHasher = load_lmcache_token_hasher()

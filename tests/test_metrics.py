@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kvbridge.metrics import Metrics, percentile, summarize
+from kvbridge.engine.metrics import Metrics, percentile, summarize
 
 
 def test_summary_of_known_series():

@@ -18,9 +18,9 @@ import requests
 
 from kvbridge.backends import make_backend, resolve_engine
 from kvbridge.backends.base import EngineReport, Prompt
-from kvbridge.backends.ollama import COLD_NOTE, OllamaBackend, keep_alive_value
-from kvbridge.backends.ollama_store import find_ollama_gguf, locate_ollama_model, manifest_relpath
-from kvbridge.config import EMBEDDED_MODEL_PATH, Settings
+from kvbridge.backends.ollama.backend import COLD_NOTE, OllamaBackend, keep_alive_value
+from kvbridge.backends.ollama.model_store import find_ollama_gguf, locate_ollama_model, manifest_relpath
+from kvbridge.settings import EMBEDDED_MODEL_PATH, Settings
 from kvbridge.errors import BadSettings, EngineUnavailable, KVBridgeError
 from replay_server import Reply, ReplayServer, load_fixture
 
@@ -249,7 +249,7 @@ def test_a_store_that_differs_from_the_served_model_is_not_trusted(store):
 @needs_gguf
 def test_cached_engine_records_ollama_ground_truth(store, tmp_path):
     """Ollama binary not available here: its newer-version streams are replayed; the engine is real."""
-    from kvbridge.engine import CachedEngine
+    from kvbridge.engine.cached_engine import CachedEngine
 
     models_dir, manifest_digest = store
     with ReplayServer() as server:

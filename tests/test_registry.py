@@ -41,3 +41,18 @@ def test_alias_clash_is_refused():
 def test_make_backend_builds_the_registered_class(make_settings):
     backend = make_backend("llama", make_settings())
     assert backend.key == "llamacpp" and backend.kv_mode == "full"
+
+
+# -- isolation: a fake registered in one test is gone in the next (tests in a file run in order) -----
+class _FakeForOneTest(Backend):
+    key = "fake-for-one-test"
+
+
+def test_a_fake_engine_can_be_registered_for_a_test():
+    register_engine(EngineSpec(key="fake-for-one-test", label="fake", cls=_FakeForOneTest, blurb="test only"))
+    assert resolve_engine("fake-for-one-test").cls is _FakeForOneTest
+
+
+def test_the_fake_from_the_previous_test_is_gone():
+    assert "fake-for-one-test" not in known_engine_names()
+    assert {"llamacpp", "llama-server", "ollama", "cloud"} <= set(known_engine_names())

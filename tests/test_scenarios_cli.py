@@ -12,11 +12,11 @@ from conftest import needs_model
 from kvbridge.backends import make_backend
 from kvbridge.backends.llamacpp import LlamaCppBackend
 from kvbridge.backends.registry import EngineSpec, register_engine
-from kvbridge.config import PROJECT_ROOT
-from kvbridge.engine import CachedEngine
-from kvbridge.errors import BadSettings
-from kvbridge.runner import parse_modes, run_scenario
-from kvbridge.scenarios import build_requests, list_documents, scenario_specs
+from kvbridge.settings import PROJECT_ROOT
+from kvbridge.engine.cached_engine import CachedEngine
+from kvbridge.errors import BadSettings, StateTransferError
+from kvbridge.bench.runner import parse_modes, run_scenario
+from kvbridge.bench.scenarios import build_requests, list_documents, scenario_specs
 
 
 def test_registry_has_the_four_demo_scenarios():
@@ -63,15 +63,14 @@ class FailingRestoreBackend(LlamaCppBackend):
     key = "test-failing-restore"
 
     def restore_state(self, state, tokens):
-        raise RuntimeError("simulated restore failure")
-
-
-register_engine(EngineSpec(key="test-failing-restore", label="test only", cls=FailingRestoreBackend, blurb="test"))
+        raise StateTransferError("simulated restore failure")
 
 
 @needs_model
 @pytest.mark.live
 def test_failed_restore_is_counted_and_the_request_recomputes(make_settings, short_doc):
+    # registered for this test only: the autouse registry fixture in conftest removes it afterwards
+    register_engine(EngineSpec(key="test-failing-restore", label="test only", cls=FailingRestoreBackend, blurb="test"))
     settings = make_settings()
     prompt = [{"role": "user", "content": short_doc + "\n\nQuestion: where is Well One?"}]
     with CachedEngine(settings, make_backend("test-failing-restore", settings)) as engine:
@@ -126,8 +125,8 @@ def test_cli_bad_engine_is_a_readable_error():
 
 
 def test_summary_reports_speedups_and_shadow_agreement():
-    from kvbridge.benchreport import format_summary, summarize
-    from kvbridge.records import RequestRecord
+    from kvbridge.bench.report import format_summary, summarize
+    from kvbridge.engine.records import RequestRecord
 
     def rec(mode, i, ttft, matched=0, cached=None, predicted=None):
         return RequestRecord(mode=mode, request_index=i, prompt_tokens=1000, ttft_ms=ttft, matched_tokens=matched,

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from kvbridge.backends import resolve_engine
-from kvbridge.backends.llama_server import LlamaServerBackend
-from kvbridge.backends.slot_file import (
+from kvbridge.backends.llama_server.backend import LlamaServerBackend
+from kvbridge.formats.slot_file import (
     STATE_IO_MAGIC, STATE_SEQ_MAGIC, MappedSlotFile, SlotFileError, build_slot_file, parse_slot_file, parse_token_words,
     token_words, write_in_place)
 
@@ -89,7 +89,7 @@ def test_registered_under_its_key_and_aliases():
 
 
 def test_reading_from_disk_equals_parsing_bytes(tmp_path):
-    from kvbridge.backends.slot_file import read_slot_file
+    from kvbridge.formats.slot_file import read_slot_file
 
     state = struct.pack("<Ii", STATE_IO_MAGIC, 0) + memory_state(4, payload=bytes(range(256)) * 3)
     path = tmp_path / "slot.bin"

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections import Counter
+from collections.abc import Mapping
 from typing import ClassVar, Iterator, Literal, Sequence
 
-from ..config import Settings
+from kvbridge.settings import Settings
+from kvbridge.backends.chat_template import chatml
 
 KVMode = Literal["full", "shadow"]
 Message = dict  # {"role": "system"|"user"|"assistant", "content": str}
@@ -39,11 +42,32 @@ class EngineReport:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """The sampler both llama.cpp engines use, spelled once: greedy (top-k 1) at temperature 0, else
+    llama.cpp's usual top-k 40 / top-p 0.95; no min-p and no repeat penalty, so both engines agree."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+
+    @classmethod
+    def for_temperature(cls, temperature: float) -> "Sampling":
+        if temperature > 0:
+            return cls(temperature=temperature, top_k=40, top_p=0.95)
+        return cls(temperature=temperature, top_k=1, top_p=1.0)
+
+
+@dataclass(frozen=True)
 class SeqState:
     """One sequence's KV as the engine serialises it (llama.cpp `llama_state_seq_get_data` bytes)."""
 
     data: bytes | memoryview   # bytes-like; restore paths must not assume `bytes`
     n_tokens: int
+    # The token ids whose KV `data` holds, as the engine itself reports them (llama-server: the slot
+    # file's ids; in-process: the context's ids). None: the engine cannot say, and the state is not stored.
+    token_ids: tuple[int, ...] | None = None
 
 
 class Backend:
@@ -60,6 +84,24 @@ class Backend:
 
     def __init__(self, settings: Settings):
         self.settings = settings
+        # Events an adapter counts (retries, malformed stream lines, template fallbacks); CachedEngine
+        # moves them into its Metrics after every request (take_counters), the one place metrics live.
+        self.counters: Counter[str] = Counter()
+
+    def take_counters(self) -> dict[str, int]:
+        """The adapter's counts since the last call, and reset them (in place: helpers such as the chat
+        template hold a reference to this Counter)."""
+        counts = dict(self.counters)
+        self.counters.clear()
+        return counts
+
+    @classmethod
+    def settings_problems(cls, settings: Settings, environ: Mapping[str, str]) -> list[str]:
+        """This engine's own checks, run by Settings.validate() after the general ones.
+
+        Messages are written for a person and name the KVB_ variable to change; never raises.
+        """
+        return []
 
     # lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -79,8 +121,8 @@ class Backend:
 
     # prompts -------------------------------------------------------------------------------
     def render(self, messages: Sequence[Message]) -> str:
-        """Chat messages -> the prompt text the engine evaluates (its chat template)."""
-        return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+        """Chat messages -> the prompt text the engine evaluates (its chat template; ChatML here)."""
+        return chatml(messages)
 
     def tokenize(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -121,7 +163,8 @@ class Backend:
         return None
 
     def save_state(self) -> SeqState:
-        """The current sequence's KV (prompt and generated tokens) as engine bytes."""
+        """The current sequence's KV (prompt and generated tokens) as engine bytes, with the token ids the
+        engine itself says those cells hold (SeqState.token_ids): KVBridge stores nothing they do not confirm."""
         raise NotImplementedError
 
     def state_buffer(self, size: int, tokens: Sequence[int]):
@@ -144,6 +187,14 @@ class Backend:
         models an engine whose own cache was evicted).
         """
         raise NotImplementedError
+
+    def held_tokens(self) -> int | None:
+        """How many positions the engine itself says its context holds for our sequence, read from the
+        engine (llama.cpp: the sequence's position range), not from our own bookkeeping.
+
+        CachedEngine compares it with what it restored; None: this engine cannot tell.
+        """
+        return None
 
     def context_tokens(self) -> list[int]:
         """Token ids whose KV the engine's context holds now (full engines)."""

@@ -18,22 +18,26 @@ import threading
 import time
 import uuid
 from datetime import datetime, timezone
+from collections.abc import Mapping
 from typing import Iterator, Sequence
 
 import requests
 
-from ..config import Settings, looks_like_secret
-from ..errors import BadSettings, BudgetExhausted, EngineUnavailable, KVBridgeError, NeedsKey
-from .approx_tokenizer import ApproxTokenizer
-from .base import Backend, EngineReport, Message, Prompt
-from .gguf_vocab import chatml
-from .http_util import error_message, error_text, is_read_timeout
-from .registry import EngineSpec, register_engine
-from .usage import UsageCounts, usage_counts_from
+from kvbridge.settings import CLOUD_PRESETS, CloudPreset, Settings, is_variable_name, looks_like_secret
+from kvbridge.errors import BadSettings, BudgetExhausted, EngineUnavailable, KVBridgeError, NeedsKey
+from kvbridge.backends.approx_tokenizer import ApproxTokenizer
+from kvbridge.backends.base import Backend, EngineReport, Message, Prompt
+from kvbridge.backends.chat_template import chatml
+from kvbridge.backends.http_util import error_message, error_text, is_read_timeout
+from kvbridge.backends.registry import EngineSpec, register_engine
+from kvbridge.backends.usage import UsageCounts, usage_counts_from
 
 log = logging.getLogger(__name__)
 
 COLD_NOTE = "cold: a unique nonce line starts the first message, so the provider's prompt cache cannot serve it"
+# events counted in self.counters, so they reach CachedEngine's metrics
+RETRY_COUNTER = "cloud_retries"
+MALFORMED_COUNTER = "malformed_stream_lines"
 _VAR_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -83,9 +87,61 @@ def iter_sse_data(lines: Iterator[bytes]) -> Iterator[str]:
         yield "\n".join(data)
 
 
+def _cloud_settings_problems(s: Settings, environ: Mapping[str, str]) -> list[str]:
+    problems = []
+    known = ", ".join(CLOUD_PRESETS)
+    preset = s.cloud_preset()
+    if s.cloud_provider and preset is None:
+        problems.append(f"KVB_CLOUD_PROVIDER={s.cloud_provider!r} is not a known provider; use one of {known}, "
+                        "or leave it empty and set KVB_CLOUD_BASE_URL")
+    elif not s.cloud_provider and not s.cloud_base_url:
+        problems.append(f"the cloud engine needs KVB_CLOUD_PROVIDER (one of {known}) or KVB_CLOUD_BASE_URL "
+                        "(any OpenAI-compatible server, e.g. http://127.0.0.1:8080/v1)")
+    if not s.resolved_cloud_model():
+        problems.append("KVB_CLOUD_MODEL is empty; name the model to call (a llama-server accepts any name)")
+    problems += _key_variable_problems(s, environ, preset)
+    problems += _extra_header_problems(s.cloud_extra_headers)
+    return problems
+
+
+def _key_variable_problems(s: Settings, environ: Mapping[str, str], preset: CloudPreset | None) -> list[str]:
+    _, key_env = s.cloud_endpoint()
+    if not key_env:
+        return []
+    if not is_variable_name(key_env) or looks_like_secret(key_env):
+        # never echo it: it may be the key itself
+        return ["KVB_CLOUD_API_KEY_ENV must be the NAME of an environment variable (like OPENAI_API_KEY), "
+                "not the key itself"]
+    if environ.get(key_env):
+        return []
+    where = "KVB_CLOUD_API_KEY_ENV names" if s.cloud_api_key_env else \
+        f"the {preset.label if preset else 'cloud'} preset (KVB_CLOUD_PROVIDER) reads its key from"
+    return [f"{where} {key_env} but that variable is not set; export it in your shell "
+            "(KVBridge reads keys only from the environment, never from files)"]
+
+
+def _extra_header_problems(text: str) -> list[str]:
+    if not text.strip():
+        return []
+    try:
+        headers = json.loads(text)
+    except ValueError:
+        headers = None
+    if not isinstance(headers, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+        return ['KVB_CLOUD_EXTRA_HEADERS is not a JSON object of strings; use e.g. {"X-Title": "kvbridge"}']
+    if looks_like_secret(text):
+        return ["KVB_CLOUD_EXTRA_HEADERS seems to carry a key or token; keys go in the variable named by "
+                "KVB_CLOUD_API_KEY_ENV"]
+    return []
+
+
 class CloudBackend(Backend):
     key = "cloud"
     kv_mode = "shadow"
+
+    @classmethod
+    def settings_problems(cls, settings: Settings, environ: Mapping[str, str]) -> list[str]:
+        return _cloud_settings_problems(settings, environ)
     prompts_leave_machine = True
     retry_base_s = 0.5       # first backoff on 429/5xx without Retry-After; doubles each retry
     retry_cap_s = 30.0       # longest single wait, whatever Retry-After says
@@ -103,8 +159,6 @@ class CloudBackend(Backend):
         self._session = requests.Session()
         self._lock = threading.Lock()
         self._tokens_used = 0
-        self.malformed_lines = 0
-        self.retries = 0
 
     # lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -279,7 +333,7 @@ class CloudBackend(Backend):
             self._charge(usage.billed_tokens if usage and usage.billed_tokens is not None
                          else len(prompt.tokens) + pieces)
         if malformed:
-            self.malformed_lines += malformed
+            self.counters[MALFORMED_COUNTER] += malformed
             report.notes.append(f"skipped {malformed} malformed line(s) in the provider's stream")
         self._fill_report(usage, report)
 
@@ -316,7 +370,7 @@ class CloudBackend(Backend):
             if (status == 429 or status >= 500) and attempt < max_retries:
                 delay = retry_delay_s(response.headers.get("Retry-After"), attempt, self.retry_base_s, self.retry_cap_s)
                 response.close()
-                self.retries += 1
+                self.counters[RETRY_COUNTER] += 1
                 log.info("%s answered %d; retry %d of %d in %.2f s", url, status, attempt + 1, max_retries, delay)
                 time.sleep(delay)
                 continue

@@ -10,23 +10,56 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from ..config import EMBEDDED_MODEL_PATH, Settings
-from ..errors import BadSettings, EngineUnavailable
-from .base import Backend, EngineReport, Message, Prompt, SeqState
-from .registry import EngineSpec, register_engine
-
-# ggml type ids -> names (the ones llama.cpp accepts for the KV cache)
-_GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
-
+from kvbridge.settings import EMBEDDED_MODEL_PATH, Settings
+from kvbridge.errors import BadSettings, EngineUnavailable, StateTransferError
+from kvbridge.backends.base import Backend, EngineReport, Message, Prompt, Sampling, SeqState
+from kvbridge.backends.chat_template import ChatTemplate, template_of_llama
+from kvbridge.backends.registry import EngineSpec, register_engine
+from kvbridge.formats.llama_state import KV_CACHE_TYPES, UNQUANTISED_KV_TYPES
 
 def ggml_type_id(name: str, variable: str) -> int:
+    """A KV cache type name -> its ggml type id; BadSettings (naming `variable`) when llama.cpp has no such type."""
     try:
-        return _GGML_TYPES[name.lower()]
+        return KV_CACHE_TYPES[name.lower()]
     except KeyError:
-        raise BadSettings(f"{variable}={name!r} is not a KV cache type; use one of {', '.join(_GGML_TYPES)}") from None
+        raise BadSettings(cache_type_problem(variable, name)) from None
+
+
+def cache_type_problem(variable: str, name: str) -> str:
+    return f"{variable}={name!r} is not a KV cache type; use one of {', '.join(KV_CACHE_TYPES)}"
+
+
+def cache_type_problems(s: Settings) -> list[str]:
+    """KVB_CACHE_TYPE_K/V checked against the one list both llama.cpp engines start with."""
+    problems = [cache_type_problem(var, value)
+                for var, value in (("KVB_CACHE_TYPE_K", s.cache_type_k), ("KVB_CACHE_TYPE_V", s.cache_type_v))
+                if value.lower() not in KV_CACHE_TYPES]
+    if not problems and s.cache_type_v.lower() not in UNQUANTISED_KV_TYPES and not s.flash_attn:
+        problems.append(f"KVB_CACHE_TYPE_V={s.cache_type_v!r} is a quantised type, which llama.cpp only supports "
+                        "with flash attention: set KVB_FLASH_ATTN=true or use f16")
+    return problems
+
+
+def model_file_problems(s: Settings, *, ollama_model_ok: bool = False) -> list[str]:
+    """KVB_MODEL_PATH (or the embedded model) checked before an engine tries to load it."""
+    if s.model_path:
+        path = Path(s.model_path).expanduser()
+        if path.is_file():
+            return []
+        what = "is a directory, not a model file" if path.is_dir() else "does not exist"
+        return [f"KVB_MODEL_PATH={s.model_path} {what}; "
+                "point it at a .gguf file or leave it empty for the embedded model"]
+    if ollama_model_ok and s.ollama_model:
+        return []  # the engine looks the model's GGUF up in KVB_OLLAMA_MODELS
+    embedded = s.resolved_model_path()
+    if not embedded.is_file():
+        return [f"the embedded model {embedded} is missing; run ./scripts/setup.sh to fetch it, "
+                "or set KVB_MODEL_PATH to a .gguf file"]
+    return []
 
 
 def model_path_for(settings: Settings) -> Path:
@@ -35,7 +68,7 @@ def model_path_for(settings: Settings) -> Path:
         return Path(settings.model_path).expanduser()
     if settings.ollama_model:
         try:
-            from .ollama_store import find_ollama_gguf
+            from kvbridge.backends.ollama.model_store import find_ollama_gguf
         except ImportError:  # the Ollama adapter is optional
             find_ollama_gguf = None
         if find_ollama_gguf is not None:
@@ -64,11 +97,15 @@ class LlamaCppBackend(Backend):
     key = "llamacpp"
     kv_mode = "full"
 
+    @classmethod
+    def settings_problems(cls, settings: Settings, environ: Mapping[str, str]) -> list[str]:
+        return model_file_problems(settings, ollama_model_ok=True) + cache_type_problems(settings)
+
     def __init__(self, settings: Settings):
         super().__init__(settings)
         self.llm = None
         self.model_path: Path | None = None
-        self._formatter = None
+        self._template: ChatTemplate | None = None
 
     # lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -87,7 +124,7 @@ class LlamaCppBackend(Backend):
         except (ValueError, RuntimeError) as exc:
             raise EngineUnavailable(f"llama.cpp could not load {path} (KVB_MODEL_PATH): {exc}") from exc
         self.model_path = path
-        self._formatter = None
+        self._template = None
 
     def stop(self) -> None:
         if self.llm is not None:
@@ -106,17 +143,9 @@ class LlamaCppBackend(Backend):
 
     # prompts -------------------------------------------------------------------------------
     def render(self, messages: Sequence[Message]) -> str:
-        if self._formatter is None:
-            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-            llm = self._llm
-            template = llm.metadata.get("tokenizer.chat_template")
-            if not template:
-                return super().render(messages)
-            eos = llm._model.token_get_text(llm.token_eos()) if llm.token_eos() >= 0 else ""
-            bos = llm._model.token_get_text(llm.token_bos()) if llm.token_bos() >= 0 else ""
-            self._formatter = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
-        return self._formatter(messages=list(messages)).prompt
+        if self._template is None:
+            self._template = template_of_llama(self._llm, self.counters, (self.model_path or Path("model")).name)
+        return self._template.render(messages)
 
     def tokenize(self, text: str) -> list[int]:
         return self._llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
@@ -143,8 +172,9 @@ class LlamaCppBackend(Backend):
         vocab = llm._model.vocab
         decoder = _Utf8Decoder()
         produced = 0
-        for token in llm.generate(tokens, temp=temperature, top_k=40 if temperature > 0 else 1,
-                                  top_p=0.95 if temperature > 0 else 1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+        sampling = Sampling.for_temperature(temperature)
+        for token in llm.generate(tokens, temp=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                  min_p=sampling.min_p, repeat_penalty=sampling.repeat_penalty, reset=True):
             if llama_cpp.llama_vocab_is_eog(vocab, token):
                 break
             produced += 1
@@ -190,6 +220,13 @@ class LlamaCppBackend(Backend):
     def model_file(self) -> Path | None:
         return self.model_path
 
+    def held_tokens(self) -> int:
+        """llama.cpp's own position range for sequence 0 (pos_max + 1; 0 when it is empty)."""
+        import llama_cpp
+
+        memory = llama_cpp.llama_get_memory(self._llm._ctx.ctx)
+        return int(llama_cpp.llama_memory_seq_pos_max(memory, 0)) + 1
+
     def context_tokens(self) -> list[int]:
         llm = self._llm
         return [int(t) for t in llm.input_ids[: llm.n_tokens]]
@@ -202,8 +239,10 @@ class LlamaCppBackend(Backend):
         buf = (ctypes.c_uint8 * size)()
         written = llama_cpp.llama_state_seq_get_data(ctx, buf, size, 0)
         if written != size:
-            raise RuntimeError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
-        return SeqState(data=memoryview(buf).cast("B"), n_tokens=self._llm.n_tokens)
+            raise StateTransferError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
+        llm = self._llm
+        return SeqState(data=memoryview(buf).cast("B"), n_tokens=llm.n_tokens,
+                        token_ids=tuple(int(t) for t in llm.input_ids[: llm.n_tokens]))
 
     def restore_state(self, state: SeqState, tokens: Sequence[int]) -> None:
         import llama_cpp
@@ -217,7 +256,7 @@ class LlamaCppBackend(Backend):
         read = llama_cpp.llama_state_seq_set_data(llm._ctx.ctx, buf, len(view), 0)
         if read == 0:
             self.reset_native_cache()
-            raise RuntimeError("llama_state_seq_set_data refused the state")
+            raise StateTransferError("llama_state_seq_set_data refused the state")
         n = len(tokens)
         llm.input_ids[:n] = list(tokens)
         llm.n_tokens = n

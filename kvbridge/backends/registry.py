@@ -1,11 +1,26 @@
-"""The engine registry: the only list of engines. The GUI, the CLI and Settings.validate() read it."""
+"""The engine registry: the only list of engines. The GUI, the CLI and Settings.validate() read it.
+
+The built-in adapters are imported on the first question asked of the registry, not when the
+package is imported, so the engine core can import `kvbridge.backends.base` for its types without
+loading any adapter. An adapter that fails to import is remembered with its error: the other
+engines keep working, and asking for one that is missing names the broken adapter.
+"""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 
-from ..config import Settings
-from ..errors import UnknownEngineError
-from .base import Backend
+from kvbridge.backends.base import Backend
+from kvbridge.errors import UnknownEngineError
+from kvbridge.settings import Settings
+
+# Each module registers its engine(s) with register_engine() when imported.
+BUILTIN_ADAPTERS = (
+    "kvbridge.backends.llamacpp",
+    "kvbridge.backends.llama_server",
+    "kvbridge.backends.ollama",
+    "kvbridge.backends.cloud",
+)
 
 
 @dataclass(frozen=True)
@@ -19,6 +34,20 @@ class EngineSpec:
 
 
 _ENGINES: dict[str, EngineSpec] = {}
+_BROKEN_ADAPTERS: dict[str, str] = {}    # module -> "ErrorType: message"
+_builtins_loaded = False
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    for module in BUILTIN_ADAPTERS:
+        try:
+            importlib.import_module(module)
+        except Exception as error:  # noqa: BLE001 - one broken adapter must not hide the others; reported by resolve_engine
+            _BROKEN_ADAPTERS[module] = f"{type(error).__name__}: {error}"
 
 
 def register_engine(spec: EngineSpec) -> EngineSpec:
@@ -30,20 +59,38 @@ def register_engine(spec: EngineSpec) -> EngineSpec:
     return spec
 
 
+def unregister_engine(key: str) -> None:
+    """Remove an engine (tests register fakes and remove them again)."""
+    _ENGINES.pop(key, None)
+
+
 def engine_specs() -> list[EngineSpec]:
+    _load_builtins()
     return list(_ENGINES.values())
 
 
 def known_engine_names() -> list[str]:
-    return [n for s in _ENGINES.values() for n in (s.key, *s.aliases)]
+    return [n for s in engine_specs() for n in (s.key, *s.aliases)]
+
+
+def broken_adapters() -> dict[str, str]:
+    """Built-in adapter modules that did not import, with the error each raised."""
+    _load_builtins()
+    return dict(_BROKEN_ADAPTERS)
 
 
 def resolve_engine(name: str) -> EngineSpec:
     wanted = (name or "").strip().lower()
-    for spec in _ENGINES.values():
+    specs = engine_specs()
+    for spec in specs:
         if wanted == spec.key or wanted in spec.aliases:
             return spec
-    known = ", ".join(f"{s.key} (aliases: {', '.join(s.aliases)})" if s.aliases else s.key for s in _ENGINES.values())
+    if _BROKEN_ADAPTERS:
+        broken = "; ".join(f"{module} ({error})" for module, error in _BROKEN_ADAPTERS.items())
+        raise UnknownEngineError(
+            f"KVB_ENGINE={name!r} is not available: the engine adapters did not all import: {broken}. "
+            f"Engines that did: {', '.join(known_engine_names()) or 'none'}.")
+    known = ", ".join(f"{s.key} (aliases: {', '.join(s.aliases)})" if s.aliases else s.key for s in specs)
     raise UnknownEngineError(f"Unknown engine {name!r} (KVB_ENGINE). Known engines: {known}.")
 
 

@@ -7,8 +7,15 @@ chunks. A put goes into the first tier that can hold it and also into every pers
 write costs no latency a user sees. An L1 eviction demotes the object to L2 unless L2 has it.
 
 A storage fault is a miss, counted in stats() and logged, never an exception: the caller then
-recomputes. Thread-safe: one lock guards the policies and counters; payload I/O (disk reads,
-writes) runs outside it, protected by pinning so an object being read is never evicted.
+recomputes. get/put/lookup/contains/flush raise no storage error at all (a full disk is a skipped
+write, a bad file a counted miss); clear() raises StoreFault when the disk cannot even be listed.
+Bad arguments are ValueError/TypeError (bugs, not faults).
+
+Thread-safe: one lock guards the policies and counters; payload I/O (disk reads, writes) runs
+outside it, protected by pinning so an object being read is never evicted. Each tier is thread-safe
+on its own and is the truth about what it holds; after any tier call that may have changed a key
+the store copies that key's size from the tier into the policy under its lock (`_sync_locked`), so
+the last thread to touch a key leaves policy and tier agreeing, however their calls interleaved.
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Iterable, Iterator, Sequence
 
-from kvbridge.config import Settings, env_name
+from kvbridge.settings import Settings, env_name
 from kvbridge.errors import BadSettings
 from kvbridge.store.disk import DiskTier
 from kvbridge.store.objects import (
@@ -58,6 +65,7 @@ class TieredStore:
         self._counts: Counter[str] = Counter()
         self._hits: Counter[str] = Counter()
         self._evictions: Counter[str] = Counter()
+        self._doomed: dict[str, set[bytes]] = {tier.name: set() for tier in tiers}  # cleared while pinned
         for index, level in enumerate(self._levels):
             level.policy.seed(level.tier.entries())
             with self._lock:
@@ -127,7 +135,7 @@ class TieredStore:
             found = self._read(level, key)
         finally:
             with self._lock:
-                level.policy.unpin(key)
+                self._unpin_locked(level, key)
         if found is None:
             return self._miss()
         blob, meta = found
@@ -136,7 +144,7 @@ class TieredStore:
             return self._miss()
         with self._lock:
             self._hits[level.tier.name] += 1
-            level.policy.on_put(key, len(blob))  # a hit makes it most recent (and fixes a stale size)
+            self._sync_locked(level, key)  # a hit makes it most recent (and picks up a changed size)
             for other in self._levels[index + 1:]:
                 # Recent in the copies below too, so L2 does not evict what L1 keeps serving
                 # (L1 would later demote it back with a full rewrite).
@@ -154,12 +162,12 @@ class TieredStore:
                         level.policy.pin(key)
                     return index
         for index, level in enumerate(self._levels):
-            size = level.tier.discover(key)  # I/O outside the lock: a stat, maybe a header read
-            if size is None:
+            if level.tier.discover(key) is None:  # I/O outside the lock: a header read
                 continue
             with self._lock:
+                if self._sync_locked(level, key) is None:
+                    continue  # removed again meanwhile (a clear, an eviction)
                 self._counts["discovered"] += 1
-                level.policy.on_put(key, size)
                 if pin:
                     level.policy.pin(key)
             return index
@@ -216,9 +224,9 @@ class TieredStore:
             self._count("write_errors")
             return False
         with self._lock:
-            if not level.tier.contains(key):
+            if self._sync_locked(level, key) is None:
                 return False  # a concurrent clear() or eviction removed it in the meantime
-            level.policy.on_put(key, len(blob))
+            self._doomed[level.tier.name].discard(key)  # new content after a clear is wanted
             demoted = self._evict_locked(index)
         self._demote_all(index + 1, demoted)
         return True
@@ -236,9 +244,27 @@ class TieredStore:
                 if found is not None:
                     demoted.append((key, *found))
             level.tier.remove(key)
-            level.policy.on_remove(key)
-            self._evictions[level.tier.name] += 1
+            if self._sync_locked(level, key) is None:  # else its file would not go (logged): kept
+                self._evictions[level.tier.name] += 1
         return demoted
+
+    def _sync_locked(self, level: _Level, key: bytes) -> int | None:
+        """Copy the tier's truth about key into the policy (as most recent); its size, None when absent."""
+        size = level.tier.size(key)
+        if size is None:
+            level.policy.on_remove(key)
+        else:
+            level.policy.on_put(key, size)
+        return size
+
+    def _unpin_locked(self, level: _Level, key: bytes) -> None:
+        """Release one pin; the last one on an object cleared while pinned deletes it now."""
+        level.policy.unpin(key)
+        doomed = self._doomed[level.tier.name]
+        if key in doomed and not level.policy.is_pinned(key):
+            doomed.discard(key)
+            level.tier.remove(key)
+            self._sync_locked(level, key)
 
     def _demote_all(self, index: int, demoted: list[tuple[bytes, bytes, ObjectMeta]]) -> None:
         if index >= len(self._levels):
@@ -261,15 +287,33 @@ class TieredStore:
             with self._lock:
                 for level in self._levels:
                     for key in keys:
-                        level.policy.unpin(key)
+                        self._unpin_locked(level, key)
 
     # -- housekeeping ----------------------------------------------------------------------------
     def clear(self, tier_name: str) -> None:
-        """Empty one tier ("L1", "L2"); L2 loses every object file in its directory."""
+        """Empty one tier ("L1", "L2"); L2 loses every object file in its directory.
+
+        An object pinned at that moment (a restore is reading it) is deleted when its last pin is
+        released, not before: the reader that pinned it gets its data, as the pin promised. Until
+        then it is still served; stats()["clear_deferred"] counts these. A put of such an object
+        after the clear keeps the new copy. Raises StoreFault when the disk cannot be listed.
+        """
         level = self._level_named(tier_name)
         with self._lock:
-            level.tier.clear()
-            level.policy.clear()
+            pinned = {key for key in level.policy.pinned_keys() if level.tier.contains(key)}
+            try:
+                level.tier.clear(keep=pinned)
+            finally:
+                present = {key: size for key, size, _ in level.tier.entries()}
+                for key in level.policy.keys_oldest_first():
+                    if key not in present:
+                        level.policy.on_remove(key)
+                for key, size in present.items():
+                    if key not in level.policy:
+                        level.policy.on_put(key, size)
+            deferred = pinned & present.keys()
+            self._doomed[level.tier.name] |= deferred
+            self._counts["clear_deferred"] += len(deferred)
 
     def flush(self) -> int:
         """Write every object held only in non-persistent tiers to the persistent ones; returns how many."""
@@ -279,7 +323,8 @@ class TieredStore:
             if level.tier.persistent:
                 continue
             for key in level.tier.keys():
-                missing = [index for index in persistent if key not in self._levels[index].policy]
+                with self._lock:
+                    missing = [index for index in persistent if key not in self._levels[index].policy]
                 found = self._read(level, key) if missing else None
                 if found is None:
                     continue
@@ -294,6 +339,7 @@ class TieredStore:
                 level.tier.close()
                 if not level.tier.persistent:
                     level.policy.clear()
+                    self._doomed[level.tier.name].clear()
 
     def stats(self) -> dict:
         """Plain numbers for the GUI and CLI: per tier, then hit/miss/fault counters."""
@@ -326,6 +372,7 @@ class TieredStore:
                 "promotions": counts["promotions"],
                 "demotions": counts["demotions"],
                 "discovered": counts["discovered"],
+                "clear_deferred": counts["clear_deferred"],
                 "lookups": counts["lookups"],
             }
 

@@ -25,7 +25,7 @@ from typing import Protocol
 import numpy as np
 from blake3 import blake3
 
-from .config import PROJECT_ROOT
+from kvbridge.settings import PROJECT_ROOT
 
 MAX_TOKEN_ID = 2**32 - 1
 TOKEN_DIGEST_BYTES = 16

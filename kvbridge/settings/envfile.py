@@ -1,7 +1,7 @@
 """The `.env` writer: set KVB_ settings in a `.env` file in place, and never write a secret there.
 
 The last step of the settings flow (`.env` + environment -> Settings -> validate -> GUI Save ->
-here): the GUI turns Settings into text with `kvbridge.config.settings_to_env()` and hands it to
+here): the GUI turns Settings into text with `kvbridge.settings.settings_to_env()` and hands it to
 `update_env_file()`, which keeps comments, order and other keys and replaces the file atomically.
 Secret detection (`looks_like_secret`, `is_variable_name`) lives here because keeping keys off
 disk is this module's promise; validation and the cloud engine use the same tests. A leaf module:
@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from .errors import BadSettings
+from kvbridge.errors import BadSettings
 
 _SECRET_NAME_SUFFIXES = ("_API_KEY", "_KEY", "_TOKEN", "_SECRET", "_PASSWORD")
 _NOT_SECRET_NAMES = frozenset({"KVB_CLOUD_API_KEY_ENV", "KVB_CLOUD_TOKEN_BUDGET"})

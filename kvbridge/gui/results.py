@@ -1,6 +1,6 @@
 """What the GUI's scenario, results and export panels do: runs streamed request by request.
 
-Place in the flow: Run in kvbridge.app -> **run_stream** -> kvbridge.runner.run_scenario ->
+Place in the flow: Run in kvbridge.gui.app -> **run_stream** -> kvbridge.bench.runner.run_scenario ->
 CachedEngine.infer per request -> a ResultsView (table, charts, summary) after every request.
 No Gradio here. A failing run keeps the records it already produced; a new run replaces the
 shown results only once its first record arrives.
@@ -14,13 +14,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 import plotly.graph_objects as go
 
-from .app_handlers import AppState, Outcome, failure_message, store_stats
-from .charts import ModeSummary, mode_summaries, run_figures
-from .errors import BadSettings, KVBridgeError
-from .export import export_run
-from .records import MODES, RECORD_FIELDS, RequestRecord
-from .runner import run_scenario
-from .scenarios import get_scenario, list_documents, scenario_specs
+from kvbridge.gui.handlers import AppState, Outcome, failure_message, store_stats
+from kvbridge.gui.charts import ModeSummary, mode_summaries, run_figures
+from kvbridge.errors import BadSettings, KVBridgeError
+from kvbridge.gui.export import export_run
+from kvbridge.engine.records import MODES, RECORD_FIELDS, RequestRecord
+from kvbridge.bench.runner import run_scenario
+from kvbridge.bench.scenarios import get_scenario, list_documents, scenario_specs
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from typing import Iterator
 
 import requests
 
-from ..errors import EngineUnavailable, KVBridgeError
-from .base import EngineReport
+from kvbridge.errors import EngineUnavailable, KVBridgeError
+from kvbridge.backends.base import EngineReport
 
 
 class LlamaServerError(KVBridgeError):

@@ -1,10 +1,10 @@
 """What the GUI's engine and store panels do, as plain functions over one AppState.
 
-Place in the flow: a click in kvbridge.app -> **a handler here** -> Settings / CachedEngine /
+Place in the flow: a click in kvbridge.gui.app -> **a handler here** -> Settings / CachedEngine /
 TieredStore -> a message and view data back to the page. No Gradio here, so every handler is
 unit-tested without a browser. Handlers never raise into the page: a KVBridgeError becomes its
 message, anything else a short message while the traceback goes to the server log. Run-time
-handlers (scenario runs, the free prompt, export) live in kvbridge.app_results.
+handlers (scenario runs, the free prompt, export) live in kvbridge.gui.results.
 """
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .backends.registry import engine_specs, make_backend, resolve_engine
-from .charts import format_bytes, tier_usages
-from .config import PROJECT_ROOT, Settings, env_name, settings_to_env, update_env_file
-from .engine import CachedEngine
-from .errors import KVBridgeError
-from .namespace import short_namespace
-from .records import RequestRecord
+from kvbridge.backends.registry import engine_specs, make_backend, resolve_engine
+from kvbridge.gui.charts import format_bytes, tier_usages
+from kvbridge.settings import PROJECT_ROOT, Settings, env_name, settings_to_env, update_env_file
+from kvbridge.engine.cached_engine import CachedEngine
+from kvbridge.errors import KVBridgeError
+from kvbridge.engine.namespace import short_namespace
+from kvbridge.engine.records import RequestRecord
 
 log = logging.getLogger(__name__)
 

@@ -38,6 +38,11 @@ class LayoutError(ValueError):
     """The bytes are not a sequence state (or chunk) this module understands; never restore them."""
 
 
+# The KV cache types llama.cpp accepts (--cache-type-k/-v), name -> ggml type id: the one list that
+# validation, the in-process engine and llama-server's command line all read.
+KV_CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q5_0": 6, "q5_1": 7}
+UNQUANTISED_KV_TYPES = frozenset({"f32", "f16", "bf16"})
+
 @dataclass(frozen=True)
 class KVGeometry:
     """What must be identical for chunks to be assembled into one state (and restored into an engine)."""
@@ -164,7 +169,7 @@ def encode_chunk(state: ParsedState, start: int, stop: int, token_ids: Sequence[
     """The payload for cells [start, stop): header, the token ids (to confirm a hit), K then V per layer."""
     n = stop - start
     if not 0 <= start < stop <= state.n_cells or len(token_ids) != n:
-        raise ValueError("chunk range and token ids disagree")
+        raise LayoutError("chunk range and token ids disagree")
     g = state.geometry
     parts = [_CHUNK_HEADER.pack(CHUNK_MAGIC, n, n, g.digest()),
              np.asarray(token_ids, dtype="<i4").tobytes()]
@@ -228,7 +233,7 @@ def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]]
     """
     keeps = [keep for _, keep in pieces]
     if not pieces or any(keep < 1 or keep > view.n_cells for view, keep in pieces):
-        raise ValueError("nothing to assemble, or a keep count outside its chunk")
+        raise LayoutError("nothing to assemble, or a keep count outside its chunk")
     n = sum(keeps)
     g = geometry
     size = assembled_size(g, n)

@@ -12,30 +12,34 @@ inside the previous prompt's last full chunk still reuses up to the divergence. 
 match, the tail's longest common token prefix with the new prompt is restored too and the rest
 trimmed: reuse is token-granular like llama.cpp's own cache, and deduplicated like LMCache.
 
-Where the layout is not understood (kvlayout.LayoutError), whole-sequence snapshots are kept
+Where the layout is not understood (kvbridge.formats.llama_state.LayoutError), whole-sequence snapshots are kept
 instead (kind "snapshot"), and the engine's own prefix matching trims them after a restore.
 """
 from __future__ import annotations
 
 import logging
 import struct
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
-from .backends.base import SeqState
-from .hashing import tail_key, tokens_digest
-from .kvlayout import (ChunkView, KVGeometry, LayoutError, assemble_state, assembled_size, decode_chunk, encode_chunk,
+from kvbridge.backends.base import SeqState
+from kvbridge.engine.hashing import tail_key, tokens_digest
+from kvbridge.formats.llama_state import (ChunkView, KVGeometry, LayoutError, assemble_state, assembled_size, decode_chunk, encode_chunk,
                        parse_state)
-from .store import ObjectMeta, TieredStore
+from kvbridge.store import ObjectMeta, TieredStore
 
 log = logging.getLogger(__name__)
 TAIL_DEPTH = 2          # tails kept at the last TAIL_DEPTH chunk boundaries of each stored prompt
 _TIER_ORDER = {"none": 0, "L1": 1, "L2": 2, "L3": 3}
 _SNAPSHOT_HEADER = struct.Struct("<8sI")  # magic, n_token_ids; then i32 ids, then the raw engine state
 _SNAPSHOT_MAGIC = b"KVBSNAP1"
+
+
+class ForeignState(Exception):
+    """A saved engine state whose own token ids are not the prompt's: nothing of it may be stored."""
 
 
 @dataclass
@@ -89,8 +93,16 @@ class ChunkKV:
         self._pool.shutdown(wait=True)
 
     def _run_jobs(self, jobs) -> None:
+        """Half the copy jobs on the pool thread, half here; returns only when both halves are done.
+
+        On every path, a failure included: a job still running after we return would keep writing
+        into the assembly buffer that the next restore hands to the engine.
+        """
         other = self._pool.submit(_run_all, jobs[1::2])
-        _run_all(jobs[0::2])
+        try:
+            _run_all(jobs[0::2])
+        finally:
+            wait([other])
         other.result()
 
     # restore -----------------------------------------------------------------------------
@@ -201,8 +213,16 @@ class ChunkKV:
 
     # store -------------------------------------------------------------------------------
     def store_prompt(self, state: SeqState, tokens: Sequence[int], hashes: Sequence[bytes]) -> int:
-        """Split the prompt's cells of `state` into chunk and tail objects; put the ones not yet stored."""
+        """Split the prompt's cells of `state` into chunk and tail objects; put the ones not yet stored.
+
+        Raises ForeignState, storing nothing, unless the engine's own token ids for the state begin
+        with the prompt's: another client may have used a shared llama-server slot in between.
+        """
         n = len(tokens)
+        if state.token_ids is None or tuple(state.token_ids[:n]) != tuple(int(t) for t in tokens):
+            raise ForeignState(
+                "the engine's saved state does not hold this prompt's tokens" if state.token_ids is not None
+                else "the engine did not say which tokens its saved state holds")
         if self.geometry is None:
             return self._store_snapshot(state, tokens, hashes)
         try:
@@ -239,7 +259,9 @@ class ChunkKV:
             self._scratch.fill(0)
 
     def _store_snapshot(self, state: SeqState, tokens: Sequence[int], hashes: Sequence[bytes]) -> int:
-        ids = np.asarray(tokens[: state.n_tokens], dtype="<i4")
+        # the engine's own ids for every cell of the snapshot (prompt and generated tokens), already
+        # checked to begin with the prompt's: a restore then knows exactly which positions it loads
+        ids = np.asarray(state.token_ids[: state.n_tokens], dtype="<i4")
         blob = _SNAPSHOT_HEADER.pack(_SNAPSHOT_MAGIC, len(ids)) + ids.tobytes() + bytes(state.data)
         keys = {tail_key(self.seed)} | ({tail_key(hashes[-1])} if hashes else set())
         return sum(self._put(key, blob, list(ids), "snapshot") for key in keys)

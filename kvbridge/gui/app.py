@@ -1,6 +1,6 @@
 """The Gradio testbed: pick an engine, run a scenario in cold/native/lmcache, read TTFT off charts.
 
-Place in the flow: a person -> **this page** -> handlers (kvbridge.app_handlers, app_results) ->
+Place in the flow: a person -> **this page** -> handlers (kvbridge.gui.handlers, kvbridge.gui.results) ->
 CachedEngine -> records -> charts. This module only lays out components and wires events; every
 decision lives in the handlers, which are tested without a browser. One engine per server
 (AppState); runs stream through Gradio's queue on worker threads, so the page stays responsive.
@@ -16,20 +16,20 @@ from typing import Any
 
 import gradio as gr
 
-from .app_handlers import (
+from kvbridge.gui.handlers import (
     AppState, Outcome, clear_tier, connect_engine, disconnect_engine, engine_choices, engine_notice,
     engine_status, field_type, fields_for_engine, form_fields, form_values, restart_engine, save_settings,
     selected_engine, store_markdown, store_stats, COMMON_FIELDS,
 )
-from .app_results import (
+from kvbridge.gui.results import (
     ResultsView, document_choices, export_results, free_prompt, records_table, request_stop, results_view,
     run_stream, scenario_choices, scenario_description,
 )
-from .charts import store_figure
-from .config import Settings, env_name
-from .errors import KVBridgeError
-from .records import MODES
-from .scenarios import get_scenario
+from kvbridge.gui.charts import store_figure
+from kvbridge.settings import Settings, env_name
+from kvbridge.errors import KVBridgeError
+from kvbridge.engine.records import MODES
+from kvbridge.bench.scenarios import get_scenario
 
 __all__ = ["AppState", "build_app", "launch_app", "main"]
 log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """Cloud presets: the OpenAI-compatible providers KVB_CLOUD_PROVIDER can name, as data.
 
-A leaf of the settings layer: `Settings.cloud_endpoint()` (kvbridge.config) fills the base URL,
+A leaf of the settings layer: `Settings.cloud_endpoint()` (kvbridge.settings.core) fills the base URL,
 the key variable's name and the model from a preset unless KVB_CLOUD_* set them, the cloud checks
-(kvbridge.settings_checks) list the known keys, and the cloud engine shows the label. Adding a
+(on CloudBackend.settings_problems) list the known keys, and the cloud engine shows the label. Adding a
 provider is one more line here; nothing else branches on provider names.
 """
 from __future__ import annotations

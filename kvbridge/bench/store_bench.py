@@ -45,7 +45,7 @@ def _paired_median_ms(actions: dict[str, Callable[[int], object]], repeats: int)
 
 
 def bench_hashing(chunk_size: int = 256, n_tokens: int = 1 << 20, repeats: int = 5) -> dict:
-    from kvbridge.hashing import ChunkHasher  # lazy: the store bench runs even without it
+    from kvbridge.engine.hashing import ChunkHasher  # lazy: the store bench runs even without it
 
     tokens = np.random.default_rng(0).integers(0, 50_000, size=n_tokens, dtype=np.int64)
     hasher = ChunkHasher(chunk_size=chunk_size, namespace="bench-store")
@@ -118,7 +118,7 @@ def run_bench_store(settings=None, object_mb: float = 40, repeats: int = 5, dire
     try:
         result["hashing"] = bench_hashing(chunk_size=chunk_size, repeats=repeats)
     except ImportError as exc:
-        result["hashing"] = {"error": f"kvbridge.hashing unavailable: {exc}"}
+        result["hashing"] = {"error": f"kvbridge.engine.hashing unavailable: {exc}"}
     with tempfile.TemporaryDirectory(prefix="kvb-bench-store-", dir=directory) as temp:
         result["directory"] = temp
         result["tiers"] = bench_tiers(object_mb, repeats, Path(temp))

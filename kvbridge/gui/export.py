@@ -17,8 +17,8 @@ from typing import Any, Sequence
 
 import plotly.graph_objects as go
 
-from .charts import mode_summaries
-from .records import RECORD_FIELDS, RequestRecord
+from kvbridge.gui.charts import mode_summaries
+from kvbridge.engine.records import RECORD_FIELDS, RequestRecord
 
 EXPORT_FORMAT = "kvbridge-run v1"
 REDACTED = "(redacted)"

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import requests
 
-from ..config import PROJECT_ROOT
-from ..errors import EngineUnavailable
+from kvbridge.settings import PROJECT_ROOT
+from kvbridge.errors import EngineUnavailable
 
 BUILD_SCRIPT = "scripts/build_llama_server.sh"
 WORK_DIR_PREFIX = "kvb-llama-server-"

@@ -13,24 +13,28 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from collections.abc import Mapping
 from typing import Any, Iterator, Sequence
 
 import requests
 
-from ..config import Settings, env_name
-from ..errors import BadSettings, EngineUnavailable, KVBridgeError
-from .approx_tokenizer import ApproxTokenizer
-from .base import Backend, EngineReport, Message, Prompt
-from .gguf_vocab import GGUFVocab, chatml
-from .http_util import error_text, is_read_timeout
-from .ollama_store import locate_ollama_model
-from .registry import EngineSpec, register_engine
-from .usage import ollama_cached_tokens
+from kvbridge.settings import Settings, env_name
+from kvbridge.errors import BadSettings, EngineUnavailable, KVBridgeError
+from kvbridge.backends.approx_tokenizer import ApproxTokenizer
+from kvbridge.backends.base import Backend, EngineReport, Message, Prompt
+from kvbridge.backends.chat_template import chatml
+from kvbridge.backends.gguf_vocab import GGUFVocab
+from kvbridge.backends.http_util import error_text, is_read_timeout
+from kvbridge.backends.ollama.model_store import locate_ollama_model
+from kvbridge.backends.registry import EngineSpec, register_engine
+from kvbridge.backends.usage import ollama_cached_tokens
 
 log = logging.getLogger(__name__)
 
 COLD_NOTE = "cold: model unloaded (keep_alive=0) before the request, so Ollama's prompt cache is empty"
 MIN_CALIBRATION_TOKENS = 8   # shorter cold prompts are dominated by fixed overhead
+MALFORMED_COUNTER = "malformed_stream_lines"   # in self.counters, so it reaches CachedEngine's metrics
 
 
 def keep_alive_value(text: str) -> str | int:
@@ -42,9 +46,25 @@ def keep_alive_value(text: str) -> str | int:
         return text or "5m"
 
 
+# Go's time.ParseDuration syntax, as Ollama reads keep_alive
+_DURATION_RE = re.compile(r"-?(?:\d+(?:\.\d+)?(?:ns|us|ms|s|m|h)?)+")
+
+
 class OllamaBackend(Backend):
     key = "ollama"
     kv_mode = "shadow"
+
+    @classmethod
+    def settings_problems(cls, settings: Settings, environ: Mapping[str, str]) -> list[str]:
+        s = settings
+        problems = []
+        if not s.ollama_url:
+            problems.append("KVB_OLLAMA_URL is empty; Ollama listens on http://127.0.0.1:11434 by default")
+        if not s.ollama_model:
+            problems.append("KVB_OLLAMA_MODEL is empty; name a model you have pulled (see `ollama list`), e.g. llama3.2")
+        if not _DURATION_RE.fullmatch(s.ollama_keep_alive.strip()):
+            problems.append(f"KVB_OLLAMA_KEEP_ALIVE={s.ollama_keep_alive!r} is not a duration; use e.g. 5m, 1h, 0 or -1")
+        return problems
     connect_timeout_s = 5.0
     read_timeout_s = 300.0   # the first request after an unload waits for the model to load
 
@@ -61,7 +81,6 @@ class OllamaBackend(Backend):
         self._session: requests.Session | None = None
         self._calibration_ns = 0            # summed prompt_eval_duration of cold requests
         self._calibration_tokens = 0        # summed prompt_eval_count of the same requests
-        self.malformed_lines = 0
 
     # lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -106,7 +125,7 @@ class OllamaBackend(Backend):
             self._use_approx(f"approx (the local store's {self.model!r} differs from the one Ollama serves)")
             return
         try:
-            self.vocab = GGUFVocab(found.gguf_path)
+            self.vocab = GGUFVocab(found.gguf_path, self.counters)
         except EngineUnavailable as err:
             self._use_approx(f"approx ({err})")
             return
@@ -188,7 +207,7 @@ class OllamaBackend(Backend):
         finally:
             response.close()
         if malformed:
-            self.malformed_lines += malformed
+            self.counters[MALFORMED_COUNTER] += malformed
             report.notes.append(f"skipped {malformed} malformed line(s) in Ollama's stream")
         if final is None:
             raise EngineUnavailable(f"Ollama's stream ended without its final line ({self.url}/api/generate)")

@@ -5,7 +5,7 @@ a slot file, `POST /slots/0?action=restore`** -> suffix prefill + generate (`POS
 streaming, prompt sent as token ids) -> **store: `action=save`, read the slot file** -> chunks.
 
 Slot files carry the same sequence-state bytes as llama-cpp-python's in-process API (see
-kvbridge.backends.slot_file), so with the same model, cache types and V layout both engines share
+kvbridge.formats.slot_file), so with the same model, cache types and V layout both engines share
 one namespace and one set of stored chunks. The server runs with one slot (`-np 1`), `--cache-ram 0`
 (its own RAM prompt cache would blur what our store saves) and a private `--slot-save-path`.
 
@@ -17,24 +17,27 @@ the server under a content name and returns a reference (`SeqState.data` starts 
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 import struct
 import threading
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import requests
 
-from ..config import Settings
-from ..errors import BadSettings, EngineUnavailable, KVBridgeError
-from .base import Backend, EngineReport, Message, Prompt, SeqState
-from .llama_server_process import (
+from kvbridge.settings import Settings
+from kvbridge.errors import BadSettings, EngineUnavailable, KVBridgeError
+from kvbridge.backends.base import Backend, EngineReport, Message, Prompt, SeqState
+from kvbridge.backends.llama_server.process import (
     BUILD_SCRIPT, ServerProcess, built_binary, built_build_info, free_port, pinned_llama_cpp_version, port_is_free)
-from .llama_server_api import LlamaServerError, fill_report, slot_timing, sse_events
-from .llamacpp import check_model_file, ggml_type_id, model_path_for
-from .registry import EngineSpec, register_engine
-from .slot_file import MappedSlotFile, SlotFileError, build_slot_file, read_slot_file, write_in_place
+from kvbridge.backends.llama_server.api import LlamaServerError, fill_report, slot_timing, sse_events
+from kvbridge.backends.llamacpp import (cache_type_problems, check_model_file, ggml_type_id, model_file_problems,
+                                       model_path_for)
+from kvbridge.backends.registry import EngineSpec, register_engine
+from kvbridge.formats.slot_file import MappedSlotFile, SlotFileError, build_slot_file, read_slot_file, write_in_place
 
 SLOT_ID = 0
 SLOT_REF_MAGIC = b"KVBSLOTREF1\0"   # SeqState.data of a remote slot file: magic, u32 n_tokens, file name
@@ -49,6 +52,18 @@ class RestoreFailed(RuntimeError):
 class LlamaServerBackend(Backend):
     key = "llama-server"
     kv_mode = "full"
+
+    @classmethod
+    def settings_problems(cls, settings: Settings, environ: Mapping[str, str]) -> list[str]:
+        problems = cache_type_problems(settings)
+        if settings.llama_server_url:
+            return problems  # attaching to a running server: it has its own binary and model
+        problems += model_file_problems(settings)
+        binary = Path(settings.llama_server_bin).expanduser() if settings.llama_server_bin else None
+        if binary is not None and not (binary.is_file() and os.access(binary, os.X_OK)):
+            problems.append(f"KVB_LLAMA_SERVER_BIN={settings.llama_server_bin} is not an executable file; "
+                            "leave it empty to use the one ./scripts/build_llama_server.sh builds")
+        return problems
     assembles_in_place = True   # restores are assembled straight into a mapped slot file
 
     def __init__(self, settings: Settings):

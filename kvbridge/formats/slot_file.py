@@ -1,7 +1,7 @@
 """llama-server slot files <-> the in-process sequence-state bytes KVBridge stores.
 
 Place in the flow: llama-server `POST /slots/0?action=save` -> **read the slot file, convert** ->
-kvbridge.kvlayout splits it into chunk objects; and back: kvlayout assembles a state -> **write a
+kvbridge.formats.llama_state splits it into chunk objects; and back: llama_state assembles a state -> **write a
 slot file** -> `action=restore`.
 
 Both formats carry the same `llama_memory::state_write(seq_id)` bytes; only the wrapping differs

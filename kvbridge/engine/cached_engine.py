@@ -19,16 +19,17 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .backends.base import Backend, EngineReport, Message, Prompt
-from .config import Settings
-from .errors import BadSettings, KVBridgeError
-from .hashing import make_hasher
-from .kvcache import ChunkKV, ShadowIndex
-from .kvlayout import KVGeometry, LayoutError, parse_state
-from .metrics import Metrics
-from .namespace import build_namespace, file_sha256, short_namespace
-from .records import MODES, RequestRecord
-from .store import TieredStore
+from kvbridge.backends.base import Backend, EngineReport, Message, Prompt
+from kvbridge.settings import Settings
+from kvbridge.errors import BadSettings, EmptyPrompt, KVBridgeError, StateTransferError
+from kvbridge.engine.hashing import make_hasher
+from kvbridge.engine.chunks import ChunkKV, ForeignState, ShadowIndex
+from kvbridge.formats.llama_state import KVGeometry, LayoutError, parse_state
+from kvbridge.engine.metrics import Metrics
+from kvbridge.engine.namespace import build_namespace, file_sha256, short_namespace
+from kvbridge.engine.records import MODES, RequestRecord
+from kvbridge.store import TieredStore
+from kvbridge.store.objects import StoreFault
 
 log = logging.getLogger(__name__)
 # The probe learns the KV layout and warms the engine up: the first large prefill after a start is
@@ -136,7 +137,7 @@ class CachedEngine:
     def status(self) -> dict:
         spec_label = self.backend.key
         try:
-            from .backends.registry import resolve_engine
+            from kvbridge.backends.registry import resolve_engine
 
             spec_label = resolve_engine(self.backend.key).label
         except KVBridgeError:
@@ -192,6 +193,8 @@ class CachedEngine:
         p = self.prepare(prompt)
         tokens = list(p.tokens)
         record.prompt_tokens = len(tokens)
+        if not tokens or (not p.messages and not p.text.strip()):
+            raise EmptyPrompt("The prompt is empty: type a question or pick a scenario; there is nothing to answer.")
         record.approx = p.approx_tokens
         if p.approx_tokens:
             record.add_note("approx: token figures from an approximate tokenizer")
@@ -247,7 +250,7 @@ class CachedEngine:
         t = time.perf_counter()
         try:
             plan = self._kv.find_prefix(tokens, hashes)
-        except (LayoutError, ValueError, OSError) as exc:   # storage faults degrade to a miss
+        except (LayoutError, StoreFault) as exc:   # storage faults degrade to a miss
             log.warning("lookup failed, recomputing: %s", exc, exc_info=True)
             record.add_note(f"lookup failed ({exc}); recomputed")
             self.metrics.inc("lookup_failed")
@@ -266,11 +269,21 @@ class CachedEngine:
             else:
                 state = self._kv.assemble(plan, buffer_for=self.backend.state_buffer)
                 self.backend.restore_state(state, plan.tokens)
-        except (RuntimeError, ValueError, OSError, KVBridgeError) as exc:
+        except (LayoutError, StoreFault, StateTransferError) as exc:
             log.warning("restore failed, recomputing the prompt: %s", exc)
             record.add_note(f"restore failed ({exc}); recomputed")
             record.restore_ok = False
             self.metrics.inc("restore_failed")
+            self.backend.reset_native_cache()
+            return 0
+        held = self.backend.held_tokens()
+        expected = len(plan.tokens)
+        if held is not None and held != expected:
+            # The engine's own account of its context disagrees with what we restored: never generate on it.
+            log.warning("restore ineffective: the engine holds %d positions, %d were restored", held, expected)
+            record.add_note(f"restore ineffective: the engine holds {held} positions after restoring {expected} tokens; recomputed")
+            record.restore_ok = False
+            self.metrics.inc("restore_ineffective")
             self.backend.reset_native_cache()
             return 0
         record.restore_ms = (time.perf_counter() - t) * 1000
@@ -288,7 +301,11 @@ class CachedEngine:
                 record.stored_objects = self._kv.store_prompt(self.backend.save_state(), tokens, hashes)
             else:
                 record.stored_objects = self._index.record(tokens, hashes)
-        except (RuntimeError, OSError, ValueError, OverflowError) as exc:
+        except ForeignState as exc:
+            log.warning("not storing KV: %s", exc)
+            record.add_note(f"nothing stored: {exc} (another client may have used the engine in between)")
+            self.metrics.inc("store_skipped_foreign_state")
+        except (LayoutError, StoreFault, StateTransferError) as exc:
             log.warning("storing KV failed (the answer is unaffected): %s", exc)
             record.add_note(f"store failed ({exc})")
             self.metrics.inc("store_failed")
@@ -297,6 +314,8 @@ class CachedEngine:
     def _record_metrics(self, r: RequestRecord) -> None:
         """Metrics are recorded here and nowhere else."""
         m = self.metrics
+        for name, count in self.backend.take_counters().items():
+            m.inc(name, count)
         m.inc(f"requests_{r.mode}")
         if r.error:
             return

@@ -5,7 +5,7 @@ import statistics
 from collections import Counter
 from typing import Sequence
 
-from .records import MODES, RequestRecord
+from kvbridge.engine.records import MODES, RequestRecord
 
 
 def engine_warm(r: RequestRecord) -> bool:
@@ -103,7 +103,7 @@ def bench_restore(engine, prompt_tokens: int = 2048, repeats: int = 7) -> dict:
 
     import numpy as np
 
-    from .scenarios import builtin_document
+    from kvbridge.bench.scenarios import builtin_document
 
     backend = engine.backend
     text = builtin_document()

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .config import Settings
-from .errors import BadSettings
+from kvbridge.settings import Settings
+from kvbridge.errors import BadSettings
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 DOC_QA_SYSTEM = "You answer questions about the document you are given. Answer briefly, using only the document."
 
 HANDBOOK_QUESTIONS = [

@@ -1,7 +1,7 @@
 """Plotly figures for a run: what each mode's TTFT cost and where the reused KV came from.
 
 Place in the flow: the engine fills a RequestRecord per request -> **these figures** -> the GUI
-(gr.Plot) and the HTML report (kvbridge.export). Pure functions of records and store stats; no
+(gr.Plot) and the HTML report (kvbridge.gui.export). Pure functions of records and store stats; no
 Gradio here, so the bench and the export can draw the same charts.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Iterable, Sequence
 
 import plotly.graph_objects as go
 
-from .records import MODES, RequestRecord
+from kvbridge.engine.records import MODES, RequestRecord
 
 MODE_COLORS = {"cold": "#94a3b8", "native": "#10b981", "lmcache": "#2563eb"}
 TIER_COLORS = {"L1": "#2563eb", "L2": "#8b5cf6", "none": "#cbd5e1"}

@@ -4,10 +4,10 @@ from __future__ import annotations
 import threading
 from typing import Callable, Iterator, Sequence
 
-from .engine import CachedEngine
-from .errors import BadSettings
-from .records import MODES, RequestRecord
-from .scenarios import build_requests
+from kvbridge.engine.cached_engine import CachedEngine
+from kvbridge.errors import BadSettings
+from kvbridge.engine.records import MODES, RequestRecord
+from kvbridge.bench.scenarios import build_requests
 
 ProgressFn = Callable[[int, int, str], None]   # (done, total, what)
 

@@ -1,0 +1,1 @@
+"""Benchmarks and demo scenarios: the scenario registry, the runner, the summaries and the store bench."""

@@ -1,0 +1,92 @@
+"""General settings checks: what `Settings.validate()` runs before it asks the engine's own checks.
+
+The middle of the settings flow (`.env` + environment -> Settings -> checks -> messages in the CLI
+and GUI). The checks here hold for every engine (ranges, ports, URLs). What only one engine needs
+(a model file, cache types, an API key variable) lives on that engine's `Backend.settings_problems`,
+and `settings_problems()` reaches it through the registry with a function-level import, so the
+settings layer imports nothing of the engines, the store or the adapters at module level. Every
+check returns messages written for a person, naming the KVB_ variable to change, and never raises.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from kvbridge.settings.core import Settings
+
+
+def settings_problems(s: Settings, environ: Mapping[str, str]) -> list[str]:
+    """Every check for `s`: the general ones, then those of the engine KVB_ENGINE resolves to."""
+    problems = _value_problems(s)
+    engine_cls, engine_problems = _resolve_engine_class(s.engine)
+    problems += engine_problems
+    if engine_cls is not None:
+        problems += engine_cls.settings_problems(s, environ)
+    return problems
+
+
+def url_problem(var: str, url: str) -> str | None:
+    """A message when `url` is not http(s)://host[:port][/path], else None."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return f"{var}={url!r} has a bad port; use http://host:port with a port from 1 to 65535"
+    if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url):
+        return f"{var}={url!r} is not a URL; use http://host:port or https://host/path"
+    if parts.username or parts.password:
+        return (f"{var} must not carry a user name or password; "
+                "the key goes in the variable named by KVB_CLOUD_API_KEY_ENV")
+    if port == 0:
+        return f"{var}={url!r} has port 0; use a port from 1 to 65535"
+    if parts.query or parts.fragment:
+        return f"{var}={url!r} must not have a query or fragment"
+    return None
+
+
+def _value_problems(s: Settings) -> list[str]:
+    """Checks that hold whatever the engine: numbers in range, URLs well formed."""
+    problems = []
+    rules = (
+        (s.chunk_size < 1, f"KVB_CHUNK_SIZE={s.chunk_size} must be at least 1 (LMCache uses 256)"),
+        (s.chunk_size >= 1 and s.ctx_size < max(64, s.chunk_size),
+         f"KVB_CTX_SIZE={s.ctx_size} is too small: it must be at least 64 "
+         f"and at least KVB_CHUNK_SIZE ({s.chunk_size})"),
+        (s.threads < 0, f"KVB_THREADS={s.threads} cannot be negative (0 means all cores)"),
+        (s.n_predict < 1, f"KVB_N_PREDICT={s.n_predict} must be at least 1"),
+        (s.l1_bytes < 0, f"KVB_L1_BYTES={s.l1_bytes} cannot be negative"),
+        (s.l2_bytes < 0, f"KVB_L2_BYTES={s.l2_bytes} cannot be negative"),
+        (not s.host.strip(), "KVB_HOST is empty; use 127.0.0.1 (this machine only) or 0.0.0.0 (all interfaces)"),
+        (not 1 <= s.port <= 65535, f"KVB_PORT={s.port} is not a port; use 1 to 65535 (default 7860)"),
+        (not 0 <= s.llama_server_port <= 65535,
+         f"KVB_LLAMA_SERVER_PORT={s.llama_server_port} is not a port; use 1 to 65535, or 0 for a free one"),
+        (s.llama_start_timeout <= 0, f"KVB_LLAMA_START_TIMEOUT={s.llama_start_timeout} must be more than 0 seconds"),
+        (s.cloud_token_budget < 0,
+         f"KVB_CLOUD_TOKEN_BUDGET={s.cloud_token_budget} cannot be negative (0 means no budget)"),
+        (s.cloud_timeout <= 0, f"KVB_CLOUD_TIMEOUT={s.cloud_timeout} must be more than 0 seconds"),
+        (s.cloud_max_retries < 0, f"KVB_CLOUD_MAX_RETRIES={s.cloud_max_retries} cannot be negative"),
+        (not s.engine.strip(), "KVB_ENGINE is empty; use llamacpp (the default) or another registered engine"),
+    )
+    problems += [message for failed, message in rules if failed]
+    urls = (("KVB_OLLAMA_URL", s.ollama_url), ("KVB_CLOUD_BASE_URL", s.cloud_base_url),
+            ("KVB_LLAMA_SERVER_URL", s.llama_server_url))
+    for var, value in urls:
+        message = url_problem(var, value) if value else None
+        if message:
+            problems.append(message)
+    return problems
+
+
+def _resolve_engine_class(name: str) -> tuple[type | None, list[str]]:
+    """The Backend class KVB_ENGINE names, or None and why not (the registry imports settings: imported here)."""
+    if not name.strip():
+        return None, []  # reported by _value_problems
+    from kvbridge.backends.registry import resolve_engine
+    from kvbridge.errors import UnknownEngineError
+
+    try:
+        return resolve_engine(name).cls, []
+    except UnknownEngineError as error:
+        return None, [str(error)]

@@ -1,0 +1,274 @@
+"""Settings: one typed, frozen object built once from the environment and `.env`, passed in explicitly.
+
+The start of every run: the CLI and the GUI call `Settings.from_env()` once and hand the object to
+the engine, the store and the backends. Every variable is prefixed KVB_. Nothing deeper in
+KVBridge reads os.environ, except an engine reading a key from the variable *named* by a `*_ENV`
+setting. Reading never raises: a value that does not parse keeps its default and becomes one of
+the problems `validate()` lists. This module holds the fields, the parsing of text into values
+(sizes, yes/no, numbers) and back (`settings_to_env`); the general checks live in
+kvbridge.settings.checks, each engine's own on its Backend class, the `.env` writer in
+kvbridge.settings.envfile and the providers in kvbridge.settings.presets.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import get_type_hints
+
+from dotenv import dotenv_values
+
+from kvbridge.settings.checks import settings_problems
+from kvbridge.settings.presets import CLOUD_PRESETS, CloudPreset
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_MODEL_PATH = PROJECT_ROOT / "models" / EMBEDDED_MODEL_FILE
+DEFAULT_ENV_FILE = PROJECT_ROOT / ".env"
+
+# (field name, message) pairs from parsing; kept out of ==, hash and repr.
+Problems = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Settings:
+    # engine choice (a key or alias from kvbridge.backends' registry)
+    engine: str = "llamacpp"
+    # llama.cpp (in-process and llama-server)
+    model_path: str = ""              # empty: the embedded SmolLM2 (or the Ollama model's GGUF, see ollama_model)
+    ctx_size: int = 4096
+    threads: int = 0                  # 0: os.cpu_count()
+    flash_attn: bool = False          # changes the V layout (not transposed) and so the namespace
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    n_predict: int = 32
+    # chunking and the store
+    chunk_size: int = 256
+    l1_bytes: int = 1 << 30
+    l2_dir: str = str(Path("~/.cache/kvbridge/l2").expanduser())
+    l2_bytes: int = 8 << 30
+    l2_enabled: bool = True
+    prefer_lmcache_hasher: bool = False
+    # GUI
+    host: str = "127.0.0.1"
+    port: int = 7860
+    input_dir: str = str(PROJECT_ROOT / "input")
+    output_dir: str = str(PROJECT_ROOT / "output")
+    # llama-server
+    llama_server_bin: str = ""        # empty: the binary scripts/build_llama_server.sh built
+    llama_server_url: str = ""        # set: attach to a running server instead of starting one
+    llama_server_port: int = 0        # 0: a free port
+    llama_server_slot_dir: str = ""   # attach mode: the server's --slot-save-path as seen from here (chunked KV)
+    llama_start_timeout: float = 60.0
+    # Ollama
+    ollama_url: str = "http://127.0.0.1:11434"
+    ollama_model: str = ""
+    ollama_keep_alive: str = "5m"
+    ollama_models: str = str(Path("~/.ollama/models").expanduser())
+    # OpenAI-compatible cloud
+    cloud_provider: str = ""
+    cloud_base_url: str = ""
+    cloud_model: str = ""
+    cloud_api_key_env: str = ""       # the NAME of the variable holding the key; never the key
+    cloud_extra_headers: str = ""     # JSON object
+    cloud_token_budget: int = 0       # 0: no budget
+    cloud_timeout: float = 60.0
+    cloud_max_retries: int = 3
+    # parse problems, reported by validate(); not a setting
+    _problems: Problems = field(default=(), compare=False, repr=False)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, env_file: str | Path | None = None) -> "Settings":
+        """Build from `.env` (python-dotenv) overlaid by the environment; the environment wins.
+
+        env: the environment to read (default os.environ); env_file: default PROJECT_ROOT/.env.
+        Never raises for a bad value: it keeps the default and validate() reports it.
+        """
+        environ = os.environ if env is None else env
+        path = DEFAULT_ENV_FILE if env_file is None else Path(env_file).expanduser()
+        problems: list[tuple[str, str]] = []
+        file_values: dict[str, str] = {}
+        if path.is_file():
+            try:
+                file_values = {k: v for k, v in dotenv_values(path).items() if v is not None}
+            except (OSError, UnicodeDecodeError) as error:
+                problems.append(("", f"cannot read the settings file {path}: {error}"))
+        elif env_file is not None:
+            problems.append(("", f"the settings file {path} {'is not a file' if path.exists() else 'does not exist'}"))
+        values = {**file_values, **{k: v for k, v in environ.items() if k.startswith("KVB_")}}
+
+        kwargs = {}
+        for f in setting_fields():
+            raw = values.get(env_name(f.name))
+            if raw is None:
+                continue
+            try:
+                parsed = _parse_value(f.name, raw)
+            except ValueError as error:
+                problems.append((f.name, str(error)))
+                continue
+            if parsed is not None:
+                kwargs[f.name] = parsed
+        problems += [("", msg) for msg in _misspelt_names(values)]
+        return cls(**kwargs, _problems=tuple(problems))
+
+    def replace(self, **changes) -> "Settings":
+        """A copy with some fields changed; parse problems of the changed fields are dropped."""
+        kept = tuple(p for p in self._problems if p[0] not in changes)
+        return dataclasses.replace(self, **changes, _problems=kept)
+
+    def validate(self, environ: Mapping[str, str] | None = None) -> list[str]:
+        """Problems written for a person; empty when the settings are usable. Never raises.
+
+        environ: where the API key variable is looked for (default os.environ, as the cloud engine does).
+        """
+        environ = os.environ if environ is None else environ
+        return [message for _, message in self._problems] + settings_problems(self, environ)
+
+    def resolved_threads(self) -> int:
+        return self.threads or max(1, os.cpu_count() or 1)
+
+    def resolved_model_path(self) -> Path:
+        """KVB_MODEL_PATH, else the embedded SmolLM2 (the llamacpp engine may also try the Ollama model)."""
+        return Path(self.model_path).expanduser() if self.model_path else EMBEDDED_MODEL_PATH
+
+    def cloud_preset(self) -> CloudPreset | None:
+        return CLOUD_PRESETS.get(self.cloud_provider.strip().lower())
+
+    def cloud_endpoint(self) -> tuple[str, str]:
+        """(base URL, name of the key variable): explicit KVB_CLOUD_BASE_URL / _API_KEY_ENV win over the preset."""
+        preset = self.cloud_preset()
+        base_url = self.cloud_base_url or (preset.base_url if preset else "")
+        key_env = self.cloud_api_key_env or (preset.key_env if preset else "")
+        return base_url.rstrip("/"), key_env
+
+    def resolved_cloud_model(self) -> str:
+        preset = self.cloud_preset()
+        return self.cloud_model or (preset.default_model if preset else "")
+
+
+def env_name(field_name: str) -> str:
+    """Settings field -> its KVB_ variable."""
+    return "KVB_" + field_name.upper()
+
+
+def setting_fields() -> list[dataclasses.Field]:
+    """The public Settings fields (one KVB_ variable each)."""
+    return [f for f in fields(Settings) if not f.name.startswith("_")]
+
+
+SETTING_NAMES = [f.name for f in setting_fields()]
+SIZE_FIELDS = tuple(n for n in SETTING_NAMES if n.endswith("_bytes"))
+PATH_FIELDS = ("model_path", "l2_dir", "input_dir", "output_dir", "llama_server_bin", "llama_server_slot_dir",
+               "ollama_models")
+_FIELD_TYPES = get_type_hints(Settings)
+
+# ---------------------------------------------------------------------------------------------
+# parsing: text -> typed value, or ValueError with the message validate() will show
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+_SIZE_RE = re.compile(r"(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-z]*)", re.IGNORECASE)
+# A bare letter (k, m, g, t) is binary, as in docker and java -Xmx; kB/MB/GB/TB are decimal.
+_SIZE_UNITS = {"": 1, "b": 1, **{
+    spelling: factor
+    for power, letter in enumerate("kmgt", start=1)
+    for spelling, factor in (
+        (letter, 1024**power), (letter + "i", 1024**power), (letter + "ib", 1024**power), (letter + "b", 1000**power),
+    )
+}}
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2GiB', '1.5GB', '64k', '1000000' -> bytes. ValueError when it is not a size."""
+    match = _SIZE_RE.fullmatch(text.strip().replace("_", ""))
+    unit = match and _SIZE_UNITS.get(match["unit"].lower())
+    if not unit:
+        raise ValueError(text)
+    try:
+        return int(Decimal(match["number"]) * unit)
+    except InvalidOperation as error:
+        raise ValueError(text) from error
+
+
+def format_size(n_bytes: int) -> str:
+    """Bytes -> the shortest exact binary spelling parse_size() reads back ('1GiB', '512MiB', '1000')."""
+    for unit, factor in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n_bytes and n_bytes % factor == 0:
+            return f"{n_bytes // factor}{unit}"
+    return str(n_bytes)
+
+
+def _parse_value(name: str, raw: str) -> object:
+    """One KVB_ value -> the field's type; None (for an empty value) keeps the default."""
+    text = raw.strip()
+    kind = _FIELD_TYPES[name]
+    var = env_name(name)
+    if not text:
+        return None
+    if kind is str:
+        return os.path.expanduser(text) if name in PATH_FIELDS else text
+    if name in SIZE_FIELDS:
+        try:
+            return parse_size(text)
+        except ValueError:
+            raise ValueError(
+                f"{var}={raw!r} is not a size; use a number of bytes or a value like 512MiB or 2GiB") from None
+    if kind is bool:
+        if text.lower() in _TRUE | _FALSE:
+            return text.lower() in _TRUE
+        raise ValueError(f"{var}={raw!r} is not a yes/no value; use true/false, yes/no, on/off or 1/0")
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{var}={raw!r} is not a whole number") from None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise ValueError(f"{var}={raw!r} is not a number; use seconds like 60 or 2.5")
+    return value
+
+
+def _misspelt_names(values: Mapping[str, str]) -> list[str]:
+    """KVB_ variables that are no setting but look like one: almost always a typo."""
+    known = [env_name(n) for n in SETTING_NAMES]
+    problems = []
+    for name in sorted(n for n in values if n.startswith("KVB_") and n not in known):
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+        if close:
+            problems.append(f"{name} is not a KVBridge setting; did you mean {close[0]}?")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# writing: typed value -> text, the inverse of the parsing above (kvbridge.settings.envfile puts it in .env)
+
+
+def settings_to_env(settings: Settings, only_changed: bool = False) -> dict[str, str]:
+    """Settings -> {KVB_ variable: text} as update_env_file() writes it (for the GUI's Save button)."""
+    defaults = Settings()
+    env = {}
+    for f in setting_fields():
+        value = getattr(settings, f.name)
+        if only_changed and value == getattr(defaults, f.name):
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif f.name in SIZE_FIELDS:
+            text = format_size(value)
+        elif isinstance(value, float):
+            text = repr(value)
+        else:
+            text = str(value)
+        env[env_name(f.name)] = text
+    return env

@@ -1,0 +1,51 @@
+"""ChunkKV's assembly on two threads: no copy job may outlive the call that started it."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvbridge.engine.chunks import ChunkKV
+from kvbridge.formats.llama_state import LayoutError
+from kvbridge.store import MemoryTier, TieredStore
+
+
+def test_a_failing_assembly_waits_for_the_other_threads_jobs():
+    """Before the fix, the pool thread's half kept writing into the shared buffer after the failure
+    returned, i.e. into the buffer the next restore hands to the engine."""
+    kv = ChunkKV(TieredStore([MemoryTier(1 << 20)], namespace="t"), "t", b"seed", 32, geometry=None)
+    finished = threading.Event()
+
+    def fails():
+        raise LayoutError("a piece that does not fit")
+
+    def slow_copy():
+        time.sleep(0.3)
+        finished.set()
+
+    try:
+        with pytest.raises(LayoutError):
+            kv._run_jobs([fails, slow_copy])     # even indices run here, odd ones on the pool thread
+        assert finished.is_set(), "a copy job was still running after the failed assembly returned"
+    finally:
+        kv.close()
+
+
+def test_a_failing_pool_job_is_raised_after_both_halves_finish():
+    kv = ChunkKV(TieredStore([MemoryTier(1 << 20)], namespace="t"), "t", b"seed", 32, geometry=None)
+    done = []
+
+    def slow_here():
+        time.sleep(0.2)
+        done.append("here")
+
+    def fails_there():
+        raise LayoutError("bad piece")
+
+    try:
+        with pytest.raises(LayoutError):
+            kv._run_jobs([slow_here, fails_there])
+        assert done == ["here"]
+    finally:
+        kv.close()
