@@ -8,14 +8,23 @@
 
 Modules, in reading order: objects (what is stored), policy (LRU by bytes with pins), tiers (the
 interface and L1), diskformat (the L2 file), disk (L2), tiered (TieredStore).
+
+Errors: a storage fault never escapes get/put/lookup; it is a counted miss or skipped write in
+stats(). The one storage exception callers may see is StoreFault (from clear(), when the disk
+cannot be listed); its subclasses CorruptObject, ObjectVanished and UnstorableObject are what the
+tiers raise to the store. Bad arguments (a key that is not a hash) are ValueError/TypeError: bugs.
 """
 from kvbridge.store.disk import DiskTier
 from kvbridge.store.objects import (
     KINDS,
     TIER_NONE,
+    CorruptObject,
     LookupResult,
     ObjectMeta,
+    ObjectVanished,
     StoredObject,
+    StoreFault,
+    UnstorableObject,
 )
 from kvbridge.store.policy import LRUPolicy
 from kvbridge.store.tiered import TieredStore
@@ -24,12 +33,16 @@ from kvbridge.store.tiers import MemoryTier, Tier
 __all__ = [
     "KINDS",
     "TIER_NONE",
+    "CorruptObject",
     "DiskTier",
     "LookupResult",
     "LRUPolicy",
     "MemoryTier",
     "ObjectMeta",
+    "ObjectVanished",
     "StoredObject",
+    "StoreFault",
     "Tier",
     "TieredStore",
+    "UnstorableObject",
 ]

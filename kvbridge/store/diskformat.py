@@ -16,20 +16,32 @@ Layout, version 1 (little-endian):
 Writes are atomic: a uniquely named temp file in the same directory, fsync, os.replace, then an
 fsync of the directory. A reader therefore sees a whole old file, a whole new file or no file.
 Reading the header alone (for the index at start) never touches the payload.
+
+A temp file's name says who is writing it: `.<object name>.<pid>-<start>-<boot>.<random>.tmp`, where
+start is the writer's start time (clock ticks since boot, /proc/<pid>/stat) and boot the first
+8 hex digits of the kernel's boot id. A writer killed mid-put (SIGKILL, OOM, power loss) leaves its
+temp file behind; `temp_writer_state` tells a live writer from a dead one, also when the pid has
+since been given to another process (its start time differs) or the machine rebooted. Without
+/proc (not Linux) the writer cannot be identified and the state is "unknown".
+
+Errors: reading raises CorruptObject (a StoreFault) for anything malformed and OSError when the
+file cannot be read; writing raises UnstorableObject (a StoreFault) when the object cannot be
+expressed in this format and OSError when the OS refuses (disk full). DiskTier turns all of these
+into counted misses and skipped writes.
 """
 from __future__ import annotations
 
 import os
 import secrets
 import struct
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from functools import lru_cache
+from typing import BinaryIO, Literal
 
 import blake3
 
-from kvbridge.store.objects import MAX_KEY_BYTES, CorruptObject, ObjectMeta
+from kvbridge.store.objects import MAX_KEY_BYTES, CorruptObject, ObjectMeta, UnstorableObject
 
 MAGIC = b"KVB-L2\r\n"
 FORMAT_VERSION = 1
@@ -60,7 +72,7 @@ class Header:
 def encode_header(key: bytes, meta: ObjectMeta, payload: bytes) -> bytes:
     meta_json = meta.to_json()
     if len(meta_json) > MAX_META_BYTES:
-        raise ValueError(f"object metadata is {len(meta_json)} bytes; at most {MAX_META_BYTES} (shorten the note)")
+        raise UnstorableObject(f"object metadata is {len(meta_json)} bytes; at most {MAX_META_BYTES} (shorten the note)")
     payload_sum = blake3.blake3(payload, max_threads=blake3.blake3.AUTO).digest()
     head = _FIXED.pack(MAGIC, FORMAT_VERSION, len(key), len(meta_json), len(payload), payload_sum) + key + meta_json
     return head + blake3.blake3(head).digest(length=_HEADER_SUM_BYTES)
@@ -111,10 +123,14 @@ def read_object_file(path: Path, expected_key: bytes) -> tuple[bytes, ObjectMeta
     return payload, header.meta
 
 
-def write_object_file(path: Path, key: bytes, blob: bytes, meta: ObjectMeta) -> int:
-    """Atomically (re)place the object file; returns the file size. Raises OSError (e.g. disk full)."""
+def write_temp_file(path: Path, key: bytes, blob: bytes, meta: ObjectMeta) -> Path:
+    """Write and fsync the object under a temp name beside `path`; the caller renames it into place.
+
+    The slow half of a write, safe to run concurrently with anything. Raises UnstorableObject or
+    OSError; no temp file is left behind then.
+    """
     header = encode_header(key, meta, blob)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+    temp = path.with_name(f".{path.name}.{writer_token(os.getpid())}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
         with os.fdopen(fd, "wb") as stream:
@@ -122,12 +138,61 @@ def write_object_file(path: Path, key: bytes, blob: bytes, meta: ObjectMeta) -> 
             stream.write(blob)
             stream.flush()
             os.fsync(stream.fileno())
-        os.replace(temp, path)
     except BaseException:
-        _unlink_quietly(temp)
+        unlink_quietly(temp)
         raise
-    fsync_directory(path.parent)
-    return len(header) + len(blob)
+    return temp
+
+
+# -- who writes a temp file, and is it still alive ------------------------------------------------
+@lru_cache(maxsize=8)  # keyed by pid, so a forked child computes its own
+def writer_token(pid: int) -> str:
+    """`<pid>-<start>-<boot>` for a running process; start and boot are 0 where /proc is missing."""
+    return f"{pid}-{_running_start(pid) or 0}-{_boot_id() or 0}"
+
+
+def temp_writer_state(name: str) -> Literal["alive", "dead", "unknown"]:
+    """Whether the writer named in a temp file's name still runs; "unknown" when that cannot be told."""
+    body = name[1:-len(TEMP_SUFFIX)] if name.startswith(".") and name.endswith(TEMP_SUFFIX) else ""
+    parts = body.rsplit(".", 2)
+    fields = parts[1].split("-") if len(parts) == 3 else []
+    if len(fields) != 3 or not fields[0].isdigit() or not fields[1].isdigit():
+        return "unknown"  # not a name we write (or an older KVBridge's): judged by age instead
+    pid, start, boot = int(fields[0]), fields[1], fields[2]
+    our_boot = _boot_id()
+    if start == "0" or boot == "0" or our_boot is None:
+        return "unknown"
+    if boot != our_boot:
+        return "dead"  # written before the last reboot
+    running = _running_start(pid)
+    if running is None:
+        return "unknown"
+    return "alive" if running == start else "dead"  # "" is no process; another start: a recycled pid
+
+
+def _running_start(pid: int) -> str | None:
+    """Start time (ticks since boot) of the running process `pid`; "" when there is none, None when unknown.
+
+    A zombie (killed, not yet reaped) counts as none: it will never rename its temp file.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return ""
+    except OSError:
+        return None  # no /proc (not Linux) or not allowed to look
+    fields = stat[stat.rfind(")") + 2:].split()  # the command name may hold spaces and parentheses
+    if len(fields) < 20:
+        return None
+    return "" if fields[0] in ("Z", "X") else fields[19]
+
+
+@lru_cache(maxsize=1)
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:8] or None
+    except OSError:
+        return None
 
 
 def fsync_directory(directory: Path) -> None:
@@ -144,7 +209,7 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def _unlink_quietly(path: Path) -> None:
+def unlink_quietly(path: Path) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:

@@ -3,6 +3,13 @@
 The metadata travels with every object so a hash hit can be confirmed before it is trusted
 (token count and a digest of the chunk's token ids) and so a foreign namespace is recognised.
 It is persisted as JSON, never pickle.
+
+Errors. Every storage fault is a StoreFault: CorruptObject (a check failed; the object is dropped),
+ObjectVanished (another process removed it), UnstorableObject (it cannot be written in a tier's
+format). Tiers raise them, the TieredStore catches them and counts a miss or a skipped write, so
+they reach a caller of get/put/lookup never; TieredStore.clear raises StoreFault when the disk
+cannot be listed. Programming errors are not storage faults and propagate as they are: a bad key
+or metadata is a ValueError, metadata of the wrong type a TypeError.
 """
 from __future__ import annotations
 
@@ -25,6 +32,10 @@ class CorruptObject(StoreFault):
 
 class ObjectVanished(StoreFault):
     """The index knew the object but its file is gone (another process evicted or cleared it)."""
+
+
+class UnstorableObject(StoreFault):
+    """The object cannot be expressed in a tier's format (e.g. metadata over the L2 header's limit)."""
 
 
 def check_key(key: bytes) -> bytes:
@@ -54,7 +65,7 @@ class ObjectMeta:
         if not isinstance(self.n_tokens, int) or self.n_tokens < 0:
             raise ValueError(f"ObjectMeta.n_tokens must be an int >= 0, got {self.n_tokens!r}")
         if not isinstance(self.tokens_digest, bytes) or len(self.tokens_digest) > MAX_KEY_BYTES:
-            raise ValueError("ObjectMeta.tokens_digest must be bytes (kvbridge.hashing.tokens_digest: 16)")
+            raise ValueError("ObjectMeta.tokens_digest must be bytes (kvbridge.engine.hashing.tokens_digest: 16)")
         if not self.last_used:
             object.__setattr__(self, "last_used", self.created)
 
@@ -77,7 +88,7 @@ class ObjectMeta:
                 created=float(record["created"]),
                 last_used=float(record["last_used"]),
             )
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
             raise CorruptObject(f"unreadable metadata: {exc}") from exc
 
 

@@ -62,6 +62,9 @@ class LRUPolicy:
     def is_pinned(self, key: bytes) -> bool:
         return key in self._pins
 
+    def pinned_keys(self) -> set[bytes]:
+        return set(self._pins)
+
     def victims(self) -> list[bytes]:
         """Unpinned keys, least recently used first, whose removal brings the tier within capacity.
 

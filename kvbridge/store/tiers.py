@@ -3,13 +3,19 @@
 A tier only stores and fetches: it knows nothing of recency, capacity decisions or other tiers.
 The store pairs each tier with an LRUPolicy and decides what is evicted, demoted and promoted.
 Deliberately left out: async I/O and batching (objects here are tens of MB; one call each is fine).
+
+Contract (tests/test_store_contract.py runs it over every tier): a tier is thread-safe on its own;
+its index and bytes_used() always describe what it really holds, whatever runs concurrently; get()
+raises only StoreFault subclasses (never OSError), put() reports failure as False, and remove(),
+clear() and discover() do not raise for storage faults (clear() may raise StoreFault when it cannot
+even list its storage). The store mirrors each tier's sizes in its policy by asking size().
 """
 from __future__ import annotations
 
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import ClassVar, Collection
 
 from kvbridge.store.objects import ObjectMeta
 
@@ -36,6 +42,10 @@ class Tier(ABC):
         """Metadata from the index, without reading the payload."""
 
     @abstractmethod
+    def size(self, key: bytes) -> int | None:
+        """Payload size from the index, or None when absent."""
+
+    @abstractmethod
     def get(self, key: bytes) -> tuple[bytes, ObjectMeta] | None:
         """The object, or None when absent; raises StoreFault when it is present but unusable."""
 
@@ -57,7 +67,8 @@ class Tier(ABC):
         """(key, size, last_used) for every object; seeds the store's policy at start."""
 
     @abstractmethod
-    def clear(self) -> None: ...
+    def clear(self, keep: Collection[bytes] = ()) -> None:
+        """Remove every object except those in `keep` (the store keeps pinned objects this way)."""
 
     def discover(self, key: bytes) -> int | None:
         """Index an object another process stored since we started; its size, or None.
@@ -80,14 +91,22 @@ class MemoryTier(Tier):
         self._lock = threading.Lock()
 
     def contains(self, key: bytes) -> bool:
-        return key in self._objects
+        with self._lock:
+            return key in self._objects
 
     def meta(self, key: bytes) -> ObjectMeta | None:
-        found = self._objects.get(key)
+        with self._lock:
+            found = self._objects.get(key)
         return found[1] if found else None
 
+    def size(self, key: bytes) -> int | None:
+        with self._lock:
+            found = self._objects.get(key)
+        return len(found[0]) if found else None
+
     def get(self, key: bytes) -> tuple[bytes, ObjectMeta] | None:
-        found = self._objects.get(key)
+        with self._lock:
+            found = self._objects.get(key)
         return (found[0], found[1]) if found else None
 
     def put(self, key: bytes, blob: bytes, meta: ObjectMeta) -> bool:
@@ -108,16 +127,17 @@ class MemoryTier(Tier):
             return list(self._objects)
 
     def bytes_used(self) -> int:
-        return self._bytes
+        with self._lock:
+            return self._bytes
 
     def entries(self) -> list[tuple[bytes, int, float]]:
         with self._lock:
             return [(key, len(blob), stamp) for key, (blob, _, stamp) in self._objects.items()]
 
-    def clear(self) -> None:
+    def clear(self, keep: Collection[bytes] = ()) -> None:
         with self._lock:
-            self._objects.clear()
-            self._bytes = 0
+            self._objects = {key: found for key, found in self._objects.items() if key in keep}
+            self._bytes = sum(len(blob) for blob, _, _ in self._objects.values())
 
     def close(self) -> None:
         self.clear()
