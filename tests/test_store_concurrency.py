@@ -212,9 +212,9 @@ def test_temp_file_of_a_writer_killed_mid_put_is_removed_when_a_store_opens(tmp_
         [orphan] = temp_files(directory)
         os.kill(killed.pid, signal.SIGKILL)
         os.waitid(os.P_PID, killed.pid, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped: a zombie
-        reopened = DiskTier(directory, 1 << 30)
+        reopened = TieredStore([DiskTier(directory, 1 << 30)], namespace=NS)
         assert not orphan.exists()
-        assert reopened.keys() == [] and reopened.temp_files_removed == 1
+        assert reopened.tiers[0].keys() == [] and reopened.stats()["temp_files_removed"] == 1
     finally:
         killed.kill()
         killed.communicate()
@@ -244,7 +244,8 @@ def test_storage_fault_types_are_exported_from_the_package():
         assert name in store_api.__all__ and issubclass(getattr(store_api, name), StoreFault)
 
 
-FAULTY_CALLS = ["stat", "open", "unlink", "utime", "replace", "fsync", "mkdir", "scandir", "read"]
+FAULTY_CALLS = ["stat", "open", "unlink", "utime", "replace", "fsync", "mkdir", "scandir", "read",
+                "replace+unlink"]
 
 
 @contextmanager
@@ -254,10 +255,11 @@ def failing(monkeypatch, call: str):
         raise OSError(errno.EIO, f"injected {call} failure")
 
     with monkeypatch.context() as patch:
-        if call == "read":  # every file the store opens with the built-in open()
-            patch.setattr(diskformat, "open", fail, raising=False)
-        else:
-            patch.setattr(os, call, fail)
+        for name in call.split("+"):
+            if name == "read":  # every file the store opens with the built-in open()
+                patch.setattr(diskformat, "open", fail, raising=False)
+            else:
+                patch.setattr(os, name, fail)
         yield
 
 

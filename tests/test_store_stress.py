@@ -32,11 +32,11 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 NS = "stress"
 SEED = 20240901
 N_THREADS = 4
-OPS_PER_THREAD = 150
+OPS_PER_THREAD = 400
 N_KEYS = 24
 L1_BYTES = 24_000
 L2_BYTES = 60_000
-PEER_OPS = 200
+PEER_OPS = 500
 PEER_L2_BYTES = 40_000
 
 # One content scheme for this process and the subprocesses (they import these functions): everything

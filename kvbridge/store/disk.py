@@ -79,7 +79,6 @@ class DiskTier(Tier):
         self._newer_format: set[bytes] = set()  # keys whose file a newer KVBridge wrote: not re-read
         self._bytes = 0
         self._lock = threading.Lock()
-        self.temp_files_removed = 0  # temp files of dead writers, removed at open and by clear()
         with self._lock:
             self._rebuild_index_locked()
 

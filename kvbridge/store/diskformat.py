@@ -210,7 +210,8 @@ def fsync_directory(directory: Path) -> None:
 
 
 def unlink_quietly(path: Path) -> None:
+    """Remove our own temp file after a failed write; never raises over the error being reported."""
     try:
         os.unlink(path)
-    except FileNotFoundError:
-        pass  # already gone is what we wanted
+    except OSError:
+        pass  # gone already, or the disk refuses: once we exit, the next open removes it as a dead writer's

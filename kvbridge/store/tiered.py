@@ -189,8 +189,7 @@ class TieredStore:
         if found is None:
             with self._lock:
                 self._counts[reason] += 1
-                if not level.tier.contains(key):
-                    level.policy.on_remove(key)
+                self._sync_locked(level, key)  # dropped, or replaced meanwhile by a good copy
         return found
 
     def _miss(self) -> None:
@@ -363,6 +362,7 @@ class TieredStore:
                 "misses": counts["misses"],
                 "evictions": sum(self._evictions.values()),
                 "corrupt": counts["corrupt"] + sum(level.tier.corrupt_found for level in self._levels),
+                "temp_files_removed": sum(level.tier.temp_files_removed for level in self._levels),
                 "foreign": counts["foreign"],
                 "vanished": counts["vanished"],
                 "read_errors": counts["read_errors"],

@@ -30,6 +30,7 @@ class Tier(ABC):
         self.name = name
         self._capacity = max(0, int(capacity))
         self.corrupt_found = 0          # bad objects dropped while indexing or discovering
+        self.temp_files_removed = 0     # temp files of writers that died mid-put (tiers that write files)
 
     def capacity(self) -> int:
         return self._capacity
