@@ -224,7 +224,7 @@ def test_429_then_success_respects_retry_after():
         backend = started(cloud_settings(server.url + "/v1"))
         text, report, _ = run(backend, message_prompt(backend))
         assert text == recorded["expected"]["text"] and len(server.requests_to("/v1/chat/completions")) == 3
-    assert "retried 2 time(s) after 429/5xx answers" in report.notes and backend.retries == 2
+    assert "retried 2 time(s) after 429/5xx answers" in report.notes and backend.counters["cloud_retries"] == 2
 
 
 def test_retries_are_bounded():
@@ -254,7 +254,25 @@ def test_malformed_stream_lines_are_skipped_and_counted():
         backend = started(cloud_settings(server.url + "/v1"))
         text, report, _ = run(backend, message_prompt(backend))
     assert text == recorded["expected"]["text"] and report.engine_cached_tokens == 256
-    assert "skipped 2 malformed line(s) in the provider's stream" in report.notes and backend.malformed_lines == 2
+    assert "skipped 2 malformed line(s) in the provider's stream" in report.notes
+    assert backend.counters["malformed_stream_lines"] == 2
+
+
+def test_retries_and_malformed_lines_reach_the_engine_metrics(tmp_path):
+    """A rate limit, then a damaged SSE stream, replayed on loopback; CachedEngine is real."""
+    from kvbridge.engine.cached_engine import CachedEngine
+
+    recorded = load_fixture("cloud_malformed_stream.json")
+    with ReplayServer() as server:
+        server.add("POST", "/v1/chat/completions",
+                   Reply.json({"error": {"message": "Rate limit reached"}}, status=429, headers={"Retry-After": "0"}),
+                   Reply.sse(recorded["sse"]))
+        settings = cloud_settings(server.url + "/v1", l2_dir=str(tmp_path / "l2"))
+        with CachedEngine(settings, make_backend("cloud", settings)) as engine:
+            record = engine.infer(list(MESSAGES), mode="native")
+            assert not record.error and record.text == recorded["expected"]["text"]
+            assert engine.metrics.count("malformed_stream_lines") == 2
+            assert engine.metrics.count("cloud_retries") == 1
 
 
 def test_errors_echoing_the_key_are_scrubbed():

@@ -307,7 +307,26 @@ def test_malformed_lines_are_skipped_and_counted(tmp_path):
         text, report, _ = run(backend, Prompt("x", tuple(range(PROMPT_TOKENS))), cold=False)
         assert text == " A full service costs 60 euros, but"
         assert "skipped 2 malformed line(s) in Ollama's stream" in report.notes
-        assert report.engine_cached_tokens == 100 and backend.malformed_lines == 2
+        assert report.engine_cached_tokens == 100 and backend.counters["malformed_stream_lines"] == 2
+
+
+def test_malformed_lines_reach_the_engine_metrics(tmp_path):
+    """Ollama binary not available here: a damaged NDJSON stream is replayed; CachedEngine is real."""
+    from kvbridge.engine.cached_engine import CachedEngine
+
+    api = load_fixture("ollama_api.json")
+    lines = load_fixture("ollama_generate_older_warm.ndjson")
+    damaged = lines[:3] + ['{"model":"smollm2:135m","respo', "garbage"] + lines[3:]
+    with ReplayServer() as server:
+        server.add("GET", "/api/version", Reply.json(api["version_older"]))
+        server.add("POST", "/api/show", Reply.json(api["show"]))
+        server.add("POST", "/api/generate", Reply.ndjson(damaged))
+        settings = ollama_settings(server.url, tmp_path / "no-store").replace(l2_dir=str(tmp_path / "l2"))
+        with CachedEngine(settings, make_backend("ollama", settings)) as engine:
+            record = engine.infer("How much is a full service?", mode="native")
+            assert not record.error and "skipped 2 malformed line(s) in Ollama's stream" in record.notes
+            assert engine.metrics.count("malformed_stream_lines") == 2
+            assert engine.backend.counters["malformed_stream_lines"] == 0   # moved, not copied
 
 
 @pytest.mark.parametrize("tail, message", [

@@ -18,10 +18,14 @@ _lock = threading.Lock()
 
 
 def file_sha256(path: Path, cache_file: Path | None) -> str:
-    """sha256 of a model file, cached by (path, size, mtime) so a start does not re-hash 100 MB."""
+    """sha256 of a model file, cached by (path, device, inode, size, mtime) so a start does not re-hash 100 MB.
+
+    The inode is part of the key: a file replaced by another (a new download, `mv` over it) gets a new
+    inode even when a copy kept its size and mtime, and is hashed again.
+    """
     path = Path(path).resolve()
     st = path.stat()
-    cache_key = f"{path}|{st.st_size}|{st.st_mtime_ns}"
+    cache_key = f"{path}|{st.st_dev}:{st.st_ino}|{st.st_size}|{st.st_mtime_ns}"
     with _lock:
         cache = _read_cache(cache_file)
         if cache_key in cache:
@@ -33,7 +37,8 @@ def file_sha256(path: Path, cache_file: Path | None) -> str:
     value = digest.hexdigest()
     if cache_file is not None:
         with _lock:
-            cache = _read_cache(cache_file)
+            # one entry per path: the hash of the file this path held before is stale now
+            cache = {k: v for k, v in _read_cache(cache_file).items() if not k.startswith(f"{path}|")}
             cache[cache_key] = value
             _write_cache(cache_file, cache)
     return value

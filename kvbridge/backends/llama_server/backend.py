@@ -17,8 +17,9 @@ the server under a content name and returns a reference (`SeqState.data` starts 
 from __future__ import annotations
 
 import hashlib
-import os
 import json
+import os
+import secrets
 import struct
 import threading
 import uuid
@@ -29,11 +30,13 @@ from typing import Iterator, Sequence
 import requests
 
 from kvbridge.settings import Settings
-from kvbridge.errors import BadSettings, EngineUnavailable, KVBridgeError
-from kvbridge.backends.base import Backend, EngineReport, Message, Prompt, SeqState
+from kvbridge.errors import BadSettings, EngineUnavailable, KVBridgeError, StateTransferError
+from kvbridge.backends.base import Backend, EngineReport, Message, Prompt, Sampling, SeqState
+from kvbridge.backends.chat_template import ChatTemplate
 from kvbridge.backends.llama_server.process import (
     BUILD_SCRIPT, ServerProcess, built_binary, built_build_info, free_port, pinned_llama_cpp_version, port_is_free)
 from kvbridge.backends.llama_server.api import LlamaServerError, fill_report, slot_timing, sse_events
+from kvbridge.backends.llama_server.identity import ServerIdentity, server_identity
 from kvbridge.backends.llamacpp import (cache_type_problems, check_model_file, ggml_type_id, model_file_problems,
                                        model_path_for)
 from kvbridge.backends.registry import EngineSpec, register_engine
@@ -45,8 +48,8 @@ HTTP_TIMEOUT_S = 30.0               # tokenize, props, slot actions
 STREAM_TIMEOUT_S = (5.0, 600.0)     # /completion: connect, then the longest silence (a long cold prefill)
 
 
-class RestoreFailed(RuntimeError):
-    """llama-server refused a slot file or restored a different number of tokens; the engine recomputes."""
+class RestoreFailed(StateTransferError):
+    """llama-server refused a slot file (or it could not be written here); the engine recomputes."""
 
 
 class LlamaServerBackend(Backend):
@@ -79,10 +82,11 @@ class LlamaServerBackend(Backend):
         self.last_restore_ms: float | None = None
         self._http = requests.Session()
         self._context: list[int] = []
-        self._formatter = None
-        self._chat_template = ""
-        self._bos_text = ""
-        self._eos_text = ""
+        self._props: dict = {}                     # GET /props of the server we talk to
+        self.identity: ServerIdentity | None = None  # what the server reports about its model
+        self._template: ChatTemplate | None = None
+        self._n_restored: int | None = None        # the server's own count from the last restore action
+        self._task_seed: int | None = None         # the seed our last /completion sent (marks its task)
         self._lock = threading.Lock()
         self._restore_name = f"kvb-restore-{uuid.uuid4().hex}.bin"
         self._mapped: MappedSlotFile | None = None   # the restore file while the engine assembles into it
@@ -180,9 +184,13 @@ class LlamaServerBackend(Backend):
             self.model_path = Path(props["model_path"])  # attached: the server's own path, maybe not local
         if int(props.get("total_slots", 1)) < 1:
             raise EngineUnavailable(f"llama-server at {self.base_url} has no slots.")
-        self._chat_template = props.get("chat_template") or ""
-        self._bos_text = props.get("bos_token") or ""
-        self._eos_text = props.get("eos_token") or ""
+        self._props = props
+        self._template = None
+        try:
+            models = self._get_json("/v1/models")
+        except LlamaServerError:
+            models = None   # an older server without /v1/models: /props alone identifies less
+        self.identity = server_identity(self.base_url, props, models)
 
     def stop(self) -> None:
         with self._lock:
@@ -201,11 +209,16 @@ class LlamaServerBackend(Backend):
         self.base_url = ""
         self.slot_dir = None
         self._context = []
+        self._n_restored = None
+        self.identity = None
 
     def describe(self) -> str:
         if not self.base_url:
             return "llama-server (not started)"
         model = self.model_path.name if self.model_path else "?"
+        if self.model_file() is None and self.identity is not None and not self.identity.identified:
+            model += (": the server does not identify its model, so its KV is kept in a namespace of this "
+                      "connection only (not shared across reconnects)")
         if self.server is not None:
             return f"llama-server {self.base_url} (own process {self.server.pid}, {model}, slot files in {self.slot_dir})"
         if self.slot_dir is not None:
@@ -244,15 +257,16 @@ class LlamaServerBackend(Backend):
 
     # prompts -------------------------------------------------------------------------------
     def render(self, messages: Sequence[Message]) -> str:
-        """The GGUF's chat template, rendered exactly as the in-process engine renders it."""
-        if not self._chat_template:
-            return super().render(messages)
-        if self._formatter is None:
-            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-            self._formatter = Jinja2ChatFormatter(
-                template=self._chat_template, eos_token=self._eos_text, bos_token=self._bos_text)
-        return self._formatter(messages=list(messages)).prompt
+        """The GGUF's chat template (as /props reports it), rendered where the in-process engine renders it."""
+        if self._template is None:
+            props = self._props
+            # tokenizing nothing yields exactly the special tokens the server adds on its own (BOS or none)
+            adds_bos = bool(self.tokenize(""))
+            self._template = ChatTemplate(
+                props.get("chat_template") or None, bos_text=props.get("bos_token") or "",
+                eos_text=props.get("eos_token") or "", tokenizer_adds_bos=adds_bos, counters=self.counters,
+                model_name=self.model_path.name if self.model_path else self.base_url)
+        return self._template.render(messages)
 
     def tokenize(self, text: str) -> list[int]:
         # add_special/parse_special mirror Llama.tokenize(add_bos=True, special=True) in-process:
@@ -270,12 +284,14 @@ class LlamaServerBackend(Backend):
         if len(tokens) + n_predict > self.n_ctx:
             raise BadSettings(f"The prompt ({len(tokens)} tokens) plus {n_predict} new tokens does not fit "
                               f"the context of {self.n_ctx} tokens (KVB_CTX_SIZE).")
+        sampling = Sampling.for_temperature(temperature)   # the in-process engine's sampler
         body = {
             "prompt": tokens, "n_predict": n_predict, "stream": True, "return_tokens": True,
             "cache_prompt": use_native_cache, "id_slot": SLOT_ID,
-            "temperature": temperature, "repeat_penalty": 1.0, "min_p": 0.0,
-            # the in-process engine's sampling: greedy (top-k 1) at temperature 0
-            "top_k": 40 if temperature > 0 else 1, "top_p": 0.95 if temperature > 0 else 1.0,
+            "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+            "min_p": sampling.min_p, "repeat_penalty": sampling.repeat_penalty,
+            # a seed of our own marks the slot's task as ours (GET /slots shows it); greedy output ignores it
+            "seed": self._new_task_seed(),
         }
         if not use_native_cache:
             report.notes.append("cold: cache_prompt=false, llama-server recomputes the whole prompt")
@@ -299,6 +315,23 @@ class LlamaServerBackend(Backend):
         # the slot keeps the prompt and every generated token it evaluated (all but the last)
         self._context = tokens + generated[:-1]
 
+    def _new_task_seed(self) -> int:
+        self._task_seed = secrets.randbelow(0xFFFFFFFF)   # 0xFFFFFFFF itself means "random" to llama.cpp
+        return self._task_seed
+
+    def _slot_last_ran_ours(self) -> bool | None:
+        """Whether the slot's latest task is our last /completion (its seed is ours); None: cannot tell."""
+        try:
+            slots = self._get_json("/slots")
+        except LlamaServerError:
+            return None   # a server started with --no-slots
+        slot = next((s for s in slots if isinstance(s, dict) and s.get("id") == SLOT_ID), None) \
+            if isinstance(slots, list) else None
+        seed = ((slot or {}).get("params") or {}).get("seed")
+        if seed is None or self._task_seed is None:
+            return None
+        return int(seed) == self._task_seed and not slot.get("is_processing")
+
     def reset_native_cache(self) -> None:
         self._post_json(f"/slots/{SLOT_ID}?action=erase", {})
         self._context = []
@@ -312,17 +345,22 @@ class LlamaServerBackend(Backend):
         build for the pinned release; any other server is keyed by its own build_info and so never
         shares chunks with the in-process engine. `v_trans` follows KVB_FLASH_ATTN (flash attention
         off -> V transposed); an attached server started otherwise has its restores refused by
-        llama.cpp, counted, and recomputed.
+        llama.cpp, counted, and recomputed. A model file that is not on this machine cannot be hashed
+        into the namespace: what the server reports about it is added instead (see identity.py).
         """
         version = pinned_llama_cpp_version()
         same_llama_cpp = bool(self.build_info) and self.build_info == built_build_info(version)
-        return {
+        fingerprint = {
             "engine_family": "llama.cpp",
             "llama_cpp_python": version if same_llama_cpp else f"llama-server {self.build_info or 'unknown build'}",
             "cache_type_k": self.settings.cache_type_k.lower(),
             "cache_type_v": self.settings.cache_type_v.lower(),
             "v_trans": "0" if self.settings.flash_attn else "1",
         }
+        if self.model_file() is None and self.identity is not None:
+            # the model file is not here to be hashed: what the server reports about it identifies it
+            fingerprint.update(self.identity.fingerprint())
+        return fingerprint
 
     def model_file(self) -> Path | None:
         """The GGUF the server runs, when it is a file on this machine (its sha256 keys the namespace)."""
@@ -340,27 +378,39 @@ class LlamaServerBackend(Backend):
             result = self._post_json(f"/slots/{SLOT_ID}?action=save", {"filename": name})
             self.last_save_ms = slot_timing(result, "save_ms")
             slot = read_slot_file(path, seq_id=SLOT_ID)
+        except LlamaServerError as exc:
+            raise StateTransferError(f"llama-server did not save its slot: {exc}") from exc
         except (OSError, SlotFileError) as exc:
-            raise RuntimeError(f"could not read llama-server's slot file {path}: {exc}") from exc
+            raise StateTransferError(f"could not read llama-server's slot file {path}: {exc}") from exc
         finally:
             path.unlink(missing_ok=True)
-        self._context = slot.tokens[: slot.n_cells]
-        return SeqState(data=slot.state, n_tokens=slot.n_cells)
+        # The slot file's own ids say whose KV this is: another client may have used the slot since
+        # our /completion, and then these are its tokens, not ours (CachedEngine stores nothing).
+        ids = slot.tokens[: slot.n_cells]
+        self._context = ids
+        return SeqState(data=slot.state, n_tokens=slot.n_cells, token_ids=tuple(ids))
 
     def _save_by_reference(self) -> SeqState:
         """Save the slot on the server under a name derived from its tokens: equal tokens, equal KV,
         so a name is only ever rewritten with the same content and saved files do not pile up."""
         if not self._context:
-            raise RuntimeError("the slot's tokens are unknown (nothing generated since start); not saved")
+            raise StateTransferError("the slot's tokens are unknown (nothing generated since start); not saved")
         digest = hashlib.blake2b(json.dumps(self._context).encode(), digest_size=16).hexdigest()
         name = f"kvb-slot-{digest}.bin"
-        result = self._post_json(f"/slots/{SLOT_ID}?action=save", {"filename": name})
+        try:
+            result = self._post_json(f"/slots/{SLOT_ID}?action=save", {"filename": name})
+        except LlamaServerError as exc:
+            raise StateTransferError(f"llama-server did not save its slot: {exc}") from exc
         self.last_save_ms = slot_timing(result, "save_ms")
         if int(result.get("n_saved", -1)) != len(self._context):
-            raise RuntimeError(f"llama-server saved {result.get('n_saved')} tokens, expected {len(self._context)}")
+            raise StateTransferError(f"llama-server saved {result.get('n_saved')} tokens, expected {len(self._context)}")
+        # The slot file cannot be read from here, so whose KV it holds is checked after the save: the
+        # slot's latest task must still be our /completion. () tells CachedEngine it is someone else's.
+        ours = self._slot_last_ran_ours()
+        token_ids = tuple(self._context) if ours else (() if ours is False else None)
         # the count travels inside the reference: a store may re-wrap the state with fewer token ids
         ref = SLOT_REF_MAGIC + struct.pack("<I", len(self._context)) + name.encode()
-        return SeqState(data=ref, n_tokens=len(self._context))
+        return SeqState(data=ref, n_tokens=len(self._context), token_ids=token_ids)
 
     def state_buffer(self, size: int, tokens: Sequence[int]):
         """Map the restore slot file and hand out the spot where its state goes (saves one 40 MB copy)."""
@@ -379,7 +429,7 @@ class LlamaServerBackend(Backend):
         held = self._file_tokens
         if self.slot_dir is None or held is None or len(held) < len(tokens) or held[: len(tokens)] != tokens:
             return False
-        self._restore_file(self._restore_name, expected=len(held))
+        self._restore_file(self._restore_name, wanted=len(tokens))
         self._context = list(held)
         return True
 
@@ -387,10 +437,9 @@ class LlamaServerBackend(Backend):
         tokens = [int(t) for t in tokens]
         head = len(SLOT_REF_MAGIC)
         if bytes(state.data[:head]) == SLOT_REF_MAGIC:
-            (n_saved,) = struct.unpack_from("<I", state.data, head)
             name = bytes(state.data[head + 4:]).decode()
-            self._restore_file(name, expected=n_saved)
-            self._context = []  # the server's slot holds n_saved tokens we no longer list
+            self._restore_file(name, wanted=len(tokens))
+            self._context = []  # the server's slot holds tokens we no longer list
             return
         if self.slot_dir is None:
             raise RestoreFailed("this llama-server's slot directory is not on this machine (KVB_LLAMA_SERVER_SLOT_DIR)")
@@ -403,22 +452,28 @@ class LlamaServerBackend(Backend):
                 mapped.finish()     # the state was assembled straight into the file
             else:
                 write_in_place(path, build_slot_file(state.data, tokens))
-        except SlotFileError as exc:
-            raise RestoreFailed(f"cannot build a slot file: {exc}") from exc
-        self._restore_file(self._restore_name, expected=len(tokens))
+        except (OSError, SlotFileError) as exc:
+            raise RestoreFailed(f"cannot write a slot file: {exc}") from exc
+        self._restore_file(self._restore_name, wanted=len(tokens))
         self._context = tokens
         self._file_tokens = tokens   # the file is complete and the server took it
 
-    def _restore_file(self, name: str, expected: int) -> None:
+    def _restore_file(self, name: str, wanted: int) -> None:
+        """`action=restore` of one slot file; the server's own count of restored tokens (`n_restored`,
+        the first `wanted` of them: a reused restore file may hold more) is what held_tokens() reports."""
+        self._n_restored = None
         try:
             result = self._post_json(f"/slots/{SLOT_ID}?action=restore", {"filename": name})
         except LlamaServerError as exc:
             self._context = []
             raise RestoreFailed(str(exc)) from exc
         self.last_restore_ms = slot_timing(result, "restore_ms")
-        if int(result.get("n_restored", -1)) != expected:
-            self.reset_native_cache()
-            raise RestoreFailed(f"llama-server restored {result.get('n_restored')} tokens, expected {expected}")
+        self._n_restored = min(int(result.get("n_restored", 0)), wanted)
+
+    def held_tokens(self) -> int | None:
+        """The server's own count from the last restore action (CachedEngine compares it with what it
+        restored; a mismatch is counted as restore_ineffective and the prompt is recomputed)."""
+        return self._n_restored
 
 
 register_engine(EngineSpec(
