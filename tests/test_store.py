@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 
-from kvbridge.config import PROJECT_ROOT, Settings
+from kvbridge.settings import PROJECT_ROOT, Settings
 from kvbridge.errors import BadSettings
-from kvbridge.hashing import tokens_digest
+from kvbridge.engine.hashing import tokens_digest
 from kvbridge.store import DiskTier, LRUPolicy, MemoryTier, ObjectMeta, StoredObject, TieredStore
 from kvbridge.store.diskformat import FORMAT_VERSION, MAGIC
 
@@ -439,7 +439,7 @@ def test_concurrent_put_and_get_from_threads(tmp_path):
 
 # -- bench-store (a command, not a timed test: this only checks it runs and reports) -------------
 def test_bench_store_runs_and_reports(tmp_path):
-    from kvbridge.bench_store import format_report, run_bench_store
+    from kvbridge.bench.store_bench import format_report, run_bench_store
 
     result = run_bench_store(Settings(l2_dir=str(tmp_path / "l2")), object_mb=0.2, repeats=1)
     assert result["tiers"]["l1_get_tier"] == "L1" and result["tiers"]["l2_get_tier"] == "L2"

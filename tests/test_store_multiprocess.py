@@ -8,7 +8,7 @@ import time
 
 from blake3 import blake3
 
-from kvbridge.config import PROJECT_ROOT
+from kvbridge.settings import PROJECT_ROOT
 from kvbridge.store import DiskTier, MemoryTier, TieredStore
 
 N_SHARED = 4        # keys both writers keep rewriting, each with its own content
