@@ -337,3 +337,26 @@ def test_an_attached_server_of_the_same_build_shares_the_namespace_keys(backend,
         assert attached.kv_fingerprint()["llama_cpp_python"] == "llama-server b9999-0000000"
     finally:
         attached.stop()
+
+
+def test_an_attached_server_whose_model_is_not_here_is_keyed_by_what_it_reports(settings, tmp_path):
+    """The model file cannot be hashed from here: /props and /v1/models identify it in the namespace."""
+    elsewhere = tmp_path / "elsewhere.gguf"
+    shutil.copyfile(EMBEDDED_MODEL_PATH, elsewhere)
+    own = LlamaServerBackend(dataclasses.replace(settings, model_path=str(elsewhere)))
+    own.start()
+    try:
+        elsewhere.unlink()   # the server keeps the model it loaded; this machine no longer has the file
+        attached = LlamaServerBackend(dataclasses.replace(settings, llama_server_url=own.base_url))
+        attached.start()
+        try:
+            assert attached.model_file() is None
+            keys = attached.kv_fingerprint()
+            assert keys["server_model_path"] == str(elsewhere)
+            assert int(keys["server_model_n_params"]) > 100_000_000 and int(keys["server_model_size"]) > 0
+            assert keys["server_n_ctx"] == str(settings.ctx_size) and keys["server_total_slots"] == "1"
+            assert "server_run" not in keys and "does not identify" not in attached.describe()
+        finally:
+            attached.stop()
+    finally:
+        own.stop()
