@@ -14,7 +14,7 @@ from kvbridge.errors import KVBridgeError
 COMMANDS = {
     "gui": "serve the Gradio testbed on KVB_HOST:KVB_PORT (what ./scripts/start.sh runs)",
     "demo": "run a short Document Q&A in cold and lmcache modes and print what happened",
-    "bench": "run a scenario headless in several modes; print a table and summary; write CSV/JSON to output/",
+    "bench": "run a scenario headless in several modes; print a table and summary; write CSV/JSON/HTML to output/",
     "bench-store": "hashing and L1/L2 throughput against plain memory and file copies",
     "bench-restore": "restore of a 2k-token prefix (lookup+fetch+assemble+set) against a plain memory copy",
     "namespace": "start the configured engine and print its namespace (what its stored KV is keyed under)",
@@ -114,12 +114,23 @@ def _progress(done: int, total: int, what: str) -> None:
 
 
 def cmd_bench(args) -> int:
+    from kvbridge.bench.long_context import format_rows, length_rows, parse_lengths
     from kvbridge.bench.report import format_summary, format_table, summarize
-    from kvbridge.gui.export import export_run
     from kvbridge.bench.runner import parse_modes, run_scenario
+    from kvbridge.bench.scenarios import ScenarioOptions, get_scenario
+    from kvbridge.gui.charts import run_figures
+    from kvbridge.gui.export import export_run
 
     settings = _settings(args)
     modes = parse_modes(args.modes)
+    scenario = get_scenario(args.scenario)
+    lengths = parse_lengths(args.lengths) if args.lengths else None
+    if scenario.context_needed is not None:
+        # the run raises the context it needs itself (up to what the model supports): no KVB_CTX_SIZE to set
+        needed = scenario.context_needed(ScenarioOptions(lengths=lengths), settings.n_predict)
+        if needed > settings.ctx_size:
+            print(f"context raised from {settings.ctx_size} to {needed} tokens for this run")
+            settings = settings.replace(ctx_size=needed)
     with tempfile.TemporaryDirectory(prefix="kvb-bench-l2-") as fresh_l2:
         # A fresh store by default: the first lmcache request is a real miss, and nothing of the user's is touched.
         engine = _make_engine(settings, None if args.keep_store else fresh_l2)
@@ -127,19 +138,22 @@ def cmd_bench(args) -> int:
         with engine:
             status = engine.status()
             print(f"engine {status['label']} ({status['location']}), {status['kv_mode'].upper()}, "
-                  f"namespace {status['namespace_short']}, chunk {settings.chunk_size}")
+                  f"namespace {status['namespace_short']}, chunk {settings.chunk_size}, context {settings.ctx_size}")
             document = _read_document(args.document)
             for record in run_scenario(engine, args.scenario, modes, n_requests=args.requests, document=document,
-                                       progress=_progress, n_predict=args.n_predict):
+                                       progress=_progress, n_predict=args.n_predict, lengths=lengths):
                 records.append(record)
             stats = engine.store.stats()
         print(format_table(records))
         summary = summarize(records)
         print(format_summary(summary))
-        paths = export_run(records, settings.output_dir, meta={
+        rows = length_rows(records)
+        if rows:
+            print(format_rows(rows))
+        paths = export_run(records, settings.output_dir, figures=run_figures(records, stats), meta={
             "command": "bench", "scenario": args.scenario, "modes": modes, "engine": status["engine"],
-            "namespace": status["namespace"], "chunk_size": settings.chunk_size, "summary": summary,
-            "store": stats})
+            "namespace": status["namespace"], "chunk_size": settings.chunk_size, "ctx_size": settings.ctx_size,
+            "n_predict": settings.n_predict, "summary": summary, "store": stats})
         print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 1 if any(r.error for r in records) else 0
 
@@ -185,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--scenario", default="doc-qa", help="scenario key (see `scenarios`); default doc-qa")
             p.add_argument("--modes", default="cold,native,lmcache", help="comma-separated modes; default all three")
             p.add_argument("--requests", type=int, default=None, help="number of requests (default: the scenario's)")
+            p.add_argument("--repeats", dest="requests", type=int,
+                           help="long-context: warm requests per length and mode (the same as --requests; default 3)")
+            p.add_argument("--lengths", help="long-context: prompt lengths in tokens, comma-separated "
+                                             "(default 512,1024,2048,4096,8192)")
             p.add_argument("--n-predict", dest="n_predict", type=int, default=None, help="tokens to generate")
             p.add_argument("--document", help="a text file to use as the document")
             p.add_argument("--keep-store", action="store_true",

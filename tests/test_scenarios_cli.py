@@ -102,7 +102,7 @@ def test_cli_help_lists_the_commands():
 @needs_model
 @pytest.mark.live
 @pytest.mark.slow
-def test_cli_bench_writes_csv_and_json(tmp_path):
+def test_cli_bench_writes_csv_json_and_html(tmp_path):
     env = {**os.environ, "KVB_OUTPUT_DIR": str(tmp_path), "KVB_L2_DIR": str(tmp_path / "l2"), "KVB_CTX_SIZE": "2048"}
     out = subprocess.run([sys.executable, "-m", "kvbridge", "bench", "--scenario", "system-prompt", "--requests", "2",
                           "--modes", "cold,lmcache", "--chunk-size", "64", "--n-predict", "4"],
@@ -110,7 +110,7 @@ def test_cli_bench_writes_csv_and_json(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "speedup vs cold" in out.stdout
     written = sorted(p.suffix for p in tmp_path.iterdir() if p.is_file())
-    assert written == [".csv", ".json"]
+    assert written == [".csv", ".html", ".json"]
     data = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert len(data["records"]) == 4
     assert data["records"][3]["matched_tokens"] > 0

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
-from kvbridge.settings import Settings
+from kvbridge.engine.records import RequestRecord
 from kvbridge.errors import BadSettings
+from kvbridge.settings import Settings
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 DOC_QA_SYSTEM = "You answer questions about the document you are given. Answer briefly, using only the document."
@@ -71,6 +72,12 @@ class ScenarioRequest:
 class ScenarioOptions:
     n_requests: int | None = None  # None: the scenario's own count
     document: str | None = None    # None: the built-in document
+    lengths: tuple[int, ...] | None = None  # prompt lengths in tokens, for scenarios that sweep them
+
+
+# A scenario that is a measurement rather than a list of requests runs itself:
+# (engine, modes, options, progress, stop_event, n_predict) -> records, as run_scenario yields them.
+RunFn = Callable[..., Iterator[RequestRecord]]
 
 
 @dataclass(frozen=True)
@@ -78,8 +85,11 @@ class Scenario:
     key: str
     title: str
     description: str
-    build: Callable[[ScenarioOptions], list[ScenarioRequest]] = field(repr=False)
+    build: Callable[[ScenarioOptions], list[ScenarioRequest]] | None = field(default=None, repr=False)
     default_requests: int = 0
+    run: RunFn | None = field(default=None, repr=False)
+    # the context (tokens) a run needs for (options, n_predict); the bench raises KVB_CTX_SIZE to it
+    context_needed: Callable[[ScenarioOptions, int], int] | None = field(default=None, repr=False)
 
 
 _SCENARIOS: dict[str, Scenario] = {}
@@ -104,7 +114,11 @@ def get_scenario(key: str) -> Scenario:
 def build_requests(key: str, n_requests: int | None = None, document: str | None = None) -> list[ScenarioRequest]:
     if n_requests is not None and n_requests < 1:
         raise BadSettings(f"The number of requests must be at least 1, got {n_requests}.")
-    return get_scenario(key).build(ScenarioOptions(n_requests=n_requests, document=document))
+    scenario = get_scenario(key)
+    if scenario.build is None:
+        raise BadSettings(f"The {key!r} scenario is a measurement with its own runner: run it with "
+                          f"`python -m kvbridge bench --scenario {key}` or from the GUI.")
+    return scenario.build(ScenarioOptions(n_requests=n_requests, document=document))
 
 
 def builtin_document() -> str:
@@ -183,3 +197,25 @@ register_scenario(Scenario(
     "engine-restart", "Engine restart",
     "Document Q&A, then the engine is restarted and L1 dropped (as a process restart would); "
     "the next requests restore from L2 on disk.", _engine_restart, 4))
+
+
+def _long_context_run(engine, modes, opts: ScenarioOptions, progress=None, stop_event=None, n_predict=None):
+    from kvbridge.bench.long_context import run_long_context
+
+    return run_long_context(engine, modes, lengths=opts.lengths, warm_repeats=opts.n_requests, n_predict=n_predict,
+                            document=opts.document, progress=progress, stop_event=stop_event)
+
+
+def _long_context_needed(opts: ScenarioOptions, n_predict: int) -> int:
+    from kvbridge.bench.long_context import context_needed
+
+    return context_needed(opts.lengths, n_predict)
+
+
+register_scenario(Scenario(
+    "long-context", "Long context (512 to 8k tokens)",
+    "Prompts of about 512, 1k, 2k, 4k and 8k tokens (a ~9k-token manual plus a short question): cold, warm "
+    "native and warm lmcache TTFT per length, and each restore against a plain memory copy of its bytes. "
+    "The number of requests is the warm requests per length and mode. Lengths beyond the engine's context "
+    "(KVB_CTX_SIZE) are clipped to it; the CLI bench raises the context itself.",
+    default_requests=3, run=_long_context_run, context_needed=_long_context_needed))

@@ -264,9 +264,53 @@ def store_figure(stats: dict | None) -> go.Figure:
     return fig
 
 
+# the long-context curve: TTFT per mode, plus the restore and the plain copy it is held to
+CURVE_SERIES = (
+    ("cold TTFT", "cold_ttft_ms", MODE_COLORS["cold"], "solid"),
+    ("native warm TTFT", "native_warm_ttft_ms", MODE_COLORS["native"], "solid"),
+    ("lmcache warm TTFT", "lmcache_warm_ttft_ms", MODE_COLORS["lmcache"], "solid"),
+    ("restore (lookup+fetch+assemble+set)", "restore_ms", "#8b5cf6", "dash"),
+    ("plain copy of the same bytes", "plain_copy_ms", "#f59e0b", "dot"),
+)
+
+
+def long_context_figure(rows: Sequence[Any]) -> go.Figure:
+    """How the win grows with the prompt: x = prompt tokens, y = ms on a log axis (rows: LengthRow)."""
+    title = "Long context: TTFT and restore time by prompt length (ms, log scale)"
+    if not rows:
+        return _empty(title, "Run the long-context scenario to see how the win grows with the prompt.")
+    fig = go.Figure()
+    x = [r.prompt_tokens for r in rows]
+    hover = [[r.target_tokens, _times(r.lmcache_speedup), _times(r.native_speedup),
+              "n/a" if r.lmcache_vs_native is None else f"{r.lmcache_vs_native:.2f}×",
+              "n/a" if r.restore_vs_copy is None else f"{r.restore_vs_copy:.2f}×", r.restored_bytes / 1e6] for r in rows]
+    for name, attribute, color, dash in CURVE_SERIES:
+        y = [getattr(r, attribute) for r in rows]
+        if all(v is None for v in y):
+            continue
+        fig.add_trace(go.Scatter(
+            x=x, y=[None if v is None else max(v, 0.01) for v in y], mode="lines+markers", name=name,
+            line={"color": color, "width": 2, "dash": dash}, marker={"color": color, "size": 8},
+            customdata=hover, connectgaps=False,
+            hovertemplate=("%{x} prompt tokens (target %{customdata[0]})<br>" + name + ": %{y:.1f} ms<br>"
+                           "lmcache %{customdata[1]} faster than cold, native %{customdata[2]}<br>"
+                           "lmcache ÷ native %{customdata[3]}; restore ÷ copy %{customdata[4]} "
+                           "(%{customdata[5]:.1f} MB)<extra></extra>"),
+        ))
+    return _base_layout(fig, title, xaxis={"title": "prompt tokens", "type": "log", "tickvals": x},
+                        yaxis={"title": "ms (log scale)", "type": "log"})
+
+
 def run_figures(records: Sequence[RequestRecord], store_stats: dict | None = None) -> dict[str, go.Figure]:
-    """Every chart of a run, by a stable name (the GUI and the HTML report use the same names)."""
-    figures = {
+    """Every chart of a run, by a stable name (the GUI and the HTML report use the same names).
+
+    A long-context run puts its curve first.
+    """
+    from kvbridge.bench.long_context import length_rows
+
+    rows = length_rows(records)
+    figures = {"long_context": long_context_figure(rows)} if rows else {}
+    figures |= {
         "speedup": speedup_figure(records),
         "ttft_per_request": ttft_per_request_figure(records),
         "ttft_summary": ttft_summary_figure(records),

@@ -76,9 +76,17 @@ def export_run(
     return paths
 
 
+def record_columns(records: Sequence[RequestRecord]) -> list[str]:
+    """RequestRecord's fields, then any a bench's record subclass adds (long-context: target_tokens, ...)."""
+    columns = list(RECORD_FIELDS)
+    for record in records:
+        columns += [name for name in record.to_dict() if name not in columns]
+    return columns
+
+
 def _write_csv(path: Path, records: Sequence[RequestRecord]) -> None:
     with path.open("w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=RECORD_FIELDS)
+        writer = csv.DictWriter(f, fieldnames=record_columns(records))
         writer.writeheader()
         for record in records:
             writer.writerow({k: "" if v is None else v for k, v in record.to_dict().items()})
@@ -102,6 +110,13 @@ def summary_rows(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
     ]
 
 
+def length_summary_rows(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
+    """A long-context run's table (one dict per prompt length, ratios included); [] for other runs."""
+    from kvbridge.bench.long_context import length_rows
+
+    return [row.to_dict() for row in length_rows(records)]
+
+
 def _write_json(path: Path, records: Sequence[RequestRecord], meta: dict[str, Any]) -> None:
     document = {
         "format": EXPORT_FORMAT,
@@ -110,6 +125,9 @@ def _write_json(path: Path, records: Sequence[RequestRecord], meta: dict[str, An
         "summary": summary_rows(records),
         "records": [r.to_dict() for r in records],
     }
+    lengths = length_summary_rows(records)
+    if lengths:
+        document["long_context"] = lengths
     path.write_text(json.dumps(document, indent=2, default=str), encoding="utf-8")
 
 
@@ -151,17 +169,21 @@ def render_html(
                                       div_id=f"chart-{re.sub(r'[^A-Za-z0-9_-]', '-', name)}"))
     meta_html = "".join(f"<dt>{html.escape(str(k))}</dt><dd>{html.escape(_cell(v))}</dd>" for k, v in meta.items())
     summary = summary_rows(records)
+    lengths = length_summary_rows(records)
+    length_table = (f"<h2>Per prompt length</h2>\n<div class=\"wide\">{_html_table(lengths, list(lengths[0]))}</div>"
+                    if lengths else "")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title><style>{_CSS}</style></head>
 <body>
 <h1>KVBridge run report: {html.escape(title)}</h1>
 <h2>Summary per mode</h2>
 {_html_table(summary, list(summary[0]) if summary else ["mode"])}
+{length_table}
 <h2>Charts</h2>
 <div class="charts">{''.join(chart_divs)}</div>
 <h2>Run</h2>
 <dl>{meta_html}</dl>
 <h2>Requests</h2>
-<div class="wide">{_html_table([r.to_dict() for r in records], RECORD_FIELDS)}</div>
+<div class="wide">{_html_table([r.to_dict() for r in records], record_columns(records))}</div>
 </body></html>
 """

@@ -93,12 +93,17 @@ def headline(summaries: Sequence[ModeSummary]) -> str:
 
 def results_view(state: AppState, message: str = "", ok: bool = True) -> ResultsView:
     records = list(state.records)
+    figures = run_figures(records, store_stats(state))
+    if "long_context" in figures:
+        # a long-context run's curve takes the per-request plot's place: TTFT against prompt length is
+        # what its requests mean, and the page has no plot of its own for it
+        figures["ttft_per_request"] = figures["long_context"]
     return ResultsView(
         message=message,
         ok=ok,
         table=records_table(records),
         summary=summary_markdown(records),
-        figures=run_figures(records, store_stats(state)),
+        figures=figures,
         has_shadow=any(r.kv_mode == "shadow" for r in records),
     )
 
