@@ -148,7 +148,7 @@ def test_no_engine_messages_and_results_are_kept(state):
     assert not r.free_prompt(state, "hi", "lmcache").ok
     assert not h.restart_engine(state).ok
     assert not h.clear_tier(state, "L1").ok
-    assert "Unknown tier" in h.clear_tier(state, "L9").message
+    assert "Connect an engine" in h.clear_tier(state, "L9").message
 
 
 @pytest.mark.parametrize("modes, n, expected", [([], 2, "at least one mode"), (["warm"], 2, "Unknown mode"),
@@ -284,9 +284,12 @@ def test_live_restart_then_restore_from_l1_and_l2(live_state):
 def test_live_clear_tiers(live_state):
     r.free_prompt(live_state, TINY_DOC + "\n\nName the west bed's day.", "lmcache", 2)
     assert h.store_stats(live_state)["tiers"]["L2"]["objects"] > 0
-    for tier in ("L1", "L2"):
+    assert live_state.engine.store.tier_names == ["L1", "L2"]
+    for tier in live_state.engine.store.tier_names:
         assert h.clear_tier(live_state, tier).ok
         assert h.store_stats(live_state)["tiers"][tier]["objects"] == 0
+    refused = h.clear_tier(live_state, "L9")
+    assert not refused.ok and "no tier 'L9'" in refused.message and "L1, L2" in refused.message
     assert "| L1 | 0 |" in h.store_markdown(h.store_stats(live_state))
 
 

@@ -8,14 +8,19 @@ tests/test_engine_llamacpp.py and tests/test_llama_server*.py.
 from __future__ import annotations
 
 import pathlib
+import subprocess
 
 import pytest
 
 from conftest import needs_model
 from kvbridge.backends import make_backend
 from kvbridge.engine.cached_engine import CachedEngine
+from kvbridge.settings import PROJECT_ROOT
 
-from test_llama_server import server_binary_and_no_orphans  # noqa: F401  (autouse: build if needed, no orphans)
+from test_llama_server import BINARY as LLAMA_SERVER
+from test_llama_server import our_llama_servers
+
+
 
 pytestmark = [needs_model, pytest.mark.live]
 
@@ -26,7 +31,18 @@ FULL_ENGINES = ("llamacpp", "llama-server")
 
 @pytest.fixture(params=FULL_ENGINES)
 def kind(request) -> str:
+    if request.param == "llama-server":
+        request.getfixturevalue("llama_server_binary")
     return request.param
+
+
+@pytest.fixture(scope="module")
+def llama_server_binary():
+    """The built llama-server (test.sh builds it first; this covers a plain `pytest`); no server may outlive the tests."""
+    if not LLAMA_SERVER.is_file():
+        subprocess.run([str(PROJECT_ROOT / "scripts" / "build_llama_server.sh")], check=True)
+    yield LLAMA_SERVER
+    assert our_llama_servers() == [], "a llama-server child outlived its tests"
 
 
 @pytest.fixture
@@ -34,6 +50,8 @@ def engine_for(kind):
     """engine_for(settings) -> a started CachedEngine on this test's engine (a context manager too)."""
 
     def make(settings) -> CachedEngine:
+        if kind == "llama-server":
+            settings = settings.replace(threads=1)   # two spinning server threads on 2 shared cores crawl
         return CachedEngine(settings, make_backend(kind, settings)).start()
 
     return make
@@ -53,7 +71,7 @@ def cold_then_restore(engine, prompt):
     return cold, warm
 
 
-def test_restore_from_l1_and_l2_equals_cold(make_settings, short_doc):
+def test_restore_from_l1_and_l2_equals_cold(make_settings, engine_for, short_doc):
     with engine_for(make_settings()) as engine:
         prompt = doc_prompt(short_doc, "Who leads the operations team?")
         first = engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)   # miss: stores chunks and tail
@@ -71,7 +89,7 @@ def test_restore_from_l1_and_l2_equals_cold(make_settings, short_doc):
         assert from_l2.text == cold.text
 
 
-def test_partial_share_restores_only_the_common_prefix(make_settings, short_doc):
+def test_partial_share_restores_only_the_common_prefix(make_settings, engine_for, short_doc):
     with engine_for(make_settings()) as engine:
         engine.infer(doc_prompt(short_doc, "Who founded the cooperative?"), mode="lmcache", n_predict=N_PREDICT)
         other = doc_prompt(short_doc, "When is the annual meeting held and where?")
@@ -82,7 +100,7 @@ def test_partial_share_restores_only_the_common_prefix(make_settings, short_doc)
         assert warm.text == cold.text
 
 
-def test_prompts_sharing_only_the_system_prompt(make_settings, short_doc):
+def test_prompts_sharing_only_the_system_prompt(make_settings, engine_for, short_doc):
     system = {"role": "system", "content": "You are a careful assistant. " + short_doc[:600]}
     with engine_for(make_settings()) as engine:
         engine.infer([system, {"role": "user", "content": "Summarise section one."}], mode="lmcache", n_predict=N_PREDICT)
@@ -91,7 +109,7 @@ def test_prompts_sharing_only_the_system_prompt(make_settings, short_doc):
         assert warm.matched_tokens > 0 and warm.text == cold.text
 
 
-def test_shared_prefix_is_stored_once(make_settings, short_doc):
+def test_shared_prefix_is_stored_once(make_settings, engine_for, short_doc):
     """Two documents behind one long shared system prompt: shared chunks stored once."""
     settings = make_settings(l2_enabled=False)
     system = {"role": "system", "content": short_doc}
@@ -110,7 +128,7 @@ def test_shared_prefix_is_stored_once(make_settings, short_doc):
         assert unique_chunk_tokens * per_token <= stored <= unique_chunk_tokens * per_token * 1.05 + tails
 
 
-def test_corrupt_l2_object_is_a_counted_miss_not_wrong_output(make_settings, short_doc):
+def test_corrupt_l2_object_is_a_counted_miss_not_wrong_output(make_settings, engine_for, short_doc):
     settings = make_settings()
     prompt = doc_prompt(short_doc, "What is the pH of the spring water?")
     with engine_for(settings) as engine:
@@ -128,7 +146,7 @@ def test_corrupt_l2_object_is_a_counted_miss_not_wrong_output(make_settings, sho
         assert engine.store.stats()["corrupt"] >= 1
 
 
-def test_foreign_namespace_is_never_restored(make_settings, short_doc):
+def test_foreign_namespace_is_never_restored(make_settings, engine_for, short_doc):
     prompt = doc_prompt(short_doc, "Who is the general manager?")
     with engine_for(make_settings(chunk_size=32)) as engine:
         engine.infer(prompt, mode="lmcache", n_predict=4)
@@ -139,7 +157,7 @@ def test_foreign_namespace_is_never_restored(make_settings, short_doc):
         assert warm.matched_tokens == 0
 
 
-def test_native_mode_reuses_the_engines_own_cache(make_settings, short_doc):
+def test_native_mode_reuses_the_engines_own_cache(make_settings, engine_for, short_doc):
     with engine_for(make_settings()) as engine:
         engine.infer(doc_prompt(short_doc, "Question one?"), mode="native", n_predict=4)
         second = engine.infer(doc_prompt(short_doc, "Question two?"), mode="native", n_predict=4)
@@ -148,7 +166,7 @@ def test_native_mode_reuses_the_engines_own_cache(make_settings, short_doc):
         assert cold.prefill_tokens == cold.prompt_tokens and cold.matched_tokens == 0
 
 
-def test_prompt_too_long_for_context_is_a_record_error(make_settings, short_doc):
+def test_prompt_too_long_for_context_is_a_record_error(make_settings, engine_for, short_doc):
     with engine_for(make_settings(ctx_size=256)) as engine:
         record = engine.infer(doc_prompt(short_doc, "Too long?"), mode="cold", n_predict=4)
         assert "KVB_CTX_SIZE" in record.error

@@ -448,3 +448,14 @@ def test_bench_store_runs_and_reports(tmp_path):
     report = format_report(result)
     assert "M tokens/s" in report and "l2_get" in report and "file_write_fsync" in report
     assert list(tmp_path.iterdir()) == []  # the temp directory next to KVB_L2_DIR is gone
+
+
+# -- tier names and order come from the store (the engine, GUI and charts read them here) --------
+def test_tier_names_and_order_come_from_the_store(tmp_path):
+    store = TieredStore([MemoryTier(1 << 20), DiskTier(tmp_path / "l2", 1 << 20)], namespace="t")
+    try:
+        assert store.tier_names == ["L1", "L2"]
+        assert store.slower("L1", "L2") == "L2" and store.slower("L2", "none") == "L2"
+        assert store.slower("none", "L1") == "L1" and store.slower("none", "none") == "none"
+    finally:
+        store.close()

@@ -16,6 +16,7 @@ from typing import Iterator, Sequence
 
 from kvbridge.settings import EMBEDDED_MODEL_PATH, Settings
 from kvbridge.errors import BadSettings, EngineUnavailable, StateTransferError
+from kvbridge.backends.build_check import ensure_llama_cpp_runs
 from kvbridge.backends.base import Backend, EngineReport, Message, Prompt, Sampling, SeqState
 from kvbridge.backends.chat_template import ChatTemplate, template_of_llama
 from kvbridge.backends.registry import EngineSpec, register_engine
@@ -115,6 +116,8 @@ class LlamaCppBackend(Backend):
 
         path = model_path_for(self.settings)
         check_model_file(path)
+        # a build that crashes on this CPU must crash in a child process, not in the GUI or the caller's script
+        ensure_llama_cpp_runs(path, Path(self.settings.l2_dir).expanduser().parent)
         type_k = ggml_type_id(self.settings.cache_type_k, "KVB_CACHE_TYPE_K")
         type_v = ggml_type_id(self.settings.cache_type_v, "KVB_CACHE_TYPE_V")
         try:

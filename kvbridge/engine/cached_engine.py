@@ -190,11 +190,14 @@ class CachedEngine:
         return record
 
     def _run(self, prompt, mode, n_predict, temperature, record: RequestRecord, t0: float, on_text) -> None:
+        said = prompt.strip() if isinstance(prompt, str) else any(str(m.get("content") or "").strip() for m in prompt)
+        if not said:
+            raise EmptyPrompt("The prompt is empty: type a question or pick a scenario; there is nothing to answer.")
         p = self.prepare(prompt)
         tokens = list(p.tokens)
         record.prompt_tokens = len(tokens)
-        if not tokens or (not p.messages and not p.text.strip()):
-            raise EmptyPrompt("The prompt is empty: type a question or pick a scenario; there is nothing to answer.")
+        if not tokens:
+            raise EmptyPrompt("The prompt has no tokens for this engine's tokenizer; there is nothing to answer.")
         record.approx = p.approx_tokens
         if p.approx_tokens:
             record.add_note("approx: token figures from an approximate tokenizer")

@@ -33,7 +33,6 @@ from kvbridge.store import ObjectMeta, TieredStore
 
 log = logging.getLogger(__name__)
 TAIL_DEPTH = 2          # tails kept at the last TAIL_DEPTH chunk boundaries of each stored prompt
-_TIER_ORDER = {"none": 0, "L1": 1, "L2": 2, "L3": 3}
 _SNAPSHOT_HEADER = struct.Struct("<8sI")  # magic, n_token_ids; then i32 ids, then the raw engine state
 _SNAPSHOT_MAGIC = b"KVBSNAP1"
 
@@ -67,10 +66,6 @@ def _lcp(a: np.ndarray, b: Sequence[int]) -> int:
         return 0
     diff = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n], dtype=np.int64))[0]
     return int(diff[0]) if diff.size else n
-
-
-def _lowest(tier_a: str, tier_b: str) -> str:
-    return tier_a if _TIER_ORDER.get(tier_a, 9) >= _TIER_ORDER.get(tier_b, 9) else tier_b
 
 
 class ChunkKV:
@@ -133,7 +128,7 @@ class ChunkKV:
                 break
             plan.pieces.append((view, c))
             plan.blobs.append(obj.blob)
-            plan.tier = _lowest(plan.tier, obj.tier)
+            plan.tier = self.store.slower(plan.tier, obj.tier)
         plan.chunks_hit = len(plan.pieces)
         start = plan.chunks_hit * c
         prev = hashes[plan.chunks_hit - 1] if plan.chunks_hit else self.seed
@@ -145,7 +140,7 @@ class ChunkKV:
                 if keep > 0:
                     plan.pieces.append((view, keep))
                     plan.blobs.append(obj.blob)
-                    plan.tier = _lowest(plan.tier, obj.tier)
+                    plan.tier = self.store.slower(plan.tier, obj.tier)
         n = sum(keep for _, keep in plan.pieces)
         plan.tokens = list(tokens[:n])
         plan.matched_tokens = n
@@ -291,7 +286,7 @@ class ShadowIndex:
         if obj is not None and obj.meta.kind == "index":
             ids = np.frombuffer(obj.blob, dtype="<u4")
             extra = _lcp(ids, tokens[k * self.chunk_size:])
-            tier = _lowest(tier, obj.tier)
+            tier = self.store.slower(tier, obj.tier)
         return k, k * self.chunk_size + extra, tier
 
     def record(self, tokens: Sequence[int], hashes: Sequence[bytes]) -> int:

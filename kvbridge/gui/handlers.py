@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 
 # Shown for every engine under "Store and generation", after the engine's own fields.
 COMMON_FIELDS = ("chunk_size", "n_predict", "l1_bytes", "l2_enabled", "l2_dir", "l2_bytes")
-STORE_TIERS = ("L1", "L2")
 
 
 @dataclass
@@ -289,14 +288,13 @@ def store_markdown(stats: dict | None) -> str:
 
 
 def clear_tier(state: AppState, tier: str) -> Outcome:
-    """Empty one tier (called after the person confirmed)."""
-    if tier not in STORE_TIERS:
-        return Outcome(f"Unknown tier {tier!r}; choose one of {', '.join(STORE_TIERS)}.", ok=False)
-    stats = store_stats(state)
-    if stats is None:
+    """Empty one tier (called after the person confirmed); the tiers are the store's own list."""
+    if state.engine is None:
         return Outcome("Connect an engine first.", ok=False)
-    if tier not in stats.get("tiers", {}):
-        return Outcome(f"This store has no {tier} tier (L2 is off: KVB_L2_ENABLED=false).", ok=False)
+    names = state.engine.store.tier_names
+    if tier not in names:
+        return Outcome(f"This store has no tier {tier!r}; its tiers are {', '.join(names)}"
+                       f"{' (L2 is off: KVB_L2_ENABLED=false)' if tier == 'L2' else ''}.", ok=False)
     if not state.engine_lock.acquire(blocking=False):
         return _busy()
     try:

@@ -95,6 +95,17 @@ class TieredStore:
     def tiers(self) -> list[Tier]:
         return [level.tier for level in self._levels]
 
+    @property
+    def tier_names(self) -> list[str]:
+        """The tiers' names, fastest first: the one source of tier names and order for the engine,
+        the GUI and the charts (a new tier, e.g. a remote L3, appears everywhere by being in the list)."""
+        return [level.tier.name for level in self._levels]
+
+    def slower(self, tier_a: str, tier_b: str) -> str:
+        """The slower of two tier names by the store's order ("none", no tier, counts as the fastest)."""
+        order = {name: i for i, name in enumerate(self.tier_names, start=1)}
+        return tier_a if order.get(tier_a, 0) >= order.get(tier_b, 0) else tier_b
+
     # -- reading ---------------------------------------------------------------------------------
     def lookup(self, hashes: Iterable[bytes], namespace: str | None = None) -> LookupResult:
         """How many LEADING hashes are stored (in the expected namespace), and in which tier each.

@@ -1,0 +1,88 @@
+"""Before llama.cpp is loaded into this process: does this build run on this CPU at all?
+
+A CPU may advertise instructions its hypervisor will not execute (AMX tiles on some cloud VMs); a
+llama.cpp built for them dies by a signal at its first decode, and in-process that would take the
+GUI or the caller's script down with it. So the first start of the in-process engine per build runs
+scripts/smoke_decode.py (the same check ./scripts/setup.sh runs after every build) in a child
+process; only when the child decodes does the engine load llama.cpp here. A build that passed is
+remembered under the cache folder, keyed by the library files and the model, so later starts pay
+nothing. Deliberately left out: re-checking on every start (a build does not change without its
+files changing).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from kvbridge.errors import EngineUnavailable
+from kvbridge.settings import PROJECT_ROOT
+
+log = logging.getLogger(__name__)
+SMOKE_SCRIPT = PROJECT_ROOT / "scripts" / "smoke_decode.py"
+BUILD_RECORD = PROJECT_ROOT / ".venv" / "kvbridge-build.json"
+SMOKE_TIMEOUT_S = 180.0
+EXIT_ENVIRONMENT = 3   # smoke_decode.py: the environment is wrong (no llama_cpp, no model), not the build
+
+
+def installed_variant(record: Path = BUILD_RECORD) -> str:
+    """The instruction-set variant ./scripts/setup.sh installed ('unknown' without a build record)."""
+    try:
+        return str(json.loads(record.read_text()).get("variant") or "unknown")
+    except (OSError, ValueError, AttributeError):
+        return "unknown"
+
+
+def _library_files() -> list[Path]:
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    lib_dir = Path(list(spec.submodule_search_locations)[0]) / "lib"
+    return sorted(lib_dir.glob("*.so*")) if lib_dir.is_dir() else []
+
+
+def build_identity(model: Path) -> str:
+    """Digest of the llama.cpp libraries (path, size, mtime, inode) and the model file: what a smoke decode vets."""
+    parts = []
+    for path in [*_library_files(), model]:
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        parts.append(f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def ensure_llama_cpp_runs(model: Path, cache_dir: Path) -> None:
+    """Smoke-decode `model` in a child process unless this build already passed; EngineUnavailable when it crashes."""
+    marker = cache_dir / "llama-build-ok" / build_identity(model)
+    if marker.exists() or not SMOKE_SCRIPT.is_file():
+        return
+    variant = installed_variant()
+    argv = [sys.executable, str(SMOKE_SCRIPT), "llama", "--model", str(model), "--variant", variant]
+    try:
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, cwd=PROJECT_ROOT)
+    except subprocess.TimeoutExpired:
+        raise EngineUnavailable(
+            f"llama.cpp did not finish a test decode of {model.name} in a child process within "
+            f"{SMOKE_TIMEOUT_S:.0f} s, so it was not loaded here. Run ./scripts/setup.sh to check and rebuild it.") from None
+    if run.returncode == 0:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(run.stdout.strip()[-2000:] + "\n")
+        return
+    if run.returncode == EXIT_ENVIRONMENT:
+        # not the build's fault (llama_cpp missing, model unreadable): the in-process load says what is wrong
+        log.warning("llama.cpp smoke decode could not run: %s", run.stderr.strip()[-500:])
+        return
+    how = (f"was killed by {signal.Signals(-run.returncode).name}" if run.returncode < 0
+           else f"failed (exit code {run.returncode})")
+    raise EngineUnavailable(
+        f"llama.cpp {how} during a test decode of {model.name} in a child process, so it was not loaded into "
+        f"this one: this build of llama-cpp-python (instruction set '{variant}') uses CPU instructions this "
+        "machine cannot run. Run ./scripts/setup.sh: it tests the build and rebuilds it with a safer "
+        "instruction set (or choose the flags yourself with KVB_LLAMA_CMAKE_ARGS).")
