@@ -66,7 +66,8 @@ class SeqState:
     data: bytes | memoryview   # bytes-like; restore paths must not assume `bytes`
     n_tokens: int
     # The token ids whose KV `data` holds, as the engine itself reports them (llama-server: the slot
-    # file's ids; in-process: the context's ids). None: the engine cannot say, and the state is not stored.
+    # file's ids; in-process: the context's ids). None: the engine cannot say; (): the engine says the
+    # state is another client's (llama-server by name: its slot ran another task). Neither is stored.
     token_ids: tuple[int, ...] | None = None
 
 
