@@ -14,6 +14,7 @@ import pytest
 
 from conftest import needs_model
 from kvbridge.backends import make_backend
+from kvbridge.backends import build_check
 from kvbridge.backends.build_check import installed_variant
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.errors import EngineUnavailable
@@ -54,14 +55,19 @@ def test_cli_says_what_failed_and_what_to_run(tmp_path):
     assert "SIGILL" in run.stderr + run.stdout and "./scripts/setup.sh" in run.stderr + run.stdout
 
 
-def test_a_build_that_runs_is_checked_once(make_settings, tmp_path):
+def test_a_build_that_runs_is_checked_once(make_settings, tmp_path, monkeypatch):
+    monkeypatch.setattr(build_check, "CHECKED_DIR", tmp_path / "checked")
+    children = []
+    real_run = build_check.subprocess.run
+
+    def counting_run(argv, **kwargs):
+        children.append(argv)
+        return real_run(argv, **kwargs)
+
+    monkeypatch.setattr(build_check.subprocess, "run", counting_run)
     settings = make_settings()
-    marker_dir = tmp_path / "llama-build-ok"      # next to the private L2 folder (tmp_path / "l2")
-    with CachedEngine(settings, make_backend("llamacpp", settings)) as engine:
-        assert engine.started and len(list(marker_dir.iterdir())) == 1
-    os.environ["KVB_SMOKE_CRASH_VARIANTS"] = installed_variant()   # would crash if the check ran again
-    try:
+    for _ in range(2):
         with CachedEngine(settings, make_backend("llamacpp", settings)) as engine:
             assert engine.started
-    finally:
-        del os.environ["KVB_SMOKE_CRASH_VARIANTS"]
+    assert len(children) == 1 and "smoke_decode.py" in children[0][1]
+    assert len(list((tmp_path / "checked").iterdir())) == 1

@@ -5,8 +5,8 @@ llama.cpp built for them dies by a signal at its first decode, and in-process th
 GUI or the caller's script down with it. So the first start of the in-process engine per build runs
 scripts/smoke_decode.py (the same check ./scripts/setup.sh runs after every build) in a child
 process; only when the child decodes does the engine load llama.cpp here. A build that passed is
-remembered under the cache folder, keyed by the library files and the model, so later starts pay
-nothing. Deliberately left out: re-checking on every start (a build does not change without its
+remembered in the virtual environment beside the build record, keyed by the library files and the
+model, so later starts pay nothing. Deliberately left out: re-checking on every start (a build does not change without its
 files changing).
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -26,7 +27,9 @@ from kvbridge.settings import PROJECT_ROOT
 log = logging.getLogger(__name__)
 SMOKE_SCRIPT = PROJECT_ROOT / "scripts" / "smoke_decode.py"
 BUILD_RECORD = PROJECT_ROOT / ".venv" / "kvbridge-build.json"
+CHECKED_DIR = BUILD_RECORD.parent / "kvbridge-build-checked"
 SMOKE_TIMEOUT_S = 180.0
+CRASH_HOOK_VAR = "KVB_SMOKE_CRASH_VARIANTS"   # scripts/smoke_decode.py's test hook
 EXIT_ENVIRONMENT = 3   # smoke_decode.py: the environment is wrong (no llama_cpp, no model), not the build
 
 
@@ -47,8 +50,12 @@ def _library_files() -> list[Path]:
 
 
 def build_identity(model: Path) -> str:
-    """Digest of the llama.cpp libraries (path, size, mtime, inode) and the model file: what a smoke decode vets."""
-    parts = []
+    """Digest of the llama.cpp libraries (path, size, mtime, inode) and the model file: what a smoke decode vets.
+
+    The smoke decode's test hook (which makes it crash on purpose) is part of it: a check made
+    without the hook does not vouch for one made with it.
+    """
+    parts = [f"hook={os.environ.get(CRASH_HOOK_VAR, '')}"]
     for path in [*_library_files(), model]:
         try:
             st = path.stat()
@@ -58,9 +65,9 @@ def build_identity(model: Path) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-def ensure_llama_cpp_runs(model: Path, cache_dir: Path) -> None:
+def ensure_llama_cpp_runs(model: Path, checked_dir: Path | None = None) -> None:
     """Smoke-decode `model` in a child process unless this build already passed; EngineUnavailable when it crashes."""
-    marker = cache_dir / "llama-build-ok" / build_identity(model)
+    marker = (checked_dir or CHECKED_DIR) / build_identity(model)
     if marker.exists() or not SMOKE_SCRIPT.is_file():
         return
     variant = installed_variant()

@@ -117,7 +117,7 @@ class LlamaCppBackend(Backend):
         path = model_path_for(self.settings)
         check_model_file(path)
         # a build that crashes on this CPU must crash in a child process, not in the GUI or the caller's script
-        ensure_llama_cpp_runs(path, Path(self.settings.l2_dir).expanduser().parent)
+        ensure_llama_cpp_runs(path)
         type_k = ggml_type_id(self.settings.cache_type_k, "KVB_CACHE_TYPE_K")
         type_v = ggml_type_id(self.settings.cache_type_v, "KVB_CACHE_TYPE_V")
         try:
