@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build llama-server from the llama.cpp source vendored in the pinned llama-cpp-python sdist,
-# so the server and the in-process binding share one llama.cpp version (and one KV layout).
-# Result: .llama-server/<version>/bin/llama-server (git-ignored). Idempotent.
+# so the server and the in-process binding share one llama.cpp version (and one KV layout), with
+# the instruction-set flags setup.sh chose and recorded for llama-cpp-python (.venv/kvbridge-build.json).
+# Result: .llama-server/<version>/bin/llama-server (git-ignored). Idempotent; rebuilds when the flags change.
 # Usage: scripts/build_llama_server.sh [--force]
 set -euo pipefail
 
@@ -12,7 +13,7 @@ force=0
 for arg in "$@"; do
     case "$arg" in
         --force) force=1 ;;
-        -h|--help) sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "build_llama_server.sh: unknown option '$arg' (use --force or --help)" >&2; exit 2 ;;
     esac
 done
@@ -23,12 +24,29 @@ if [[ -z "$version" ]]; then
     exit 1
 fi
 
+python="$REPO_ROOT/.venv/bin/python"
+if [[ ! -x "$python" ]]; then
+    echo "build_llama_server.sh: no .venv; run ./scripts/setup.sh first (it chooses the instruction set both engines use)" >&2
+    exit 1
+fi
+variants=("$python" "$REPO_ROOT/scripts/build_variants.py" --tag build_llama_server)
+
+# The recorded variant and its cmake flags, one per line: "variant=NAME" then the flags.
+recorded="$("${variants[@]}" server-args)" || exit 1
+mapfile -t cmake_flags <<<"$recorded"
+variant="${cmake_flags[0]#variant=}"
+cmake_flags=("${cmake_flags[@]:1}")
+
 install_dir="$REPO_ROOT/.llama-server/$version"
 binary="$install_dir/bin/llama-server"
+flags_file="$install_dir/cmake-flags.txt"   # the build's variant and flags, as server-args printed them
 
 if [[ $force -eq 0 && -x "$binary" ]] && "$binary" --version >"$install_dir/version.txt" 2>&1; then
-    echo "llama-server $version already built: $binary"
-    exit 0
+    if [[ "$(cat "$flags_file" 2>/dev/null || true)" == "$recorded" ]]; then
+        echo "llama-server $version already built as '$variant': $binary"
+        exit 0
+    fi
+    echo "llama-server $version was built with other flags than llama-cpp-python's '$variant' build; rebuilding"
 fi
 
 for tool in cmake g++; do
@@ -38,27 +56,14 @@ for tool in cmake g++; do
     fi
 done
 
-if [[ -x "$REPO_ROOT/.venv/bin/python" ]]; then
-    python="$REPO_ROOT/.venv/bin/python"
-else
-    python="$(command -v python3.11 || command -v python3)"
-fi
-
 work_dir="$(mktemp -d "${TMPDIR:-/tmp}/kvb-llama-server.XXXXXX")"
 trap 'rm -rf "$work_dir"' EXIT
 
-echo "building llama-server $version, about 5 minutes on 2 cores (longer when the CPUs are busy)…"
+echo "building llama-server $version as '$variant' (${cmake_flags[*]}), about 5 minutes on 2 cores (longer when the CPUs are busy)…"
 start_s=$SECONDS
 
-"$python" -m pip download --quiet --no-deps --no-binary :all: \
-    "llama-cpp-python==$version" -d "$work_dir/sdist"
-sdist="$(ls "$work_dir"/sdist/llama_cpp_python-*.tar.gz 2>/dev/null | head -n1 || true)"
-if [[ -z "$sdist" ]]; then
-    echo "build_llama_server.sh: pip did not produce a llama-cpp-python $version sdist" >&2
-    exit 1
-fi
-tar -xzf "$sdist" -C "$work_dir"
-source_dir="$(ls -d "$work_dir"/llama_cpp_python-*/vendor/llama.cpp | head -n1)"
+# The pinned sdist, downloaded once and unpacked under build/ (git-ignored).
+source_dir="$("${variants[@]}" source)" || exit 1
 
 generator=()
 if command -v ninja >/dev/null 2>&1; then
@@ -66,9 +71,10 @@ if command -v ninja >/dev/null 2>&1; then
 fi
 
 # Static libraries: the binary then runs from any folder without an rpath into the build tree.
-# GGML_NATIVE stays at its default (ON), as in llama-cpp-python's own build, so both engines run
-# the same CPU kernels and greedy output matches token for token. LLAMA_USE_PREBUILT_UI=OFF:
-# the web UI would be downloaded from Hugging Face; KVBridge only needs the HTTP API.
+# The instruction-set flags come last, exactly those llama-cpp-python was built and smoke-tested
+# with, so both engines run the same CPU kernels and greedy output matches token for token.
+# LLAMA_USE_PREBUILT_UI=OFF: the web UI would be downloaded from Hugging Face; KVBridge only
+# needs the HTTP API.
 cmake -S "$source_dir" -B "$work_dir/build" "${generator[@]}" \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF \
@@ -80,6 +86,7 @@ cmake -S "$source_dir" -B "$work_dir/build" "${generator[@]}" \
     -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF \
+    "${cmake_flags[@]}" \
     >"$work_dir/cmake-configure.log" 2>&1 || {
     tail -n 30 "$work_dir/cmake-configure.log" >&2
     echo "build_llama_server.sh: cmake configure failed (log above)" >&2
@@ -99,8 +106,14 @@ if [[ -z "$built" ]]; then
     exit 1
 fi
 
-# Install atomically: a half-copied binary must never look like a finished build.
+# A smoke decode before installing: a binary this CPU cannot run never replaces one that runs.
+echo "smoke decode of llama-server '$variant' on a loopback port…"
+"${variants[@]}" smoke-server "$built" || exit 1
+
+# Install atomically: a half-copied binary must never look like a finished build. The flags file
+# is written last, so an interrupted install is rebuilt next time.
 mkdir -p "$install_dir/bin"
+rm -f "$flags_file"
 cp "$built" "$install_dir/bin/llama-server.tmp"
 mv -f "$install_dir/bin/llama-server.tmp" "$binary"
 "$binary" --version >"$install_dir/version.txt" 2>&1 || {
@@ -109,4 +122,5 @@ mv -f "$install_dir/bin/llama-server.tmp" "$binary"
     exit 1
 }
 
-echo "llama-server $version built in $((SECONDS - start_s)) s: $binary"
+printf '%s\n' "$recorded" >"$flags_file"
+echo "llama-server $version built as '$variant' in $((SECONDS - start_s)) s: $binary"

