@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,18 +157,24 @@ def read_env_file(path: Path) -> dict[str, str]:
     return values
 
 
-def requested_cmake_args(environ: dict[str, str] | os._Environ, env_file: Path) -> str | None:
+def requested_cmake_args(environ: Mapping[str, str], env_file: Path) -> str | None:
     """The user's flags, or None for the ladder. The environment wins over .env even when empty
     (as for every KVB_ setting); an empty value means the default, the ladder."""
     raw = environ[CMAKE_ARGS_VAR] if CMAKE_ARGS_VAR in environ else read_env_file(env_file).get(CMAKE_ARGS_VAR, "")
     return raw.strip() or None
 
 
-def plan(environ, env_file: Path, flags: set[str], machine: str) -> list[Variant]:
+def plan(environ: Mapping[str, str], env_file: Path, flags: set[str], machine: str) -> list[Variant]:
+    """The variants to try, in order: the user's flags alone, or the ladder."""
     user_args = requested_cmake_args(environ, env_file)
-    if user_args is not None:
-        return [Variant(CUSTOM, tuple(shlex.split(user_args)), f"{CMAKE_ARGS_VAR} ({user_args})")]
-    return build_ladder(flags, machine)
+    if user_args is None:
+        return build_ladder(flags, machine)
+    try:
+        args = tuple(shlex.split(user_args))
+    except ValueError as error:
+        raise BuildError(f"{CMAKE_ARGS_VAR}={user_args!r} cannot be split into arguments ({error}); "
+                         f"quote as in a shell command line") from None
+    return [Variant(CUSTOM, args, f"{CMAKE_ARGS_VAR} ({user_args})")]
 
 
 def pinned_version(requirements: Path) -> str:

@@ -153,6 +153,8 @@ def test_stamp_follows_cmake_args_from_env_and_env_file(tmp_path):
         "-DGGML_AVX=OFF",)
     requirements.write_text("llama-cpp-python==1.2.4\n")
     assert stamp({})["requirements_sha256"] != ladder["requirements_sha256"]
+    with pytest.raises(bv.BuildError, match=bv.CMAKE_ARGS_VAR):
+        stamp({bv.CMAKE_ARGS_VAR: "-DX='unbalanced"})
 
 
 def test_record_that_does_not_verify_means_rebuild(tmp_path):
