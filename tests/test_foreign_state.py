@@ -113,23 +113,26 @@ def test_held_tokens_is_the_servers_own_count_after_a_restore(settings):
 
 
 def test_a_restore_the_server_counts_differently_is_ineffective_and_recomputed(settings):
-    """The server reports restoring one token more than CachedEngine restored: never generate on it."""
+    """The server restores another slot file than the one assembled (as if it were replaced meanwhile):
+    its own n_restored disagrees with what CachedEngine restored, so nothing is generated on it."""
 
-    class OneTokenTooMany(LlamaServerBackend):
-        def reuse_last_restore(self, tokens):
-            return False
+    class RestoresAnotherFile(LlamaServerBackend):
+        other_file = ""
 
-        def state_buffer(self, size, tokens):
-            return None   # assemble outside the restore file, which is rewritten below
+        def _restore_file(self, name, wanted):
+            super()._restore_file(self.other_file or name, wanted)
 
-        def restore_state(self, state, tokens):
-            # the slot file then names one token more than its cells hold; llama-server's n_restored counts names
-            super().restore_state(state, list(tokens) + [int(tokens[-1])])
-
-    with CachedEngine(settings, OneTokenTooMany(settings), TieredStore.from_settings(settings)) as engine:
+    with CachedEngine(settings, RestoresAnotherFile(settings), TieredStore.from_settings(settings)) as engine:
         cold = engine.infer(QUESTION, mode="cold")
         engine.infer(QUESTION, mode="lmcache")
+        backend = engine.backend
+        other = engine.infer([{"role": "user", "content": "Name a colour."}], mode="cold")
+        saved = requests.post(f"{backend.base_url}/slots/{SLOT_ID}?action=save", json={"filename": "kvb-other.bin"},
+                              timeout=60).json()
+        assert 0 < saved["n_saved"] < cold.prompt_tokens and other.text
+        backend.other_file = "kvb-other.bin"
         record = engine.infer(QUESTION, mode="lmcache")
+        assert backend.held_tokens() == saved["n_saved"]
         assert record.restore_ok is False and "restore ineffective" in record.notes
         assert engine.metrics.count("restore_ineffective") == 1
         assert record.text == cold.text

@@ -402,11 +402,11 @@ class LlamaServerBackend(Backend):
         except LlamaServerError as exc:
             raise StateTransferError(f"llama-server did not save its slot: {exc}") from exc
         self.last_save_ms = slot_timing(result, "save_ms")
-        if int(result.get("n_saved", -1)) != len(self._context):
-            raise StateTransferError(f"llama-server saved {result.get('n_saved')} tokens, expected {len(self._context)}")
         # The slot file cannot be read from here, so whose KV it holds is checked after the save: the
-        # slot's latest task must still be our /completion. () tells CachedEngine it is someone else's.
-        ours = self._slot_last_ran_ours()
+        # slot must hold as many tokens as ours and its latest task must still be our /completion.
+        # () tells CachedEngine the state is someone else's. (A file of ours overwritten that way is
+        # harmless: it carries the ids it was saved with, and llama-server reuses KV only for those.)
+        ours = int(result.get("n_saved", -1)) == len(self._context) and self._slot_last_ran_ours()
         token_ids = tuple(self._context) if ours else (() if ours is False else None)
         # the count travels inside the reference: a store may re-wrap the state with fewer token ids
         ref = SLOT_REF_MAGIC + struct.pack("<I", len(self._context)) + name.encode()
