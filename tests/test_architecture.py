@@ -178,3 +178,17 @@ def test_public_and_readme_imports_work():
                          timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "llamacpp"
+
+
+def test_the_imports_the_docs_show_work():
+    """Every `from kvbridge...` / `import kvbridge...` line in the README's and Quickstart's Python examples runs."""
+    root = PACKAGE_DIR.parent
+    lines = []
+    for doc in (root / "README.md", root / "Docs" / "Quickstart.md"):
+        for block in doc.read_text().split("```python")[1:]:
+            lines += [line.split("#")[0].strip() for line in block.split("```")[0].splitlines()
+                      if line.startswith(("from kvbridge", "import kvbridge"))]
+    assert lines, "no kvbridge import found in the docs' Python examples"
+    run = subprocess.run([sys.executable, "-c", "\n".join(lines)], cwd=root, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
