@@ -155,16 +155,21 @@ def test_layers_import_only_what_is_below_them(layer):
     assert wrong == []
 
 
+def run_python(code: str) -> str:
+    """Run `code` in a fresh interpreter at the project root (nothing imported yet); its stdout."""
+    run = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE_DIR.parent, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
+
+
 def test_the_engine_core_loads_no_adapter():
     """Importing CachedEngine must not import any engine adapter (the core never needs one for a type)."""
     code = ("import sys; from kvbridge import CachedEngine, Settings, make_backend; CachedEngine, Settings\n"
             "from kvbridge.backends.registry import BUILTIN_ADAPTERS\n"
             "loaded = sorted(m for m in sys.modules for a in BUILTIN_ADAPTERS if m == a or m.startswith(a + '.'))\n"
             "print(','.join(loaded))")
-    run = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE_DIR.parent, capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == ""
+    assert run_python(code) == ""
 
 
 def test_public_and_readme_imports_work():
@@ -174,10 +179,7 @@ def test_public_and_readme_imports_work():
             "from kvbridge.engine import CachedEngine as C2\n"
             "assert CachedEngine is C2 and Settings is S2 and make_backend is m2\n"
             "print(make_backend('llamacpp', Settings()).key)")
-    run = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE_DIR.parent, capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "llamacpp"
+    assert run_python(code) == "llamacpp"
 
 
 def test_the_imports_the_docs_show_work():
@@ -189,6 +191,4 @@ def test_the_imports_the_docs_show_work():
             lines += [line.split("#")[0].strip() for line in block.split("```")[0].splitlines()
                       if line.startswith(("from kvbridge", "import kvbridge"))]
     assert lines, "no kvbridge import found in the docs' Python examples"
-    run = subprocess.run([sys.executable, "-c", "\n".join(lines)], cwd=root, capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 0, run.stderr
+    run_python("\n".join(lines))
