@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -30,6 +30,7 @@ import numpy as np
 from kvbridge.bench.report import is_warm, plain_copy_ms
 from kvbridge.engine.records import RequestRecord
 from kvbridge.errors import BadSettings
+from kvbridge.formats.llama_state import assembled_size
 from kvbridge.settings import Settings
 
 DOCUMENT_PATH = Path(__file__).resolve().parents[1] / "data" / "cold_store_manual.md"
@@ -100,7 +101,7 @@ class LengthRow:
         return _ratio(self.restore_ms, self.plain_copy_ms)
 
     def to_dict(self) -> dict:
-        row = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        row = asdict(self)
         row.update(lmcache_vs_native=self.lmcache_vs_native, native_speedup=self.native_speedup,
                    lmcache_speedup=self.lmcache_speedup, restore_vs_copy=self.restore_vs_copy)
         return row
@@ -214,19 +215,13 @@ def run_long_context(engine, modes: Sequence[str], lengths: Sequence[int] | None
                               request_index=list(prompts).index(target) + 1)
         extra = LongContextRecord(**record.to_dict(), target_tokens=target, phase=phase, question=question)
         if phase == "warm" and mode == "lmcache" and record.matched_tokens and engine.geometry is not None:
-            extra.restored_bytes = _state_bytes(engine, record.matched_tokens)
+            extra.restored_bytes = assembled_size(engine.geometry, record.matched_tokens)
             if copy_source is None or len(copy_source) < extra.restored_bytes:
                 copy_source = np.ones(extra.restored_bytes, dtype=np.uint8)   # touched once, outside the timing
             extra.plain_copy_ms = plain_copy_ms(copy_source[:extra.restored_bytes])
         yield extra
     if progress is not None:
         progress(len(steps), len(steps), "done")
-
-
-def _state_bytes(engine, n_tokens: int) -> int:
-    from kvbridge.formats.llama_state import assembled_size
-
-    return assembled_size(engine.geometry, n_tokens)
 
 
 # -- the report ---------------------------------------------------------------------------

@@ -297,8 +297,12 @@ def long_context_figure(rows: Sequence[Any]) -> go.Figure:
                            "lmcache ÷ native %{customdata[3]}; restore ÷ copy %{customdata[4]} "
                            "(%{customdata[5]:.1f} MB)<extra></extra>"),
         ))
-    return _base_layout(fig, title, xaxis={"title": "prompt tokens", "type": "log", "tickvals": x},
-                        yaxis={"title": "ms (log scale)", "type": "log"})
+    fig = _base_layout(fig, title, xaxis={"title": "prompt tokens", "type": "log", "tickvals": x},
+                       yaxis={"title": "ms (log scale)", "type": "log"})
+    # five series: the legend goes below the plot, where it cannot cover the title or the lines
+    fig.update_layout(height=FIGURE_HEIGHT + 120, margin={"b": 130},
+                      legend={"orientation": "h", "yanchor": "top", "y": -0.2, "xanchor": "left", "x": 0})
+    return fig
 
 
 def run_figures(records: Sequence[RequestRecord], store_stats: dict | None = None) -> dict[str, go.Figure]:
