@@ -213,8 +213,8 @@ def test_a_state_saved_after_another_client_used_the_engine_is_not_stored(make_s
 
 
 def test_a_restore_that_loads_fewer_cells_than_claimed_is_caught(make_settings, engine_for, short_doc):
-    """The engine's own position count after a restore is compared with what was restored: a restore
-    that loaded less (here: the assembled state silently lacks its last piece) is recomputed, not trusted."""
+    """A restore that loads less than it claims (here: the assembled state silently lacks its last
+    piece) is caught by the engine's own account of what it holds, and recomputed, not trusted."""
     with engine_for(make_settings()) as engine:
         prompt = doc_prompt(short_doc, "What is the pH of the spring water?")
         engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)
@@ -229,6 +229,8 @@ def test_a_restore_that_loads_fewer_cells_than_claimed_is_caught(make_settings, 
         engine._kv.assemble = assemble_short
         engine.infer(UNRELATED, mode="native", n_predict=4)
         warm = engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)
-        assert warm.restore_ok is False and "restore ineffective" in warm.notes
-        assert engine.metrics.count("restore_ineffective") == 1
+        # in-process: llama.cpp's position count disagrees after the load; llama-server: the slot
+        # file writer already refuses a state whose cells and token ids disagree. Either way: not trusted.
+        assert warm.restore_ok is False and ("restore ineffective" in warm.notes or "restore failed" in warm.notes)
+        assert engine.metrics.count("restore_ineffective") + engine.metrics.count("restore_failed") == 1
         assert warm.text == cold.text
