@@ -28,7 +28,7 @@ from kvbridge.errors import BadSettings, BudgetExhausted, EngineUnavailable, KVB
 from kvbridge.backends.approx_tokenizer import ApproxTokenizer
 from kvbridge.backends.base import Backend, EngineReport, Message, Prompt
 from kvbridge.backends.chat_template import chatml
-from kvbridge.backends.http_util import error_message, error_text, is_read_timeout
+from kvbridge.backends.http_util import error_message, error_text, is_read_timeout, json_objects
 from kvbridge.backends.registry import EngineSpec, register_engine
 from kvbridge.backends.usage import UsageCounts, usage_counts_from
 
@@ -69,6 +69,14 @@ def retry_delay_s(retry_after: str | None, attempt: int, base_s: float, cap_s: f
                 when = when if when.tzinfo else when.replace(tzinfo=timezone.utc)
                 return min(cap_s, max(0.0, (when - datetime.now(timezone.utc)).total_seconds()))
     return min(cap_s, base_s * (2 ** attempt))
+
+
+def sse_data_until_done(lines: Iterator[bytes]) -> Iterator[str]:
+    """The events' data up to OpenAI's closing `[DONE]`."""
+    for data in iter_sse_data(lines):
+        if data.strip() == "[DONE]":
+            return
+        yield data
 
 
 def iter_sse_data(lines: Iterator[bytes]) -> Iterator[str]:
@@ -121,14 +129,10 @@ def _key_variable_problems(s: Settings, environ: Mapping[str, str], preset: Clou
 
 
 def _extra_header_problems(text: str) -> list[str]:
-    if not text.strip():
-        return []
     try:
-        headers = json.loads(text)
-    except ValueError:
-        headers = None
-    if not isinstance(headers, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
-        return ['KVB_CLOUD_EXTRA_HEADERS is not a JSON object of strings; use e.g. {"X-Title": "kvbridge"}']
+        parse_extra_headers(text)
+    except BadSettings as error:
+        return [str(error)]
     if looks_like_secret(text):
         return ["KVB_CLOUD_EXTRA_HEADERS seems to carry a key or token; keys go in the variable named by "
                 "KVB_CLOUD_API_KEY_ENV"]
@@ -302,15 +306,8 @@ class CloudBackend(Backend):
         usage: UsageCounts | None = None
         pieces, malformed = 0, 0
         try:
-            for data in iter_sse_data(response.iter_lines()):
-                if data.strip() == "[DONE]":
-                    break
-                try:
-                    event = json.loads(data)
-                except ValueError:
-                    malformed += 1
-                    continue
-                if not isinstance(event, dict):
+            for event in json_objects(sse_data_until_done(response.iter_lines())):
+                if event is None:
                     malformed += 1
                     continue
                 if event.get("error"):

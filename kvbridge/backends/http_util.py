@@ -1,7 +1,8 @@
 """Small HTTP helpers the REST-speaking shadow backends (Ollama, cloud) share."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+import json
+from typing import Any, Iterable, Iterator, Mapping
 
 import requests
 from urllib3.exceptions import ReadTimeoutError
@@ -30,3 +31,16 @@ def error_text(response: requests.Response) -> str:
     if isinstance(body, Mapping) and body.get("error"):
         return error_message(body["error"])
     return str(body)[:MAX_DETAIL_CHARS]
+
+
+def json_objects(texts: Iterable[str | bytes]) -> Iterator[dict | None]:
+    """Each non-blank text of a stream parsed as a JSON object; None for one that is not (the caller counts it)."""
+    for text in texts:
+        if not text.strip():
+            continue
+        try:
+            event = json.loads(text)
+        except ValueError:
+            yield None
+            continue
+        yield event if isinstance(event, dict) else None

@@ -11,7 +11,6 @@ Ollama versions need for a cached-token estimate.
 """
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Mapping
@@ -25,7 +24,7 @@ from kvbridge.backends.approx_tokenizer import ApproxTokenizer
 from kvbridge.backends.base import Backend, EngineReport, Message, Prompt
 from kvbridge.backends.chat_template import chatml
 from kvbridge.backends.gguf_vocab import GGUFVocab
-from kvbridge.backends.http_util import error_text, is_read_timeout
+from kvbridge.backends.http_util import error_text, is_read_timeout, json_objects
 from kvbridge.backends.ollama.model_store import locate_ollama_model
 from kvbridge.backends.registry import EngineSpec, register_engine
 from kvbridge.backends.usage import ollama_cached_tokens
@@ -181,15 +180,8 @@ class OllamaBackend(Backend):
         final: dict[str, Any] | None = None
         malformed = 0
         try:
-            for line in response.iter_lines():
-                if not line.strip():
-                    continue
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    malformed += 1
-                    continue
-                if not isinstance(event, dict):
+            for event in json_objects(response.iter_lines()):
+                if event is None:
                     malformed += 1
                     continue
                 if event.get("error"):
