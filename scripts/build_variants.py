@@ -2,13 +2,18 @@
 """Which instruction set llama.cpp is built with, for both engines, and proof that it runs here.
 
 The problem: a CPU may advertise instructions (AMX on some cloud VMs) that its hypervisor will
-not execute, so a -march=native build dies at its first decode. The answer is a ladder of build
+not execute, so a build that uses them dies at its first decode. The answer is a ladder of build
 variants, fastest first and safest last; each is built, then vetted by a smoke decode in a child
 process (scripts/smoke_decode.py), and the first one that runs is kept:
 
-    native   GGML_NATIVE=ON (-march=native): every instruction the CPU claims
-    no-amx   GGML_NATIVE=OFF, the AVX/AVX2/FMA/F16C/AVX-512 set the CPU claims, AMX off
-    avx2     GGML_NATIVE=OFF, AVX/AVX2/FMA/F16C only: AVX-512 and AMX off
+    claimed  GGML_NATIVE=OFF, every extension ggml uses that /proc/cpuinfo claims, AMX included
+    no-amx   the same, AMX off
+    avx2     AVX/AVX2/FMA/F16C only: AVX-512 and AMX off
+
+A rung equal to an earlier one is dropped (without AMX, claimed is no-amx). The first rung spells
+the flags out instead of GGML_NATIVE=ON (-march=native): it compiles the same kernels, AMX
+included, and prefilled 7% faster here (Docs/Research.md, "Build variants"). GGML_NATIVE=ON is the
+only rung off x86, and a KVB_LLAMA_CMAKE_ARGS away on x86.
 
 KVB_LLAMA_CMAKE_ARGS (environment, else .env) replaces the ladder with exactly those flags.
 The choice is recorded in .venv/kvbridge-build.json; scripts/build_llama_server.sh reads it and
@@ -17,7 +22,7 @@ outputs match. The record's stamp covers requirements.txt and the requested flag
 either rebuilds.
 
 Deliberately left out: a failed compile does not step down the ladder (a missing compiler or
-network breaks every rung alike), and the ladder is not tried on non-x86 CPUs (only native).
+network breaks every rung alike).
 
 Commands (stdlib only; setup.sh runs them with .venv's python):
     check                 exit 0 when the recorded build is current, else say why and exit 1
@@ -78,7 +83,7 @@ class Variant:
         return shlex.join(self.cmake_args)
 
 
-AMX_OFF = ("-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
+AMX = (("amx_tile", "GGML_AMX_TILE"), ("amx_int8", "GGML_AMX_INT8"), ("amx_bf16", "GGML_AMX_BF16"))
 AVX512_EXTRAS = (("avx512vbmi", "GGML_AVX512_VBMI"), ("avx512_vnni", "GGML_AVX512_VNNI"),
                  ("avx512_bf16", "GGML_AVX512_BF16"))
 # GGML_AVX512 compiles with -mavx512f/cd/vl/dq/bw (ggml-cpu/CMakeLists.txt): all five or none
@@ -96,9 +101,9 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
     return set()
 
 
-def explicit_x86(flags: set[str], extensions: bool) -> tuple[str, ...]:
+def explicit_x86(flags: set[str], extensions: bool, amx: bool) -> tuple[str, ...]:
     """GGML_NATIVE=OFF with every x86 option spelled out: ON where the CPU claims it (and, for
-    AVX-VNNI and AVX-512, where extensions are wanted), OFF otherwise; AMX always OFF."""
+    AVX-VNNI and AVX-512, where extensions are wanted; for AMX, where amx), OFF otherwise."""
     def on(option: str, wanted: bool) -> str:
         return f"-D{option}={'ON' if wanted else 'OFF'}"
 
@@ -108,7 +113,9 @@ def explicit_x86(flags: set[str], extensions: bool) -> tuple[str, ...]:
             on("GGML_BMI2", "bmi2" in flags), on("GGML_AVX_VNNI", extensions and "avx_vnni" in flags),
             on("GGML_AVX512", use_avx512)]
     args += [on(option, use_avx512 and flag in flags) for flag, option in AVX512_EXTRAS]
-    return tuple(args) + AMX_OFF
+    # ggml's AMX kernels are built on AVX512-VNNI (ggml-cpu/amx): no AVX-512, no AMX
+    args += [on(option, amx and use_avx512 and flag in flags) for flag, option in AMX]
+    return tuple(args)
 
 
 # the avx2 rung asks for these whatever /proc/cpuinfo says: it is the floor, and a CPU without
@@ -116,13 +123,18 @@ def explicit_x86(flags: set[str], extensions: bool) -> tuple[str, ...]:
 AVX2_FLOOR = {"sse4_2", "avx", "avx2", "fma", "f16c"}
 
 
+NATIVE = Variant("native", ("-DGGML_NATIVE=ON",), "-march=native, every instruction the CPU claims")
+
+
 def build_ladder(flags: set[str], machine: str) -> list[Variant]:
     """Fastest first, safest last; a rung whose flags equal an earlier one's is dropped."""
-    ladder = [Variant("native", ("-DGGML_NATIVE=ON",), "-march=native, every instruction the CPU claims")]
-    if machine.lower() in ("x86_64", "amd64"):
-        ladder += [Variant("no-amx", explicit_x86(flags, extensions=True), "the claimed AVX/AVX-512 set, AMX off"),
-                   Variant("avx2", explicit_x86(AVX2_FLOOR | (flags & {"bmi2"}), extensions=False),
-                           "AVX2/FMA/F16C only, AVX-512 and AMX off")]
+    if machine.lower() not in ("x86_64", "amd64"):
+        return [NATIVE]
+    ladder = [Variant("claimed", explicit_x86(flags, extensions=True, amx=True),
+                      "every extension the CPU claims, AMX included"),
+              Variant("no-amx", explicit_x86(flags, extensions=True, amx=False), "the claimed AVX/AVX-512 set, AMX off"),
+              Variant("avx2", explicit_x86(AVX2_FLOOR | (flags & {"bmi2"}), extensions=False, amx=False),
+                      "AVX2/FMA/F16C only, AVX-512 and AMX off")]
     unique: list[Variant] = []
     for variant in ladder:
         if all(variant.cmake_args != kept.cmake_args for kept in unique):
@@ -383,10 +395,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke-timeout", type=float, default=180.0)
     parser.add_argument("--log-dir", type=Path, default=REPO_ROOT / "build" / "logs")
     parser.add_argument("--tag", default="setup", help="prefix of the progress lines")
+    parser.add_argument("--cpuinfo", type=Path, default=Path("/proc/cpuinfo"),
+                        help="tests: read the CPU's claimed flags from this file instead")
     args = parser.parse_args(argv)
 
     try:
-        variants = plan(os.environ, args.env_file, cpu_flags(), platform.machine())
+        variants = plan(os.environ, args.env_file, cpu_flags(args.cpuinfo), platform.machine())
         parts = stamp_parts(args.requirements, variants)
         if args.command == "plan":
             for variant in variants:

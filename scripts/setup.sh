@@ -118,7 +118,7 @@ PY
     say "model ready: $MODEL_FILE"
 fi
 
-# 4. llama-cpp-python down the build-variant ladder (native, no-amx, avx2): each build is vetted
+# 4. llama-cpp-python down the build-variant ladder (claimed, no-amx, avx2): each build is vetted
 #    by a smoke decode in a child process and the first that runs is kept and recorded;
 #    build_llama_server.sh builds llama-server with the same flags. It says each step itself.
 if [[ $need_install -eq 1 ]]; then

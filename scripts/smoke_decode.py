@@ -13,7 +13,7 @@ Exit 0 and one JSON line on stdout: the build runs. Death by a signal, a hang, o
 does not run here (the parent steps down its ladder). Exit 3: the environment is wrong (llama_cpp
 not importable, no model file), which no other instruction set would fix.
 
-Test hook: KVB_SMOKE_CRASH_VARIANTS=native,no-amx makes the decode of those variants die by a
+Test hook: KVB_SMOKE_CRASH_VARIANTS=claimed,no-amx makes the decode of those variants die by a
 real SIGILL (in llama mode this process, in server mode the llama-server process), so the
 fallback can be tested on a CPU that runs every instruction it claims. Never set it otherwise.
 

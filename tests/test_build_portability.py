@@ -1,9 +1,11 @@
 """The llama.cpp build runs on the machine it was built on, whatever its CPU claims (issue 9, section 0).
 
-scripts/build_variants.py walks a ladder of instruction sets (native, no-amx, avx2), vetting each
+scripts/build_variants.py walks a ladder of instruction sets (claimed, no-amx, avx2), vetting each
 build with a smoke decode in a child process (scripts/smoke_decode.py). This machine's CPU runs
 every instruction it claims, so the fallback is exercised through the smoke script's test hook
-KVB_SMOKE_CRASH_VARIANTS: the named variants' smoke child dies by a real SIGILL.
+KVB_SMOKE_CRASH_VARIANTS: the named variants' smoke child dies by a real SIGILL. The ladder tests
+give the script a Sapphire Rapids /proc/cpuinfo (--cpuinfo), so they walk the issue's ladder:
+AMX refused, then AVX-512 refused.
 
 Rebuilding llama-cpp-python takes about 5 minutes per rung on 2 cores, too slow for a test. The
 ladder's build step is a command (--build-command), so these tests substitute one that only logs
@@ -15,7 +17,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -39,7 +40,6 @@ def load_script(name: str):
 bv = load_script("build_variants")
 VERSION = bv.pinned_version(REPO_ROOT / "requirements.txt")
 SERVER_BINARY = REPO_ROOT / ".llama-server" / VERSION / "bin" / "llama-server"
-LADDER = bv.build_ladder(bv.cpu_flags(), platform.machine())
 
 needs_llama = pytest.mark.skipif(
     not MODEL.is_file() or importlib.util.find_spec("llama_cpp") is None,
@@ -49,6 +49,9 @@ needs_llama = pytest.mark.skipif(
 SPR_FLAGS = set("sse4_2 avx avx2 fma f16c bmi2 avx_vnni avx512f avx512cd avx512vl avx512dq avx512bw "
                 "avx512vbmi avx512_vnni avx512_bf16 amx_tile amx_int8 amx_bf16".split())
 HASWELL_FLAGS = set("sse4_2 avx avx2 fma f16c bmi2".split())
+ZEN4_FLAGS = set("sse4_2 avx avx2 fma f16c bmi2 avx512f avx512cd avx512vl avx512dq avx512bw avx512vbmi "
+                 "avx512_vnni avx512_bf16".split())
+LADDER = bv.build_ladder(SPR_FLAGS, "x86_64")
 
 
 @pytest.fixture(autouse=True)
@@ -65,11 +68,19 @@ def cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess
                           timeout=timeout)
 
 
+def spr_cpuinfo(tmp_path: Path) -> Path:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+                       f"flags\t\t: fpu {' '.join(sorted(SPR_FLAGS))}\n")
+    return cpuinfo
+
+
 def fake_install(tmp_path: Path, crash: str = "", env: dict | None = None, env_file: Path | None = None):
-    """The real ladder and smoke child; the build step only logs 'variant|CMAKE_ARGS'."""
+    """The real ladder (for a Sapphire Rapids CPU) and smoke child; the build step only logs 'variant|CMAKE_ARGS'."""
     build_log = tmp_path / "builds.txt"
     record = tmp_path / "build.json"
     done = cli("install", "--record", str(record), "--env-file", str(env_file or tmp_path / "none.env"),
+               "--cpuinfo", str(spr_cpuinfo(tmp_path)),
                "--log-dir", str(tmp_path / "logs"),
                "--build-command", f'echo "$KVB_BUILD_VARIANT|$CMAKE_ARGS" >> {build_log}',
                env={"KVB_SMOKE_CRASH_VARIANTS": crash, **(env or {})})
@@ -82,28 +93,28 @@ def fake_install(tmp_path: Path, crash: str = "", env: dict | None = None, env_f
 
 def test_ladder_for_a_cpu_that_claims_amx():
     ladder = bv.build_ladder(SPR_FLAGS, "x86_64")
-    assert [v.name for v in ladder] == ["native", "no-amx", "avx2"]
-    assert ladder[0].cmake_args == ("-DGGML_NATIVE=ON",)
-    assert ladder[1].cmake_args == (
-        "-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
-        "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON",
-        "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
-        "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
+    assert [v.name for v in ladder] == ["claimed", "no-amx", "avx2"]
+    avx512_set = ("-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+                  "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=ON", "-DGGML_AVX512=ON",
+                  "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON")
+    assert ladder[0].cmake_args == avx512_set + ("-DGGML_AMX_TILE=ON", "-DGGML_AMX_INT8=ON", "-DGGML_AMX_BF16=ON")
+    assert ladder[1].cmake_args == avx512_set + ("-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
     avx2 = dict(arg.removeprefix("-D").split("=") for arg in ladder[2].cmake_args)
     assert avx2["GGML_NATIVE"] == "OFF" and avx2["GGML_AVX2"] == avx2["GGML_FMA"] == avx2["GGML_F16C"] == "ON"
     assert {k for k, v in avx2.items() if v == "ON"} == {"GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_FMA",
                                                          "GGML_F16C", "GGML_BMI2"}
 
 
-def test_ladder_drops_a_rung_equal_to_an_earlier_one():
-    # without AVX-512 or AVX-VNNI, "the claimed set without AMX" is the AVX2 set
-    ladder = bv.build_ladder(HASWELL_FLAGS, "x86_64")
-    assert [v.name for v in ladder] == ["native", "no-amx"]
-    assert "-DGGML_AVX512=OFF" in ladder[1].cmake_args
+def test_ladder_drops_rungs_equal_to_an_earlier_one():
+    # without AMX the claimed set is the no-amx set; without AVX-512 or AVX-VNNI it is the AVX2 set
+    zen4 = bv.build_ladder(ZEN4_FLAGS, "x86_64")
+    assert [v.name for v in zen4] == ["claimed", "avx2"] and "-DGGML_AVX512=ON" in zen4[0].cmake_args
+    assert [v.name for v in bv.build_ladder(HASWELL_FLAGS, "x86_64")] == ["claimed"]
 
 
 def test_ladder_off_x86_is_native_only():
-    assert [v.name for v in bv.build_ladder(set(), "aarch64")] == ["native"]
+    assert bv.build_ladder(set(), "aarch64") == [bv.NATIVE]
+    assert bv.NATIVE.cmake_args == ("-DGGML_NATIVE=ON",)
 
 
 def test_every_ladder_option_exists_in_the_vendored_ggml():
@@ -185,8 +196,6 @@ def test_smoke_decode_of_the_installed_build_passes():
 @pytest.mark.slow
 @pytest.mark.parametrize("crash", [1, 2])
 def test_ladder_steps_down_past_builds_that_crash(tmp_path, crash):
-    if len(LADDER) <= crash:
-        pytest.skip(f"this CPU's ladder has {len(LADDER)} rungs")
     crashing = [v.name for v in LADDER[:crash]]
     done, builds, record = fake_install(tmp_path, crash=",".join(crashing))
     assert done.returncode == 0, done.stderr
@@ -231,7 +240,8 @@ def test_check_rebuilds_when_the_flags_change(tmp_path):
     env_file = tmp_path / ".env"
     done, _, record = fake_install(tmp_path, env_file=env_file)
     assert done.returncode == 0 and record["variant"] == LADDER[0].name
-    check = ("check", "--record", str(tmp_path / "build.json"), "--env-file", str(env_file))
+    check = ("check", "--record", str(tmp_path / "build.json"), "--env-file", str(env_file),
+             "--cpuinfo", str(spr_cpuinfo(tmp_path)))
     assert cli(*check).returncode == 0
     env_file.write_text(f"{bv.CMAKE_ARGS_VAR}=-DGGML_NATIVE=OFF\n")
     changed = cli(*check)
@@ -239,6 +249,8 @@ def test_check_rebuilds_when_the_flags_change(tmp_path):
     # the environment wins over .env: set empty, it asks for the ladder again, which is what was built
     assert cli(*check, env={bv.CMAKE_ARGS_VAR: ""}).returncode == 0
     assert cli(*check, env={bv.CMAKE_ARGS_VAR: "-DGGML_AVX=OFF"}).returncode == 1
+    # another CPU asks for another ladder (a .venv carried to a machine without AMX)
+    assert cli(*check[:-1], str(tmp_path / "no-such-cpuinfo"), env={bv.CMAKE_ARGS_VAR: ""}).returncode == 1
 
 
 # -- llama-server: same flags, own smoke decode -------------------------------------------------
