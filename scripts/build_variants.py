@@ -304,6 +304,9 @@ def smoke_llama_argv(python: str, model: Path, variant: str) -> list[str]:
 def install(variants: list[Variant], build_step, python: str, model: Path, record: Path,
             parts: dict[str, str], version: str, smoke_timeout: float, log_dir: Path, tag: str = "setup") -> dict:
     """Down the ladder: build, smoke, keep the first that runs; write the record and return it."""
+    # the installed library is about to change: an old record must not vouch for it (nor tell
+    # build_llama_server.sh its flags) until a build has passed its smoke decode
+    record.unlink(missing_ok=True)
     tried: list[dict] = []
     for index, variant in enumerate(variants):
         if tried:
