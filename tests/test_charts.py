@@ -37,7 +37,7 @@ def test_mode_summaries_hand_computed(run_records):
     assert lm.median_ttft_ms == pytest.approx(50.0)
     assert lm.speedup_mean == pytest.approx(1100 / 360)
     assert lm.speedup_median == pytest.approx(22.0)
-    assert (lm.hits_l1, lm.hits_l2, lm.misses) == (1, 1, 1)
+    assert (lm.hits, lm.misses) == ({"L1": 1, "L2": 1}, 1)
     assert by_mode["native"].speedup_median == pytest.approx(11.0)
 
 
@@ -75,9 +75,19 @@ def test_speedup_figure_labels_bars(run_records):
 def test_hits_figure_stacks_tiers(run_records):
     fig = charts.hits_figure(run_records)
     counts = {t.name: list(t.y) for t in fig.data}
-    assert counts[charts.TIER_LABELS["L1"]] == [0, 0, 1]
-    assert counts[charts.TIER_LABELS["L2"]] == [0, 0, 1]
-    assert counts[charts.TIER_LABELS["none"]] == [3, 3, 1]
+    assert counts["hit from L1"] == [0, 0, 1]
+    assert counts["hit from L2"] == [0, 0, 1]
+    assert counts[charts.MISS_LABEL] == [3, 3, 1]
+
+
+def test_tiers_and_their_order_come_from_the_store(run_records):
+    """No tier table in the charts: a tier the store lists (here a remote L3) gets its bar, in the store's order."""
+    run_records.append(rec("lmcache", 4, 40, "L3", matched_tokens=384))
+    fig = charts.hits_figure(run_records, ["L1", "L2", "L3"])
+    assert [t.name for t in fig.data] == ["hit from L1", "hit from L2", "hit from L3", charts.MISS_LABEL]
+    assert len({t.marker.color for t in fig.data}) == 4
+    lm = {s.mode: s for s in charts.mode_summaries(run_records, ["L1", "L2", "L3"])}["lmcache"]
+    assert lm.hits == {"L1": 1, "L2": 1, "L3": 1} and lm.misses == 1
 
 
 def test_shadow_figure_only_for_shadow_engines(run_records):

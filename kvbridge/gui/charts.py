@@ -15,8 +15,11 @@ import plotly.graph_objects as go
 from kvbridge.engine.records import MODES, RequestRecord
 
 MODE_COLORS = {"cold": "#94a3b8", "native": "#10b981", "lmcache": "#2563eb"}
-TIER_COLORS = {"L1": "#2563eb", "L2": "#8b5cf6", "none": "#cbd5e1"}
-TIER_LABELS = {"L1": "hit from L1 (RAM)", "L2": "hit from L2 (disk)", "none": "miss / not from our store"}
+# Tier names and their order come from the store (records' `tier`, stats()["tiers"]); colours go by
+# position in that order, so a new tier (a remote L3) needs no entry here.
+TIER_PALETTE = ("#2563eb", "#8b5cf6", "#0d9488", "#d97706", "#db2777")
+MISS_COLOR = "#cbd5e1"
+MISS_LABEL = "miss / not from our store"
 FIGURE_HEIGHT = 340
 EMPTY_HINT = "No results yet: connect an engine and press Run."
 
@@ -32,8 +35,7 @@ class ModeSummary:
     median_ttft_ms: float
     speedup_mean: float | None      # cold mean / this mode's mean; None without cold records
     speedup_median: float | None
-    hits_l1: int
-    hits_l2: int
+    hits: dict[str, int]            # tier name -> requests whose reused KV came from it, fastest tier first
     misses: int
     matched_tokens: int
     prompt_tokens: int
@@ -45,9 +47,26 @@ def ordered_modes(records: Iterable[RequestRecord]) -> list[str]:
     return [m for m in MODES if m in present] + sorted(present - set(MODES))
 
 
-def mode_summaries(records: Sequence[RequestRecord]) -> list[ModeSummary]:
-    """One ModeSummary per mode; requests that failed (record.error) are left out of the timings."""
+def tier_order(records: Iterable[RequestRecord], tier_names: Sequence[str] = ()) -> list[str]:
+    """The store's tier names (fastest first), then any other tier a record names, as first seen."""
+    order = list(tier_names)
+    for r in records:
+        if r.tier and r.tier != "none" and r.tier not in order:
+            order.append(r.tier)
+    return order
+
+
+def tier_color(tier: str, order: Sequence[str]) -> str:
+    return TIER_PALETTE[order.index(tier) % len(TIER_PALETTE)] if tier in order else MISS_COLOR
+
+
+def mode_summaries(records: Sequence[RequestRecord], tier_names: Sequence[str] = ()) -> list[ModeSummary]:
+    """One ModeSummary per mode; requests that failed (record.error) are left out of the timings.
+
+    tier_names: the store's tiers in order (TieredStore.tier_names); tiers only the records name follow.
+    """
     timed = [r for r in records if not r.error]
+    tiers = tier_order(timed, tier_names)
     cold = [r.ttft_ms for r in timed if r.mode == "cold"]
     cold_mean = statistics.fmean(cold) if cold else None
     cold_median = statistics.median(cold) if cold else None
@@ -63,9 +82,8 @@ def mode_summaries(records: Sequence[RequestRecord]) -> list[ModeSummary]:
             median_ttft_ms=median,
             speedup_mean=_ratio(cold_mean, mean),
             speedup_median=_ratio(cold_median, median),
-            hits_l1=sum(r.tier == "L1" for r in mine),
-            hits_l2=sum(r.tier == "L2" for r in mine),
-            misses=sum(r.tier not in ("L1", "L2") for r in mine),
+            hits={tier: sum(r.tier == tier for r in mine) for tier in tiers},
+            misses=sum(r.tier not in tiers for r in mine),
             matched_tokens=sum(r.matched_tokens for r in mine),
             prompt_tokens=sum(r.prompt_tokens for r in mine),
         ))
@@ -169,23 +187,22 @@ def ttft_summary_figure(records: Sequence[RequestRecord]) -> go.Figure:
     return _base_layout(fig, title, barmode="group", yaxis={"title": "TTFT (ms)", "rangemode": "tozero"})
 
 
-def hits_figure(records: Sequence[RequestRecord]) -> go.Figure:
-    """Requests per mode by where their reused KV came from: L1, L2, or nowhere (a miss)."""
+def hits_figure(records: Sequence[RequestRecord], tier_names: Sequence[str] = ()) -> go.Figure:
+    """Requests per mode by where their reused KV came from: each tier of the store, or nowhere (a miss)."""
     title = "Store hits and misses per mode (requests)"
-    summaries = mode_summaries(records)
+    summaries = mode_summaries(records, tier_names)
     if not summaries:
         return _empty(title)
     modes = [s.mode for s in summaries]
+    tiers = list(summaries[0].hits)
     fig = go.Figure()
-    for tier, counts in (
-        ("L1", [s.hits_l1 for s in summaries]),
-        ("L2", [s.hits_l2 for s in summaries]),
-        ("none", [s.misses for s in summaries]),
-    ):
+    bars = [(f"hit from {tier}", tier_color(tier, tiers), [s.hits[tier] for s in summaries]) for tier in tiers]
+    bars.append((MISS_LABEL, MISS_COLOR, [s.misses for s in summaries]))
+    for label, color, counts in bars:
         fig.add_trace(go.Bar(
-            x=modes, y=counts, name=TIER_LABELS[tier], marker={"color": TIER_COLORS[tier]},
+            x=modes, y=counts, name=label, marker={"color": color},
             text=[c or "" for c in counts], textposition="inside",
-            hovertemplate="%{x}: %{y} requests " + TIER_LABELS[tier] + "<extra></extra>",
+            hovertemplate="%{x}: %{y} requests " + label + "<extra></extra>",
         ))
     return _base_layout(fig, title, barmode="stack", yaxis={"title": "requests", "rangemode": "tozero"})
 
@@ -254,7 +271,7 @@ def store_figure(stats: dict | None) -> go.Figure:
     fig = go.Figure()
     fig.add_trace(go.Bar(
         y=names, x=used, orientation="h", name="used",
-        marker={"color": [TIER_COLORS.get(n, "#475569") for n in names]},
+        marker={"color": [tier_color(n, names) for n in names]},
         text=[f"{format_bytes(u.bytes_used)} of {format_bytes(u.capacity)} · {u.objects} objects" for u in usages],
         textposition="outside", cliponaxis=False, hovertemplate="%{y}: %{x:.2f} % full<extra></extra>",
     ))
@@ -318,7 +335,7 @@ def run_figures(records: Sequence[RequestRecord], store_stats: dict | None = Non
         "speedup": speedup_figure(records),
         "ttft_per_request": ttft_per_request_figure(records),
         "ttft_summary": ttft_summary_figure(records),
-        "hits": hits_figure(records),
+        "hits": hits_figure(records, list((store_stats or {}).get("tiers", {}))),   # the store's tier order
     }
     if any(r.kv_mode == "shadow" for r in records):
         figures["shadow"] = shadow_figure(records)

@@ -102,8 +102,7 @@ def summary_rows(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
             "median_ttft_ms": round(s.median_ttft_ms, 2),
             "speedup_mean_vs_cold": None if s.speedup_mean is None else round(s.speedup_mean, 2),
             "speedup_median_vs_cold": None if s.speedup_median is None else round(s.speedup_median, 2),
-            "hits_l1": s.hits_l1,
-            "hits_l2": s.hits_l2,
+            **{f"hits_{tier}": count for tier, count in s.hits.items()},
             "misses": s.misses,
         }
         for s in mode_summaries(records)

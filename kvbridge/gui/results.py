@@ -69,13 +69,15 @@ def summary_markdown(records: Sequence[RequestRecord]) -> str:
     summaries = mode_summaries(records)
     if not summaries:
         return ""
-    lines = [headline(summaries), "","| mode | requests | mean TTFT | median TTFT | speedup vs cold (mean / median) | L1 / L2 / miss |",
+    tiers = " / ".join([*summaries[0].hits, "miss"])
+    lines = [headline(summaries), "", "| mode | requests | mean TTFT | median TTFT | speedup vs cold (mean / median) "
+             f"| {tiers} |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for s in summaries:
         speedup = "baseline" if s.mode == "cold" else (
             "n/a (no cold run)" if s.speedup_mean is None else f"**{s.speedup_mean:.1f}×** / {s.speedup_median:.1f}×")
         lines.append(f"| {s.mode} | {s.requests} | {s.mean_ttft_ms:.1f} ms | {s.median_ttft_ms:.1f} ms | "
-                     f"{speedup} | {s.hits_l1} / {s.hits_l2} / {s.misses} |")
+                     f"{speedup} | {' / '.join(str(n) for n in [*s.hits.values(), s.misses])} |")
     failed = sum(bool(r.error) for r in records)
     if failed:
         lines.append(f"\n{failed} request(s) failed; see the error column.")
