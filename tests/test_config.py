@@ -481,3 +481,12 @@ def test_env_example_blocks_parse_and_pass_their_engine_checks(tmp_path, title, 
     assert settings.engine == engine and not settings._problems
     if engine in ("ollama", "cloud"):
         assert engine_problems(engine, settings, {"OPENAI_API_KEY": SECRET}) == []
+
+
+def test_env_example_names_every_kvb_variable_the_code_or_scripts_read():
+    import re
+    root = config.PROJECT_ROOT
+    example = ENV_EXAMPLE.read_text(encoding="utf-8")
+    sources = [*(root / "kvbridge").rglob("*.py"), *(root / "scripts").glob("*.sh"), *(root / "scripts").glob("*.py")]
+    names = {name for path in sources for name in re.findall(r"KVB_[A-Z0-9_]*[A-Z0-9]", path.read_text(encoding="utf-8"))}
+    assert names and sorted(n for n in names if n not in example) == []
