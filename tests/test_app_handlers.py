@@ -149,6 +149,7 @@ def test_no_engine_messages_and_results_are_kept(state):
     assert not h.restart_engine(state).ok
     assert not h.clear_tier(state, "L1").ok
     assert "Connect an engine" in h.clear_tier(state, "L9").message
+    assert h.store_tier_names(state) == []
 
 
 @pytest.mark.parametrize("modes, n, expected", [([], 2, "at least one mode"), (["warm"], 2, "Unknown mode"),
@@ -284,7 +285,7 @@ def test_live_restart_then_restore_from_l1_and_l2(live_state):
 def test_live_clear_tiers(live_state):
     r.free_prompt(live_state, TINY_DOC + "\n\nName the west bed's day.", "lmcache", 2)
     assert h.store_stats(live_state)["tiers"]["L2"]["objects"] > 0
-    assert live_state.engine.store.tier_names == ["L1", "L2"]
+    assert h.store_tier_names(live_state) == live_state.engine.store.tier_names == ["L1", "L2"]
     for tier in live_state.engine.store.tier_names:
         assert h.clear_tier(live_state, tier).ok
         assert h.store_stats(live_state)["tiers"][tier]["objects"] == 0

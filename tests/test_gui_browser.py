@@ -188,8 +188,8 @@ def drive_the_page(page, server) -> None:
         assert len(list(csv.DictReader(f))) == 3 * N_REQUESTS
     assert "Plotly" in exported[".html"].read_text(encoding="utf-8")
 
-    # Store panel: Clear L1 asks first; Restart engine keeps the store.
-    page.click("#kvb-clear-l1")
+    # Store panel: the tier list is the store's own (L1 first); Clear asks first; Restart engine keeps the store.
+    page.click("#kvb-clear")
     expect(page.get_by_text("Really clear L1?")).to_be_visible()
     page.click("#kvb-confirm-clear")
     expect(page.locator("#kvb-store-msg")).to_contain_text("L1 cleared", timeout=30_000)

@@ -19,7 +19,7 @@ import gradio as gr
 from kvbridge.gui.handlers import (
     AppState, Outcome, clear_tier, connect_engine, disconnect_engine, engine_choices, engine_notice,
     engine_status, field_type, fields_for_engine, form_fields, form_values, restart_engine, save_settings,
-    selected_engine, store_markdown, store_stats, COMMON_FIELDS,
+    selected_engine, store_markdown, store_stats, store_tier_names, COMMON_FIELDS,
 )
 from kvbridge.gui.results import (
     ResultsView, document_choices, export_results, free_prompt, records_table, request_stop, results_view,
@@ -160,10 +160,12 @@ def _store_panel(ui: SimpleNamespace, state: AppState) -> None:
     stats = store_stats(state)
     ui.store_md = gr.Markdown(store_markdown(stats), elem_id="kvb-store")
     ui.store_plot = gr.Plot(store_figure(stats), show_label=False, elem_id="kvb-plot-store")
+    tiers = store_tier_names(state)   # the store's own tiers, fastest first (none before Connect)
     with gr.Row():
         ui.refresh_btn = gr.Button("Refresh")
-        ui.clear_l1_btn = gr.Button("Clear L1", elem_id="kvb-clear-l1")
-        ui.clear_l2_btn = gr.Button("Clear L2", elem_id="kvb-clear-l2")
+        ui.tier_choice = gr.Dropdown(tiers, value=tiers[0] if tiers else None, label="Tier", elem_id="kvb-tier",
+                                     scale=0, min_width=120)
+        ui.clear_btn = gr.Button("Clear tier…", elem_id="kvb-clear")
     ui.pending_tier = gr.State(None)
     with gr.Row(visible=False) as ui.confirm_row:
         ui.confirm_md = gr.Markdown()
@@ -179,13 +181,16 @@ def _store_panel(ui: SimpleNamespace, state: AppState) -> None:
 def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
     """Connect clicks to handlers. Engine-using events run one at a time on Gradio's worker threads."""
     field_inputs = [ui.inputs[name] for name in ui.fields]
-    store_outputs = [ui.store_md, ui.store_plot]
+    store_outputs = [ui.store_md, ui.store_plot, ui.tier_choice]
     results_outputs = [ui.status, ui.run_msg, ui.summary, ui.speedup_plot, ui.summary_plot, ui.ttft_plot,
                        ui.hits_plot, ui.shadow_plot, ui.table, *store_outputs]
 
-    def store_values() -> list[Any]:
+    def store_values(choose_first_tier: bool = False) -> list[Any]:
         stats = store_stats(state)
-        return [store_markdown(stats), store_figure(stats)]
+        tiers = store_tier_names(state)
+        choice = gr.update(choices=tiers, value=tiers[0] if tiers else None) if choose_first_tier \
+            else gr.update(choices=tiers)
+        return [store_markdown(stats), store_figure(stats), choice]
 
     def results_values(view: ResultsView) -> list[Any]:
         figs = view.figures
@@ -200,7 +205,8 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
 
     def on_connect(key: str, *values: Any) -> list[Any]:
         outcome = connect_engine(state, key, dict(zip(ui.fields, values)))
-        return [engine_status(state), _message(outcome), gr.update(choices=_safe_documents(state)), *store_values()]
+        return [engine_status(state), _message(outcome), gr.update(choices=_safe_documents(state)),
+                *store_values(choose_first_tier=True)]
 
     def on_save(key: str, *values: Any) -> str:
         return _message(save_settings(state, key, dict(zip(ui.fields, values))))
@@ -235,11 +241,15 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
                       [ui.prompt_msg, ui.answer, ui.prompt_record, ui.status, *store_outputs])
 
     # store: Clear asks first (the tier waits in pending_tier until Yes or Cancel)
-    def ask_clear(tier: str) -> list[Any]:
-        connected = store_stats(state) is not None
-        question = (f"**Really clear {tier}?** Every object in {tier} is deleted; the other tier is kept."
-                    if connected else "Connect an engine first.")
-        return [tier, gr.update(visible=connected), question]
+    def ask_clear(tier: str | None) -> list[Any]:
+        tiers = store_tier_names(state)
+        if not tiers:
+            return [None, gr.update(visible=False), "Connect an engine first."]
+        if tier not in tiers:
+            return [None, gr.update(visible=False), f"Choose one of the store's tiers: {', '.join(tiers)}."]
+        others = ", ".join(t for t in tiers if t != tier) or "nothing else"
+        return [tier, gr.update(visible=True), f"**Really clear {tier}?** Every object in {tier} is deleted; "
+                                               f"{others} is kept."]
 
     def on_confirm_clear(tier: str | None) -> list[Any]:
         outcome = clear_tier(state, tier or "")
@@ -251,8 +261,7 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
 
     confirm_outputs = [ui.pending_tier, ui.confirm_row, ui.confirm_md]
     ui.refresh_btn.click(lambda: [*store_values(), ""], None, [*store_outputs, ui.store_msg], queue=False)
-    ui.clear_l1_btn.click(lambda: ask_clear("L1"), None, confirm_outputs, queue=False)
-    ui.clear_l2_btn.click(lambda: ask_clear("L2"), None, confirm_outputs, queue=False)
+    ui.clear_btn.click(ask_clear, ui.tier_choice, confirm_outputs, queue=False)
     ui.cancel_btn.click(lambda: [None, gr.update(visible=False)], None, confirm_outputs[:2], queue=False)
     ui.confirm_btn.click(on_confirm_clear, ui.pending_tier, [*confirm_outputs[:2], *store_outputs, ui.store_msg])
     ui.restart_btn.click(on_restart, ui.drop_l1, [ui.status, *store_outputs, ui.store_msg])

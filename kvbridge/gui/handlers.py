@@ -262,6 +262,11 @@ def store_stats(state: AppState) -> dict | None:
 KEY_COUNTERS = ("misses", "evictions", "corrupt")   # always shown; other counters only when not zero
 
 
+def store_tier_names(state: AppState) -> list[str]:
+    """The connected store's tiers, fastest first (what the Clear control offers); [] before Connect."""
+    return list(state.engine.store.tier_names) if state.engine is not None else []
+
+
 def store_markdown(stats: dict | None) -> str:
     """A table of tiers (objects, bytes against capacity, hits, evictions) and the store's counters."""
     if not stats:
