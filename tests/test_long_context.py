@@ -19,6 +19,7 @@ from kvbridge.bench.long_context import (DEFAULT_LENGTHS, QUESTIONS, LengthRow, 
 from kvbridge.bench.runner import run_scenario
 from kvbridge.bench.scenarios import build_requests, get_scenario
 from kvbridge.engine.cached_engine import CachedEngine
+from kvbridge.engine.records import RequestRecord
 from kvbridge.errors import BadSettings
 from kvbridge.gui import charts
 from kvbridge.gui.export import export_run
@@ -147,3 +148,15 @@ def test_cli_runs_long_context_without_settings(tmp_path):
     doc = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert doc["meta"]["ctx_size"] == 256 and len(doc["long_context"]) == 2
     assert sorted(p.suffix for p in tmp_path.iterdir() if p.is_file()) == [".csv", ".html", ".json"]
+
+
+def test_the_gui_results_show_the_curve_for_a_long_context_run(tmp_path):
+    from kvbridge.gui.handlers import AppState
+    from kvbridge.gui.results import results_view
+
+    state = AppState(Settings(output_dir=str(tmp_path)), env_path=tmp_path / ".env")
+    state.records = [_rec(512, "warm", "native", 40.0, engine_cached_tokens=490), _rec(512, "cold", "cold", 900.0)]
+    view = results_view(state)
+    assert view.figures["ttft_per_request"] is view.figures["long_context"]   # the plot the page shows
+    state.records = [RequestRecord(mode="cold", ttft_ms=900.0)]
+    assert "long_context" not in results_view(state).figures
