@@ -68,3 +68,12 @@ def test_not_a_gguf_file_gives_a_clear_error(make_settings, tmp_path):
         CachedEngine(settings, make_backend("llamacpp", settings)).start()
 
 
+
+
+def test_the_smallest_context_the_settings_allow_starts_and_answers(make_settings):
+    """The start-up probe (about 170 tokens) once overflowed a small context with a raw llama_cpp traceback."""
+    settings = make_settings(ctx_size=64, chunk_size=16)
+    assert settings.validate(environ={}) == []
+    with engine_for(settings) as engine:
+        record = engine.infer("Say hi.", mode="lmcache", n_predict=4)
+        assert record.error == "" and record.prompt_tokens > 0

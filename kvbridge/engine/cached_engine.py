@@ -120,7 +120,8 @@ class CachedEngine:
 
     def _probe_geometry(self) -> KVGeometry | None:
         """Learn the engine's KV layout from a tiny real state; None means whole-snapshot fallback."""
-        tokens = self.backend.tokenize(PROBE_TEXT)
+        # at most half the context, so the smallest context the settings allow still starts
+        tokens = self.backend.tokenize(PROBE_TEXT)[: max(2, self.settings.ctx_size // 2)]
         prompt = Prompt(text=PROBE_TEXT, tokens=tuple(tokens))
         report = EngineReport()
         for _ in self.backend.generate(prompt, n_predict=1, temperature=0.0, use_native_cache=False, report=report):
