@@ -1,0 +1,514 @@
+"""The cache server's L1: objects in pages of a shared-memory Segment, handed to clients under leases.
+
+Flow: a client's store is prepare_write (pages reserved, invisible to readers) -> the client copies
+its bytes into the pages -> commit (the object becomes visible under its content key). A retrieve is
+acquire_read (the object is pinned, most recently used) -> the client copies out -> release. One
+object per key, shared by every prompt with that prefix; what the server does not hold in L1 it
+demotes through `on_evict` (to disk) before the pages are reused.
+
+Pages: a free list that prefers one contiguous run (best fit) so a reader gets a zero-copy view, and
+scatters only when no run is long enough. Every committed object gets a fresh generation, written
+into its pages' generation slots and zeroed when the pages are freed, so a client whose copy raced a
+reuse sees the mismatch and counts a miss instead of restoring wrong data.
+
+Pressure follows the free fraction (Watermarks): SOFT asks the background loop for evict_to_target;
+under HARD (after evicting what is not leased) clients below hard_min_priority are refused; under
+CRITICAL the pending writes of lower-priority clients are revoked.
+
+Leases that outlive lease_timeout_s are expired by the background loop. A client may still be
+copying into or out of a revoked or expired lease's pages, so those pages are QUARANTINED: never
+handed to another object until that client releases the lease or is dropped (drop_client).
+
+Thread-safe: one lock guards everything. on_evict runs under it, so it must not call the pool.
+Deliberately left out: moving objects to defragment (a leased object never moves; a run is
+re-formed as objects are evicted) and any knowledge of the wire protocol.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import numpy as np
+
+from kvbridge.cache_server.shm import Segment
+from kvbridge.store.objects import ObjectMeta, check_key
+
+log = logging.getLogger(__name__)
+
+# page states, as page_map() reports them (the GUI draws these)
+FREE, OBJECT, LEASED_OBJECT, PENDING, QUARANTINED = 0, 1, 2, 3, 4
+REFUSALS = ("exists", "too_large", "pressure", "no_space")
+
+
+class PressureLevel(enum.IntEnum):
+    OK = 0
+    SOFT = 1
+    HARD = 2
+    CRITICAL = 3
+
+
+@dataclass(frozen=True)
+class Watermarks:
+    """Fractions of pages that are FREE; below each one the pool is under that pressure."""
+
+    soft_free: float = 0.20
+    hard_free: float = 0.10
+    critical_free: float = 0.05
+    target_free: float = 0.30   # what evict_to_target restores
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.critical_free <= self.hard_free <= self.soft_free <= self.target_free <= 1:
+            raise ValueError(f"watermarks must satisfy 0 <= critical <= hard <= soft <= target <= 1, got {self}")
+
+    def level(self, free_ratio: float) -> PressureLevel:
+        if free_ratio < self.critical_free:
+            return PressureLevel.CRITICAL
+        if free_ratio < self.hard_free:
+            return PressureLevel.HARD
+        if free_ratio < self.soft_free:
+            return PressureLevel.SOFT
+        return PressureLevel.OK
+
+
+class StoreRefused(Exception):
+    """prepare_write said no; `reason` is one of REFUSALS (the client skips the store)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class LeaseError(Exception):
+    """A lease id a client may not use; the pool changed nothing."""
+
+
+class UnknownLease(LeaseError):
+    """No such lease (never issued, already released, or not of the kind asked for)."""
+
+
+class LeaseNotOwned(LeaseError):
+    """The lease belongs to another client."""
+
+
+@dataclass(frozen=True)
+class ReadLease:
+    lease_id: int
+    key: bytes
+    pages: tuple[int, ...]
+    size: int
+    generation: int
+    meta: ObjectMeta
+
+
+@dataclass(frozen=True)
+class WriteLease:
+    lease_id: int
+    key: bytes
+    pages: tuple[int, ...]
+    size: int
+    generation: int
+
+
+@dataclass
+class _Object:
+    pages: list[int]
+    size: int
+    meta: ObjectMeta
+    generation: int
+    readers: int = 0   # live read leases; an object with readers is never evicted
+
+
+@dataclass
+class _Lease:
+    lease_id: int
+    client_id: str
+    writing: bool
+    key: bytes
+    pages: list[int]
+    size: int
+    generation: int
+    started: float
+    priority: int = 0
+    meta: ObjectMeta | None = None   # a write lease's object-to-be
+    zombie: bool = False             # revoked or expired: holds its pages in quarantine until released
+
+
+@dataclass
+class _Counts:
+    evictions: int = 0
+    revoked: int = 0
+    expired: int = 0
+    evict_callback_errors: int = 0
+    refused: Counter = field(default_factory=Counter)
+
+
+def pages_needed(size: int, page_bytes: int) -> int:
+    return max(1, -(-size // page_bytes))
+
+
+class PagedPool:
+    """Objects in a Segment's pages, under read and write leases (see the module docstring)."""
+
+    def __init__(self, segment: Segment, watermarks: Watermarks = Watermarks(), lease_timeout_s: float = 30.0,
+                 hard_min_priority: int = 5,
+                 on_evict: Callable[[bytes, ObjectMeta, memoryview], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.segment = segment
+        self.watermarks = watermarks
+        self.lease_timeout_s = lease_timeout_s
+        self.hard_min_priority = hard_min_priority
+        self._on_evict = on_evict
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._total = segment.n_pages
+        self._state = np.zeros(self._total, dtype=np.uint8)        # FREE / OBJECT / PENDING / QUARANTINED
+        self._zombie_holds = np.zeros(self._total, dtype=np.int64)  # zombie leases still naming each page
+        self._objects: OrderedDict[bytes, _Object] = OrderedDict()  # least recently used first
+        self._leases: dict[int, _Lease] = {}
+        self._lease_ids = itertools.count(1)
+        self._generation = 0
+        self._bytes_used = 0
+        self._counts = _Counts()
+        segment.set_generation(list(range(self._total)), 0)
+
+    # -- reading -----------------------------------------------------------------------------------
+    def acquire_read(self, key: bytes, client_id: str) -> ReadLease | None:
+        """Pin the object for this client's copy-out and make it most recently used; None on a miss."""
+        key = check_key(key)
+        with self._lock:
+            obj = self._objects.get(key)
+            if obj is None:
+                return None
+            obj.readers += 1
+            obj.meta = replace(obj.meta, last_used=time.time())  # wall time: the disk tier seeds its LRU from it
+            self._objects.move_to_end(key)
+            lease = self._new_lease(client_id, False, key, obj.pages, obj.size, obj.generation)
+            return ReadLease(lease.lease_id, key, tuple(obj.pages), obj.size, obj.generation, obj.meta)
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return check_key(key) in self._objects
+
+    def meta(self, key: bytes) -> ObjectMeta | None:
+        with self._lock:
+            obj = self._objects.get(check_key(key))
+            return obj.meta if obj else None
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._objects)
+
+    def object_count(self) -> int:
+        with self._lock:
+            return len(self._objects)
+
+    # -- writing -----------------------------------------------------------------------------------
+    def prepare_write(self, key: bytes, size: int, meta: ObjectMeta, client_id: str, priority: int) -> WriteLease:
+        """Reserve pages for a new object (invisible until commit), or raise StoreRefused(reason)."""
+        key = check_key(key)
+        if size < 0:
+            raise ValueError(f"an object's size is >= 0, got {size}")
+        if not isinstance(meta, ObjectMeta):
+            raise TypeError(f"meta must be an ObjectMeta, got {type(meta).__name__}")
+        n = pages_needed(size, self.segment.page_bytes)
+        with self._lock:
+            if key in self._objects:
+                self._refuse("exists", f"{key.hex()[:16]} is already stored")
+            if n > self._total:
+                self._refuse("too_large", f"{size} bytes need {n} pages; the pool has {self._total}")
+            # Cold objects make room first, so a full but unleased pool is never "under pressure".
+            self._evict_until(lambda: self._free_count() >= n
+                              and self._free_count() - n >= self.watermarks.hard_free * self._total)
+            level = self._level()
+            if level >= PressureLevel.HARD and priority < self.hard_min_priority:
+                self._refuse("pressure", f"the pool is at {level.name}; priority {priority} < {self.hard_min_priority}")
+            if level == PressureLevel.CRITICAL:
+                self._revoke_writes_below(priority)
+            pages = self._allocate(n)
+            if pages is None:
+                self._refuse("no_space", f"{n} pages wanted, {self._free_count()} free; the rest is leased")
+            self._state[pages] = PENDING
+            self._generation += 1
+            lease = self._new_lease(client_id, True, key, pages, size, self._generation, priority, meta)
+            return WriteLease(lease.lease_id, key, tuple(pages), size, lease.generation)
+
+    def commit(self, lease_id: int, client_id: str) -> bool:
+        """Make the written object visible. False when the lease was revoked or expired (release it)."""
+        with self._lock:
+            lease = self._owned(lease_id, client_id)
+            if not lease.writing:
+                raise UnknownLease(f"lease {lease_id} is a read lease; only write leases are committed")
+            if lease.zombie:
+                return False
+            del self._leases[lease_id]
+            if lease.key in self._objects:   # another writer of the same content won: same bytes, keep theirs
+                self._free_pages(lease.pages)
+                return True
+            assert lease.meta is not None
+            self._state[lease.pages] = OBJECT
+            self.segment.set_generation(lease.pages, lease.generation)
+            self._objects[lease.key] = _Object(lease.pages, lease.size, lease.meta, lease.generation)
+            self._bytes_used += lease.size
+            return True
+
+    def release(self, lease_ids: list[int] | int, client_id: str) -> None:
+        """End read leases, abort write leases, and let go of revoked or expired ones (their pages free up).
+
+        Every id is checked before any is acted on, so a bad id changes nothing.
+        """
+        ids = [lease_ids] if isinstance(lease_ids, int) else list(lease_ids)
+        with self._lock:
+            leases = [self._owned(lease_id, client_id) for lease_id in dict.fromkeys(ids)]
+            for lease in leases:
+                self._end_lease(lease)
+
+    def lease_key(self, lease_id: int, client_id: str) -> bytes:
+        """The key a lease of this client is about (LeaseNotOwned / UnknownLease as for release)."""
+        with self._lock:
+            return self._owned(lease_id, client_id).key
+
+    def drop_client(self, client_id: str) -> int:
+        """Release every lease, live or zombie, of a client that is gone; how many there were."""
+        with self._lock:
+            leases = [lease for lease in self._leases.values() if lease.client_id == client_id]
+            for lease in leases:
+                self._end_lease(lease)
+            return len(leases)
+
+    def expire_leases(self) -> int:
+        """Turn leases older than lease_timeout_s into zombies (the background loop calls this)."""
+        with self._lock:
+            deadline = self._clock() - self.lease_timeout_s
+            old = [lease for lease in self._leases.values() if not lease.zombie and lease.started < deadline]
+            for lease in old:
+                self._make_zombie(lease)
+            self._counts.expired += len(old)
+            return len(old)
+
+    # -- eviction and removal ----------------------------------------------------------------------
+    def evict_to_target(self) -> int:
+        """Evict least recently used unleased objects until target_free of the pages are free."""
+        with self._lock:
+            return self._evict_until(lambda: self._free_count() >= self.watermarks.target_free * self._total)
+
+    def remove(self, key: bytes) -> bool:
+        """Drop an object without demoting it; False when it is absent or leased."""
+        key = check_key(key)
+        with self._lock:
+            obj = self._objects.get(key)
+            if obj is None or obj.readers:
+                return False
+            self._drop_object(key)
+            return True
+
+    def clear(self) -> int:
+        """Drop every unleased object (leased ones and pending writes stay); how many were dropped."""
+        with self._lock:
+            doomed = [key for key, obj in self._objects.items() if not obj.readers]
+            for key in doomed:
+                self._drop_object(key)
+            return len(doomed)
+
+    # -- reporting ---------------------------------------------------------------------------------
+    def level(self) -> PressureLevel:
+        with self._lock:
+            return self._level()
+
+    def stats(self) -> dict:
+        with self._lock:
+            live = [lease for lease in self._leases.values() if not lease.zombie]
+            free = self._free_count()
+            return {
+                "total_pages": self._total,
+                "free_pages": free,
+                "object_pages": int(np.count_nonzero(self._state == OBJECT)),
+                "pending_pages": int(np.count_nonzero(self._state == PENDING)),
+                "quarantined_pages": int(np.count_nonzero(self._state == QUARANTINED)),
+                "page_bytes": self.segment.page_bytes,
+                "objects": len(self._objects),
+                "bytes_used": self._bytes_used,
+                "read_leases": sum(not lease.writing for lease in live),
+                "write_leases": sum(lease.writing for lease in live),
+                "zombie_leases": len(self._leases) - len(live),
+                "leased_objects": sum(1 for obj in self._objects.values() if obj.readers),
+                "level": self._level().name,
+                "usage_ratio": (self._total - free) / self._total,
+                "evictions": self._counts.evictions,
+                "evict_callback_errors": self._counts.evict_callback_errors,
+                "refused": {reason: self._counts.refused[reason] for reason in REFUSALS},
+                "revoked": self._counts.revoked,
+                "expired": self._counts.expired,
+                "generation": self._generation,
+            }
+
+    def page_map(self) -> bytes:
+        """One byte per page: 0 free, 1 object, 2 object with a live lease, 3 pending write, 4 quarantined."""
+        with self._lock:
+            pages = self._state.copy()
+            for obj in self._objects.values():
+                if obj.readers:
+                    pages[obj.pages] = LEASED_OBJECT
+            return pages.tobytes()
+
+    def check_invariants(self) -> None:
+        """Rebuild every page's place from the objects and leases and compare (tests call this)."""
+        with self._lock:
+            expected = np.full(self._total, FREE, dtype=np.uint8)
+            owners: Counter[int] = Counter()
+            holds = np.zeros(self._total, dtype=np.int64)
+            readers: Counter[bytes] = Counter()
+            for obj in self._objects.values():
+                expected[obj.pages] = OBJECT
+                owners.update(obj.pages)
+            for lease in self._leases.values():
+                if lease.zombie:
+                    np.add.at(holds, lease.pages, 1)
+                elif lease.writing:
+                    expected[lease.pages] = PENDING
+                    owners.update(lease.pages)
+                else:
+                    readers[lease.key] += 1
+            shared = sorted(page for page, count in owners.items() if count > 1)
+            assert not shared, f"pages in two places: {shared}"
+            assert np.array_equal(holds, self._zombie_holds), "zombie holds differ from the zombie leases"
+            expected[(expected == FREE) & (holds > 0)] = QUARANTINED
+            wrong = np.flatnonzero(expected != self._state).tolist()
+            assert not wrong, f"page states differ at {wrong[:20]}: " \
+                              f"{self._state[wrong[:20]].tolist()} != {expected[wrong[:20]].tolist()}"
+            counts = [int(np.count_nonzero(self._state == s)) for s in (OBJECT, PENDING, QUARANTINED, FREE)]
+            assert sum(counts) == self._total, f"object+pending+quarantined+free = {counts} != {self._total}"
+            for key, obj in self._objects.items():
+                assert obj.readers == readers[key], f"{key.hex()[:16]}: refcount {obj.readers} != {readers[key]} leases"
+                assert self.segment.generation_ok(obj.pages, obj.generation), f"{key.hex()[:16]}: generation slots"
+            free = np.flatnonzero(self._state == FREE).tolist()
+            assert not free or self.segment.generation_ok(free, 0), "a free page carries a generation"
+            assert self._bytes_used == sum(obj.size for obj in self._objects.values()), "bytes_used drifted"
+
+    # -- inside the lock ---------------------------------------------------------------------------
+    def _free_count(self) -> int:
+        return int(np.count_nonzero(self._state == FREE))
+
+    def _level(self) -> PressureLevel:
+        return self.watermarks.level(self._free_count() / self._total)
+
+    def _refuse(self, reason: str, detail: str) -> None:
+        self._counts.refused[reason] += 1
+        raise StoreRefused(reason, detail)
+
+    def _new_lease(self, client_id: str, writing: bool, key: bytes, pages: list[int], size: int, generation: int,
+                   priority: int = 0, meta: ObjectMeta | None = None) -> _Lease:
+        lease = _Lease(next(self._lease_ids), client_id, writing, key, list(pages), size, generation,
+                       self._clock(), priority, meta)
+        self._leases[lease.lease_id] = lease
+        return lease
+
+    def _owned(self, lease_id: int, client_id: str) -> _Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise UnknownLease(f"no lease {lease_id} (never issued, or already released)")
+        if lease.client_id != client_id:
+            raise LeaseNotOwned(f"lease {lease_id} belongs to another client, not {client_id!r}")
+        return lease
+
+    def _allocate(self, n: int) -> list[int] | None:
+        """n free pages: the shortest free run that holds them all (lowest first on a tie), else pieces of runs."""
+        free = np.flatnonzero(self._state == FREE)
+        if len(free) < n:
+            return None
+        breaks = np.flatnonzero(np.diff(free) != 1) + 1
+        starts = np.concatenate(([0], breaks))
+        lengths = np.diff(np.concatenate((starts, [len(free)])))
+        fitting = np.flatnonzero(lengths >= n)
+        if fitting.size:
+            best = fitting[np.argmin(lengths[fitting])]
+            first = int(free[starts[best]])
+            return list(range(first, first + n))
+        # Scatter from the shortest runs up, so the long runs stay whole for later zero-copy objects.
+        pages: list[int] = []
+        for run in np.argsort(lengths, kind="stable"):
+            pages += free[starts[run]:starts[run] + lengths[run]][:n - len(pages)].tolist()
+            if len(pages) == n:
+                return pages
+        raise AssertionError("free pages counted but not found")
+
+    def _free_pages(self, pages: list[int]) -> None:
+        """Pages leave an object or a write: free, or quarantined while a zombie lease still names them."""
+        self.segment.set_generation(pages, 0)
+        held = self._zombie_holds[pages] > 0
+        self._state[pages] = np.where(held, QUARANTINED, FREE)
+
+    def _drop_object(self, key: bytes) -> None:
+        obj = self._objects.pop(key)
+        self._bytes_used -= obj.size
+        self._free_pages(obj.pages)
+
+    def _evict_until(self, enough: Callable[[], bool]) -> int:
+        """Evict unleased objects, least recently used first, reporting each to on_evict, until enough()."""
+        evicted = 0
+        for key in [key for key, obj in self._objects.items() if not obj.readers]:
+            if enough():
+                break
+            self._report_eviction(key, self._objects[key])
+            self._drop_object(key)
+            self._counts.evictions += 1
+            evicted += 1
+        return evicted
+
+    def _report_eviction(self, key: bytes, obj: _Object) -> None:
+        if self._on_evict is None:
+            return
+        view = self.segment.view(obj.pages, obj.size)
+        if view is None:
+            view = memoryview(self.segment.read(obj.pages, obj.size))
+        try:
+            self._on_evict(key, obj.meta, view)
+        except Exception:  # noqa: BLE001 - the pages must be reclaimed anyway; counted and logged
+            self._counts.evict_callback_errors += 1
+            log.exception("on_evict failed for %s; the object is dropped from L1 without a copy", key.hex()[:16])
+        try:
+            view.release()   # a view left exported would keep the segment from unmapping at shutdown
+        except BufferError:
+            log.warning("on_evict kept a buffer over the evicted bytes of %s; it must copy them", key.hex()[:16])
+
+    def _make_zombie(self, lease: _Lease) -> None:
+        """A revoked or expired lease: its client may still touch the pages, so they stay out of reuse."""
+        lease.zombie = True
+        np.add.at(self._zombie_holds, lease.pages, 1)
+        if lease.writing:
+            self._state[lease.pages] = QUARANTINED
+        else:
+            self._objects[lease.key].readers -= 1   # evictable again; eviction then quarantines its pages
+
+    def _end_lease(self, lease: _Lease) -> None:
+        del self._leases[lease.lease_id]
+        if lease.zombie:
+            np.add.at(self._zombie_holds, lease.pages, -1)
+            released = [p for p in lease.pages if self._zombie_holds[p] == 0 and self._state[p] == QUARANTINED]
+            self._state[released] = FREE
+        elif lease.writing:
+            self._free_pages(lease.pages)
+        else:
+            self._objects[lease.key].readers -= 1
+
+    def _revoke_writes_below(self, priority: int) -> None:
+        """Under CRITICAL: revoke pending writes of lower-priority clients, lowest (then oldest) first,
+        until the pages that come back once their holders release would lift the pool out of CRITICAL.
+
+        Revoking frees nothing at once (the writer may still be copying), so counting quarantined
+        pages as coming back is what keeps one critical moment from revoking every lower write.
+        """
+        victims = sorted((lease for lease in self._leases.values()
+                          if lease.writing and not lease.zombie and lease.priority < priority),
+                         key=lambda lease: (lease.priority, lease.started, lease.lease_id))
+        for lease in victims:
+            returning = self._free_count() + int(np.count_nonzero(self._state == QUARANTINED))
+            if self.watermarks.level(returning / self._total) < PressureLevel.CRITICAL:
+                break
+            self._make_zombie(lease)
+            self._counts.revoked += 1

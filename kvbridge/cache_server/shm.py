@@ -1,0 +1,297 @@
+"""The cache server's L1 memory: one file of fixed-size pages in POSIX shared memory (/dev/shm).
+
+Flow: the server creates the segment at start and hands its path and nonce to every client in the
+hello reply; a client on the same host attaches (maps the same file) and copies object bytes into
+or out of the pages a lease names, with no bytes crossing the socket. Which pages hold what is the
+pool's business (kvbridge.cache_server.pool); this module only knows bytes, pages and generations.
+
+Layout (little-endian):
+    header       magic b"KVBSHM01", format version u32, page_bytes u32, n_pages u64,
+                 a 16-byte random nonce, the creator's pid u64            (HEADER_BYTES, padded)
+    generations  n_pages u64: the generation of the object that owns each page, 0 when free
+    pages        n_pages * page_bytes, starting at a 4096-aligned offset
+
+A client checks a copy by reading the pages' generations after it: any value other than its
+lease's generation means the pages were reused meanwhile (a torn copy), and it counts a miss.
+
+Deliberately left out: multiprocessing.shared_memory (its resource tracker unlinks a segment when
+any attaching process exits) and any locking (the pool's leases decide who may touch which pages).
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import secrets
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from kvbridge.errors import KVBridgeError
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVBSHM01"
+FORMAT_VERSION = 1
+NONCE_BYTES = 16
+_HEADER = struct.Struct("<8sIIQ16sQ")   # magic, version, page_bytes, n_pages, nonce, creator pid
+HEADER_BYTES = 64                        # the header padded, so the generation table is 8-aligned
+PAGE_ALIGN = 4096
+DEFAULT_DIRECTORY = Path("/dev/shm")
+DEFAULT_PREFIX = "kvbridge"
+
+
+class SegmentUnavailable(KVBridgeError):
+    """The shared-memory segment cannot be created or is not the one expected; the message says which file and why."""
+
+
+def pages_offset(n_pages: int) -> int:
+    """Where page 0 starts: after the header and the generation table, rounded up to PAGE_ALIGN."""
+    end_of_table = HEADER_BYTES + 8 * n_pages
+    return -(-end_of_table // PAGE_ALIGN) * PAGE_ALIGN
+
+
+def segment_bytes(n_pages: int, page_bytes: int) -> int:
+    return pages_offset(n_pages) + n_pages * page_bytes
+
+
+def _segment_name_pattern(prefix: str) -> re.Pattern[str]:
+    return re.compile(rf"^{re.escape(prefix)}-(\d+)-(\d+)-[0-9a-f]+\.pool$")
+
+
+class Segment:
+    """A mapped segment file. Build one with Segment.create (server) or Segment.attach (client)."""
+
+    def __init__(self, path: Path, mapping: mmap.mmap, nonce: bytes, page_bytes: int, n_pages: int,
+                 creator_pid: int) -> None:
+        self._path = path
+        self._mmap: mmap.mmap | None = mapping
+        self._nonce = nonce
+        self._page_bytes = page_bytes
+        self._n_pages = n_pages
+        self._creator_pid = creator_pid
+        self._pages_start = pages_offset(n_pages)
+        self._bytes: memoryview | None = memoryview(mapping)
+        self._generations: np.ndarray | None = np.frombuffer(mapping, dtype="<u8", count=n_pages,
+                                                             offset=HEADER_BYTES)
+
+    # -- opening -----------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, n_pages: int, page_bytes: int, directory: Path = DEFAULT_DIRECTORY,
+               prefix: str = DEFAULT_PREFIX) -> "Segment":
+        """A new, zeroed segment file private to this user (mode 0600), named so cleanup can find it."""
+        if n_pages < 1 or not 0 < page_bytes < 2 ** 32:
+            raise ValueError(f"a segment needs n_pages >= 1 and 0 < page_bytes < 4 GiB, got {n_pages}, {page_bytes}")
+        directory = Path(directory)
+        path = directory / f"{prefix}-{os.getuid()}-{os.getpid()}-{secrets.token_hex(8)}.pool"
+        size = segment_bytes(n_pages, page_bytes)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except OSError as exc:
+            raise SegmentUnavailable(f"cannot create the shared-memory segment {path}: {exc.strerror or exc}") from None
+        try:
+            try:
+                # Reserve the memory now: on tmpfs a sparse file that later runs out of room kills the
+                # server with SIGBUS on the first write to a page, instead of failing here with a message.
+                os.posix_fallocate(fd, 0, size)
+            except AttributeError:      # no posix_fallocate on this platform (macOS): sparse is all we get
+                os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size)
+        except OSError as exc:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise SegmentUnavailable(
+                f"cannot reserve {size / 2**20:.1f} MiB for the shared-memory segment {path}: "
+                f"{exc.strerror or exc}. Free space in {directory} or lower the L1 size.") from None
+        os.close(fd)  # the mapping keeps its own reference to the file
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        mapping[:_HEADER.size] = _HEADER.pack(MAGIC, FORMAT_VERSION, page_bytes, n_pages, nonce, os.getpid())
+        return cls(path, mapping, nonce, page_bytes, n_pages, os.getpid())
+
+    @classmethod
+    def attach(cls, path: Path | str, expected_nonce: bytes) -> "Segment":
+        """Map a server's segment; it must be a KVBridge segment of this format carrying expected_nonce.
+
+        A client on another host (or talking to another server) finds no such file or a different
+        nonce, so it knows to move bytes over the socket instead.
+        """
+        path = Path(path)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise SegmentUnavailable(f"cannot open the shared-memory segment {path}: {exc.strerror or exc}") from None
+        try:
+            file_size = os.fstat(fd).st_size
+            if file_size < _HEADER.size:
+                raise SegmentUnavailable(f"{path} is not a KVBridge segment: only {file_size} bytes long")
+            header = os.pread(fd, _HEADER.size, 0)
+            magic, version, page_bytes, n_pages, nonce, creator_pid = _HEADER.unpack(header)
+            if magic != MAGIC:
+                raise SegmentUnavailable(f"{path} is not a KVBridge segment (magic {magic!r})")
+            if version != FORMAT_VERSION:
+                raise SegmentUnavailable(f"{path} has segment format version {version}; this client reads "
+                                         f"version {FORMAT_VERSION} (upgrade the older side)")
+            if not secrets.compare_digest(nonce, bytes(expected_nonce)):
+                raise SegmentUnavailable(f"{path} belongs to another cache server (its nonce is not the one the "
+                                         f"server announced; is the server on another host?)")
+            expected_size = segment_bytes(n_pages, page_bytes)
+            if file_size != expected_size:
+                raise SegmentUnavailable(f"{path} is {file_size} bytes, but its header describes "
+                                         f"{n_pages} pages of {page_bytes} bytes ({expected_size} bytes)")
+            mapping = mmap.mmap(fd, file_size)
+        except OSError as exc:
+            raise SegmentUnavailable(f"cannot map the shared-memory segment {path}: {exc.strerror or exc}") from None
+        finally:
+            os.close(fd)
+        return cls(path, mapping, nonce, page_bytes, n_pages, creator_pid)
+
+    # -- facts -------------------------------------------------------------------------------------
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def nonce(self) -> bytes:
+        return self._nonce
+
+    @property
+    def page_bytes(self) -> int:
+        return self._page_bytes
+
+    @property
+    def n_pages(self) -> int:
+        return self._n_pages
+
+    @property
+    def creator_pid(self) -> int:
+        return self._creator_pid
+
+    @property
+    def closed(self) -> bool:
+        return self._bytes is None
+
+    def __repr__(self) -> str:
+        return f"Segment({str(self._path)!r}, n_pages={self._n_pages}, page_bytes={self._page_bytes})"
+
+    # -- bytes -------------------------------------------------------------------------------------
+    def _mapped(self) -> memoryview:
+        if self._bytes is None:
+            raise ValueError(f"segment {self._path} is closed")
+        return self._bytes
+
+    def _page_start(self, page: int) -> int:
+        if not 0 <= page < self._n_pages:
+            raise IndexError(f"page {page} is outside the segment's {self._n_pages} pages")
+        return self._pages_start + page * self._page_bytes
+
+    def _check_size(self, pages: list[int], size: int) -> None:
+        if not 0 <= size <= len(pages) * self._page_bytes:
+            raise ValueError(f"{size} bytes do not fit in {len(pages)} pages of {self._page_bytes} bytes")
+
+    def view(self, pages: list[int], size: int) -> memoryview | None:
+        """Zero-copy: exactly `size` bytes over pages that are consecutive (p, p+1, ...); None when they are not."""
+        self._check_size(pages, size)
+        if not pages or any(b != a + 1 for a, b in zip(pages, pages[1:])):
+            return None
+        start = self._page_start(pages[0])
+        self._page_start(pages[-1])  # bounds
+        return self._mapped()[start:start + size]
+
+    def read_into(self, pages: list[int], size: int, out: memoryview) -> None:
+        """Gather `size` bytes from the pages, in order, into out[:size]."""
+        self._check_size(pages, size)
+        mapped, out = self._mapped(), memoryview(out).cast("B")
+        done = 0
+        for page in pages:
+            if done >= size:
+                break
+            n = min(self._page_bytes, size - done)
+            start = self._page_start(page)
+            out[done:done + n] = mapped[start:start + n]
+            done += n
+
+    def read(self, pages: list[int], size: int) -> bytes:
+        buffer = bytearray(size)
+        self.read_into(pages, size, memoryview(buffer))
+        return bytes(buffer)
+
+    def write(self, pages: list[int], data: bytes | memoryview) -> None:
+        """Scatter data over the pages, in order (the last page may be partly used)."""
+        data = memoryview(data).cast("B")
+        self._check_size(pages, len(data))
+        mapped = self._mapped()
+        for index, done in enumerate(range(0, len(data), self._page_bytes)):
+            piece = data[done:done + self._page_bytes]
+            start = self._page_start(pages[index])
+            mapped[start:start + len(piece)] = piece
+
+    # -- generations -------------------------------------------------------------------------------
+    def _table(self) -> np.ndarray:
+        if self._generations is None:
+            raise ValueError(f"segment {self._path} is closed")
+        return self._generations
+
+    def set_generation(self, pages: list[int], generation: int) -> None:
+        self._table()[list(pages)] = generation
+
+    def generation_ok(self, pages: list[int], generation: int) -> bool:
+        """Whether every page still carries `generation` (no page was freed or reused since)."""
+        if not pages:
+            return False
+        return bool(np.all(self._table()[list(pages)] == generation))
+
+    # -- closing -----------------------------------------------------------------------------------
+    def close(self, unlink: bool = False) -> None:
+        """Unmap (and, for the server, remove the file). Safe to call twice.
+
+        A memoryview a caller still holds (from view()) keeps the mapping alive: then the unmap is
+        left to the garbage collector when that view goes, rather than failing the caller's shutdown.
+        """
+        mapping, self._mmap = self._mmap, None
+        self._generations = None   # the numpy view exports the mapping's buffer: drop it before closing
+        if self._bytes is not None:
+            self._bytes.release()
+            self._bytes = None
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:
+                log.warning("segment %s: a view is still in use; it is unmapped when that view is dropped",
+                            self._path)
+        if unlink:
+            self._path.unlink(missing_ok=True)
+
+
+def stale_segments(directory: Path = DEFAULT_DIRECTORY, prefix: str = DEFAULT_PREFIX) -> list[Path]:
+    """This user's segment files whose creating process is gone (left by a crash), for removal."""
+    pattern = _segment_name_pattern(prefix)
+    uid = os.getuid()
+    stale = []
+    try:
+        entries = sorted(Path(directory).iterdir())
+    except FileNotFoundError:
+        return []
+    for path in entries:
+        match = pattern.match(path.name)
+        if not match or int(match.group(1)) != uid:
+            continue
+        try:
+            if path.stat().st_uid != uid:
+                continue
+        except FileNotFoundError:
+            continue   # removed meanwhile
+        if not _pid_alive(int(match.group(2))):
+            stale.append(path)
+    return stale
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True   # alive, owned by someone else (the pid was reused)
+    return True
