@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -139,15 +139,6 @@ class _Lease:
     zombie: bool = False             # revoked or expired: holds its pages in quarantine until released
 
 
-@dataclass
-class _Counts:
-    evictions: int = 0
-    revoked: int = 0
-    expired: int = 0
-    evict_callback_errors: int = 0
-    refused: Counter = field(default_factory=Counter)
-
-
 def pages_needed(size: int, page_bytes: int) -> int:
     return max(1, -(-size // page_bytes))
 
@@ -174,7 +165,7 @@ class PagedPool:
         self._lease_ids = itertools.count(1)
         self._generation = 0
         self._bytes_used = 0
-        self._counts = _Counts()
+        self._counts: Counter[str] = Counter()   # evictions, revoked, expired, refused_<reason>, ...
         segment.set_generation(list(range(self._total)), 0)
 
     # -- reading -----------------------------------------------------------------------------------
@@ -288,7 +279,7 @@ class PagedPool:
             old = [lease for lease in self._leases.values() if not lease.zombie and lease.started < deadline]
             for lease in old:
                 self._make_zombie(lease)
-            self._counts.expired += len(old)
+            self._counts["expired"] += len(old)
             return len(old)
 
     # -- eviction and removal ----------------------------------------------------------------------
@@ -323,13 +314,11 @@ class PagedPool:
     def stats(self) -> dict:
         with self._lock:
             live = [lease for lease in self._leases.values() if not lease.zombie]
-            free = self._free_count()
+            pages = np.bincount(self._state, minlength=QUARANTINED + 1).tolist()
+            free = pages[FREE]
             return {
-                "total_pages": self._total,
-                "free_pages": free,
-                "object_pages": int(np.count_nonzero(self._state == OBJECT)),
-                "pending_pages": int(np.count_nonzero(self._state == PENDING)),
-                "quarantined_pages": int(np.count_nonzero(self._state == QUARANTINED)),
+                "total_pages": self._total, "free_pages": free, "object_pages": pages[OBJECT],
+                "pending_pages": pages[PENDING], "quarantined_pages": pages[QUARANTINED],
                 "page_bytes": self.segment.page_bytes,
                 "objects": len(self._objects),
                 "bytes_used": self._bytes_used,
@@ -339,11 +328,8 @@ class PagedPool:
                 "leased_objects": sum(1 for obj in self._objects.values() if obj.readers),
                 "level": self._level().name,
                 "usage_ratio": (self._total - free) / self._total,
-                "evictions": self._counts.evictions,
-                "evict_callback_errors": self._counts.evict_callback_errors,
-                "refused": {reason: self._counts.refused[reason] for reason in REFUSALS},
-                "revoked": self._counts.revoked,
-                "expired": self._counts.expired,
+                **{name: self._counts[name] for name in ("evictions", "evict_callback_errors", "revoked", "expired")},
+                "refused": {reason: self._counts[f"refused_{reason}"] for reason in REFUSALS},
                 "generation": self._generation,
             }
 
@@ -369,6 +355,8 @@ class PagedPool:
             for lease in self._leases.values():
                 if lease.zombie:
                     np.add.at(holds, lease.pages, 1)
+                    if lease.writing:
+                        owners.update(lease.pages)   # a dead write's pages belong to no object
                 elif lease.writing:
                     expected[lease.pages] = PENDING
                     owners.update(lease.pages)
@@ -398,7 +386,7 @@ class PagedPool:
         return self.watermarks.level(self._free_count() / self._total)
 
     def _refuse(self, reason: str, detail: str) -> None:
-        self._counts.refused[reason] += 1
+        self._counts[f"refused_{reason}"] += 1
         raise StoreRefused(reason, detail)
 
     def _new_lease(self, client_id: str, writing: bool, key: bytes, pages: list[int], size: int, generation: int,
@@ -456,7 +444,7 @@ class PagedPool:
                 break
             self._report_eviction(key, self._objects[key])
             self._drop_object(key)
-            self._counts.evictions += 1
+            self._counts["evictions"] += 1
             evicted += 1
         return evicted
 
@@ -469,7 +457,7 @@ class PagedPool:
         try:
             self._on_evict(key, obj.meta, view)
         except Exception:  # noqa: BLE001 - the pages must be reclaimed anyway; counted and logged
-            self._counts.evict_callback_errors += 1
+            self._counts["evict_callback_errors"] += 1
             log.exception("on_evict failed for %s; the object is dropped from L1 without a copy", key.hex()[:16])
         try:
             view.release()   # a view left exported would keep the segment from unmapping at shutdown
@@ -511,4 +499,4 @@ class PagedPool:
             if self.watermarks.level(returning / self._total) < PressureLevel.CRITICAL:
                 break
             self._make_zombie(lease)
-            self._counts.revoked += 1
+            self._counts["revoked"] += 1
