@@ -1,4 +1,4 @@
-"""`python -m kvbridge`: the command line (gui, demo, bench, bench-store, namespace, engines, scenarios)."""
+"""`python -m kvbridge`: the command line (gui, demo, bench, bench-store, cache-server, namespace, engines, scenarios)."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +17,7 @@ COMMANDS = {
     "bench": "run a scenario headless in several modes; print a table and summary; write CSV/JSON/HTML to output/",
     "bench-store": "hashing and L1/L2 throughput against plain memory and file copies",
     "bench-restore": "restore of a 2k-token prefix (lookup+fetch+assemble+set) against a plain memory copy",
+    "cache-server": "run the cache server (ZMQ + shared memory) that engines share when KVB_STORE_URL points at it",
     "namespace": "start the configured engine and print its namespace (what its stored KV is keyed under)",
     "engines": "list the engines in the registry",
     "scenarios": "list the demo scenarios",
@@ -51,6 +52,16 @@ def cmd_gui(args) -> int:
     from kvbridge.gui.app import main as app_main
 
     return app_main() or 0
+
+
+def cmd_cache_server(args) -> int:
+    from kvbridge.cache_server.cli import run
+
+    settings = Settings.from_env()
+    problems = settings.validate()
+    if problems:
+        raise SystemExit("Settings need attention:\n  - " + "\n  - ".join(problems))
+    return run(settings, args.url, args.server_module or [], args.metrics_port)
 
 
 def cmd_engines(args) -> int:
@@ -210,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "bench-restore":
             p.add_argument("--tokens", type=int, default=2048, help="prefix length to restore (default 2048)")
             p.add_argument("--repeats", type=int, default=7, help="runs (median is shown)")
+        if name == "cache-server":
+            p.add_argument("--url", help="where to listen: tcp://HOST:PORT or ipc:///path "
+                                         "(default: KVB_CACHE_SERVER_URL, else tcp://127.0.0.1:5555)")
+            p.add_argument("--server-module", action="append", metavar="JSON",
+                           help='a module to load: {"module_path": "pkg.mod", "config": {...}} or a JSON list of them; '
+                                "repeatable; after those in KVB_CACHE_SERVER_MODULES")
+            p.add_argument("--metrics-port", type=int, default=None,
+                           help="serve Prometheus text on 127.0.0.1:PORT/metrics (default: KVB_CACHE_SERVER_METRICS_PORT)")
         if name == "bench-store":
             p.add_argument("--object-mb", type=float, default=40.0, help="object size in MB (default 40)")
             p.add_argument("--repeats", type=int, default=5, help="runs per measurement (median is shown)")
@@ -225,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     handler = globals()["cmd_" + args.command.replace("-", "_")]
-    if args.command != "gui":   # the GUI installs its own handler; elsewhere SIGTERM must still run cleanup
+    if args.command not in ("gui", "cache-server"):   # those install their own; elsewhere SIGTERM must still run cleanup
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         return handler(args)

@@ -37,12 +37,21 @@ log = logging.getLogger(__name__)
 PROBE_TEXT = " ".join(["KV layout probe and warm-up."] * 24)
 
 
+def open_store(settings: Settings):
+    """The embedded TieredStore, or, with KVB_STORE_URL set, the cache server there (its tiers, not ours)."""
+    if settings.store_url:
+        from kvbridge.cache_server.remote_store import RemoteStore
+
+        return RemoteStore.from_settings(settings)
+    return TieredStore.from_settings(settings)
+
+
 class CachedEngine:
     def __init__(self, settings: Settings, backend: Backend, store: TieredStore | None = None,
                  metrics: Metrics | None = None):
         self.settings = settings
         self.backend = backend
-        self.store = store if store is not None else TieredStore.from_settings(settings)
+        self.store = store if store is not None else open_store(settings)
         self.metrics = metrics if metrics is not None else Metrics()
         self.namespace = ""
         self.geometry: KVGeometry | None = None
@@ -87,7 +96,7 @@ class CachedEngine:
         """
         with self._lock:
             self.backend.restart()
-            if drop_l1:
+            if drop_l1 and not getattr(self.store, "shared", False):   # a cache server's L1 outlives engines
                 self.store.clear("L1")
             self.metrics.inc("engine_restarts")
 
@@ -265,10 +274,12 @@ class CachedEngine:
         for note in plan.notes:
             record.add_note(note)
         if not plan.matched_tokens:
+            plan.release()
             return 0
         t = time.perf_counter()
         try:
             if self.backend.reuse_last_restore(plan.tokens):
+                plan.release()
                 record.add_note("restore file reused: the engine's restore file already held this prefix, loaded again without rebuilding it")
             else:
                 state = self._kv.assemble(plan, buffer_for=self.backend.state_buffer)
@@ -280,6 +291,8 @@ class CachedEngine:
             self.metrics.inc("restore_failed")
             self.backend.reset_native_cache()
             return 0
+        finally:
+            plan.release()
         held = self.backend.held_tokens()
         expected = len(plan.tokens)
         if held is not None and held != expected:

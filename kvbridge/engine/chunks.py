@@ -29,7 +29,7 @@ from kvbridge.backends.base import SeqState
 from kvbridge.engine.hashing import tail_key, tokens_digest
 from kvbridge.formats.llama_state import (ChunkView, KVGeometry, LayoutError, assemble_state, assembled_size, decode_chunk, encode_chunk,
                        parse_state)
-from kvbridge.store import ObjectMeta, TieredStore
+from kvbridge.store import ObjectMeta, ObjectVanished, StoredObject, TieredStore
 
 log = logging.getLogger(__name__)
 TAIL_DEPTH = 2          # tails kept at the last TAIL_DEPTH chunk boundaries of each stored prompt
@@ -53,6 +53,13 @@ class RestorePlan:
     matched_tokens: int = 0
     tier: str = "none"
     notes: list[str] = field(default_factory=list)
+    borrowed: list = field(default_factory=list)  # objects whose blob views memory on loan (release them)
+
+    def release(self) -> None:
+        """Return every loaned blob (a cache server's shared-memory lease); idempotent."""
+        borrowed, self.borrowed = self.borrowed, []
+        for obj in borrowed:
+            obj.release()
 
 
 def _run_all(jobs) -> None:
@@ -105,24 +112,39 @@ class ChunkKV:
                      buffer_for: Callable[[int, Sequence[int]], np.ndarray | None] | None = None) -> RestorePlan:
         """find_prefix() and assemble() in one step."""
         plan = self.find_prefix(tokens, hashes)
-        if plan.matched_tokens:
-            self.assemble(plan, buffer_for)
+        try:
+            if plan.matched_tokens:
+                self.assemble(plan, buffer_for)
+        finally:
+            plan.release()
         return plan
 
     def find_prefix(self, tokens: Sequence[int], hashes: Sequence[bytes]) -> RestorePlan:
-        """Fetch and confirm the longest stored prefix of `tokens` (at most len-1: the last token is recomputed)."""
+        """Fetch and confirm the longest stored prefix of `tokens` (at most len-1: the last token is recomputed).
+
+        Objects a remote store lends (shared-memory views) are kept in plan.borrowed: the caller
+        calls plan.release() once the plan is assembled or abandoned.
+        """
         limit = len(tokens) - 1
         if limit < 1:
             return RestorePlan()
         if self.geometry is None:
             return self._plan_snapshot(tokens, hashes, limit)
+        plan = RestorePlan()
+        try:
+            self._find_chunks(plan, tokens, hashes, limit)
+        except BaseException:
+            plan.release()
+            raise
+        return plan
+
+    def _find_chunks(self, plan: RestorePlan, tokens: Sequence[int], hashes: Sequence[bytes], limit: int) -> None:
         c = self.chunk_size
         found = self.store.lookup(list(hashes), namespace=self.namespace)
-        plan = RestorePlan()
         for i in range(found.n_hit):
             if (i + 1) * c > limit:
                 break
-            obj = self.store.get(hashes[i], namespace=self.namespace)
+            obj = self._borrow(plan, self.store.get(hashes[i], namespace=self.namespace))
             view = self._confirmed(obj, tokens[i * c:(i + 1) * c], plan)
             if view is None:
                 break
@@ -132,7 +154,7 @@ class ChunkKV:
         plan.chunks_hit = len(plan.pieces)
         start = plan.chunks_hit * c
         prev = hashes[plan.chunks_hit - 1] if plan.chunks_hit else self.seed
-        obj = self.store.get(tail_key(prev), namespace=self.namespace)
+        obj = self._borrow(plan, self.store.get(tail_key(prev), namespace=self.namespace))
         if obj is not None and obj.meta.kind == "tail":
             view = self._decoded(obj.blob, plan)
             if view is not None:
@@ -144,7 +166,6 @@ class ChunkKV:
         n = sum(keep for _, keep in plan.pieces)
         plan.tokens = list(tokens[:n])
         plan.matched_tokens = n
-        return plan
 
     def assemble(self, plan: RestorePlan,
                  buffer_for: Callable[[int, Sequence[int]], np.ndarray | None] | None = None) -> SeqState:
@@ -160,8 +181,20 @@ class ChunkKV:
             out = self._scratch
         # the state lives in `out`: valid until the next assemble (one request at a time)
         data = assemble_state(self.geometry, plan.pieces, out=out, run=self._run_jobs)
+        torn = [obj for obj in plan.borrowed if obj.intact is not None and not obj.intact()]
+        plan.release()
+        if torn:
+            raise ObjectVanished(f"{len(torn)} object(s) changed in shared memory while they were copied "
+                                 "(a lease expired); nothing of this restore is used")
         plan.state = SeqState(data=data, n_tokens=n)
         return plan.state
+
+    @staticmethod
+    def _borrow(plan: RestorePlan, obj):
+        """Note an object whose blob is on loan, so the plan returns it however it ends."""
+        if obj is not None and obj.release is not None:
+            plan.borrowed.append(obj)
+        return obj
 
     def _decoded(self, blob: bytes, plan: RestorePlan) -> ChunkView | None:
         try:
@@ -169,6 +202,18 @@ class ChunkKV:
         except LayoutError as exc:
             plan.notes.append(f"stored object rejected ({exc}); recomputed")
             return None
+
+    @staticmethod
+    def _owned(obj):
+        """A loaned object copied into bytes of our own at once (snapshots go to the engine as they are)."""
+        if obj is None or obj.release is None:
+            return obj
+        try:
+            blob = bytes(obj.blob)
+            intact = obj.intact is None or obj.intact()
+        finally:
+            obj.release()
+        return StoredObject(blob, obj.meta, obj.tier) if intact else None
 
     def _confirmed(self, obj, expected: Sequence[int], plan: RestorePlan) -> ChunkView | None:
         """A hash hit is trusted only when the object's token ids equal the prompt's."""
@@ -187,7 +232,7 @@ class ChunkKV:
         keys = [tail_key(hashes[-1])] if hashes else []
         keys.append(tail_key(self.seed))
         for key in keys:
-            obj = self.store.get(key, namespace=self.namespace)
+            obj = self._owned(self.store.get(key, namespace=self.namespace))
             if obj is None or obj.meta.kind != "snapshot":
                 continue
             magic, n_ids = _SNAPSHOT_HEADER.unpack_from(obj.blob, 0)

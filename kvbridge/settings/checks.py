@@ -70,12 +70,61 @@ def _value_problems(s: Settings) -> list[str]:
         (not s.engine.strip(), "KVB_ENGINE is empty; use llamacpp (the default) or another registered engine"),
     )
     problems += [message for failed, message in rules if failed]
+    problems += _cache_server_problems(s)
     urls = (("KVB_OLLAMA_URL", s.ollama_url), ("KVB_CLOUD_BASE_URL", s.cloud_base_url),
             ("KVB_LLAMA_SERVER_URL", s.llama_server_url))
     for var, value in urls:
         message = url_problem(var, value) if value else None
         if message:
             problems.append(message)
+    return problems
+
+
+def zmq_url_problem(var: str, url: str) -> str | None:
+    """A message when `url` is not tcp://host:port or ipc:///path (the cache server's transports), else None."""
+    scheme, sep, rest = url.partition("://")
+    if scheme == "ipc" and sep and rest:
+        return None
+    if scheme == "tcp" and sep:
+        host, colon, port = rest.rpartition(":")
+        if colon and host and port.isdigit() and 1 <= int(port) <= 65535:
+            return None
+    return f"{var}={url!r} is not a cache server address; use tcp://127.0.0.1:5555 or ipc:///path/to/socket"
+
+
+def _cache_server_problems(s: Settings) -> list[str]:
+    """The cache server's numbers and addresses (the server's own settings and its clients')."""
+    marks = (s.cache_server_critical_free, s.cache_server_hard_free, s.cache_server_soft_free, s.cache_server_target_free)
+    rules = (
+        (not 0 <= s.client_priority <= 9, f"KVB_CLIENT_PRIORITY={s.client_priority} must be 0 to 9 (higher is more important)"),
+        (s.cache_server_page_bytes < 4096,
+         f"KVB_CACHE_SERVER_PAGE_BYTES={s.cache_server_page_bytes} is too small; use at least 4KiB (default 256KiB)"),
+        (not 0 <= s.cache_server_metrics_port <= 65535,
+         f"KVB_CACHE_SERVER_METRICS_PORT={s.cache_server_metrics_port} is not a port; use 1 to 65535, or 0 for none"),
+        (s.cache_server_reap_timeout != 0 and s.cache_server_reap_timeout < 1,
+         f"KVB_CACHE_SERVER_REAP_TIMEOUT={s.cache_server_reap_timeout} must be 0 (never reap) or at least 1 second"),
+        (s.cache_server_registration_grace < 0,
+         f"KVB_CACHE_SERVER_REGISTRATION_GRACE={s.cache_server_registration_grace} cannot be negative"),
+        (s.cache_server_lease_timeout <= 0,
+         f"KVB_CACHE_SERVER_LEASE_TIMEOUT={s.cache_server_lease_timeout} must be more than 0 seconds"),
+        (s.cache_server_timeout <= 0, f"KVB_CACHE_SERVER_TIMEOUT={s.cache_server_timeout} must be more than 0 seconds"),
+        (not all(0 <= m <= 1 for m in marks) or list(marks) != sorted(marks),
+         "the watermarks must be fractions from 0 to 1 with KVB_CACHE_SERVER_CRITICAL_FREE <= _HARD_FREE <= "
+         f"_SOFT_FREE <= _TARGET_FREE; got {', '.join(str(m) for m in marks)}"),
+        (not 0 <= s.cache_server_hard_min_priority <= 10,
+         f"KVB_CACHE_SERVER_HARD_MIN_PRIORITY={s.cache_server_hard_min_priority} must be 0 to 10"),
+        (s.cache_server_write_queue < 1, f"KVB_CACHE_SERVER_WRITE_QUEUE={s.cache_server_write_queue} must be at least 1"),
+        (s.cache_server_max_message_bytes < 1 << 20,
+         f"KVB_CACHE_SERVER_MAX_MESSAGE_BYTES={s.cache_server_max_message_bytes} is too small; use at least 1MiB"),
+    )
+    problems = [message for failed, message in rules if failed]
+    for var, value in (("KVB_STORE_URL", s.store_url), ("KVB_CACHE_SERVER_URL", s.cache_server_url)):
+        message = zmq_url_problem(var, value) if value else None
+        if message:
+            problems.append(message)
+    if s.cache_server_token_env and not s.cache_server_token_env.replace("_", "").isalnum():
+        problems.append(f"KVB_CACHE_SERVER_TOKEN_ENV={s.cache_server_token_env!r} must be the NAME of an environment "
+                        "variable (like KVB_CACHE_TOKEN), not the secret itself")
     return problems
 
 

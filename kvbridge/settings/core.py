@@ -55,6 +55,26 @@ class Settings:
     l2_bytes: int = 8 << 30
     l2_enabled: bool = True
     prefer_lmcache_hasher: bool = False
+    # the cache server (python -m kvbridge cache-server); KVB_STORE_URL set: engines use it, not an embedded store
+    store_url: str = ""               # tcp://127.0.0.1:5555 or ipc:///path; empty: the embedded store
+    client_priority: int = 5          # 0-9, higher is more important under memory pressure
+    cache_server_url: str = "tcp://127.0.0.1:5555"   # where `cache-server` binds (its --url)
+    cache_server_token_env: str = ""  # the NAME of the variable holding the shared secret; never the secret
+    cache_server_shm: bool = True     # clients on the server's host copy through shared memory
+    cache_server_page_bytes: int = 256 << 10
+    cache_server_modules: str = ""    # JSON list of {"module_path": ..., "config": {...}}
+    cache_server_metrics_port: int = 0   # 0: no Prometheus endpoint
+    cache_server_reap_timeout: float = 120.0     # seconds without a request before a client is dropped; 0: never
+    cache_server_registration_grace: float = 3600.0  # a registered client that has sent nothing yet gets this long
+    cache_server_lease_timeout: float = 30.0     # a lease not released by then is revoked (its pages quarantined)
+    cache_server_timeout: float = 5.0            # client side: a request unanswered this long is a miss
+    cache_server_soft_free: float = 0.20         # free-page fraction below which cold objects are evicted
+    cache_server_hard_free: float = 0.10         # ... below which low-priority stores are refused
+    cache_server_critical_free: float = 0.05     # ... below which low-priority write leases are revoked
+    cache_server_target_free: float = 0.30       # eviction frees pages until this fraction is free
+    cache_server_hard_min_priority: int = 5      # under HARD pressure, stores from clients below this are refused
+    cache_server_write_queue: int = 256          # objects waiting for the background L2 writer
+    cache_server_max_message_bytes: int = 256 << 20
     # GUI
     host: str = "127.0.0.1"
     port: int = 7860

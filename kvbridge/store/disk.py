@@ -23,13 +23,19 @@ writer cannot be identified (no /proc, a foreign name) are removed once STALE_TE
 Limitation: a writer in another pid namespace (another container sharing the directory) looks
 dead; its put then fails cleanly (a counted write error), it never leaves a torn file.
 
+Owners. Embedded stores share a directory with each other, a cache server keeps one to itself:
+each DiskTier holds a flock on `.kvbridge-owner.lock` for its lifetime, shared for embedded stores
+(owner="embedded"), exclusive for a cache server (owner="cache-server"), so whichever opens second
+refuses with DirectoryOwned, a BadSettings naming the holder and what to change.
+
 Errors. The constructor raises OSError when the directory cannot be used (TieredStore.from_settings
-turns that into BadSettings). After that, get() raises only StoreFault subclasses, put() returns
+turns that into BadSettings), DirectoryOwned when the other kind of owner holds it. After that, get() raises only StoreFault subclasses, put() returns
 False on any storage fault, remove()/discover() log and carry on, clear() raises StoreFault only
 when the directory cannot be listed.
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import threading
@@ -49,12 +55,50 @@ from kvbridge.store.diskformat import (
     unlink_quietly,
     write_temp_file,
 )
+from kvbridge.errors import BadSettings
 from kvbridge.store.objects import CorruptObject, ObjectMeta, ObjectVanished, StoreFault
 from kvbridge.store.tiers import Tier
 
 log = logging.getLogger(__name__)
 
 STALE_TEMP_SECONDS = 600.0  # a temp file whose writer cannot be identified is abandoned after this
+OWNER_LOCK_FILE = ".kvbridge-owner.lock"
+OWNERS = ("embedded", "cache-server")
+
+
+class DirectoryOwned(BadSettings):
+    """The L2 directory is held by the other kind of owner (a cache server vs embedded stores)."""
+
+
+def _take_owner_lock(directory: Path, owner: str) -> int:
+    """A descriptor holding the directory's owner flock; DirectoryOwned when the other kind holds it."""
+    if owner not in OWNERS:
+        raise ValueError(f"owner must be one of {OWNERS}, got {owner!r}")
+    path = directory / OWNER_LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if owner == "cache-server" else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+        os.close(fd)
+        if owner == "cache-server":
+            what = (f"{holder}" if holder.startswith("cache server") else
+                    "an embedded store (a KVBridge process running without KVB_STORE_URL)")
+            raise DirectoryOwned(
+                f"KVB_L2_DIR={directory} is in use by {what}; a cache server needs an L2 directory of its own. "
+                "Stop that process (or set KVB_STORE_URL there so it uses this server), or point KVB_L2_DIR elsewhere."
+            ) from None
+        raise DirectoryOwned(
+            f"KVB_L2_DIR={directory} belongs to a running {holder or 'cache server'}; an embedded store must not "
+            "share it. Set KVB_STORE_URL to that server's address to use its cache, or point KVB_L2_DIR elsewhere."
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    if owner == "cache-server":
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"cache server (pid {os.getpid()})".encode(), 0)
+    return fd
 
 
 @dataclass
@@ -69,12 +113,13 @@ class DiskTier(Tier):
 
     persistent = True
 
-    def __init__(self, directory: str | os.PathLike, capacity: int, name: str = "L2") -> None:
+    def __init__(self, directory: str | os.PathLike, capacity: int, name: str = "L2", owner: str = "embedded") -> None:
         super().__init__(name, capacity)
         self.directory = Path(directory).expanduser()
         self.location = str(self.directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._check_writable()
+        self._owner_fd: int | None = _take_owner_lock(self.directory, owner)
         self._index: dict[bytes, _IndexEntry] = {}
         self._newer_format: set[bytes] = set()  # keys whose file a newer KVBridge wrote: not re-read
         self._bytes = 0
@@ -291,6 +336,12 @@ class DiskTier(Tier):
     def entries(self) -> list[tuple[bytes, int, float]]:
         with self._lock:
             return [(key, entry.size, entry.last_used) for key, entry in self._index.items()]
+
+    def close(self) -> None:
+        """Give up the directory's owner lock (the files stay). Idempotent."""
+        fd, self._owner_fd = self._owner_fd, None
+        if fd is not None:
+            os.close(fd)
 
     def clear(self, keep: Collection[bytes] = ()) -> None:
         """Remove every object file in the directory (also other processes'), except those in `keep`.

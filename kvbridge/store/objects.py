@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
 
 MAX_KEY_BYTES = 64
 KINDS = ("chunk", "tail", "snapshot", "index")  # index: shadow engines keep token ids only
@@ -94,11 +95,19 @@ class ObjectMeta:
 
 @dataclass(frozen=True)
 class StoredObject:
-    """A get() result: the blob, its metadata and the tier it was found in ("L1", "L2")."""
+    """A get() result: the blob, its metadata and the tier it was found in ("L1", "L2").
 
-    blob: bytes
+    A remote store may hand out a blob that views memory it only borrows (the cache server's
+    shared pages under a lease): then `intact()` says, after the caller copied out of it, whether
+    the copy is whole (False: a torn copy, use nothing of it), and `release()` returns the loan.
+    The embedded store's objects are plain bytes and have neither.
+    """
+
+    blob: Any
     meta: ObjectMeta
     tier: str
+    intact: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
+    release: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,8 @@ class _Level:
 class TieredStore:
     """Content-addressed objects across tiers. `namespace`, when set, is the one expected by default."""
 
+    shared = False   # tiers of this process (L2 files excepted): an engine restart may empty L1
+
     def __init__(self, tiers: Sequence[Tier], namespace: str | None = None) -> None:
         names = [tier.name for tier in tiers]
         if len(set(names)) != len(names) or TIER_NONE in names:
@@ -73,16 +75,19 @@ class TieredStore:
             self._demote_all(index + 1, demoted)
 
     @classmethod
-    def from_settings(cls, settings: Settings, namespace: str | None = None) -> "TieredStore":
+    def from_settings(cls, settings: Settings, namespace: str | None = None, *, with_l1: bool = True,
+                      owner: str = "embedded") -> "TieredStore":
         """[L1 (KVB_L1_BYTES)] + [L2 (KVB_L2_DIR, KVB_L2_BYTES) when KVB_L2_ENABLED].
+
+        with_l1=False, owner="cache-server": the tiers below the cache server's shared-memory L1.
 
         An unusable KVB_L2_DIR is a BadSettings error, not a silent fallback to L1 only: a user who
         asked for a persistent cache should learn at start that they are not getting one.
         """
-        tiers: list[Tier] = [MemoryTier(settings.l1_bytes)]
+        tiers: list[Tier] = [MemoryTier(settings.l1_bytes)] if with_l1 else []
         if settings.l2_enabled:
             try:
-                tiers.append(DiskTier(settings.l2_dir, settings.l2_bytes))
+                tiers.append(DiskTier(settings.l2_dir, settings.l2_bytes, owner=owner))
             except OSError as exc:
                 raise BadSettings(
                     f"{env_name('l2_dir')}={settings.l2_dir!s} cannot be used for the L2 cache: "

@@ -1,0 +1,13 @@
+"""The KVBridge cache server: one daemon that owns the KV cache for every engine process.
+
+    python -m kvbridge cache-server                 # tcp://127.0.0.1:5555
+    KVB_STORE_URL=tcp://127.0.0.1:5555 ./scripts/start.sh   # engines use it instead of an embedded store
+
+Modules, in reading order: protocol (every wire message), calls (what a handler gets and returns),
+module + compose (DiscoverableModule, the plugin contract, composition by dependency graph),
+shm + pool (the shared-memory segment and the paged L1 with leases and pressure levels),
+server_store (L1 in front of the ordinary L2 tiers, the background disk writer), server (the
+ROUTER loop), modules/ (the built-ins: lookup, storage, management, metrics), plugin_modules/
+(opt-in: kv_events), client (CacheClient), remote_store (the store interface CachedEngine uses),
+auth (the shared secret and the bind rule), cli (the command).
+"""

@@ -1,0 +1,469 @@
+"""CacheClient: one engine process's connection to the cache server (a ZMQ DEALER and, same-host, the shared pool).
+
+Place in the flow: CachedEngine -> RemoteStore (kvbridge.cache_server.remote_store) -> **CacheClient**
+-> the server's ROUTER. Plugin authors use it directly:
+
+    client = CacheClient("tcp://127.0.0.1:5555")
+    client.ping(); client.status()["storage"]
+    client.server_module_call(ServerModuleCallRequest("my_pkg.echo", b"hi")).result(timeout=5)
+
+One background thread owns the socket; callers hand it messages through an inproc socket of their
+own and wait on a Future. A request unanswered within `timeout_s` fails with CacheServerUnavailable
+and the client stays "down" for a short back-off, answering at once with the same error, so a dead
+server costs an engine one timeout, not one per chunk. After the back-off the next call says hello
+again: a restarted server (new shared memory, no registrations) is picked up by itself.
+
+Refusals a person must act on (wrong token, another protocol version) raise CacheServerRefused.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from kvbridge.cache_server import protocol
+from kvbridge.cache_server.protocol import Code, Kind
+from kvbridge.cache_server.shm import Segment, SegmentUnavailable
+from kvbridge.errors import KVBridgeError
+from kvbridge.store.objects import LookupResult, ObjectMeta, StoreFault
+
+log = logging.getLogger("kvbridge.cache_server.client")
+DOWN_BACKOFF_S = 1.0     # after a timeout, calls fail at once for this long before trying again
+CONNECT_GRACE_S = 1.0    # a message waits this long for a connection before its call fails
+CONNECT_RETRY_MS = 20
+
+
+class CacheServerUnavailable(StoreFault):
+    """The cache server did not answer in time (down, restarting, unreachable): a cache miss for the engine."""
+
+
+class _NotConnected(Exception):
+    """A message that found no connection within CONNECT_GRACE_S (the socket thread fails its call)."""
+
+
+class CacheServerRefused(KVBridgeError):
+    """The server refused this client (wrong token, protocol version): a person must change a setting."""
+
+
+@dataclass
+class Retrieved:
+    """A retrieved object. With a shared-memory lease `blob` may view the server's pages: call
+    `intact()` after copying out of it (False: the pages were reused meanwhile, a torn copy), then
+    `release()`. Inline or gathered objects are plain bytes and need neither."""
+
+    blob: Any
+    meta: ObjectMeta
+    tier: str
+    lease_id: int = 0
+    pages: tuple = ()
+    generation: int = 0
+
+
+class CacheClient:
+    def __init__(self, url: str, instance_id: str | None = None, priority: int = 5, *, token: str = "",
+                 timeout_s: float = 5.0, use_shm: bool = True, label: str = "") -> None:
+        if not 0 <= priority <= 9:
+            raise ValueError(f"priority must be 0 to 9, got {priority}")
+        self.url = url
+        self.instance_id = instance_id or uuid.uuid4().hex
+        self.priority = priority
+        self.timeout_s = timeout_s
+        self.use_shm = use_shm
+        self.label = label
+        self._token = token
+        self._ctx = zmq.Context()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, Future] = {}
+        self._pending_lock = threading.Lock()
+        self._local = threading.local()
+        self._outbox_url = f"inproc://kvb-client-{self.instance_id}"
+        self._outbox = self._ctx.socket(zmq.PULL)
+        self._outbox.bind(self._outbox_url)
+        self._closing = threading.Event()
+        self._hello_lock = threading.Lock()
+        self._hello: protocol.HelloReply | None = None
+        self._segment: Segment | None = None
+        self._down_until = 0.0
+        self._unsent: list = []   # (queued at, frames) waiting for a connection; the socket thread's only
+        self.counters = {"timeouts": 0, "reconnects": 0, "torn_copies": 0, "inline_retrieves": 0, "shm_retrieves": 0}
+        self._io = threading.Thread(target=self._io_loop, name="kvb-cache-client", daemon=True)
+        self._io.start()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kvb-cache-heartbeat", daemon=True)
+        try:
+            self._say_hello()
+        except CacheServerUnavailable as exc:
+            log.warning("cache server %s not reachable yet (%s); requests are misses until it answers", url, exc)
+        except BaseException:
+            self.close()
+            raise
+        self._heartbeat.start()
+
+    # -- public API ------------------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return self._hello is not None and time.monotonic() >= self._down_until
+
+    @property
+    def tier_names(self) -> list[str]:
+        return list(self._hello.tier_names) if self._hello else ["L1", "L2"]
+
+    @property
+    def server_id(self) -> str:
+        return self._hello.server_id if self._hello else ""
+
+    @property
+    def shared_memory(self) -> bool:
+        return self._segment is not None
+
+    def ping(self) -> protocol.PingReply:
+        return self._call(Kind.PING, None, protocol.PingReply)
+
+    def status(self) -> dict:
+        """Each server module's report_status() under its module_name (and "server": the server's facts)."""
+        return self._call(Kind.STATUS, None, None)
+
+    def server_module_call(self, request: protocol.ServerModuleCallRequest) -> Future:
+        return self._module_call(Kind.SERVER_MODULE_CALL, request)
+
+    def server_module_affinity_call(self, request: protocol.ServerModuleCallRequest) -> Future:
+        return self._module_call(Kind.SERVER_MODULE_AFFINITY_CALL, request)
+
+    def lookup(self, hashes: list[bytes], namespace: str | None = None, chunk_tokens: int = 0) -> LookupResult:
+        reply = self._call(Kind.LOOKUP, protocol.Lookup(list(hashes), namespace, chunk_tokens), protocol.LookupReply)
+        return LookupResult(reply.n_hit, list(reply.tiers))
+
+    def retrieve(self, key: bytes, namespace: str | None = None, zero_copy: bool = True) -> Retrieved | None:
+        """The object, or None. zero_copy: a contiguous shared-memory object is returned as a view
+        under a lease (check intact(), then release()); otherwise it is copied out and checked here."""
+        segment = self._segment
+        reply, data = self._call(Kind.RETRIEVE, protocol.Retrieve(key, namespace, segment is not None),
+                                 protocol.RetrieveReply, with_data=True)
+        if not reply.found:
+            return None
+        meta = reply.meta.to_meta()
+        if not reply.lease_id:
+            self.counters["inline_retrieves"] += 1
+            return Retrieved(data[0] if data else b"", meta, reply.tier)
+        self.counters["shm_retrieves"] += 1
+        found = Retrieved(None, meta, reply.tier, reply.lease_id, tuple(reply.pages), reply.generation)
+        if segment is None or segment is not self._segment:
+            self.release([found])
+            return None
+        view = segment.view(list(reply.pages), reply.size) if zero_copy else None
+        if view is not None:
+            found.blob = view
+            found.segment = segment
+            return found
+        blob = segment.read(list(reply.pages), reply.size)
+        intact = segment.generation_ok(list(reply.pages), reply.generation)
+        self.release([found])
+        if not intact:
+            self.counters["torn_copies"] += 1
+            return None
+        found.blob, found.lease_id = blob, 0
+        return found
+
+    def intact(self, found: Retrieved) -> bool:
+        """After copying out of a zero-copy view: were the pages still this object's?"""
+        segment = getattr(found, "segment", None)
+        if not found.lease_id or segment is None:
+            return True
+        ok = segment.generation_ok(list(found.pages), found.generation)
+        if not ok:
+            self.counters["torn_copies"] += 1
+        return ok
+
+    def release(self, objects: list[Retrieved]) -> None:
+        """End the read leases of these objects (sent without waiting for the answer)."""
+        ids = [o.lease_id for o in objects if o.lease_id]
+        for o in objects:
+            o.lease_id = 0
+            if hasattr(o, "segment"):
+                o.blob = None
+        if ids:
+            self._send(Kind.RELEASE, protocol.Release(ids), wait=False)
+
+    def store(self, key: bytes, blob, meta: ObjectMeta) -> tuple[bool, str]:
+        """(stored, reason): through shared memory (prepare, copy, commit) or inline."""
+        wire = protocol.WireMeta.of(meta)
+        segment = self._segment
+        if segment is None:
+            reply = self._call(Kind.STORE_INLINE, protocol.StoreInline(key, wire), protocol.StoreReply, data=(blob,))
+            return reply.stored, reply.reason
+        prepared = self._call(Kind.STORE_PREPARE, protocol.StorePrepare(key, len(blob), wire), protocol.PrepareReply)
+        if not prepared.accepted:
+            return prepared.reason == "exists", prepared.reason
+        try:
+            segment.write(list(prepared.pages), blob)
+        except BaseException:
+            self._send(Kind.RELEASE, protocol.Release([prepared.lease_id]), wait=False)
+            raise
+        committed = self._call(Kind.STORE_COMMIT, protocol.StoreCommit(prepared.lease_id), protocol.StoreReply)
+        if not committed.stored:   # revoked under pressure: give the quarantined pages back
+            self._send(Kind.RELEASE, protocol.Release([prepared.lease_id]), wait=False)
+        return committed.stored, committed.reason
+
+    def clear(self, tier: str) -> None:
+        self._call(Kind.CLEAR, protocol.Clear(tier), None)
+
+    def flush(self) -> int:
+        return self._call(Kind.FLUSH, None, protocol.FlushReply).written
+
+    def close(self) -> None:
+        """Stop the threads and close the socket; leases still held are released by the server's reaper."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        self._wake_io()
+        self._io.join(timeout=5)
+        if self._heartbeat.is_alive():
+            self._heartbeat.join(timeout=5)
+        sock = getattr(self._local, "push", None)
+        if sock is not None:
+            sock.close(0)
+        self._outbox.close(0)
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+        self._ctx.term()
+
+    def __enter__(self) -> "CacheClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- calls -----------------------------------------------------------------------------------
+    def _module_call(self, kind: str, request: protocol.ServerModuleCallRequest) -> Future:
+        outer: Future = Future()
+
+        def finish(inner: Future) -> None:
+            try:
+                reply = inner.result()
+            except BaseException as exc:
+                outer.set_exception(exc)
+                return
+            if not reply.success:
+                outer.set_result(protocol.ServerModuleCallResponse(False, b"", reply.error))
+            else:
+                outer.set_result(protocol.decode_reply_body(reply, protocol.ServerModuleCallResponse))
+
+        try:
+            self._ensure_hello()
+            self._send(kind, request, wait=False).add_done_callback(finish)
+        except BaseException as exc:
+            outer.set_exception(exc)
+        return outer
+
+    def _call(self, kind: str, body: Any, reply_type: Any, data: tuple = (), with_data: bool = False):
+        """Send, wait, decode; says hello again once when the server does not know us."""
+        self._ensure_hello()
+        for attempt in (1, 2):
+            future = self._send(kind, body, data=data)
+            reply, frames = self._wait(future, kind)
+            if reply.code == Code.HELLO_REQUIRED and attempt == 1:
+                self._hello = None
+                self._ensure_hello()
+                continue
+            if not reply.success:
+                if reply.code in (Code.UNAUTHORIZED, Code.VERSION):
+                    raise CacheServerRefused(reply.error)
+                raise CacheServerError(reply.code, reply.error)
+            result = protocol.decode_reply_body(reply, reply_type)
+            return (result, frames) if with_data else result
+        raise CacheServerError(Code.HELLO_REQUIRED, "the server kept asking for hello")
+
+    def _wait(self, future: Future, kind: str):
+        try:
+            return future.result(timeout=self.timeout_s)
+        except _NotConnected as exc:
+            self._mark_down(str(exc))
+        except TimeoutError:
+            with self._pending_lock:
+                for rid, pending in list(self._pending.items()):
+                    if pending is future:
+                        del self._pending[rid]
+            self._mark_down(f"no answer to {kind} within {self.timeout_s:g} s (KVB_CACHE_SERVER_TIMEOUT)")
+
+    def _mark_down(self, why: str):
+        self.counters["timeouts"] += 1
+        self._hello = None
+        self._down_until = time.monotonic() + DOWN_BACKOFF_S
+        raise CacheServerUnavailable(f"cache server {self.url}: {why}")
+
+    def _ensure_hello(self) -> None:
+        if self._hello is not None:
+            return
+        if time.monotonic() < self._down_until:
+            raise CacheServerUnavailable(f"cache server {self.url} did not answer recently; retrying shortly")
+        with self._hello_lock:
+            if self._hello is None:
+                self._say_hello()
+
+    def _say_hello(self) -> None:
+        hello = protocol.Hello(protocol.PROTOCOL_VERSION, self._token, self.priority, os.getpid(),
+                               socket.gethostname(), self.label)
+        reply, _ = self._wait(self._send(Kind.HELLO, hello), Kind.HELLO)
+        if not reply.success:
+            if reply.code in (Code.UNAUTHORIZED, Code.VERSION, Code.BAD_REQUEST):
+                raise CacheServerRefused(f"cache server {self.url}: {reply.error}")
+            raise CacheServerError(reply.code, reply.error)
+        answer = protocol.decode_reply_body(reply, protocol.HelloReply)
+        if answer.protocol_version != protocol.PROTOCOL_VERSION:
+            raise CacheServerRefused(
+                f"protocol version mismatch: this client speaks version {protocol.PROTOCOL_VERSION}, the server at "
+                f"{self.url} speaks version {answer.protocol_version}")
+        if self._hello is not None or self.counters["timeouts"]:
+            self.counters["reconnects"] += 1
+        self._attach(answer)
+        self._hello = answer
+        self._down_until = 0.0
+
+    def _attach(self, answer: protocol.HelloReply) -> None:
+        """Map the server's pool when it is on this host (the nonce proves it); else bytes go inline."""
+        old, self._segment = self._segment, None
+        if old is not None and old.path == answer.shm_path and old.nonce == answer.shm_nonce:
+            self._segment = old
+            return
+        if old is not None:
+            old.close()
+        if not (self.use_shm and answer.shm_path):
+            return
+        try:
+            self._segment = Segment.attach(answer.shm_path, answer.shm_nonce)
+        except SegmentUnavailable as exc:
+            log.info("cache server's shared memory not usable here (%s); bytes travel inline", exc)
+
+    # -- the socket thread -----------------------------------------------------------------------
+    def _send(self, kind: str, body: Any, data: tuple = (), wait: bool = True) -> Future:
+        rid = next(self._ids)
+        future: Future = Future()
+        with self._pending_lock:
+            self._pending[rid] = future
+        frame = protocol.encode_request(rid, self.instance_id, kind, body)
+        sock = getattr(self._local, "push", None)
+        if sock is None:
+            sock = self._local.push = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self._outbox_url)
+        sock.send_multipart([frame, *data], copy=False)
+        return future
+
+    def _wake_io(self) -> None:
+        try:
+            self._send(Kind.PING, None, wait=False)   # any message wakes the poll; its answer is dropped
+        except zmq.ZMQError:
+            pass
+
+    def _io_loop(self) -> None:
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.IMMEDIATE, 1)        # no queueing for a server that is not connected
+        dealer.setsockopt(zmq.RECONNECT_IVL, 100)
+        dealer.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        dealer.connect(self.url)
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(self._outbox, zmq.POLLIN)
+        try:
+            while not self._closing.is_set():
+                # block until something happens; poll briefly only while messages wait for a connection
+                events = dict(poller.poll(CONNECT_RETRY_MS if self._unsent else None))
+                if self._unsent:
+                    self._retry_unsent(dealer)
+                if self._outbox in events:
+                    self._forward(dealer)
+                if dealer in events:
+                    self._deliver(dealer)
+        finally:
+            dealer.close(0)
+            with self._pending_lock:
+                pending, self._pending = self._pending, {}
+            for future in pending.values():
+                if not future.done():
+                    future.set_exception(CacheServerUnavailable("the client was closed"))
+
+    def _forward(self, dealer) -> None:
+        while True:
+            try:
+                frames = self._outbox.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if self._closing.is_set():
+                return
+            if self._unsent:
+                self._unsent.append((time.monotonic(), frames))
+                continue
+            try:
+                dealer.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:   # not connected (yet): held back for CONNECT_GRACE_S, then a miss
+                self._unsent.append((time.monotonic(), frames))
+
+    def _retry_unsent(self, dealer) -> None:
+        """Send what waited for a connection; what waited longer than CONNECT_GRACE_S fails its caller now."""
+        now = time.monotonic()
+        while self._unsent:
+            queued_at, frames = self._unsent[0]
+            if now - queued_at > CONNECT_GRACE_S:
+                self._unsent.pop(0)
+                self._fail(frames, f"not connected to {self.url} (nothing listening there?)")
+                continue
+            try:
+                dealer.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._unsent.pop(0)
+
+    def _fail(self, frames, why: str) -> None:
+        try:
+            rid = protocol.decode_envelope(frames[0].buffer).request_id
+        except Exception:   # our own envelope: cannot fail to decode; be safe anyway
+            return
+        with self._pending_lock:
+            future = self._pending.pop(rid, None)
+        if future is not None and not future.done():
+            future.set_exception(_NotConnected(why))
+
+    def _deliver(self, dealer) -> None:
+        while True:
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                reply = protocol.decode_reply(frames[0].buffer)
+            except Exception as exc:   # a garbled reply: dropped; its caller times out
+                log.warning("unreadable reply from the cache server dropped: %s", exc)
+                continue
+            with self._pending_lock:
+                future = self._pending.pop(reply.request_id, None)
+            if future is not None and not future.done():
+                future.set_result((reply, [f.buffer for f in frames[1:]]))
+
+    def _heartbeat_loop(self) -> None:
+        """Ping at the server's heartbeat interval so an idle engine is not reaped (no busy polling)."""
+        while True:
+            interval = self._hello.heartbeat_s if self._hello and self._hello.heartbeat_s else 30.0
+            if self._closing.wait(interval):
+                return
+            try:
+                self.ping()
+            except (CacheServerUnavailable, CacheServerError, CacheServerRefused):
+                pass
+
+
+class CacheServerError(KVBridgeError):
+    """The server answered a request with an error (bad request, lease not owned, ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{message} ({code})")
+        self.code = code

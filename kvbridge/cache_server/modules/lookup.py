@@ -1,0 +1,42 @@
+"""LookupModule: how many leading chunk hashes the server holds, and in which tier each one is."""
+from __future__ import annotations
+
+from kvbridge.cache_server.calls import Answer, Call, RequestFailed
+from kvbridge.cache_server.module import DiscoverableModule, ModuleBuildContext
+from kvbridge.cache_server.protocol import Code, Kind, LookupReply
+
+MAX_HASHES = 65536   # a 16M-token prompt at 256 tokens per chunk; more is a malformed request
+
+
+class LookupModule(DiscoverableModule):
+    module_name = "lookup"
+
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        self.lookups = 0
+        self.hashes_asked = 0
+        self.hashes_hit = 0
+
+    @classmethod
+    def create(cls, build_ctx: ModuleBuildContext) -> "LookupModule":
+        return cls(build_ctx.server_context)
+
+    def register_handlers(self, router) -> None:
+        router.handle(Kind.LOOKUP, self.lookup, owner=self.module_name)
+
+    def lookup(self, call: Call) -> Answer:
+        body = call.body
+        if len(body.hashes) > MAX_HASHES:
+            raise RequestFailed(Code.BAD_REQUEST, f"a lookup takes at most {MAX_HASHES} hashes, got {len(body.hashes)}")
+        try:
+            found = self.context.store.lookup(body.hashes, body.namespace)
+        except ValueError as exc:   # a key that is not a hash
+            raise RequestFailed(Code.BAD_REQUEST, f"bad lookup: {exc}") from None
+        self.lookups += 1
+        self.hashes_asked += len(body.hashes)
+        self.hashes_hit += found.n_hit
+        self.context.metrics.count_lookup(len(body.hashes) * body.chunk_tokens, found.n_hit * body.chunk_tokens)
+        return Answer(LookupReply(found.n_hit, found.tiers))
+
+    def report_status(self) -> dict:
+        return {"lookups": self.lookups, "hashes_asked": self.hashes_asked, "hashes_hit": self.hashes_hit}

@@ -1,0 +1,171 @@
+"""StorageModule: retrieve, store, release, clear and flush through the server's store, and its pressure loop.
+
+Retrieve and store run on the calling client's affinity thread (in the order the client sent them).
+A same-host client gets read and write leases on shared-memory pages; any other client (or one
+that asked for inline bytes) gets and sends the bytes in a data frame. The module's background
+loop (once a second, and at once when a store meets pressure) revokes expired leases and evicts
+cold objects under SOFT pressure. It is a liveness target: a client the reaper drops has every
+lease released, so a killed engine cannot hold pages forever.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from kvbridge.cache_server.calls import Answer, Call, RequestFailed
+from kvbridge.cache_server.module import DiscoverableModule, ModuleBuildContext
+from kvbridge.cache_server.modules._liveness import InstanceClock
+from kvbridge.cache_server.pool import LeaseNotOwned, StoreRefused, UnknownLease
+from kvbridge.cache_server.protocol import (Code, FlushReply, Kind, PrepareReply, RetrieveReply, StoreReply,
+                                            WireMeta)
+
+log = logging.getLogger("kvbridge.cache_server")
+MAINTENANCE_INTERVAL_S = 1.0
+
+
+class StorageModule(DiscoverableModule):
+    module_name = "storage"
+
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        self.store = context.store
+        self.instances = InstanceClock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._loop = threading.Thread(target=self._maintain, name="kvb-cs-pressure", daemon=True)
+        self._loop.start()
+
+    @classmethod
+    def create(cls, build_ctx: ModuleBuildContext) -> "StorageModule":
+        return cls(build_ctx.server_context)
+
+    def register_handlers(self, router) -> None:
+        for kind, fn in ((Kind.RETRIEVE, self.retrieve), (Kind.RELEASE, self.release),
+                         (Kind.STORE_PREPARE, self.prepare), (Kind.STORE_COMMIT, self.commit),
+                         (Kind.STORE_INLINE, self.store_inline)):
+            router.handle(kind, fn, affinity=True, owner=self.module_name)
+        router.handle(Kind.CLEAR, self.clear, owner=self.module_name)
+        router.handle(Kind.FLUSH, self.flush, owner=self.module_name)
+
+    # -- handlers --------------------------------------------------------------------------------
+    def retrieve(self, call: Call) -> Answer:
+        body = call.body
+        found = self._bad_key_is_bad_request(lambda: self.store.retrieve(body.key, body.namespace, call.instance_id))
+        if found is None:
+            return Answer(RetrieveReply(False))
+        meta = WireMeta.of(found.meta)
+        if found.lease is not None and body.via_shm and self.context.settings.cache_server_shm:
+            lease = found.lease
+            return Answer(RetrieveReply(True, found.tier, meta, found.size, lease.lease_id, list(lease.pages),
+                                        lease.generation))
+        if found.lease is not None:
+            try:
+                blob = self.store.read(found.lease)
+            finally:
+                self.store.release([found.lease.lease_id], call.instance_id)
+        else:
+            blob = found.blob
+        return Answer(RetrieveReply(True, found.tier, meta, found.size), (blob,))
+
+    def release(self, call: Call) -> Answer:
+        self._lease_call(lambda: self.store.release(list(call.body.lease_ids), call.instance_id))
+        return Answer(None)
+
+    def prepare(self, call: Call) -> Answer:
+        body = call.body
+        meta = self._meta(body.meta)
+        if body.size < 0:
+            raise RequestFailed(Code.BAD_REQUEST, f"store of a negative size ({body.size})")
+        try:
+            lease = self._bad_key_is_bad_request(
+                lambda: self.store.prepare(body.key, body.size, meta, call.instance_id, call.client.priority))
+        except StoreRefused as refused:
+            if refused.reason in ("pressure", "no_space"):
+                self._wake.set()
+            return Answer(PrepareReply(False, refused.reason))
+        return Answer(PrepareReply(True, "", lease.lease_id, list(lease.pages), lease.generation))
+
+    def commit(self, call: Call) -> Answer:
+        stored = self._lease_call(lambda: self.store.commit(call.body.lease_id, call.instance_id))
+        return Answer(StoreReply(stored, "" if stored else "revoked"))
+
+    def store_inline(self, call: Call) -> Answer:
+        if len(call.data) != 1:
+            raise RequestFailed(Code.BAD_REQUEST, "store_inline carries exactly one data frame")
+        meta = self._meta(call.body.meta)
+        stored, reason = self._bad_key_is_bad_request(lambda: self.store.store_inline(
+            call.body.key, bytes(call.data[0]), meta, call.instance_id, call.client.priority))
+        return Answer(StoreReply(stored, reason))
+
+    def clear(self, call: Call) -> Answer:
+        tier = call.body.tier
+        if tier not in self.store.tier_names:
+            raise RequestFailed(Code.BAD_REQUEST, f"unknown tier {tier!r}; this server has {', '.join(self.store.tier_names)}")
+        self.store.clear(tier)
+        return Answer(None)
+
+    def flush(self, call: Call) -> Answer:
+        return Answer(FlushReply(self.store.flush()))
+
+    @staticmethod
+    def _meta(wire: WireMeta):
+        try:
+            return wire.to_meta()
+        except (ValueError, TypeError) as exc:
+            raise RequestFailed(Code.BAD_REQUEST, f"bad object metadata: {exc}") from None
+
+    @staticmethod
+    def _bad_key_is_bad_request(fn):
+        try:
+            return fn()
+        except ValueError as exc:
+            raise RequestFailed(Code.BAD_REQUEST, str(exc)) from None
+
+    @staticmethod
+    def _lease_call(fn):
+        try:
+            return fn()
+        except LeaseNotOwned as exc:
+            raise RequestFailed(Code.NOT_OWNER, f"refused: {exc}") from None
+        except UnknownLease as exc:
+            raise RequestFailed(Code.UNKNOWN_LEASE, f"refused: {exc}") from None
+
+    # -- pressure loop ---------------------------------------------------------------------------
+    def _maintain(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(MAINTENANCE_INTERVAL_S)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.store.maintenance()
+            except Exception:   # the loop must outlive a bug in one round: logged
+                log.exception("storage maintenance round failed")
+
+    # -- liveness target -------------------------------------------------------------------------
+    def touch_instance(self, instance_id: str) -> None:
+        self.instances.touch(instance_id)
+
+    def reap_stale_instances(self, reap_timeout_s: float, registration_grace_s: float) -> list[str]:
+        return self.instances.stale(reap_timeout_s, registration_grace_s)
+
+    def tracked_instance_count(self) -> int:
+        return len(self.instances)
+
+    def drop_instance_state(self, instance_id: str) -> None:
+        released = self.store.drop_client(instance_id)
+        self.instances.forget(instance_id)
+        if released:
+            log.info("released %d lease(s) of dropped client %s", released, instance_id[:8])
+
+    # -- module contract -------------------------------------------------------------------------
+    def report_status(self) -> dict:
+        stats = self.store.stats()
+        return {"tiers": stats["tiers"], "pool": stats["pool"], "counts": stats["counts"],
+                "write_queue": stats["write_queue"], "write_queue_capacity": stats["write_queue_capacity"],
+                "tier_names": self.store.tier_names}
+
+    def quiesce(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._loop.join(timeout=5)

@@ -1,0 +1,264 @@
+"""The cache server's wire format: every message between a CacheClient and the server, in one place.
+
+Transport: ZMQ, one DEALER per client and one ROUTER in the server. A request is a multipart message
+`[envelope, *data]`, a reply `[reply, *data]`; both first frames are msgspec MessagePack. `data` is
+present only where bytes travel inline (a store or retrieve without shared memory); it is its own
+frame so neither side copies it into a msgpack buffer.
+
+The envelope is decoded first (request id, instance id, kind) and the body by its kind afterwards,
+so a body that does not decode, or an unknown kind, still gets an error reply with the request's id.
+The first request of every client is `hello`, carrying PROTOCOL_VERSION and (when the server has one)
+the shared secret; a server answers any other request from an instance it does not know with
+code "hello_required", and the client says hello again (a restarted server knows nobody).
+
+Public for plugin authors: ServerModuleCallRequest / ServerModuleCallResponse (the envelope calls).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvbridge.store.objects import ObjectMeta
+
+PROTOCOL_VERSION = 1
+
+
+class Kind:
+    """Request kinds (the envelope's `kind`): the core requests every server answers."""
+
+    HELLO = "hello"
+    PING = "ping"
+    STATUS = "status"
+    LOOKUP = "lookup"
+    RETRIEVE = "retrieve"
+    RELEASE = "release"
+    STORE_PREPARE = "store_prepare"
+    STORE_COMMIT = "store_commit"
+    STORE_INLINE = "store_inline"
+    CLEAR = "clear"
+    FLUSH = "flush"
+    SERVER_MODULE_CALL = "server_module_call"
+    SERVER_MODULE_AFFINITY_CALL = "server_module_affinity_call"
+
+
+class Code:
+    """Machine-readable reasons in a failed reply (`error` holds the text for a person)."""
+
+    HELLO_REQUIRED = "hello_required"
+    UNAUTHORIZED = "unauthorized"
+    VERSION = "version_mismatch"
+    BAD_REQUEST = "bad_request"
+    UNKNOWN_KIND = "unknown_kind"
+    TOO_LARGE = "too_large"
+    NOT_OWNER = "lease_not_owned"
+    UNKNOWN_LEASE = "unknown_lease"
+    INTERNAL = "internal_error"
+
+
+# -- framing -----------------------------------------------------------------------------------
+
+
+class Envelope(msgspec.Struct, array_like=True):
+    request_id: int
+    instance_id: str
+    kind: str
+    body: msgspec.Raw = msgspec.Raw(b"\xc0")   # msgpack nil: kinds without a body
+
+
+class Reply(msgspec.Struct, array_like=True):
+    request_id: int
+    success: bool
+    error: str = ""
+    code: str = ""
+    body: msgspec.Raw = msgspec.Raw(b"\xc0")
+
+
+# -- bodies ------------------------------------------------------------------------------------
+
+
+class WireMeta(msgspec.Struct, array_like=True):
+    """ObjectMeta on the wire (kvbridge.store.objects.ObjectMeta is the one in memory)."""
+
+    namespace: str
+    n_tokens: int
+    tokens_digest: bytes
+    kind: str
+    note: str = ""
+    created: float = 0.0
+    last_used: float = 0.0
+
+    @classmethod
+    def of(cls, meta: ObjectMeta) -> "WireMeta":
+        return cls(meta.namespace, meta.n_tokens, meta.tokens_digest, meta.kind, meta.note, meta.created, meta.last_used)
+
+    def to_meta(self) -> ObjectMeta:
+        """Raises ValueError when a field is out of range (ObjectMeta checks itself)."""
+        return ObjectMeta(namespace=self.namespace, n_tokens=self.n_tokens, tokens_digest=self.tokens_digest,
+                          kind=self.kind, note=self.note, created=self.created, last_used=self.last_used)
+
+
+class Hello(msgspec.Struct):
+    protocol_version: int
+    token: str = ""
+    priority: int = 5
+    pid: int = 0
+    hostname: str = ""
+    label: str = ""
+
+
+class HelloReply(msgspec.Struct):
+    protocol_version: int
+    server_id: str
+    tier_names: list[str]
+    heartbeat_s: float                 # ping at least this often to stay alive (0: no reaper)
+    lease_timeout_s: float
+    shm_path: str = ""                 # empty: no shared memory; bytes travel inline
+    shm_nonce: bytes = b""             # proves the client mapped this server's segment (same host)
+    page_bytes: int = 0
+    modules: list[str] = []
+
+
+class PingReply(msgspec.Struct):
+    server_id: str
+    server_time: float
+
+
+class Lookup(msgspec.Struct):
+    hashes: list[bytes]
+    namespace: str | None = None
+    chunk_tokens: int = 0              # tokens per hash, for the requested/hit token metrics
+
+
+class LookupReply(msgspec.Struct):
+    n_hit: int
+    tiers: list[str]
+
+
+class Retrieve(msgspec.Struct):
+    key: bytes
+    namespace: str | None = None
+    via_shm: bool = True
+
+
+class RetrieveReply(msgspec.Struct):
+    found: bool
+    tier: str = ""
+    meta: WireMeta | None = None
+    size: int = 0
+    lease_id: int = 0                  # via shared memory: release it when the copy is done
+    pages: list[int] = []
+    generation: int = 0                # the pages' generation; any other value after the copy: torn
+
+
+class Release(msgspec.Struct):
+    lease_ids: list[int]
+
+
+class StorePrepare(msgspec.Struct):
+    key: bytes
+    size: int
+    meta: WireMeta
+
+
+class PrepareReply(msgspec.Struct):
+    accepted: bool
+    reason: str = ""                   # when not accepted: "exists", "too_large", "pressure", "no_space"
+    lease_id: int = 0
+    pages: list[int] = []
+    generation: int = 0
+
+
+class StoreCommit(msgspec.Struct):
+    lease_id: int
+
+
+class StoreInline(msgspec.Struct):
+    key: bytes
+    meta: WireMeta                     # the bytes are the next frame
+
+
+class StoreReply(msgspec.Struct):
+    stored: bool
+    reason: str = ""
+
+
+class Clear(msgspec.Struct):
+    tier: str
+
+
+class FlushReply(msgspec.Struct):
+    written: int
+
+
+class ServerModuleCallRequest(msgspec.Struct):
+    """A call to a server module's `@server_module_handler` method: plugin-owned payload bytes."""
+
+    method: str
+    payload: bytes = b""
+
+
+class ServerModuleCallResponse(msgspec.Struct):
+    success: bool
+    payload: bytes = b""
+    error: str = ""
+
+
+BODY_TYPES: dict[str, Any] = {
+    Kind.HELLO: Hello,
+    Kind.PING: None,
+    Kind.STATUS: None,
+    Kind.LOOKUP: Lookup,
+    Kind.RETRIEVE: Retrieve,
+    Kind.RELEASE: Release,
+    Kind.STORE_PREPARE: StorePrepare,
+    Kind.STORE_COMMIT: StoreCommit,
+    Kind.STORE_INLINE: StoreInline,
+    Kind.CLEAR: Clear,
+    Kind.FLUSH: None,
+    Kind.SERVER_MODULE_CALL: ServerModuleCallRequest,
+    Kind.SERVER_MODULE_AFFINITY_CALL: ServerModuleCallRequest,
+}
+
+_encoder = msgspec.msgpack.Encoder()
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_body_decoders = {kind: msgspec.msgpack.Decoder(t) for kind, t in BODY_TYPES.items() if t is not None}
+
+
+def encode(obj: Any) -> bytes:
+    return _encoder.encode(obj)
+
+
+def encode_request(request_id: int, instance_id: str, kind: str, body: Any = None) -> bytes:
+    return _encoder.encode(Envelope(request_id, instance_id, kind, msgspec.Raw(_encoder.encode(body))))
+
+
+def decode_envelope(frame: bytes | memoryview) -> Envelope:
+    """Raises msgspec.DecodeError / ValidationError for a frame that is not an envelope."""
+    return _envelope_decoder.decode(frame)
+
+
+def decode_body(kind: str, raw: msgspec.Raw) -> Any:
+    """The typed body of a known kind (None for kinds without one); KeyError for an unknown kind."""
+    decoder = _body_decoders.get(kind)
+    if decoder is None:
+        if kind not in BODY_TYPES:
+            raise KeyError(kind)
+        return None
+    return decoder.decode(raw)
+
+
+def encode_reply(request_id: int, body: Any = None, *, error: str = "", code: str = "") -> bytes:
+    return _encoder.encode(Reply(request_id, not error and not code, error, code, msgspec.Raw(_encoder.encode(body))))
+
+
+def decode_reply(frame: bytes | memoryview) -> Reply:
+    return _reply_decoder.decode(frame)
+
+
+def decode_reply_body(reply: Reply, body_type: Any) -> Any:
+    """A reply's body as `body_type` (None: the plain msgpack value, e.g. a status dict)."""
+    if body_type is None:
+        return msgspec.msgpack.decode(reply.body)
+    return msgspec.msgpack.decode(reply.body, type=body_type)

@@ -1,0 +1,163 @@
+"""RemoteStore: the TieredStore interface, served by a cache server (KVB_STORE_URL set).
+
+Place in the flow: CachedEngine -> ChunkKV / ShadowIndex -> **RemoteStore** -> CacheClient -> the
+cache server's L1 (shared memory) and L2. The engine keeps no tiers of its own; the tiers, their
+names and order are the server's.
+
+Same degrade rule as the embedded store: a fault is a counted miss or a skipped write, never an
+exception from lookup/get/put/contains/flush. A server that does not answer within
+KVB_CACHE_SERVER_TIMEOUT counts as `unavailable`, and the engine recomputes; the client says hello
+again by itself once the server is back. clear() raises StoreFault when the server cannot be reached.
+
+A shared-memory get() lends the server's pages: the StoredObject's blob is a view of them, its
+intact() says whether they were still the object's after the caller copied out, and release()
+returns the lease (ChunkKV does both around assembling a restore).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+from kvbridge.cache_server.client import CacheClient, CacheServerError, CacheServerUnavailable
+from kvbridge.cache_server.auth import read_token
+from kvbridge.settings import Settings
+from kvbridge.store.objects import LookupResult, ObjectMeta, StoredObject, StoreFault, check_key
+
+log = logging.getLogger("kvbridge.cache_server.client")
+
+
+class RemoteStore:
+    shared = True   # other processes use the same tiers: an engine restart does not empty L1
+
+    def __init__(self, client: CacheClient, namespace: str | None = None, chunk_tokens: int = 0) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.chunk_tokens = chunk_tokens
+        self._counts: Counter[str] = Counter()
+
+    @classmethod
+    def from_settings(cls, settings: Settings, namespace: str | None = None, environ=None) -> "RemoteStore":
+        """A client of the server at KVB_STORE_URL; CacheServerRefused when it turns us away (token, version)."""
+        client = CacheClient(settings.store_url, priority=settings.client_priority, token=read_token(settings, environ),
+                             timeout_s=settings.cache_server_timeout, use_shm=settings.cache_server_shm,
+                             label=f"{settings.engine} engine, pid {os.getpid()}")
+        return cls(client, namespace, chunk_tokens=settings.chunk_size)
+
+    @property
+    def tier_names(self) -> list[str]:
+        return self.client.tier_names
+
+    def slower(self, tier_a: str, tier_b: str) -> str:
+        order = {name: i for i, name in enumerate(self.tier_names, start=1)}
+        return tier_a if order.get(tier_a, 0) >= order.get(tier_b, 0) else tier_b
+
+    # -- reading ---------------------------------------------------------------------------------
+    def lookup(self, hashes: Iterable[bytes], namespace: str | None = None) -> LookupResult:
+        keys = [check_key(key) for key in hashes]
+        expected = self.namespace if namespace is None else namespace
+        try:
+            return self.client.lookup(keys, expected, self.chunk_tokens)
+        except (CacheServerUnavailable, CacheServerError) as exc:
+            self._fault("lookup", exc)
+            return LookupResult(0, [])
+
+    def contains(self, key: bytes, namespace: str | None = None) -> bool:
+        return self.lookup([key], namespace).n_hit == 1
+
+    def get(self, key: bytes, namespace: str | None = None) -> StoredObject | None:
+        key = check_key(key)
+        expected = self.namespace if namespace is None else namespace
+        try:
+            found = self.client.retrieve(key, expected)
+        except (CacheServerUnavailable, CacheServerError) as exc:
+            self._fault("retrieve", exc)
+            return None
+        if found is None:
+            self._counts["misses"] += 1
+            return None
+        self._counts[f"hits_{found.tier}"] += 1
+        if not found.lease_id:
+            return StoredObject(found.blob, found.meta, found.tier)
+        return StoredObject(found.blob, found.meta, found.tier,
+                            intact=lambda: self.client.intact(found), release=lambda: self.client.release([found]))
+
+    # -- writing ---------------------------------------------------------------------------------
+    def put(self, key: bytes, blob, meta: ObjectMeta) -> bool:
+        key = check_key(key)
+        if not isinstance(meta, ObjectMeta):
+            raise TypeError(f"meta must be an ObjectMeta, got {type(meta).__name__}")
+        self._counts["puts"] += 1
+        try:
+            stored, reason = self.client.store(key, blob, meta)
+        except (CacheServerUnavailable, CacheServerError) as exc:
+            self._fault("store", exc)
+            return False
+        if not stored:
+            self._counts["put_failures"] += 1
+            self._counts[f"refused_{reason or 'unknown'}"] += 1
+        return stored
+
+    @contextmanager
+    def pinned(self, keys: Iterable[bytes]) -> Iterator[None]:
+        """Nothing to pin here: the server keeps a leased object from eviction while it is read."""
+        yield
+
+    # -- housekeeping ----------------------------------------------------------------------------
+    def clear(self, tier_name: str) -> None:
+        """Empty one of the server's tiers (every client's objects); StoreFault when it cannot be reached."""
+        if tier_name not in self.tier_names:
+            raise ValueError(f"unknown tier {tier_name!r}; this store has: {', '.join(self.tier_names)}")
+        try:
+            self.client.clear(tier_name)
+        except (CacheServerUnavailable, CacheServerError) as exc:
+            raise StoreFault(f"cannot clear {tier_name} on the cache server: {exc}") from exc
+
+    def flush(self) -> int:
+        try:
+            return self.client.flush()
+        except (CacheServerUnavailable, CacheServerError) as exc:
+            self._fault("flush", exc)
+            return 0
+
+    def close(self) -> None:
+        self.client.close()
+
+    def server_status(self) -> dict | None:
+        """The server's status (each module's report under its name), or None when it cannot be reached."""
+        try:
+            return self.client.status()
+        except (CacheServerUnavailable, CacheServerError) as exc:
+            self._fault("status", exc)
+            return None
+
+    def stats(self) -> dict:
+        """TieredStore.stats()'s shape, with the server's tiers, plus what this client saw."""
+        status = self.server_status() or {}
+        storage = status.get("storage", {})
+        tiers = storage.get("tiers") or {name: {"objects": 0, "bytes": 0, "capacity": 0, "hits": 0, "evictions": 0,
+                                                "location": "cache server unreachable"} for name in self.tier_names}
+        counts = self._counts
+        return {
+            "namespace": self.namespace,
+            "tiers": tiers,
+            "hits": {name: counts[f"hits_{name}"] for name in tiers},
+            "misses": counts["misses"],
+            "evictions": sum(t.get("evictions", 0) for t in tiers.values()),
+            "puts": counts["puts"],
+            "put_failures": counts["put_failures"],
+            "unavailable": counts["unavailable"],
+            "server_errors": counts["server_errors"],
+            "torn_copies": self.client.counters["torn_copies"],
+            "server": {"url": self.client.url, "connected": self.client.connected, "server_id": self.client.server_id,
+                       "shared_memory": self.client.shared_memory, "instance_id": self.client.instance_id,
+                       "priority": self.client.priority, "client": dict(self.client.counters),
+                       "status": status},
+        }
+
+    def _fault(self, what: str, exc: Exception) -> None:
+        name = "unavailable" if isinstance(exc, CacheServerUnavailable) else "server_errors"
+        self._counts[name] += 1
+        log.warning("cache server %s: %s counted as a miss (%s)", self.client.url, what, exc)

@@ -1,0 +1,356 @@
+"""CacheServer: the ZMQ ROUTER loop that routes each request to the handler a module registered.
+
+Place in the flow: engines' CacheClients (DEALER) -> **this loop** -> handlers of the composed
+modules (kvbridge.cache_server.module) -> the ServerStore (L1 pool in shared memory, L2 below).
+
+The loop itself knows only the envelope: it decodes it, checks the hello (protocol version and the
+shared secret), touches the caller's instance id on every liveness target, and hands the call to a
+worker: requests whose handler needs client affinity (store, retrieve, release and affinity
+server-module calls) run on the caller's affinity thread, in the order they arrived; the rest run
+on a small shared pool. Workers send replies back through an inproc socket the loop drains, since
+a ZMQ socket belongs to one thread. The loop blocks in poll (no busy waiting).
+
+Bad input never stops the server: an envelope that does not decode, an unknown kind, a body of the
+wrong shape, an oversized message, a lease of another client: each is a logged, counted error reply.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import socket
+import stat
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvbridge.cache_server import protocol
+from kvbridge.cache_server.auth import check_bind_url, read_token
+from kvbridge.cache_server.calls import Answer, Call, ClientInfo, RequestFailed
+from kvbridge.cache_server.context import ServerContext
+from kvbridge.cache_server.module import ComposedModules, ModuleSpec, compose
+from kvbridge.cache_server.protocol import Code, Kind
+from kvbridge.settings import Settings
+
+log = logging.getLogger("kvbridge.cache_server")
+
+AFFINITY_THREADS = 4
+WORKER_THREADS = 4
+_REPLY_ENDPOINT = "inproc://kvb-replies-{}"
+
+
+class ClientTable:
+    """Registered clients (hello) and when each was last heard from: the server's view of who is connected."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._clients: dict[str, ClientInfo] = {}
+        self._last_seen: dict[str, float] = {}
+        self._requests: dict[str, int] = {}
+
+    def register(self, info: ClientInfo) -> None:
+        with self._lock:
+            self._clients[info.instance_id] = info
+            self._last_seen[info.instance_id] = time.time()
+            self._requests[info.instance_id] = 0
+
+    def get(self, instance_id: str) -> ClientInfo | None:
+        with self._lock:
+            return self._clients.get(instance_id)
+
+    def touch(self, instance_id: str) -> None:
+        with self._lock:
+            if instance_id in self._clients:
+                self._last_seen[instance_id] = time.time()
+                self._requests[instance_id] += 1
+
+    def remove(self, instance_id: str) -> bool:
+        with self._lock:
+            self._last_seen.pop(instance_id, None)
+            self._requests.pop(instance_id, None)
+            return self._clients.pop(instance_id, None) is not None
+
+    def stale(self, timeout_s: float, grace_s: float) -> list[str]:
+        """Clients silent for timeout_s; one that registered and has sent nothing since gets grace_s."""
+        now = time.time()
+        with self._lock:
+            return [cid for cid, info in self._clients.items()
+                    if now - self._last_seen[cid] > (timeout_s if self._requests[cid] else max(timeout_s, grace_s))]
+
+    def snapshot(self) -> list[dict]:
+        now = time.time()
+        with self._lock:
+            return [{"instance_id": cid, "priority": info.priority, "pid": info.pid, "hostname": info.hostname,
+                     "label": info.label, "connected_s": round(now - info.registered_at, 1),
+                     "idle_s": round(now - self._last_seen[cid], 1), "requests": self._requests[cid]}
+                    for cid, info in self._clients.items()]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._clients)
+
+
+class CacheServer:
+    """Build with the settings and module specs; `serve_forever()` until `stop()` (or a signal)."""
+
+    def __init__(self, settings: Settings, url: str | None = None, module_specs: list[ModuleSpec] = (),
+                 metrics_port: int | None = None, token: str | None = None, segment_dir: str | None = None) -> None:
+        from kvbridge.cache_server.server_store import ServerStore
+        from kvbridge.cache_server.metrics import ServerMetrics
+
+        self.settings = settings
+        self.url = url or settings.cache_server_url
+        self.token = read_token(settings) if token is None else token
+        check_bind_url(self.url, self.token)
+        self.server_id = uuid.uuid4().hex
+        self.clients = ClientTable()
+        self.metrics = ServerMetrics()
+        self.store = ServerStore(settings, segment_dir=segment_dir)
+        port = settings.cache_server_metrics_port if metrics_port is None else metrics_port
+        self.context = ServerContext(settings=settings, store=self.store, metrics=self.metrics, clients=self.clients,
+                                     server_id=self.server_id, url=self.url, metrics_port=port)
+        self.ctx = zmq.Context()
+        try:
+            self.modules: ComposedModules = compose(list(module_specs), self.context)
+        except BaseException:
+            self.store.close(flush=False)
+            self.ctx.term()
+            raise
+        self.context.modules = self.modules
+        self._router = self.ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, 2 * settings.cache_server_max_message_bytes + (1 << 20))
+        self._replies_url = _REPLY_ENDPOINT.format(self.server_id)
+        self._replies = self.ctx.socket(zmq.PULL)
+        self._replies.bind(self._replies_url)
+        self._stop = threading.Event()
+        self._wake = self.ctx.socket(zmq.PAIR)
+        self._wake.bind(f"inproc://kvb-wake-{self.server_id}")
+        self._local = threading.local()
+        self._workers = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="kvb-cs-worker")
+        self._affinity = [ThreadPoolExecutor(1, thread_name_prefix=f"kvb-cs-affinity{i}") for i in range(AFFINITY_THREADS)]
+        self._bound = False
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def bind(self) -> str:
+        """Bind the ROUTER (ipc sockets mode 0600), then let modules register their own services."""
+        if self._bound:
+            return self.url
+        if self.url.startswith("ipc://"):
+            path = Path(self.url[len("ipc://"):])
+            old = os.umask(0o177)
+            try:
+                self._router.bind(self.url)
+            finally:
+                os.umask(old)
+            os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+        else:
+            self._router.bind(self.url)
+        self._bound = True
+        self.modules.register_zmq_services(self)
+        log.info("cache server %s listening on %s (L1 %s, tiers %s)", self.server_id[:8], self.url,
+                 self.store.segment.path, ", ".join(self.store.tier_names))
+        return self.url
+
+    def serve_forever(self) -> None:
+        self.bind()
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._replies, zmq.POLLIN)
+        wake = self.ctx.socket(zmq.PAIR)
+        wake.connect(f"inproc://kvb-wake-{self.server_id}")
+        poller.register(wake, zmq.POLLIN)
+        self._wake_peer = wake
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll())
+                if self._replies in events:
+                    self._drain_replies()
+                if self._router in events:
+                    self._receive_requests()
+        finally:
+            poller.unregister(wake)
+            wake.close(0)
+
+    def stop(self) -> None:
+        """Ask serve_forever to return (safe from a signal handler or another thread)."""
+        self._stop.set()
+        try:
+            self._wake.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def close(self) -> None:
+        """Modules closed in reverse order, L1 flushed to L2, shared memory released. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        for pool in [self._workers, *self._affinity]:
+            pool.shutdown(wait=True, cancel_futures=True)
+        self.modules.close()
+        self.store.close(flush=True)
+        self._router.close(0)
+        self._replies.close(0)
+        self._wake.close(0)
+        self.ctx.term()
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _receive_requests(self) -> None:
+        while True:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._accept(frames)
+
+    def _drain_replies(self) -> None:
+        while True:
+            try:
+                frames = self._replies.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._router.send_multipart(frames, copy=False)
+            except zmq.ZMQError as exc:   # the client went away: nothing to deliver to
+                log.debug("reply not delivered: %s", exc)
+
+    def _accept(self, frames: list) -> None:
+        identity, parts = frames[0], frames[1:]
+        size = sum(len(f) for f in parts)
+        if not parts:
+            return self._refuse(identity, 0, Code.BAD_REQUEST, "empty message")
+        try:
+            envelope = protocol.decode_envelope(parts[0].buffer)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return self._refuse(identity, 0, Code.BAD_REQUEST, f"malformed request: {exc}")
+        rid = envelope.request_id
+        if size > self.settings.cache_server_max_message_bytes:
+            return self._refuse(identity, rid, Code.TOO_LARGE,
+                                f"message of {size} bytes exceeds KVB_CACHE_SERVER_MAX_MESSAGE_BYTES "
+                                f"({self.settings.cache_server_max_message_bytes})")
+        try:
+            body = protocol.decode_body(envelope.kind, envelope.body)
+        except KeyError:
+            return self._refuse(identity, rid, Code.UNKNOWN_KIND, f"unknown request type {envelope.kind!r}")
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return self._refuse(identity, rid, Code.BAD_REQUEST, f"malformed {envelope.kind} request: {exc}")
+        if envelope.kind == Kind.HELLO:
+            return self._reply(identity, rid, self._hello(envelope.instance_id, body))
+        client = self.clients.get(envelope.instance_id)
+        if client is None:
+            return self._refuse(identity, rid, Code.HELLO_REQUIRED,
+                                "this server does not know the client (restarted, or the client was reaped); say hello")
+        self.clients.touch(envelope.instance_id)
+        self.modules.touch(envelope.instance_id)
+        call = Call(envelope.instance_id, envelope.kind, body, client, [f.buffer for f in parts[1:]])
+        handler, failure = self._handler_for(call)
+        if handler is None:
+            return self._refuse(identity, rid, *failure)
+        executor = self._affinity[hash(call.instance_id) % AFFINITY_THREADS] if handler.affinity else self._workers
+        executor.submit(self._run, identity, rid, handler, call)
+
+    def _handler_for(self, call: Call):
+        router = self.modules.router
+        if call.kind in (Kind.SERVER_MODULE_CALL, Kind.SERVER_MODULE_AFFINITY_CALL):
+            handler = router.method(call.body.method)
+            if handler is None:
+                return None, (Code.BAD_REQUEST, f"unknown server module method: {call.body.method}")
+            wants_affinity = call.kind == Kind.SERVER_MODULE_AFFINITY_CALL
+            if handler.affinity != wants_affinity:
+                right = "server_module_affinity_call" if handler.affinity else "server_module_call"
+                return None, (Code.BAD_REQUEST, f"server module method {call.body.method} must be called with {right}")
+            return handler, None
+        handler = router.core(call.kind)
+        if handler is None:
+            return None, (Code.UNKNOWN_KIND, f"no module handles {call.kind!r} requests on this server")
+        return handler, None
+
+    def _run(self, identity, rid: int, handler, call: Call) -> None:
+        started = time.perf_counter()
+        try:
+            if call.kind in (Kind.SERVER_MODULE_CALL, Kind.SERVER_MODULE_AFFINITY_CALL):
+                answer = Answer(self._module_call(handler, call))
+            else:
+                answer = handler.fn(call)
+            reply = protocol.encode_reply(rid, answer.body)
+            data = answer.data
+        except RequestFailed as failed:
+            self.metrics.count_error(failed.code)
+            log.info("request %s from %s refused: %s", call.kind, call.instance_id[:8], failed.message)
+            reply, data = protocol.encode_reply(rid, error=failed.message, code=failed.code), ()
+        except Exception as exc:   # a handler bug: logged, counted, answered; the server keeps serving
+            log.exception("handler for %s failed", call.kind)
+            self.metrics.count_error(Code.INTERNAL)
+            reply, data = protocol.encode_reply(rid, error=f"internal error in {handler.owner or 'server'}: {exc}",
+                                                code=Code.INTERNAL), ()
+        self.metrics.observe_request(call.kind, time.perf_counter() - started)
+        self._send_from_worker([identity, reply, *data])
+
+    def _module_call(self, handler, call: Call) -> protocol.ServerModuleCallResponse:
+        try:
+            payload = handler.fn(call.body.payload)
+        except Exception as exc:   # the plugin's failure is the caller's answer, not the server's
+            log.warning("server module method %s failed: %s", call.body.method, exc)
+            self.metrics.count_error("module_call_failed")
+            return protocol.ServerModuleCallResponse(False, b"", f"{call.body.method} failed: {exc}")
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            return protocol.ServerModuleCallResponse(False, b"", f"{call.body.method} returned "
+                                                     f"{type(payload).__name__}, not bytes")
+        return protocol.ServerModuleCallResponse(True, bytes(payload), "")
+
+    def _send_from_worker(self, frames: list) -> None:
+        sock = getattr(self._local, "push", None)
+        if sock is None:
+            sock = self._local.push = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self._replies_url)
+        sock.send_multipart(frames, copy=False)
+
+    def _reply(self, identity, rid: int, answer: Answer | tuple) -> None:
+        if isinstance(answer, tuple):
+            return self._refuse(identity, rid, *answer)
+        self._router.send_multipart([identity, protocol.encode_reply(rid, answer.body), *answer.data], copy=False)
+
+    def _refuse(self, identity, rid: int, code: str, message: str) -> None:
+        self.metrics.count_error(code)
+        log.warning("refused a request (%s): %s", code, message)
+        try:
+            self._router.send_multipart([identity, protocol.encode_reply(rid, error=message, code=code)])
+        except zmq.ZMQError:
+            pass
+
+    def _hello(self, instance_id: str, hello: protocol.Hello) -> Answer | tuple:
+        if hello.protocol_version != protocol.PROTOCOL_VERSION:
+            return (Code.VERSION, f"protocol version mismatch: the client speaks version {hello.protocol_version}, "
+                                  f"this server speaks version {protocol.PROTOCOL_VERSION}; use the same KVBridge "
+                                  "release on both sides")
+        if self.token and not hmac.compare_digest(hello.token.encode(), self.token.encode()):
+            return (Code.UNAUTHORIZED, "the cache server refused the connection: wrong or missing token (set the "
+                                       "variable KVB_CACHE_SERVER_TOKEN_ENV names to the server's shared secret)")
+        if not instance_id or not 0 <= hello.priority <= 9:
+            return (Code.BAD_REQUEST, "hello needs an instance id and a priority from 0 to 9")
+        info = ClientInfo(instance_id, hello.priority, hello.pid, hello.hostname, hello.label, time.time())
+        self.clients.register(info)
+        self.modules.touch(instance_id)
+        log.info("client %s registered (pid %d on %s, priority %d, %s)", instance_id[:8], hello.pid,
+                 hello.hostname or "?", hello.priority, hello.label or "no label")
+        shm_ok = self.settings.cache_server_shm
+        timeout = self.settings.cache_server_reap_timeout
+        return Answer(protocol.HelloReply(
+            protocol_version=protocol.PROTOCOL_VERSION, server_id=self.server_id, tier_names=self.store.tier_names,
+            heartbeat_s=timeout / 4 if timeout else 0.0, lease_timeout_s=self.settings.cache_server_lease_timeout,
+            shm_path=str(self.store.segment.path) if shm_ok else "",
+            shm_nonce=self.store.segment.nonce if shm_ok else b"",
+            page_bytes=self.store.segment.page_bytes, modules=[m.module_name for m in self.modules.modules]))
+
+
+def hostname() -> str:
+    return socket.gethostname()

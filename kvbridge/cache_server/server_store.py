@@ -1,0 +1,300 @@
+"""The cache server's store: the shared-memory L1 pool in front of the ordinary tiers (L2 disk, later L3).
+
+Place in the flow: a client's lookup / retrieve / store reaches the storage and lookup modules,
+which call this. L1 is kvbridge.cache_server.pool.PagedPool over one shared-memory segment; the tiers
+below it are a kvbridge.store.TieredStore without L1 (the same L2 files an embedded store writes).
+
+- lookup: L1 first, then the tiers below, leading hits only (as TieredStore.lookup).
+- retrieve: an L1 object is read-leased; an object found only below is promoted into L1 first (when
+  the pool will take it; otherwise its bytes are returned for an inline reply).
+- store: prepare (pages and a write lease) -> the client writes -> commit; then a write-through copy
+  to the persistent tiers is queued for the background writer, so the client waits for the copy
+  into shared memory only. An L1 eviction queues a demotion when the tiers below lack the object.
+  The writer's queue is bounded: a full queue is counted (write_queue_full) and logged, never silent.
+- maintenance(): expired leases revoked, SOFT pressure evicted down to the target (the storage
+  module's background loop calls it once a second and whenever a store meets pressure).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from kvbridge.cache_server.pool import PagedPool, PressureLevel, ReadLease, StoreRefused, Watermarks, WriteLease
+from kvbridge.cache_server.shm import Segment
+from kvbridge.settings import Settings
+from kvbridge.store import LookupResult, ObjectMeta, TieredStore
+from kvbridge.store.objects import check_key
+
+log = logging.getLogger("kvbridge.cache_server")
+
+SERVER_CLIENT = "kvbridge-server"   # the pool client id of the server's own leases (promotion, writer)
+L1_NAME = "L1"
+
+
+@dataclass(frozen=True)
+class Found:
+    """A retrieve's result: a read lease on L1 pages, or the bytes (when the pool could not take them)."""
+
+    tier: str
+    meta: ObjectMeta
+    size: int
+    lease: ReadLease | None = None
+    blob: bytes | None = None
+
+
+class ServerStore:
+    def __init__(self, settings: Settings, segment_dir: str | None = None) -> None:
+        self.settings = settings
+        page = settings.cache_server_page_bytes
+        n_pages = max(1, settings.l1_bytes // page)
+        kwargs = {} if segment_dir is None else {"directory": segment_dir}
+        self.segment = Segment.create(n_pages, page, **kwargs)
+        marks = Watermarks(soft_free=settings.cache_server_soft_free, hard_free=settings.cache_server_hard_free,
+                           critical_free=settings.cache_server_critical_free,
+                           target_free=settings.cache_server_target_free)
+        try:
+            self.lower = TieredStore.from_settings(settings, with_l1=False, owner="cache-server")
+        except BaseException:
+            self.segment.close(unlink=True)
+            raise
+        self.pool = PagedPool(self.segment, marks, lease_timeout_s=settings.cache_server_lease_timeout,
+                              hard_min_priority=settings.cache_server_hard_min_priority, on_evict=self._on_evict)
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue(maxsize=settings.cache_server_write_queue)
+        self._writer = threading.Thread(target=self._write_loop, name="kvb-l2-writer", daemon=True)
+        self._writer.start()
+        self._closed = False
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [L1_NAME] + self.lower.tier_names
+
+    # -- reading ---------------------------------------------------------------------------------
+    def lookup(self, hashes: list[bytes], namespace: str | None) -> LookupResult:
+        tiers: list[str] = []
+        for index, key in enumerate(hashes):
+            key = check_key(key)
+            meta = self.pool.meta(key)
+            if meta is None:
+                rest = self.lower.lookup(hashes[index:], namespace)
+                tiers += rest.tiers
+                break
+            if namespace is not None and meta.namespace != namespace:
+                self._count("foreign")
+                break
+            tiers.append(L1_NAME)
+        self._count("lookups")
+        return LookupResult(len(tiers), tiers)
+
+    def retrieve(self, key: bytes, namespace: str | None, client_id: str) -> Found | None:
+        """A read lease on the object in L1 (promoted from below when needed), or its bytes, or None."""
+        key = check_key(key)
+        lease = self.pool.acquire_read(key, client_id)
+        if lease is not None:
+            if namespace is not None and lease.meta.namespace != namespace:
+                self.pool.release(lease.lease_id, client_id)
+                self._count("foreign")
+                return None
+            self._count("hits_L1")
+            return Found(L1_NAME, lease.meta, lease.size, lease=lease)
+        obj = self.lower.get(key, namespace)
+        if obj is None:
+            self._count("misses")
+            return None
+        self._count(f"hits_{obj.tier}")
+        if self._admit(key, obj.blob, obj.meta, SERVER_CLIENT, priority=9, write_through=False):
+            lease = self.pool.acquire_read(key, client_id)
+            if lease is not None:
+                self._count("promotions")
+                return Found(obj.tier, lease.meta, lease.size, lease=lease)
+        return Found(obj.tier, obj.meta, len(obj.blob), blob=obj.blob)
+
+    def read(self, lease: ReadLease) -> bytes:
+        return self.segment.read(lease.pages, lease.size)
+
+    def release(self, lease_ids: list[int], client_id: str) -> None:
+        """Raises pool.LeaseNotOwned / UnknownLease (the client gets an error reply)."""
+        self.pool.release(lease_ids, client_id)
+
+    # -- writing ---------------------------------------------------------------------------------
+    def prepare(self, key: bytes, size: int, meta: ObjectMeta, client_id: str, priority: int) -> WriteLease:
+        """Pages for a new object and a write lease on them; StoreRefused (counted) when not admitted."""
+        key = check_key(key)
+        try:
+            return self.pool.prepare_write(key, size, meta, client_id, priority)
+        except StoreRefused as refused:
+            self._count(f"refused_{refused.reason}")
+            raise
+
+    def commit(self, lease: WriteLease | int, client_id: str, meta: ObjectMeta | None = None) -> bool:
+        lease_id = lease if isinstance(lease, int) else lease.lease_id
+        key = self.pool.lease_key(lease_id, client_id)
+        stored = self.pool.commit(lease_id, client_id)
+        if stored:
+            self._count("stores")
+            self._queue_write(key, None, None)
+        else:
+            self._count("commits_revoked")
+        return stored
+
+    def store_inline(self, key: bytes, blob: bytes, meta: ObjectMeta, client_id: str, priority: int) -> tuple[bool, str]:
+        """A store whose bytes came in the message: into L1 (and queued for L2), else straight to L2."""
+        key = check_key(key)
+        try:
+            if self._admit(key, blob, meta, client_id, priority, write_through=True):
+                return True, ""
+        except StoreRefused as refused:
+            if refused.reason == "exists":
+                return False, "exists"
+            if refused.reason == "pressure":
+                return False, "pressure"
+            reason = refused.reason
+        else:
+            reason = "no_space"
+        if self.lower.tiers and self.lower.put(key, blob, meta):   # too large for L1: the disk may still take it
+            self._count("stores")
+            return True, ""
+        return False, reason
+
+    def _admit(self, key: bytes, blob, meta: ObjectMeta, client_id: str, priority: int, write_through: bool) -> bool:
+        try:
+            lease = self.pool.prepare_write(key, len(blob), meta, client_id, priority)
+        except StoreRefused as refused:
+            self._count(f"refused_{refused.reason}")
+            if client_id == SERVER_CLIENT:
+                return False
+            raise
+        try:
+            self.segment.write(lease.pages, blob)
+        except BaseException:
+            self.pool.release(lease.lease_id, client_id)
+            raise
+        stored = self.pool.commit(lease.lease_id, client_id)
+        if stored and write_through:
+            self._count("stores")
+            self._queue_write(key, None, None)
+        return stored
+
+    # -- the background writer -------------------------------------------------------------------
+    def _on_evict(self, key: bytes, meta: ObjectMeta, view: memoryview) -> None:
+        """Called by the pool before an evicted object's pages are freed: demote it when the tiers below lack it."""
+        if not self.lower.tiers or self.lower.contains(key):
+            return
+        self._queue_write(key, bytes(view), meta, demotion=True)
+
+    def _queue_write(self, key: bytes, blob: bytes | None, meta: ObjectMeta | None, demotion: bool = False) -> None:
+        """blob None: write-through of an L1 object, read from the pool when the writer gets to it."""
+        if not self.lower.tiers or not any(t.persistent for t in self.lower.tiers):
+            return
+        try:
+            self._queue.put_nowait((key, blob, meta, demotion))
+        except queue.Full:
+            self._count("write_queue_full")
+            log.warning("L2 writer queue full (KVB_CACHE_SERVER_WRITE_QUEUE=%d): %s of %s not written to disk",
+                        self.settings.cache_server_write_queue, "demotion" if demotion else "write-through",
+                        key.hex()[:16])
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                key, blob, meta, demotion = job
+                if blob is None:
+                    lease = self.pool.acquire_read(key, SERVER_CLIENT)
+                    if lease is None:
+                        continue   # evicted before we got here: its demotion is queued instead
+                    try:
+                        blob, meta = self.segment.read(lease.pages, lease.size), lease.meta
+                    finally:
+                        self.pool.release(lease.lease_id, SERVER_CLIENT)
+                if self.lower.contains(key):
+                    continue
+                if self.lower.put(key, blob, meta):
+                    self._count("demotions" if demotion else "written_through")
+                else:
+                    self._count("write_errors")
+            except Exception:   # a bug here must not stop the writer: logged and counted
+                log.exception("L2 writer failed on one object")
+                self._count("write_errors")
+            finally:
+                self._queue.task_done()
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the writer queue is empty (for flush and shutdown); False when it timed out."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    # -- housekeeping ----------------------------------------------------------------------------
+    def maintenance(self) -> None:
+        expired = self.pool.expire_leases()
+        if expired:
+            self._count("leases_expired", expired)
+        if self.pool.level() >= PressureLevel.SOFT:
+            self.pool.evict_to_target()
+
+    def drop_client(self, client_id: str) -> int:
+        return self.pool.drop_client(client_id)
+
+    def clear(self, tier: str) -> None:
+        if tier == L1_NAME:
+            self.pool.clear()
+        else:
+            self.lower.clear(tier)
+
+    def flush(self) -> int:
+        """Every L1 object onto the persistent tiers now (queued writes first); how many were written."""
+        self.drain()
+        written = 0
+        for key in self.pool.keys():
+            if self.lower.tiers and not self.lower.contains(key):
+                lease = self.pool.acquire_read(key, SERVER_CLIENT)
+                if lease is None:
+                    continue
+                try:
+                    written += self.lower.put(key, self.segment.read(lease.pages, lease.size), lease.meta)
+                finally:
+                    self.pool.release(lease.lease_id, SERVER_CLIENT)
+        return written
+
+    def stats(self) -> dict:
+        pool = self.pool.stats()
+        lower = self.lower.stats()
+        with self._lock:
+            counts = dict(self._counts)
+        tiers = {L1_NAME: {"objects": pool["objects"], "bytes": pool["bytes_used"],
+                           "capacity": pool["total_pages"] * pool["page_bytes"], "hits": counts.get("hits_L1", 0),
+                           "evictions": pool["evictions"], "location": str(self.segment.path)}}
+        for name, tier in lower["tiers"].items():
+            tiers[name] = {**tier, "hits": counts.get(f"hits_{name}", 0)}
+        return {"tiers": tiers, "hits": {name: t["hits"] for name, t in tiers.items()},
+                "pool": pool, "lower": lower, "counts": counts, "write_queue": self._queue.qsize(),
+                "write_queue_capacity": self.settings.cache_server_write_queue}
+
+    def close(self, flush: bool = True) -> None:
+        """Flush L1 to disk (when asked), stop the writer, release the shared memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if flush:
+                self.flush()
+        finally:
+            self._queue.put(None)
+            self._writer.join(timeout=30)
+            self.lower.close()
+            self.segment.close(unlink=True)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
