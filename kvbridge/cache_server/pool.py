@@ -191,6 +191,11 @@ class PagedPool:
             obj = self._objects.get(check_key(key))
             return obj.meta if obj else None
 
+    def size(self, key: bytes) -> int | None:
+        with self._lock:
+            obj = self._objects.get(check_key(key))
+            return obj.size if obj else None
+
     def keys(self) -> list[bytes]:
         with self._lock:
             return list(self._objects)

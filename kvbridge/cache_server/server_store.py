@@ -69,6 +69,22 @@ class ServerStore:
         self._writer = threading.Thread(target=self._write_loop, name="kvb-l2-writer", daemon=True)
         self._writer.start()
         self._closed = False
+        self._listeners: list = []
+
+    def add_listener(self, listener) -> None:
+        """listener(event, key, tier, size) for every "stored", "evicted" and "removed" object.
+
+        Called on the thread that changed the store (an eviction: under the pool's lock), so a
+        listener must only hand the event on (a queue), never call back into the store.
+        """
+        self._listeners.append(listener)
+
+    def _emit(self, event: str, key: bytes, tier: str, size: int) -> None:
+        for listener in self._listeners:
+            try:
+                listener(event, key, tier, size)
+            except Exception:   # an observer's bug must not fail a store: logged
+                log.exception("store event listener failed")
 
     @property
     def tier_names(self) -> list[str]:
@@ -137,6 +153,7 @@ class ServerStore:
         stored = self.pool.commit(lease_id, client_id)
         if stored:
             self._count("stores")
+            self._emit("stored", key, L1_NAME, self._size(key))
             self._queue_write(key, None, None)
         else:
             self._count("commits_revoked")
@@ -175,6 +192,8 @@ class ServerStore:
             self.pool.release(lease.lease_id, client_id)
             raise
         stored = self.pool.commit(lease.lease_id, client_id)
+        if stored:
+            self._emit("stored", key, L1_NAME, len(blob))
         if stored and write_through:
             self._count("stores")
             self._queue_write(key, None, None)
@@ -183,6 +202,7 @@ class ServerStore:
     # -- the background writer -------------------------------------------------------------------
     def _on_evict(self, key: bytes, meta: ObjectMeta, view: memoryview) -> None:
         """Called by the pool before an evicted object's pages are freed: demote it when the tiers below lack it."""
+        self._emit("evicted", key, L1_NAME, len(view))
         if not self.lower.tiers or self.lower.contains(key):
             return
         self._queue_write(key, bytes(view), meta, demotion=True)
@@ -218,6 +238,7 @@ class ServerStore:
                     continue
                 if self.lower.put(key, blob, meta):
                     self._count("demotions" if demotion else "written_through")
+                    self._emit("stored", key, self.lower.tier_names[-1], len(blob))
                 else:
                     self._count("write_errors")
             except Exception:   # a bug here must not stop the writer: logged and counted
@@ -247,10 +268,22 @@ class ServerStore:
         return self.pool.drop_client(client_id)
 
     def clear(self, tier: str) -> None:
+        """Empty one tier; objects under a live lease stay (and are cleared by a later call)."""
         if tier == L1_NAME:
+            before = {key: self._size(key) for key in self.pool.keys()}
             self.pool.clear()
+            kept = set(self.pool.keys())
         else:
+            level = self.lower.tiers[self.lower.tier_names.index(tier)]
+            before = {key: level.size(key) or 0 for key in level.keys()}
             self.lower.clear(tier)
+            kept = set(level.keys())
+        for key, size in before.items():
+            if key not in kept:
+                self._emit("removed", key, tier, size)
+
+    def _size(self, key: bytes) -> int:
+        return self.pool.size(key) or 0
 
     def flush(self) -> int:
         """Every L1 object onto the persistent tiers now (queued writes first); how many were written."""

@@ -163,7 +163,7 @@ class StorageModule(DiscoverableModule):
         stats = self.store.stats()
         return {"tiers": stats["tiers"], "pool": stats["pool"], "counts": stats["counts"],
                 "write_queue": stats["write_queue"], "write_queue_capacity": stats["write_queue_capacity"],
-                "tier_names": self.store.tier_names}
+                "tier_names": self.store.tier_names, "page_map": self.store.pool.page_map()}
 
     def quiesce(self) -> None:
         self._stop.set()
