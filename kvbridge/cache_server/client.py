@@ -248,7 +248,7 @@ class CacheClient:
 
         def finish(inner: Future) -> None:
             try:
-                reply = inner.result()
+                reply, _ = inner.result()
             except BaseException as exc:
                 outer.set_exception(exc)
                 return

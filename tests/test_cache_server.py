@@ -1,0 +1,370 @@
+"""The cache server over real ZMQ sockets and real shared memory: who may connect, the data path,
+the plugin contract with modules that live in tests/cs_live_plugins, bad input, liveness with a
+SIGKILLed client, Prometheus metrics, and a clean stop of the real command.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import Future
+
+import msgspec
+import pytest
+import zmq
+
+from kvbridge.cache_server import protocol
+from kvbridge.cache_server.client import CacheClient, CacheServerError, CacheServerRefused
+from kvbridge.cache_server.protocol import Code, Kind, ServerModuleCallRequest
+from kvbridge.cache_server.server import CacheServer
+from kvbridge.errors import BadSettings
+from kvbridge.store import ObjectMeta, TieredStore
+from kvbridge.store.disk import DirectoryOwned
+from tests.cache_server_helpers import (PROJECT, SMALL_POOL, ServerProcess, free_port, local_url, running_server,
+                                        server_env)
+
+pytestmark = [pytest.mark.live, pytest.mark.timeout(120)]
+META = ObjectMeta("ns", 4, bytes(16))
+
+
+def blob_of(n: int, seed: int = 1) -> bytes:
+    pattern = bytes((i * seed + seed) % 251 for i in range(251))
+    return (pattern * (n // 251 + 1))[:n]
+
+
+@pytest.fixture
+def settings(make_settings):
+    return make_settings(**SMALL_POOL)
+
+
+@pytest.fixture
+def server(settings):
+    with running_server(settings) as srv:
+        yield srv
+
+
+def raw_request(url: str, frames: list[bytes], timeout_ms: int = 3000) -> protocol.Reply:
+    """Send frames as they are from a bare DEALER and decode the one reply (for malformed input)."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(url)
+    try:
+        sock.send_multipart(frames)
+        assert sock.poll(timeout_ms), "the server did not answer"
+        return protocol.decode_reply(sock.recv_multipart()[0])
+    finally:
+        sock.close()
+
+
+def hello_frames(instance: str, version: int = protocol.PROTOCOL_VERSION) -> list[bytes]:
+    return [protocol.encode_request(1, instance, Kind.HELLO, protocol.Hello(version, "", 5))]
+
+
+# -- connecting -------------------------------------------------------------------------------------
+
+
+def test_status_has_each_module_under_its_name_and_the_module_graph(server):
+    with CacheClient(server.url, timeout_s=5) as client:
+        assert client.ping().server_id == server.server_id
+        status = client.status()
+    for name in ("lookup", "storage", "management", "metrics"):
+        assert name in status, f"{name} missing from status"
+    assert status["storage"]["pool"]["level"] == "OK"
+    rows = {row["name"]: row for row in status["server"]["modules"]}
+    assert set(rows) >= {"lookup", "storage", "management", "metrics"}
+    assert rows["lookup"]["class"].endswith("LookupModule")
+    assert [c["instance_id"] for c in status["management"]["clients"]] == [client.instance_id]
+
+
+def test_a_token_is_required_when_configured_and_never_echoed(settings):
+    with running_server(settings, token="s3cret-value") as srv:
+        with pytest.raises(CacheServerRefused) as refused:
+            CacheClient(srv.url, timeout_s=5)
+        assert "token" in str(refused.value) and "KVB_CACHE_SERVER_TOKEN_ENV" in str(refused.value)
+        assert "s3cret-value" not in str(refused.value)
+        with pytest.raises(CacheServerRefused):
+            CacheClient(srv.url, timeout_s=5, token="wrong")
+        with CacheClient(srv.url, timeout_s=5, token="s3cret-value") as client:
+            assert client.ping().server_id == srv.server_id
+
+
+def test_listening_beyond_loopback_without_a_token_is_refused_at_start(settings):
+    with pytest.raises(BadSettings, match="KVB_CACHE_SERVER_TOKEN_ENV"):
+        CacheServer(settings, url=f"tcp://0.0.0.0:{free_port()}", token="")
+
+
+def test_the_token_comes_from_the_variable_the_setting_names(settings):
+    from kvbridge.cache_server.auth import read_token
+
+    named = settings.replace(cache_server_token_env="KVB_TEST_SECRET_HOLDER")
+    assert read_token(named, {"KVB_TEST_SECRET_HOLDER": "abc"}) == "abc"
+    with pytest.raises(BadSettings, match="KVB_TEST_SECRET_HOLDER is not set"):
+        read_token(named, {})
+
+
+def test_a_protocol_version_mismatch_names_both_versions(server):
+    reply = raw_request(server.url, hello_frames("old-client", version=protocol.PROTOCOL_VERSION + 41))
+    assert not reply.success and reply.code == Code.VERSION
+    assert f"version {protocol.PROTOCOL_VERSION + 41}" in reply.error
+    assert f"version {protocol.PROTOCOL_VERSION}" in reply.error
+
+
+def test_a_request_before_hello_is_answered_hello_required(server):
+    frame = protocol.encode_request(7, "stranger", Kind.PING)
+    reply = raw_request(server.url, [frame])
+    assert reply.request_id == 7 and reply.code == Code.HELLO_REQUIRED
+
+
+# -- the data path ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shared-memory", "inline"])
+def test_store_and_retrieve_return_the_same_bytes(server, use_shm):
+    blob = blob_of(200_000, 3)
+    with CacheClient(server.url, timeout_s=5, use_shm=use_shm) as client:
+        assert client.shared_memory is use_shm
+        assert client.store(b"k" * 16, blob, META) == (True, "")
+        assert client.lookup([b"k" * 16, b"x" * 16], "ns").tiers == ["L1"]
+        found = client.retrieve(b"k" * 16, "ns")
+        assert found.tier == "L1" and bytes(found.blob) == blob
+        assert client.intact(found)
+        client.release([found])
+        assert client.retrieve(b"k" * 16, "other-namespace") is None
+    stats = server.store.pool.stats()
+    assert stats["read_leases"] == 0 and stats["write_leases"] == 0
+
+
+def test_l1_is_written_through_to_l2_and_an_l2_hit_is_promoted(server):
+    blob = blob_of(100_000, 5)
+    with CacheClient(server.url, timeout_s=5) as client:
+        client.store(b"w" * 16, blob, META)
+        assert server.store.drain(10)
+        client.clear("L1")
+        assert client.lookup([b"w" * 16], "ns").tiers == ["L2"]
+        found = client.retrieve(b"w" * 16, "ns")
+        assert found.tier == "L2" and bytes(found.blob) == blob
+        client.release([found])
+        assert client.lookup([b"w" * 16], "ns").tiers == ["L1"]
+
+
+def test_a_torn_copy_is_detected_by_the_generation_check(server):
+    """The pages of a leased view are reused after its lease was revoked: intact() says so."""
+    with CacheClient(server.url, timeout_s=5) as client:
+        client.store(b"t" * 16, blob_of(70_000), META)
+        found = client.retrieve(b"t" * 16, "ns")
+        assert client.intact(found)
+        server.store.pool.drop_client(client.instance_id)        # as the reaper would
+        server.store.clear("L1")
+        client.store(b"u" * 16, blob_of((4 << 20) - 200_000, 7), META)   # refills the freed pages
+        assert not client.intact(found)
+        assert client.counters["torn_copies"] == 1
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+
+def test_bad_input_is_a_counted_error_reply_and_the_server_keeps_serving(server, settings):
+    with CacheClient(server.url, timeout_s=5) as client:
+        garbage = raw_request(server.url, [b"\x93not msgpack at all"])
+        assert not garbage.success and garbage.code == Code.BAD_REQUEST
+        unknown = raw_request(server.url, [protocol.encode_request(3, client.instance_id, "teleport")])
+        assert unknown.request_id == 3 and unknown.code == Code.UNKNOWN_KIND and "teleport" in unknown.error
+        wrong_body = raw_request(server.url, [protocol.encode_request(4, client.instance_id, Kind.LOOKUP, {"x": 1})])
+        assert wrong_body.code == Code.BAD_REQUEST and "lookup" in wrong_body.error
+        big = b"\0" * (settings.cache_server_max_message_bytes + 1)
+        oversized = raw_request(server.url, [protocol.encode_request(5, client.instance_id, Kind.STORE_INLINE,
+                                                                     protocol.StoreInline(b"o" * 16, protocol.WireMeta.of(META))), big])
+        assert oversized.code == Code.TOO_LARGE and "KVB_CACHE_SERVER_MAX_MESSAGE_BYTES" in oversized.error
+        assert client.ping().server_id == server.server_id
+    errors = server.metrics.value
+    assert errors("kvbridge_request_errors_total", {"code": Code.BAD_REQUEST}) >= 2
+    assert errors("kvbridge_request_errors_total", {"code": Code.UNKNOWN_KIND}) == 1
+    assert errors("kvbridge_request_errors_total", {"code": Code.TOO_LARGE}) == 1
+
+
+def test_a_lease_another_client_owns_is_refused_and_left_alone(server):
+    with CacheClient(server.url, timeout_s=5) as owner, CacheClient(server.url, timeout_s=5) as thief:
+        owner.store(b"l" * 16, blob_of(10_000), META)
+        found = owner.retrieve(b"l" * 16, "ns")
+        with pytest.raises(CacheServerError) as refused:
+            thief._call(Kind.RELEASE, protocol.Release([found.lease_id]), None)
+        assert refused.value.code == Code.NOT_OWNER
+        assert server.store.pool.stats()["read_leases"] == 1
+        assert owner.intact(found) and bytes(found.blob) == blob_of(10_000)
+        owner.release([found])
+        deadline = time.monotonic() + 5
+        while server.store.pool.stats()["read_leases"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.store.pool.stats()["read_leases"] == 0
+        assert server.metrics.value("kvbridge_request_errors_total", {"code": Code.NOT_OWNER}) == 1
+
+
+# -- the plugin contract on a real server -------------------------------------------------------------
+
+ECHO = {"module_path": "tests.cs_live_plugins.echo", "config": {"prefix": ">> "}}
+
+
+def test_envelope_calls_reach_a_plugin_and_failures_are_answers(settings):
+    with running_server(settings, [ECHO]) as srv, CacheClient(srv.url, timeout_s=5) as client:
+        said = client.server_module_call(ServerModuleCallRequest("live_echo.say", b"hi")).result(timeout=5)
+        assert (said.success, said.payload) == (True, b">> hi")
+        failed = client.server_module_call(ServerModuleCallRequest("live_echo.fail")).result(timeout=5)
+        assert not failed.success and "the plugin could not do it" in failed.error
+        unknown = client.server_module_call(ServerModuleCallRequest("nobody.home")).result(timeout=5)
+        assert not unknown.success and "unknown server module method: nobody.home" in unknown.error
+        wrong = client.server_module_call(ServerModuleCallRequest("live_echo.slow", b"0")).result(timeout=5)
+        assert not wrong.success and "server_module_affinity_call" in wrong.error
+        wrong = client.server_module_affinity_call(ServerModuleCallRequest("live_echo.say")).result(timeout=5)
+        assert not wrong.success and "server_module_call" in wrong.error
+        assert client.status()["live_echo"] == {"prefix": ">> "}
+        assert client.ping().server_id == srv.server_id
+
+
+def test_affinity_calls_run_in_order_with_the_clients_stores(settings):
+    with running_server(settings, [ECHO]) as srv, CacheClient(srv.url, timeout_s=10) as client:
+        slow: Future = client.server_module_affinity_call(ServerModuleCallRequest("live_echo.slow", b"0.4"))
+        stored_at: list[float] = []
+        storing = threading.Thread(target=lambda: (client.store(b"a" * 16, blob_of(5000), META),
+                                                   stored_at.append(time.monotonic())))
+        time.sleep(0.05)
+        storing.start()
+        plain = client.server_module_call(ServerModuleCallRequest("live_echo.say", b"quick")).result(timeout=5)
+        plain_done = time.monotonic()
+        started, ended = json.loads(slow.result(timeout=5).payload)
+        storing.join(timeout=5)
+        assert plain.success and plain_done < ended, "a plain call waited for the affinity thread"
+        assert stored_at and stored_at[0] >= ended, "the client's store overtook its earlier affinity call"
+        holds = client.server_module_affinity_call(ServerModuleCallRequest("live_echo.holds", (b"a" * 16).hex().encode()))
+        assert holds.result(timeout=5).payload == b"yes"
+
+
+def test_a_plugin_replaces_the_builtin_lookup_module(settings):
+    replacement = {"module_path": "tests.cs_live_plugins.replace_lookup"}
+    with running_server(settings, [replacement]) as srv, CacheClient(srv.url, timeout_s=5) as client:
+        client.store(b"r" * 16, blob_of(1000), META)
+        assert client.lookup([b"r" * 16], "ns").n_hit == 1
+        status = client.status()
+    assert status["lookup"]["replacement"] is True and status["lookup"]["answered"] == 1
+    row = next(r for r in status["server"]["modules"] if r["name"] == "lookup")
+    assert row["class"].endswith("CountingLookupModule") and row["external"]
+
+
+def test_a_dependent_module_overrides_its_dependencys_core_handler(settings):
+    with running_server(settings, [{"module_path": "tests.cs_live_plugins.ping_override"}]) as srv:
+        with CacheClient(srv.url, timeout_s=5) as client:
+            assert client.ping().server_id == "overridden:" + srv.server_id
+            assert client.status()["ping_override"]["pings"] >= 1
+
+
+def test_a_sigkilled_client_is_reaped_and_its_leases_released(settings):
+    quick = settings.replace(cache_server_reap_timeout=1.0, cache_server_registration_grace=1.0)
+    probe = {"module_path": "tests.cs_live_plugins.liveness"}
+    with running_server(quick, [probe]) as srv, CacheClient(srv.url, timeout_s=5) as watcher:
+        watcher.store(b"h" * 16, blob_of(50_000), META)
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_A_LEASE, srv.url], cwd=PROJECT, stdout=subprocess.PIPE,
+                                  env={**os.environ, "PYTHONPATH": str(PROJECT)})
+        try:
+            instance = holder.stdout.readline().decode().strip()
+            assert instance, "the holder process did not get its lease"
+            assert srv.store.pool.stats()["read_leases"] == 1
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(timeout=10)
+        finally:
+            holder.kill()
+            holder.stdout.close()
+        deadline = time.monotonic() + 10
+        while srv.store.pool.stats()["read_leases"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+            watcher.ping()   # the watcher stays alive
+        assert srv.store.pool.stats()["read_leases"] == 0, "the killed client's lease was never released"
+        clients = [c["instance_id"] for c in watcher.status()["management"]["clients"]]
+        assert instance not in clients and watcher.instance_id in clients
+        dropped = watcher.server_module_call(ServerModuleCallRequest("liveness_probe.dropped")).result(timeout=5)
+        assert instance in json.loads(dropped.payload)
+
+
+HOLD_A_LEASE = """
+import sys, time
+from kvbridge.cache_server.client import CacheClient
+client = CacheClient(sys.argv[1], timeout_s=5)
+found = client.retrieve(b"h" * 16, "ns")
+assert found is not None and found.lease_id
+print(client.instance_id, flush=True)
+time.sleep(600)
+"""
+
+
+# -- metrics -----------------------------------------------------------------------------------------
+
+
+def test_prometheus_metrics_are_served_on_the_metrics_port(settings):
+    port = free_port()
+    with running_server(settings.replace(cache_server_metrics_port=port)) as srv, \
+            CacheClient(srv.url, timeout_s=5) as client:
+        client.store(b"m" * 16, blob_of(1000), META)
+        client.lookup([b"m" * 16, b"n" * 16], "ns", chunk_tokens=32)
+        client.release([client.retrieve(b"m" * 16, "ns")])
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for line in ('kvbridge_lookup_requested_tokens_total 64.0', 'kvbridge_lookup_hit_tokens_total 32.0',
+                 'kvbridge_hits_total{tier="L1"} 1.0', 'kvbridge_stores_total 1.0', 'kvbridge_connected_clients 1.0',
+                 'kvbridge_l1_pressure_level 0.0', 'kvbridge_lookup_seconds_count 1.0'):
+        assert line in text, f"{line!r} not in the metrics"
+    for name in ("kvbridge_l1_usage_ratio", "kvbridge_evictions_total", "kvbridge_refused_stores",
+                 "kvbridge_revoked_leases_total", "kvbridge_leases", "kvbridge_pinned_objects",
+                 "kvbridge_retrieve_seconds_bucket", "kvbridge_store_seconds_bucket"):
+        assert name in text
+
+
+def test_no_metrics_endpoint_without_a_port(server):
+    with CacheClient(server.url, timeout_s=5) as client:
+        assert client.status()["metrics"]["endpoint"] == ""
+
+
+# -- the command, and the L2 directory's owner ---------------------------------------------------------
+
+
+def test_the_command_stops_cleanly_on_sigterm_and_l1_survives_on_disk(settings, tmp_path):
+    env = server_env(settings)
+    url = local_url()
+    first = ServerProcess(env, url, log_path=tmp_path / "server.log")
+    try:
+        with CacheClient(url, timeout_s=5) as client:
+            segment = client._segment.path
+            client.store(b"s" * 16, blob_of(30_000), META)
+        assert first.terminate() == 0
+        assert not segment.exists(), "the shared-memory segment was left behind"
+    finally:
+        first.close()
+    log = (tmp_path / "server.log").read_text()
+    assert "storage(dependencies=[])" in log and "stopped cleanly" in log
+    second = ServerProcess(env, url)
+    try:
+        with CacheClient(url, timeout_s=5) as client:
+            assert client.lookup([b"s" * 16], "ns").tiers == ["L2"]
+    finally:
+        second.close()
+
+
+def test_a_malformed_server_module_flag_is_a_startup_error_naming_it(settings):
+    done = subprocess.run([sys.executable, "-m", "kvbridge", "cache-server", "--url", local_url(),
+                           "--server-module", "{not json"], env=server_env(settings), cwd=PROJECT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--server-module" in done.stderr
+
+
+def test_a_cache_server_and_an_embedded_store_never_share_an_l2_directory(settings, server):
+    with pytest.raises(DirectoryOwned, match="KVB_STORE_URL"):
+        TieredStore.from_settings(settings)
+    other = settings.replace(l2_dir=str(settings.l2_dir) + "-embedded")
+    embedded = TieredStore.from_settings(other)
+    try:
+        with pytest.raises(DirectoryOwned, match="embedded store"):
+            CacheServer(other, url=local_url())
+    finally:
+        embedded.close()
