@@ -347,6 +347,7 @@ def test_the_command_stops_cleanly_on_sigterm_and_l1_survives_on_disk(settings, 
     try:
         with CacheClient(url, timeout_s=5) as client:
             assert client.lookup([b"s" * 16], "ns").tiers == ["L2"]
+        assert second.terminate() == 0
     finally:
         second.close()
 

@@ -6,6 +6,7 @@ removes the shared-memory segment; the exit status is 0.
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import signal
 import sys
@@ -33,6 +34,7 @@ def run(settings: Settings, url: str | None, flags: list[str], metrics_port: int
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logging.getLogger("kvbridge.cache_server").addHandler(handler)
         logging.getLogger("kvbridge.cache_server").propagate = False
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 PID`: every thread's stack on stderr
     server = CacheServer(settings, url=url, module_specs=module_specs(settings, flags), metrics_port=metrics_port)
     try:
         server.bind()

@@ -234,7 +234,7 @@ class CacheClient:
         if self._segment is not None:
             self._segment.close()
             self._segment = None
-        self._ctx.term()
+        self._ctx.destroy(linger=0)   # also closes other threads' send sockets
 
     def __enter__(self) -> "CacheClient":
         return self

@@ -15,9 +15,11 @@ wrong shape, an oversized message, a lease of another client: each is a logged, 
 """
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
+import signal
 import socket
 import stat
 import threading
@@ -40,6 +42,7 @@ from kvbridge.settings import Settings
 
 log = logging.getLogger("kvbridge.cache_server")
 
+IDLE_POLL_MS = 1000   # a backstop only: requests, replies, stop() and signals all wake the poll at once
 AFFINITY_THREADS = 4
 WORKER_THREADS = 4
 _REPLY_ENDPOINT = "inproc://kvb-replies-{}"
@@ -120,7 +123,7 @@ class CacheServer:
             self.modules: ComposedModules = compose(list(module_specs), self.context)
         except BaseException:
             self.store.close(flush=False)
-            self.ctx.term()
+            self.ctx.destroy(linger=0)   # also closes the workers' reply sockets
             raise
         self.context.modules = self.modules
         self._router = self.ctx.socket(zmq.ROUTER)
@@ -167,10 +170,22 @@ class CacheServer:
         wake = self.ctx.socket(zmq.PAIR)
         wake.connect(f"inproc://kvb-wake-{self.server_id}")
         poller.register(wake, zmq.POLLIN)
-        self._wake_peer = wake
+        # A signal the OS hands to another thread does not interrupt this poll; Python's wakeup fd
+        # does (its C handler writes a byte), and the handler itself then runs here and calls stop().
+        signal_r = signal_w = None
+        previous_fd = None
+        if threading.current_thread() is threading.main_thread():
+            signal_r, signal_w = socket.socketpair()
+            signal_r.setblocking(False)
+            signal_w.setblocking(False)
+            previous_fd = signal.set_wakeup_fd(signal_w.fileno(), warn_on_full_buffer=False)
+            poller.register(signal_r, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll())
+                events = dict(poller.poll(IDLE_POLL_MS))
+                if signal_r is not None and signal_r.fileno() in events:
+                    with contextlib.suppress(BlockingIOError):
+                        signal_r.recv(4096)
                 if self._replies in events:
                     self._drain_replies()
                 if self._router in events:
@@ -178,6 +193,10 @@ class CacheServer:
         finally:
             poller.unregister(wake)
             wake.close(0)
+            if signal_r is not None:
+                signal.set_wakeup_fd(previous_fd)
+                signal_r.close()
+                signal_w.close()
 
     def stop(self) -> None:
         """Ask serve_forever to return (safe from a signal handler or another thread)."""
@@ -200,7 +219,7 @@ class CacheServer:
         self._router.close(0)
         self._replies.close(0)
         self._wake.close(0)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)   # also closes the workers' reply sockets
 
     # -- the loop --------------------------------------------------------------------------------
     def _receive_requests(self) -> None:

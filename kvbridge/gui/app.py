@@ -26,6 +26,7 @@ from kvbridge.gui.results import (
     run_stream, scenario_choices, scenario_description,
 )
 from kvbridge.gui.charts import store_figure
+from kvbridge.gui.server_panel import ServerView, server_view
 from kvbridge.settings import Settings, env_name
 from kvbridge.errors import KVBridgeError
 from kvbridge.engine.records import MODES
@@ -43,6 +44,9 @@ APP_CSS = """
 .kvb-message p {margin: 4px 0}
 #kvb-summary > p:first-child, #kvb-summary p:first-of-type {font-size: 1.15em}
 #kvb-results-table {font-size: 12px}
+.kvb-level {font-weight: 700; padding: 1px 8px; border-radius: 6px; color: white}
+.kvb-level-ok {background: #16a34a} .kvb-level-soft {background: #ca8a04}
+.kvb-level-hard {background: #ea580c} .kvb-level-critical {background: #dc2626}
 """
 MODE_HELP = "cold: no reuse (baseline) · native: the engine's own prefix cache · lmcache: restored from KVBridge's store"
 
@@ -160,6 +164,11 @@ def _store_panel(ui: SimpleNamespace, state: AppState) -> None:
     stats = store_stats(state)
     ui.store_md = gr.Markdown(store_markdown(stats), elem_id="kvb-store")
     ui.store_plot = gr.Plot(store_figure(stats), show_label=False, elem_id="kvb-plot-store")
+    server = server_view(state, stats)   # shown only when the store is a cache server's (KVB_STORE_URL)
+    with gr.Column(visible=server.shown, elem_id="kvb-server-panel") as ui.server_box:
+        ui.server_md = gr.Markdown(server.summary, elem_id="kvb-server")
+        ui.page_map_plot = gr.Plot(server.page_map, show_label=False, elem_id="kvb-plot-pages")
+        ui.events_md = gr.Markdown(server.events, elem_id="kvb-server-events")
     tiers = store_tier_names(state)   # the store's own tiers, fastest first (none before Connect)
     with gr.Row():
         ui.refresh_btn = gr.Button("Refresh")
@@ -181,7 +190,8 @@ def _store_panel(ui: SimpleNamespace, state: AppState) -> None:
 def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
     """Connect clicks to handlers. Engine-using events run one at a time on Gradio's worker threads."""
     field_inputs = [ui.inputs[name] for name in ui.fields]
-    store_outputs = [ui.store_md, ui.store_plot, ui.tier_choice]
+    store_outputs = [ui.store_md, ui.store_plot, ui.tier_choice, ui.server_box, ui.server_md, ui.page_map_plot,
+                     ui.events_md]
     results_outputs = [ui.status, ui.run_msg, ui.summary, ui.speedup_plot, ui.summary_plot, ui.ttft_plot,
                        ui.hits_plot, ui.shadow_plot, ui.table, *store_outputs]
 
@@ -190,7 +200,7 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
         tiers = store_tier_names(state)
         choice = gr.update(choices=tiers, value=tiers[0] if tiers else None) if choose_first_tier \
             else gr.update(choices=tiers)
-        return [store_markdown(stats), store_figure(stats), choice]
+        return [store_markdown(stats), store_figure(stats), choice, *_server_values(server_view(state, stats))]
 
     def results_values(view: ResultsView) -> list[Any]:
         figs = view.figures
@@ -268,6 +278,12 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
 
     # a reload (or a second tab) shows the server's current engine and results
     demo.load(lambda: results_values(results_view(state)), None, results_outputs)
+
+
+def _server_values(view: ServerView) -> list[Any]:
+    """The cache-server section's outputs: its visibility, then summary, page map, event log."""
+    return [gr.update(visible=view.shown), view.summary, view.page_map if view.shown else gr.update(),
+            view.events]
 
 
 def _field_input(name: str, value: Any, visible: bool) -> gr.components.Component:
