@@ -328,12 +328,12 @@ def page_map_figure(page_map: bytes | None, level: str = "", page_bytes: int = 0
     fig = _base_layout(fig, f"{title}: {n_pages} pages{size}{cell}",
                        xaxis={"visible": False, "range": [-0.5, columns - 0.5]},
                        yaxis={"visible": False, "autorange": "reversed"})
-    if level:
-        fig.add_annotation(text=f"<b>pressure {level}</b>", showarrow=False, xref="paper", yref="paper", x=0,
-                           y=-0.02, xanchor="left", yanchor="top", bgcolor=PRESSURE_COLORS.get(level, "#475569"),
+    if level:   # top right, opposite the title: the first thing to read after it
+        fig.add_annotation(text=f"<b>pressure {level}</b>", showarrow=False, xref="paper", yref="paper", x=1,
+                           y=1.02, xanchor="right", yanchor="bottom", bgcolor=PRESSURE_COLORS.get(level, "#475569"),
                            font={"color": "white", "size": 12}, borderpad=4)
-    fig.update_layout(height=min(460, max(200, 130 + 14 * rows)), margin={"l": 20, "r": 20, "t": 80, "b": 40},
-                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "left", "x": 0})
+    fig.update_layout(height=min(480, max(220, 150 + 14 * rows)), margin={"l": 20, "r": 20, "t": 60, "b": 60},
+                      legend={"orientation": "h", "yanchor": "top", "y": -0.02, "xanchor": "left", "x": 0})
     return fig
 
 
