@@ -220,13 +220,16 @@ def test_a_full_queue_drops_and_counts_without_blocking_the_store(monkeypatch):
     """No publisher draining (no ZMQ server yet): the listener must still return at once."""
     monkeypatch.setattr(kv_events, "QUEUE_CAPACITY", 2)
     listeners = []
-    module = kv_events.KvEventsModule(SimpleNamespace(store=SimpleNamespace(add_listener=listeners.append)))
+    store = SimpleNamespace(add_listener=listeners.append, remove_listener=listeners.remove)
+    module = kv_events.KvEventsModule(SimpleNamespace(store=store))
     started = time.monotonic()
     for i in range(5):
         listeners[0]("stored", key(i), "L1", 10)
     assert time.monotonic() - started < 1
     status = module.report_status()
     assert (status["dropped"], status["last_seq"], status["queued"]) == (3, 5, 2)
+    listener = listeners[0]
     module.close()
-    listeners[0]("stored", key(9), "L1", 10)   # after close: ignored, not counted
+    assert listeners == [], "the module left its listener on the store"
+    listener("stored", key(9), "L1", 10)   # a call already under way at close: ignored, not counted
     assert module.report_status()["last_seq"] == 5

@@ -79,6 +79,11 @@ class ServerStore:
         """
         self._listeners.append(listener)
 
+    def remove_listener(self, listener) -> None:
+        """Stop calling `listener` (a module that closes removes its own)."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
     def _emit(self, event: str, key: bytes, tier: str, size: int) -> None:
         for listener in self._listeners:
             try:

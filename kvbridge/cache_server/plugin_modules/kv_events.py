@@ -105,7 +105,6 @@ class KvEventsModule(DiscoverableModule):
         self._accepting = True
         self._socket = None
         self._publisher: threading.Thread | None = None
-        # ServerStore has no remove_listener: after quiesce() the listener stays and does nothing
         context.store.add_listener(self._on_store_event)
 
     @classmethod
@@ -204,6 +203,7 @@ class KvEventsModule(DiscoverableModule):
         """Stop taking events, publish what is queued, stop the publisher."""
         with self._lock:
             self._accepting = False
+        self.context.store.remove_listener(self._on_store_event)
         if self._publisher is not None and self._publisher.is_alive():
             try:
                 self._queue.put(_STOP, timeout=5)   # behind every queued event: they are published first
