@@ -24,8 +24,10 @@ ALLOWED = {
     "kvbridge.backends": {"kvbridge.errors", "kvbridge.settings", "kvbridge.formats"},
     "kvbridge.engine": {"kvbridge.errors", "kvbridge.settings", "kvbridge.formats", "kvbridge.store",
                         "kvbridge.backends.base", "kvbridge.backends.registry"},
+    # the cache server sits beside the engine: it holds tiers (store) and never touches an engine
+    "kvbridge.cache_server": {"kvbridge.errors", "kvbridge.settings", "kvbridge.store"},
     "kvbridge.bench": {"kvbridge.errors", "kvbridge.settings", "kvbridge.engine", "kvbridge.store",
-                       "kvbridge.backends", "kvbridge.formats"},
+                       "kvbridge.backends", "kvbridge.formats", "kvbridge.cache_server"},
 }
 
 
@@ -161,6 +163,13 @@ def run_python(code: str) -> str:
                          timeout=120)
     assert run.returncode == 0, run.stderr
     return run.stdout.strip()
+
+
+def test_the_embedded_store_loads_no_cache_server_code():
+    """With KVB_STORE_URL unset nothing changes: importing and using the engine core loads no ZMQ client."""
+    code = ("import sys; from kvbridge.engine.cached_engine import CachedEngine, open_store\n"
+            "print(','.join(sorted(m for m in sys.modules if m.startswith('kvbridge.cache_server') or m == 'zmq')))")
+    assert run_python(code) == ""
 
 
 def test_the_engine_core_loads_no_adapter():
