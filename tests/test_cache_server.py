@@ -369,3 +369,17 @@ def test_a_cache_server_and_an_embedded_store_never_share_an_l2_directory(settin
             CacheServer(other, url=local_url())
     finally:
         embedded.close()
+
+
+def test_the_plugin_example_in_the_docs_runs(settings, tmp_path, monkeypatch):
+    """Docs/CacheServer.md's module example, loaded by module_path into a real server and called as shown."""
+    doc = (PROJECT / "Docs" / "CacheServer.md").read_text()
+    module_code, call_code = [block.split("```")[0] for block in doc.split("```python\n")[1:3]]
+    (tmp_path / "doc_example_plugin.py").write_text(module_code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with running_server(settings, [{"module_path": "doc_example_plugin", "config": {"prefix": "> "}}]) as srv:
+        scope: dict = {}
+        exec(call_code.replace("tcp://127.0.0.1:5555", srv.url), scope)
+        assert scope["response"].payload == b"> hi"
+        assert scope["client"].status()["my_package"] == {"prefix": "> "}
+        scope["client"].close()
