@@ -383,3 +383,14 @@ def test_the_plugin_example_in_the_docs_runs(settings, tmp_path, monkeypatch):
         assert scope["response"].payload == b"> hi"
         assert scope["client"].status()["my_package"] == {"prefix": "> "}
         scope["client"].close()
+
+
+def test_modules_from_the_setting_come_first_then_the_flags(settings):
+    from kvbridge.cache_server.cli import module_specs
+    from kvbridge.cache_server.module import ModuleStartupError
+
+    configured = settings.replace(cache_server_modules='[{"module_path": "a.first", "config": {"n": 1}}]')
+    specs = module_specs(configured, ['{"module_path": "b.second"}', '[{"module_path": "c.third"}]'])
+    assert [(s.module_path, s.config) for s in specs] == [("a.first", {"n": 1}), ("b.second", {}), ("c.third", {})]
+    with pytest.raises(ModuleStartupError, match="KVB_CACHE_SERVER_MODULES"):
+        module_specs(settings.replace(cache_server_modules='{"module_path": "x.y", "config": [1]}'), [])

@@ -104,7 +104,7 @@ class Segment:
             path.unlink(missing_ok=True)
             raise SegmentUnavailable(
                 f"cannot reserve {size / 2**20:.1f} MiB for the shared-memory segment {path}: "
-                f"{exc.strerror or exc}. Free space in {directory} or lower the L1 size.") from None
+                f"{exc.strerror or exc}. Free space in {directory} or lower KVB_L1_BYTES (the cache server's pool size).") from None
         os.close(fd)  # the mapping keeps its own reference to the file
         nonce = secrets.token_bytes(NONCE_BYTES)
         mapping[:_HEADER.size] = _HEADER.pack(MAGIC, FORMAT_VERSION, page_bytes, n_pages, nonce, os.getpid())
