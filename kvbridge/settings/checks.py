@@ -124,7 +124,7 @@ def _cache_server_problems(s: Settings) -> list[str]:
             problems.append(message)
     if s.cache_server_token_env and not s.cache_server_token_env.replace("_", "").isalnum():
         problems.append(f"KVB_CACHE_SERVER_TOKEN_ENV={s.cache_server_token_env!r} must be the NAME of an environment "
-                        "variable (like KVB_CACHE_TOKEN), not the secret itself")
+                        "variable (like CACHE_SERVER_SECRET), not the secret itself")
     return problems
 
 
