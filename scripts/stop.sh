@@ -12,6 +12,18 @@ is_kvbridge() {  # the process with this PID runs KVBridge (not some later proce
 }
 
 
+# The cache server is not stopped here: it has a life of its own (scripts/cache_server.sh) and other
+# engine processes may be using it. Say so once, whatever happened to the GUI.
+note_cache_server() {
+    local pid
+    pid="$(sed -n 1p "$REPO_ROOT/.kvbridge-cache-server.pid" 2>/dev/null || true)"
+    if [[ "$pid" =~ ^[0-9]+$ && -r "/proc/$pid/cmdline" ]] &&
+        tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- "-m kvbridge cache-server"; then
+        echo "note: the cache server (pid $pid) keeps running; scripts/cache_server.sh stop stops it."
+    fi
+}
+trap note_cache_server EXIT
+
 timeout_s=30
 while [[ $# -gt 0 ]]; do
     case "$1" in
