@@ -394,3 +394,12 @@ def test_modules_from_the_setting_come_first_then_the_flags(settings):
     assert [(s.module_path, s.config) for s in specs] == [("a.first", {"n": 1}), ("b.second", {}), ("c.third", {})]
     with pytest.raises(ModuleStartupError, match="KVB_CACHE_SERVER_MODULES"):
         module_specs(settings.replace(cache_server_modules='{"module_path": "x.y", "config": [1]}'), [])
+
+
+def test_an_address_in_use_is_a_clear_startup_error(settings, server):
+    second = CacheServer(settings.replace(l2_dir=str(settings.l2_dir) + "-second"), url=server.url)
+    try:
+        with pytest.raises(BadSettings, match="cannot listen on .*--url"):
+            second.bind()
+    finally:
+        second.close()

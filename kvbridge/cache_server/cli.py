@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import signal
 import sys
 
@@ -39,7 +40,7 @@ def run(settings: Settings, url: str | None, flags: list[str], metrics_port: int
     try:
         server.bind()
         previous = {sig: signal.signal(sig, lambda signum, frame: server.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
-        print(f"cache server ready on {server.url} (pid {__import__('os').getpid()})", flush=True)
+        print(f"cache server ready on {server.url} (pid {os.getpid()})", flush=True)
         try:
             server.serve_forever()
         finally:

@@ -38,6 +38,7 @@ from kvbridge.cache_server.calls import Answer, Call, ClientInfo, RequestFailed
 from kvbridge.cache_server.context import ServerContext
 from kvbridge.cache_server.module import ComposedModules, ModuleSpec, compose
 from kvbridge.cache_server.protocol import Code, Kind
+from kvbridge.errors import BadSettings
 from kvbridge.settings import Settings
 
 log = logging.getLogger("kvbridge.cache_server")
@@ -146,16 +147,20 @@ class CacheServer:
         """Bind the ROUTER (ipc sockets mode 0600), then let modules register their own services."""
         if self._bound:
             return self.url
-        if self.url.startswith("ipc://"):
-            path = Path(self.url[len("ipc://"):])
-            old = os.umask(0o177)
-            try:
+        try:
+            if self.url.startswith("ipc://"):
+                path = Path(self.url[len("ipc://"):])
+                old = os.umask(0o177)
+                try:
+                    self._router.bind(self.url)
+                finally:
+                    os.umask(old)
+                os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+            else:
                 self._router.bind(self.url)
-            finally:
-                os.umask(old)
-            os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
-        else:
-            self._router.bind(self.url)
+        except zmq.ZMQError as exc:
+            raise BadSettings(f"the cache server cannot listen on {self.url}: {exc} (another cache server there? "
+                              "choose another address with --url or KVB_CACHE_SERVER_URL)") from None
         self._bound = True
         self.modules.register_zmq_services(self)
         log.info("cache server %s listening on %s (L1 %s, tiers %s)", self.server_id[:8], self.url,
