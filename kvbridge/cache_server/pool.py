@@ -6,8 +6,8 @@ acquire_read (the object is pinned, most recently used) -> the client copies out
 object per key, shared by every prompt with that prefix; what the server does not hold in L1 it
 demotes through `on_evict` (to disk) before the pages are reused.
 
-Pages: a free list that prefers one contiguous run (best fit) so a reader gets a zero-copy view, and
-scatters only when no run is long enough. Every committed object gets a fresh generation, written
+Pages (kvbridge.cache_server.pages): a free list that prefers one contiguous run (best fit) so a
+reader gets a zero-copy view, and scatters only when no run is long enough. Every committed object gets a fresh generation, written
 into its pages' generation slots and zeroed when the pages are freed, so a client whose copy raced a
 reuse sees the mismatch and counts a miss instead of restoring wrong data.
 
@@ -25,7 +25,6 @@ re-formed as objects are evicted) and any knowledge of the wire protocol.
 """
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import threading
@@ -36,44 +35,14 @@ from typing import Callable
 
 import numpy as np
 
+from kvbridge.cache_server.pages import (FREE, LEASED_OBJECT, OBJECT, PENDING, QUARANTINED, PageTable, PressureLevel,
+                                         Watermarks)
 from kvbridge.cache_server.shm import Segment
 from kvbridge.store.objects import ObjectMeta, check_key
 
 log = logging.getLogger(__name__)
 
-# page states, as page_map() reports them (the GUI draws these)
-FREE, OBJECT, LEASED_OBJECT, PENDING, QUARANTINED = 0, 1, 2, 3, 4
 REFUSALS = ("exists", "too_large", "pressure", "no_space")
-
-
-class PressureLevel(enum.IntEnum):
-    OK = 0
-    SOFT = 1
-    HARD = 2
-    CRITICAL = 3
-
-
-@dataclass(frozen=True)
-class Watermarks:
-    """Fractions of pages that are FREE; below each one the pool is under that pressure."""
-
-    soft_free: float = 0.20
-    hard_free: float = 0.10
-    critical_free: float = 0.05
-    target_free: float = 0.30   # what evict_to_target restores
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.critical_free <= self.hard_free <= self.soft_free <= self.target_free <= 1:
-            raise ValueError(f"watermarks must satisfy 0 <= critical <= hard <= soft <= target <= 1, got {self}")
-
-    def level(self, free_ratio: float) -> PressureLevel:
-        if free_ratio < self.critical_free:
-            return PressureLevel.CRITICAL
-        if free_ratio < self.hard_free:
-            return PressureLevel.HARD
-        if free_ratio < self.soft_free:
-            return PressureLevel.SOFT
-        return PressureLevel.OK
 
 
 class StoreRefused(Exception):
@@ -158,8 +127,7 @@ class PagedPool:
         self._clock = clock
         self._lock = threading.Lock()
         self._total = segment.n_pages
-        self._state = np.zeros(self._total, dtype=np.uint8)        # FREE / OBJECT / PENDING / QUARANTINED
-        self._zombie_holds = np.zeros(self._total, dtype=np.int64)  # zombie leases still naming each page
+        self._pages = PageTable(self._total)
         self._objects: OrderedDict[bytes, _Object] = OrderedDict()  # least recently used first
         self._leases: dict[int, _Lease] = {}
         self._lease_ids = itertools.count(1)
@@ -226,10 +194,10 @@ class PagedPool:
                 self._refuse("pressure", f"the pool is at {level.name}; priority {priority} < {self.hard_min_priority}")
             if level == PressureLevel.CRITICAL:
                 self._revoke_writes_below(priority)
-            pages = self._allocate(n)
+            pages = self._pages.allocate(n)
             if pages is None:
                 self._refuse("no_space", f"{n} pages wanted, {self._free_count()} free; the rest is leased")
-            self._state[pages] = PENDING
+            self._pages.mark(pages, PENDING)
             self._generation += 1
             lease = self._new_lease(client_id, True, key, pages, size, self._generation, priority, meta)
             return WriteLease(lease.lease_id, key, tuple(pages), size, lease.generation)
@@ -247,7 +215,7 @@ class PagedPool:
                 self._free_pages(lease.pages)
                 return True
             assert lease.meta is not None
-            self._state[lease.pages] = OBJECT
+            self._pages.mark(lease.pages, OBJECT)
             self.segment.set_generation(lease.pages, lease.generation)
             self._objects[lease.key] = _Object(lease.pages, lease.size, lease.meta, lease.generation)
             self._bytes_used += lease.size
@@ -319,7 +287,7 @@ class PagedPool:
     def stats(self) -> dict:
         with self._lock:
             live = [lease for lease in self._leases.values() if not lease.zombie]
-            pages = np.bincount(self._state, minlength=QUARANTINED + 1).tolist()
+            pages = self._pages.counts()
             free = pages[FREE]
             return {
                 "total_pages": self._total, "free_pages": free, "object_pages": pages[OBJECT],
@@ -341,7 +309,7 @@ class PagedPool:
     def page_map(self) -> bytes:
         """One byte per page: 0 free, 1 object, 2 object with a live lease, 3 pending write, 4 quarantined."""
         with self._lock:
-            pages = self._state.copy()
+            pages = self._pages.state.copy()
             for obj in self._objects.values():
                 if obj.readers:
                     pages[obj.pages] = LEASED_OBJECT
@@ -369,23 +337,23 @@ class PagedPool:
                     readers[lease.key] += 1
             shared = sorted(page for page, count in owners.items() if count > 1)
             assert not shared, f"pages in two places: {shared}"
-            assert np.array_equal(holds, self._zombie_holds), "zombie holds differ from the zombie leases"
+            assert np.array_equal(holds, self._pages.holds), "zombie holds differ from the zombie leases"
             expected[(expected == FREE) & (holds > 0)] = QUARANTINED
-            wrong = np.flatnonzero(expected != self._state).tolist()
+            wrong = np.flatnonzero(expected != self._pages.state).tolist()
             assert not wrong, f"page states differ at {wrong[:20]}: " \
-                              f"{self._state[wrong[:20]].tolist()} != {expected[wrong[:20]].tolist()}"
-            counts = [int(np.count_nonzero(self._state == s)) for s in (OBJECT, PENDING, QUARANTINED, FREE)]
+                              f"{self._pages.state[wrong[:20]].tolist()} != {expected[wrong[:20]].tolist()}"
+            counts = [int(np.count_nonzero(self._pages.state == s)) for s in (OBJECT, PENDING, QUARANTINED, FREE)]
             assert sum(counts) == self._total, f"object+pending+quarantined+free = {counts} != {self._total}"
             for key, obj in self._objects.items():
                 assert obj.readers == readers[key], f"{key.hex()[:16]}: refcount {obj.readers} != {readers[key]} leases"
                 assert self.segment.generation_ok(obj.pages, obj.generation), f"{key.hex()[:16]}: generation slots"
-            free = np.flatnonzero(self._state == FREE).tolist()
+            free = np.flatnonzero(self._pages.state == FREE).tolist()
             assert not free or self.segment.generation_ok(free, 0), "a free page carries a generation"
             assert self._bytes_used == sum(obj.size for obj in self._objects.values()), "bytes_used drifted"
 
     # -- inside the lock ---------------------------------------------------------------------------
     def _free_count(self) -> int:
-        return int(np.count_nonzero(self._state == FREE))
+        return self._pages.count(FREE)
 
     def _level(self) -> PressureLevel:
         return self.watermarks.level(self._free_count() / self._total)
@@ -409,32 +377,10 @@ class PagedPool:
             raise LeaseNotOwned(f"lease {lease_id} belongs to another client, not {client_id!r}")
         return lease
 
-    def _allocate(self, n: int) -> list[int] | None:
-        """n free pages: the shortest free run that holds them all (lowest first on a tie), else pieces of runs."""
-        free = np.flatnonzero(self._state == FREE)
-        if len(free) < n:
-            return None
-        breaks = np.flatnonzero(np.diff(free) != 1) + 1
-        starts = np.concatenate(([0], breaks))
-        lengths = np.diff(np.concatenate((starts, [len(free)])))
-        fitting = np.flatnonzero(lengths >= n)
-        if fitting.size:
-            best = fitting[np.argmin(lengths[fitting])]
-            first = int(free[starts[best]])
-            return list(range(first, first + n))
-        # Scatter from the shortest runs up, so the long runs stay whole for later zero-copy objects.
-        pages: list[int] = []
-        for run in np.argsort(lengths, kind="stable"):
-            pages += free[starts[run]:starts[run] + lengths[run]][:n - len(pages)].tolist()
-            if len(pages) == n:
-                return pages
-        raise AssertionError("free pages counted but not found")
-
     def _free_pages(self, pages: list[int]) -> None:
         """Pages leave an object or a write: free, or quarantined while a zombie lease still names them."""
         self.segment.set_generation(pages, 0)
-        held = self._zombie_holds[pages] > 0
-        self._state[pages] = np.where(held, QUARANTINED, FREE)
+        self._pages.release(pages)
 
     def _drop_object(self, key: bytes) -> None:
         obj = self._objects.pop(key)
@@ -472,18 +418,14 @@ class PagedPool:
     def _make_zombie(self, lease: _Lease) -> None:
         """A revoked or expired lease: its client may still touch the pages, so they stay out of reuse."""
         lease.zombie = True
-        np.add.at(self._zombie_holds, lease.pages, 1)
-        if lease.writing:
-            self._state[lease.pages] = QUARANTINED
-        else:
+        self._pages.hold(lease.pages, quarantine=lease.writing)
+        if not lease.writing:
             self._objects[lease.key].readers -= 1   # evictable again; eviction then quarantines its pages
 
     def _end_lease(self, lease: _Lease) -> None:
         del self._leases[lease.lease_id]
         if lease.zombie:
-            np.add.at(self._zombie_holds, lease.pages, -1)
-            released = [p for p in lease.pages if self._zombie_holds[p] == 0 and self._state[p] == QUARANTINED]
-            self._state[released] = FREE
+            self._pages.unhold(lease.pages)
         elif lease.writing:
             self._free_pages(lease.pages)
         else:
@@ -500,7 +442,7 @@ class PagedPool:
                           if lease.writing and not lease.zombie and lease.priority < priority),
                          key=lambda lease: (lease.priority, lease.started, lease.lease_id))
         for lease in victims:
-            returning = self._free_count() + int(np.count_nonzero(self._state == QUARANTINED))
+            returning = self._free_count() + self._pages.count(QUARANTINED)
             if self.watermarks.level(returning / self._total) < PressureLevel.CRITICAL:
                 break
             self._make_zombie(lease)
