@@ -5,7 +5,7 @@
 
 Modules, in reading order: protocol (every wire message), calls (what a handler gets and returns),
 module + compose (DiscoverableModule, the plugin contract, composition by dependency graph),
-shm + pool (the shared-memory segment and the paged L1 with leases and pressure levels),
+shm + pages + pool (the shared-memory segment; page states and watermarks; the paged L1 with leases),
 server_store (L1 in front of the ordinary L2 tiers, the background disk writer), server (the
 ROUTER loop), modules/ (the built-ins: lookup, storage, management, metrics), plugin_modules/
 (opt-in: kv_events), client (CacheClient), remote_store (the store interface CachedEngine uses),
