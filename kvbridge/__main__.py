@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -16,7 +17,9 @@ COMMANDS = {
     "demo": "run a short Document Q&A in cold and lmcache modes and print what happened",
     "bench": "run a scenario headless in several modes; print a table and summary; write CSV/JSON/HTML to output/",
     "bench-store": "hashing and L1/L2 throughput against plain memory and file copies",
-    "bench-restore": "restore of a 2k-token prefix (lookup+fetch+assemble+set) against a plain memory copy",
+    "bench-restore": "restore of a 2k-token prefix (lookup+fetch+assemble+set) against a plain memory copy, "
+                     "and through a private cache server",
+    "bench-cache-server": "a private cache server: a store call against a memory copy, memory above the pool, idle CPU",
     "cache-server": "run the cache server (ZMQ + shared memory) that engines share when KVB_STORE_URL points at it",
     "namespace": "start the configured engine and print its namespace (what its stored KV is keyed under)",
     "engines": "list the engines in the registry",
@@ -104,14 +107,57 @@ def cmd_bench_restore(args) -> int:
     from kvbridge.bench.report import bench_restore
 
     settings = _settings(args)
+    if not args.no_cache_server:
+        return _bench_restore_with_server(settings, args)
     with tempfile.TemporaryDirectory(prefix="kvb-bench-l2-") as l2:
         with _make_engine(settings, l2) as engine:
-            if engine.backend.kv_mode != "full" or engine.geometry is None:
-                raise KVBridgeError("bench-restore needs a full-KV engine with a chunked layout (llamacpp, llama-server).")
+            _check_restore_engine(engine)
             r = bench_restore(engine, prompt_tokens=args.tokens, repeats=args.repeats)
     print(f"restore of {r['restored_tokens']} tokens ({r['state_bytes'] / 1e6:.1f} MB): "
           f"{r['restore_ms']:.1f} ms (lookup+fetch+assemble+set), plain memory copy {r['memcpy_ms']:.1f} ms, "
           f"ratio {r['ratio']:.2f}x (target <= 3x)")
+    return 0
+
+
+def _check_restore_engine(engine) -> None:
+    if engine.backend.kv_mode != "full" or engine.geometry is None:
+        raise KVBridgeError("bench-restore needs a full-KV engine with a chunked layout (llamacpp, llama-server).")
+
+
+def _bench_restore_with_server(settings: Settings, args) -> int:
+    """The embedded restore, the same restore through a private cache server's shared memory, and its
+    objects as inline bytes over loopback TCP, all in one run on one loaded model."""
+    from contextlib import closing
+
+    from kvbridge.bench.cache_server_bench import bench_inline_vs_socket, bench_restore_through_server
+    from kvbridge.bench.private_server import bench_client, private_cache_server
+    from kvbridge.cache_server.remote_store import RemoteStore
+
+    with tempfile.TemporaryDirectory(prefix="kvb-bench-l2-") as l2, private_cache_server(settings) as server:
+        with _make_engine(settings, l2) as engine:
+            _check_restore_engine(engine)
+            with closing(RemoteStore.from_settings(server.engine_settings)) as remote:
+                r = bench_restore_through_server(engine, remote, prompt_tokens=args.tokens, repeats=args.repeats)
+            with bench_client(server, use_shm=False) as inline_client:
+                i = bench_inline_vs_socket(inline_client, r["keys"], engine.namespace, repeats=args.repeats)
+    print(f"restore of {r['restored_tokens']} tokens ({r['state_bytes'] / 1e6:.1f} MB, {r['objects']} objects), "
+          f"medians of {args.repeats}, interleaved:")
+    print(f"  embedded store        {r['embedded_ms']:7.1f} ms (lookup+fetch+assemble+set), plain memory copy "
+          f"{r['memcpy_ms']:.1f} ms, ratio {r['embedded_vs_copy']:.2f}x (target <= 3x)")
+    print(f"  cache server, shm     {r['server_shm_ms']:7.1f} ms ({r['server_restored_tokens']} tokens from "
+          f"{r['server_tier']}), {r['server_vs_embedded']:.2f}x the embedded restore (target <= 1.5x)")
+    print(f"  inline over TCP       {i['inline_ms']:7.1f} ms to retrieve the {i['objects']} objects "
+          f"({i['bytes'] / 1e6:.1f} MB), plain loopback socket {i['socket_ms']:.1f} ms, ratio "
+          f"{i['inline_vs_socket']:.2f}x (target <= 3x)")
+    return 0
+
+
+def cmd_bench_cache_server(args) -> int:
+    from kvbridge.bench.cache_server_bench import format_bench_cache_server, run_bench_cache_server
+
+    settings = _settings(args)
+    print(format_bench_cache_server(run_bench_cache_server(
+        settings, object_mb=args.object_mb, repeats=args.repeats, fill=args.fill, idle_s=args.idle_s)))
     return 0
 
 
@@ -125,12 +171,9 @@ def _progress(done: int, total: int, what: str) -> None:
 
 
 def cmd_bench(args) -> int:
-    from kvbridge.bench.long_context import format_rows, length_rows, parse_lengths
-    from kvbridge.bench.report import format_summary, format_table, summarize
-    from kvbridge.bench.runner import parse_modes, run_scenario
+    from kvbridge.bench.long_context import parse_lengths
+    from kvbridge.bench.runner import parse_modes
     from kvbridge.bench.scenarios import ScenarioOptions, get_scenario
-    from kvbridge.gui.charts import run_figures
-    from kvbridge.gui.export import export_run
 
     settings = _settings(args)
     modes = parse_modes(args.modes)
@@ -142,6 +185,24 @@ def cmd_bench(args) -> int:
         if needed > settings.ctx_size:
             print(f"context raised from {settings.ctx_size} to {needed} tokens for this run")
             settings = settings.replace(ctx_size=needed)
+    with contextlib.ExitStack() as stack:
+        if args.cache_server:
+            from kvbridge.bench.private_server import private_cache_server
+
+            server = stack.enter_context(private_cache_server(settings))
+            settings = server.engine_settings
+            print(f"through a private cache server on {server.url} (pid {server.pid}, L1 "
+                  f"{server.pool_bytes / 2**20:.0f} MiB, L2 in a temp dir; stopped after the run)")
+        return _bench_run(args, settings, modes, lengths)
+
+
+def _bench_run(args, settings: Settings, modes: list[str], lengths) -> int:
+    from kvbridge.bench.long_context import format_rows, length_rows
+    from kvbridge.bench.report import format_summary, format_table, summarize
+    from kvbridge.bench.runner import run_scenario
+    from kvbridge.gui.charts import run_figures
+    from kvbridge.gui.export import export_run
+
     with tempfile.TemporaryDirectory(prefix="kvb-bench-l2-") as fresh_l2:
         # A fresh store by default: the first lmcache request is a real miss, and nothing of the user's is touched.
         engine = _make_engine(settings, None if args.keep_store else fresh_l2)
@@ -164,7 +225,8 @@ def cmd_bench(args) -> int:
         paths = export_run(records, settings.output_dir, figures=run_figures(records, stats), meta={
             "command": "bench", "scenario": args.scenario, "modes": modes, "engine": status["engine"],
             "namespace": status["namespace"], "chunk_size": settings.chunk_size, "ctx_size": settings.ctx_size,
-            "n_predict": settings.n_predict, "summary": summary, "store": stats})
+            "n_predict": settings.n_predict, "summary": summary, "store": stats,
+            "cache_server": settings.store_url or None})
         print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 1 if any(r.error for r in records) else 0
 
@@ -218,9 +280,22 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--document", help="a text file to use as the document")
             p.add_argument("--keep-store", action="store_true",
                            help="use the configured L2 (KVB_L2_DIR) instead of a fresh temporary store")
+            p.add_argument("--cache-server", action="store_true",
+                           help="run through a private cache server (a child process on a free loopback port, "
+                                "L1 = KVB_L1_BYTES, L2 in a temp dir), stopped after the run")
         if name == "bench-restore":
             p.add_argument("--tokens", type=int, default=2048, help="prefix length to restore (default 2048)")
             p.add_argument("--repeats", type=int, default=7, help="runs (median is shown)")
+            p.add_argument("--no-cache-server", action="store_true",
+                           help="the embedded store only (no private cache server, no server rows)")
+        if name == "bench-cache-server":
+            p.add_argument("--object-mb", type=float, default=6.0,
+                           help="object size in MB for the store call (default 6: one 256-token chunk of SmolLM2)")
+            p.add_argument("--repeats", type=int, default=15, help="store calls and copies, alternated (medians)")
+            p.add_argument("--fill", type=float, default=0.7,
+                           help="fill the pool to this fraction before reading the memory (default 0.7, below eviction)")
+            p.add_argument("--idle-s", dest="idle_s", type=float, default=20.0,
+                           help="seconds the server is watched idle with 2 clients (default 20)")
         if name == "cache-server":
             p.add_argument("--url", help="where to listen: tcp://HOST:PORT or ipc:///path "
                                          "(default: KVB_CACHE_SERVER_URL, else tcp://127.0.0.1:5555)")

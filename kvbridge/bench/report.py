@@ -108,6 +108,25 @@ def plain_copy_ms(source) -> float:
     return elapsed
 
 
+def stored_prefix(engine, prompt_tokens: int = 2048):
+    """Store a `prompt_tokens`-token prefix of the built-in document; (record, tokens, hashes) of it.
+
+    The engine still holds the prompt afterwards, so a caller can save its state again (bench-restore
+    stores the same cells through a cache server as well).
+    """
+    from kvbridge.bench.scenarios import builtin_document
+
+    backend = engine.backend
+    tokens = backend.tokenize(builtin_document())
+    while len(tokens) < prompt_tokens + 1:
+        tokens = tokens + tokens
+    tokens = tokens[: prompt_tokens + 1]
+    record = engine.infer(backend.detokenize(tokens), mode="lmcache", n_predict=1)  # stores the prefix
+    prompt = engine.prepare(backend.detokenize(tokens))
+    tokens = list(prompt.tokens)
+    return record, tokens, engine.hasher.chunk_hashes(tokens)
+
+
 def bench_restore(engine, prompt_tokens: int = 2048, repeats: int = 7) -> dict:
     """Restore of a stored prefix (lookup + fetch + assemble + set) against a plain copy of the same bytes.
 
@@ -117,18 +136,8 @@ def bench_restore(engine, prompt_tokens: int = 2048, repeats: int = 7) -> dict:
 
     import numpy as np
 
-    from kvbridge.bench.scenarios import builtin_document
-
     backend = engine.backend
-    text = builtin_document()
-    tokens = backend.tokenize(text)
-    while len(tokens) < prompt_tokens + 1:
-        tokens = tokens + tokens
-    tokens = tokens[: prompt_tokens + 1]
-    record = engine.infer(backend.detokenize(tokens), mode="lmcache", n_predict=1)  # stores the prefix
-    prompt = engine.prepare(backend.detokenize(tokens))
-    tokens = list(prompt.tokens)
-    hashes = engine.hasher.chunk_hashes(tokens)
+    record, tokens, hashes = stored_prefix(engine, prompt_tokens)
     restore_ms, copy_ms, state_bytes = [], [], 0
     for _ in range(repeats):
         t = time.perf_counter()
