@@ -136,6 +136,7 @@ def test_store_and_retrieve_return_the_same_bytes(server, use_shm):
         assert client.intact(found)
         client.release([found])
         assert client.retrieve(b"k" * 16, "other-namespace") is None
+        client.flush()   # after the release (same client); the disk writer's own lease is done too
     stats = server.store.pool.stats()
     assert stats["read_leases"] == 0 and stats["write_leases"] == 0
 
@@ -144,7 +145,7 @@ def test_l1_is_written_through_to_l2_and_an_l2_hit_is_promoted(server):
     blob = blob_of(100_000, 5)
     with CacheClient(server.url, timeout_s=5) as client:
         client.store(b"w" * 16, blob, META)
-        assert server.store.drain(10)
+        client.flush()   # after the store's commit (same client), and waits for the L2 writer
         client.clear("L1")
         assert client.lookup([b"w" * 16], "ns").tiers == ["L2"]
         found = client.retrieve(b"w" * 16, "ns")
@@ -159,6 +160,7 @@ def test_a_torn_copy_is_detected_by_the_generation_check(server):
         client.store(b"t" * 16, blob_of(70_000), META)
         found = client.retrieve(b"t" * 16, "ns")
         assert client.intact(found)
+        client.flush()   # the disk writer's lease on the object is over
         server.store.pool.drop_client(client.instance_id)        # as the reaper would
         server.store.clear("L1")
         client.store(b"u" * 16, blob_of((4 << 20) - 200_000, 7), META)   # refills the freed pages
@@ -191,6 +193,7 @@ def test_bad_input_is_a_counted_error_reply_and_the_server_keeps_serving(server,
 def test_a_lease_another_client_owns_is_refused_and_left_alone(server):
     with CacheClient(server.url, timeout_s=5) as owner, CacheClient(server.url, timeout_s=5) as thief:
         owner.store(b"l" * 16, blob_of(10_000), META)
+        owner.flush()   # the disk writer's own lease on it is over
         found = owner.retrieve(b"l" * 16, "ns")
         with pytest.raises(CacheServerError) as refused:
             thief._call(Kind.RELEASE, protocol.Release([found.lease_id]), None)

@@ -40,6 +40,7 @@ log = logging.getLogger("kvbridge.cache_server.client")
 DOWN_BACKOFF_S = 1.0     # after a timeout, calls fail at once for this long before trying again
 CONNECT_GRACE_S = 1.0    # a message waits this long for a connection before its call fails
 CONNECT_RETRY_MS = 20
+CLOSE_SETTLE_S = 2.0     # close() waits at most this long for answers still due (a store's commit)
 
 
 class CacheServerUnavailable(StoreFault):
@@ -147,12 +148,26 @@ class CacheClient:
         segment = self._segment
         reply, data = self._call(Kind.RETRIEVE, protocol.Retrieve(key, namespace, segment is not None),
                                  protocol.RetrieveReply, with_data=True)
+        return self._received(reply, data[0] if data else b"", segment, zero_copy)
+
+    def retrieve_many(self, keys: list[bytes], namespace: str | None = None,
+                      zero_copy: bool = True) -> list[Retrieved | None]:
+        """retrieve() for several keys in one round trip (a restore's chunks and its tail)."""
+        segment = self._segment
+        reply, data = self._call(Kind.RETRIEVE_MANY, protocol.RetrieveMany(list(keys), namespace, segment is not None),
+                                 protocol.RetrieveManyReply, with_data=True)
+        inline = iter(data)
+        return [self._received(item, next(inline, b"") if item.found and not item.lease_id else b"",
+                               segment, zero_copy) for item in reply.items]
+
+    def _received(self, reply: protocol.RetrieveReply, data, segment: Segment | None,
+                  zero_copy: bool) -> Retrieved | None:
         if not reply.found:
             return None
         meta = reply.meta.to_meta()
         if not reply.lease_id:
             self.counters["inline_retrieves"] += 1
-            return Retrieved(data[0] if data else b"", meta, reply.tier)
+            return Retrieved(data, meta, reply.tier)
         self.counters["shm_retrieves"] += 1
         found = Retrieved(None, meta, reply.tier, reply.lease_id, tuple(reply.pages), reply.generation)
         if segment is None or segment is not self._segment:
@@ -193,7 +208,10 @@ class CacheClient:
             self._send(Kind.RELEASE, protocol.Release(ids), wait=False)
 
     def store(self, key: bytes, blob, meta: ObjectMeta) -> tuple[bool, str]:
-        """(stored, reason): through shared memory (prepare, copy, commit) or inline."""
+        """(stored, reason): through shared memory (prepare, copy, commit) or inline.
+
+        Through shared memory, True means the bytes are in the server's pages and committed without
+        waiting for the answer; under CRITICAL pressure the server may still revoke that write."""
         wire = protocol.WireMeta.of(meta)
         segment = self._segment
         if segment is None:
@@ -207,10 +225,10 @@ class CacheClient:
         except BaseException:
             self._send(Kind.RELEASE, protocol.Release([prepared.lease_id]), wait=False)
             raise
-        committed = self._call(Kind.STORE_COMMIT, protocol.StoreCommit(prepared.lease_id), protocol.StoreReply)
-        if not committed.stored:   # revoked under pressure: give the quarantined pages back
-            self._send(Kind.RELEASE, protocol.Release([prepared.lease_id]), wait=False)
-        return committed.stored, committed.reason
+        # The commit is not waited for: it runs on this client's affinity thread before anything the
+        # client sends later, and if the lease was revoked meanwhile the server frees the pages itself.
+        self._send(Kind.STORE_COMMIT, protocol.StoreCommit(prepared.lease_id), wait=False)
+        return True, ""
 
     def clear(self, tier: str) -> None:
         self._call(Kind.CLEAR, protocol.Clear(tier), None)
@@ -222,6 +240,7 @@ class CacheClient:
         """Stop the threads and close the socket; leases still held are released by the server's reaper."""
         if self._closing.is_set():
             return
+        self._settle(min(self.timeout_s, CLOSE_SETTLE_S))   # commits are sent without waiting: let them go out
         self._closing.set()
         self._wake_io()
         self._io.join(timeout=5)
@@ -235,6 +254,15 @@ class CacheClient:
             self._segment.close()
             self._segment = None
         self._ctx.destroy(linger=0)   # also closes other threads' send sockets
+
+    def _settle(self, timeout_s: float) -> None:
+        """Wait (bounded) until every request sent has its answer, or the server is known to be down."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self._hello is not None:
+            with self._pending_lock:
+                if not self._pending:
+                    return
+            time.sleep(0.002)
 
     def __enter__(self) -> "CacheClient":
         return self

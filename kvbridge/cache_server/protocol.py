@@ -32,6 +32,7 @@ class Kind:
     STATUS = "status"
     LOOKUP = "lookup"
     RETRIEVE = "retrieve"
+    RETRIEVE_MANY = "retrieve_many"
     RELEASE = "release"
     STORE_PREPARE = "store_prepare"
     STORE_COMMIT = "store_commit"
@@ -151,6 +152,18 @@ class RetrieveReply(msgspec.Struct):
     generation: int = 0                # the pages' generation; any other value after the copy: torn
 
 
+class RetrieveMany(msgspec.Struct):
+    """Several objects in one round trip (a restore's chunks and tail); each answered like a Retrieve."""
+
+    keys: list[bytes]
+    namespace: str | None = None
+    via_shm: bool = True
+
+
+class RetrieveManyReply(msgspec.Struct):
+    items: list[RetrieveReply]         # in key order; the inline ones' bytes are the data frames, in order
+
+
 class Release(msgspec.Struct):
     lease_ids: list[int]
 
@@ -210,6 +223,7 @@ BODY_TYPES: dict[str, Any] = {
     Kind.STATUS: None,
     Kind.LOOKUP: Lookup,
     Kind.RETRIEVE: Retrieve,
+    Kind.RETRIEVE_MANY: RetrieveMany,
     Kind.RELEASE: Release,
     Kind.STORE_PREPARE: StorePrepare,
     Kind.STORE_COMMIT: StoreCommit,

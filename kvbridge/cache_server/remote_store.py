@@ -75,6 +75,20 @@ class RemoteStore:
         except (CacheServerUnavailable, CacheServerError) as exc:
             self._fault("retrieve", exc)
             return None
+        return self._stored(found)
+
+    def get_many(self, keys: list[bytes], namespace: str | None = None) -> list[StoredObject | None]:
+        """get() for several keys in one round trip to the server."""
+        keys = [check_key(key) for key in keys]
+        expected = self.namespace if namespace is None else namespace
+        try:
+            found = self.client.retrieve_many(keys, expected)
+        except (CacheServerUnavailable, CacheServerError) as exc:
+            self._fault("retrieve", exc)
+            return [None] * len(keys)
+        return [self._stored(item) for item in found]
+
+    def _stored(self, found) -> StoredObject | None:
         if found is None:
             self._counts["misses"] += 1
             return None

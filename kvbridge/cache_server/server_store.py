@@ -161,6 +161,9 @@ class ServerStore:
             self._emit("stored", key, L1_NAME, self._size(key))
             self._queue_write(key, None, None)
         else:
+            # Revoked under pressure: a commit means the client is done with the pages, so they can
+            # leave quarantine now (the client need not send a release; it does not wait for this reply).
+            self.pool.release(lease_id, client_id)
             self._count("commits_revoked")
         return stored
 
@@ -231,26 +234,40 @@ class ServerStore:
                 if job is None:
                     return
                 key, blob, meta, demotion = job
-                if blob is None:
-                    lease = self.pool.acquire_read(key, SERVER_CLIENT)
-                    if lease is None:
-                        continue   # evicted before we got here: its demotion is queued instead
-                    try:
-                        blob, meta = self.segment.read(lease.pages, lease.size), lease.meta
-                    finally:
-                        self.pool.release(lease.lease_id, SERVER_CLIENT)
                 if self.lower.contains(key):
                     continue
-                if self.lower.put(key, blob, meta):
-                    self._count("demotions" if demotion else "written_through")
-                    self._emit("stored", key, self.lower.tier_names[-1], len(blob))
+                if blob is None:
+                    self._write_through(key)
                 else:
-                    self._count("write_errors")
+                    self._write_lower(key, blob, meta, demotion)
             except Exception:   # a bug here must not stop the writer: logged and counted
                 log.exception("L2 writer failed on one object")
                 self._count("write_errors")
             finally:
                 self._queue.task_done()
+
+    def _write_through(self, key: bytes) -> None:
+        """Write an L1 object to the tiers below straight from its pages, under a read lease (no copy
+        when the pages are contiguous: the disk tier hashes and writes from the view, GIL released)."""
+        lease = self.pool.acquire_read(key, SERVER_CLIENT)
+        if lease is None:
+            return   # evicted before we got here: its demotion was queued instead
+        view = None
+        try:
+            view = self.segment.view(list(lease.pages), lease.size)
+            self._write_lower(key, view if view is not None else self.segment.read(lease.pages, lease.size),
+                              lease.meta, demotion=False)
+        finally:
+            if view is not None:
+                view.release()
+            self.pool.release(lease.lease_id, SERVER_CLIENT)
+
+    def _write_lower(self, key: bytes, blob, meta: ObjectMeta, demotion: bool) -> None:
+        if self.lower.put(key, blob, meta):
+            self._count("demotions" if demotion else "written_through")
+            self._emit("stored", key, self.lower.tier_names[-1], len(blob))
+        else:
+            self._count("write_errors")
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait until the writer queue is empty (for flush and shutdown); False when it timed out."""
@@ -273,8 +290,12 @@ class ServerStore:
         return self.pool.drop_client(client_id)
 
     def clear(self, tier: str) -> None:
-        """Empty one tier; objects under a live lease stay (and are cleared by a later call)."""
+        """Empty one tier; objects under a client's live lease stay (a later call clears them).
+
+        L1 waits for the disk writer first: its write-through holds a short lease on each new object,
+        and L2 should have the copies before L1 lets go of them."""
         if tier == L1_NAME:
+            self.drain()
             before = {key: self._size(key) for key in self.pool.keys()}
             self.pool.clear()
             kept = set(self.pool.keys())

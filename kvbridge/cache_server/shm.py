@@ -140,7 +140,10 @@ class Segment:
             if file_size != expected_size:
                 raise SegmentUnavailable(f"{path} is {file_size} bytes, but its header describes "
                                          f"{n_pages} pages of {page_bytes} bytes ({expected_size} bytes)")
-            mapping = mmap.mmap(fd, file_size)
+            # Page tables filled now, at connect, rather than one fault per 4 KiB on the first store or
+            # restore through each page (a 6 MB chunk: ~3 ms of faults against ~0.7 ms of copying).
+            populate = getattr(mmap, "MAP_POPULATE", 0)
+            mapping = mmap.mmap(fd, file_size, flags=mmap.MAP_SHARED | populate)
         except OSError as exc:
             raise SegmentUnavailable(f"cannot map the shared-memory segment {path}: {exc.strerror or exc}") from None
         finally:

@@ -139,12 +139,16 @@ class ChunkKV:
         return plan
 
     def _find_chunks(self, plan: RestorePlan, tokens: Sequence[int], hashes: Sequence[bytes], limit: int) -> None:
+        """Lookup, then the hit chunks and the tail after them in one get_many (one round trip to a
+        cache server); a chunk that fails its check ends the prefix, and the tail at that boundary
+        is fetched on its own."""
         c = self.chunk_size
         found = self.store.lookup(list(hashes), namespace=self.namespace)
-        for i in range(found.n_hit):
-            if (i + 1) * c > limit:
-                break
-            obj = self._borrow(plan, self.store.get(hashes[i], namespace=self.namespace))
+        wanted = min(found.n_hit, limit // c)
+        tail_at = tail_key(hashes[wanted - 1] if wanted else self.seed)
+        fetched = [self._borrow(plan, obj)
+                   for obj in self.store.get_many(list(hashes[:wanted]) + [tail_at], namespace=self.namespace)]
+        for i, obj in enumerate(fetched[:wanted]):
             view = self._confirmed(obj, tokens[i * c:(i + 1) * c], plan)
             if view is None:
                 break
@@ -153,8 +157,11 @@ class ChunkKV:
             plan.tier = self.store.slower(plan.tier, obj.tier)
         plan.chunks_hit = len(plan.pieces)
         start = plan.chunks_hit * c
-        prev = hashes[plan.chunks_hit - 1] if plan.chunks_hit else self.seed
-        obj = self._borrow(plan, self.store.get(tail_key(prev), namespace=self.namespace))
+        if plan.chunks_hit == wanted:
+            obj = fetched[-1]
+        else:
+            prev = hashes[plan.chunks_hit - 1] if plan.chunks_hit else self.seed
+            obj = self._borrow(plan, self.store.get(tail_key(prev), namespace=self.namespace))
         if obj is not None and obj.meta.kind == "tail":
             view = self._decoded(obj.blob, plan)
             if view is not None:

@@ -68,6 +68,7 @@ class TieredStore:
         self._hits: Counter[str] = Counter()
         self._evictions: Counter[str] = Counter()
         self._doomed: dict[str, set[bytes]] = {tier.name: set() for tier in tiers}  # cleared while pinned
+        self._all_persistent = all(tier.persistent for tier in tiers)
         for index, level in enumerate(self._levels):
             level.policy.seed(level.tier.entries())
             with self._lock:
@@ -169,6 +170,10 @@ class TieredStore:
             self._count("promotions")
         return StoredObject(blob, replace(meta, last_used=time.time()), level.tier.name)
 
+    def get_many(self, keys: list[bytes], namespace: str | None = None) -> list[StoredObject | None]:
+        """get() for each key (a remote store answers these in one round trip)."""
+        return [self.get(key, namespace) for key in keys]
+
     def _holder(self, key: bytes, pin: bool) -> int | None:
         """Index of the fastest level holding key (pinned there if asked), discovering shared files."""
         with self._lock:
@@ -216,8 +221,8 @@ class TieredStore:
     def put(self, key: bytes, blob: bytes, meta: ObjectMeta) -> bool:
         """Store or replace. False when no tier took it (too large, disk full): counted, not raised."""
         key = check_key(key)
-        if not isinstance(blob, bytes):
-            blob = bytes(blob)
+        if not isinstance(blob, bytes) and not (isinstance(blob, memoryview) and self._all_persistent):
+            blob = bytes(blob)   # a RAM tier keeps what it is given, so it must own it; a disk tier only writes it out
         if not isinstance(meta, ObjectMeta):
             raise TypeError(f"meta must be an ObjectMeta, got {type(meta).__name__}")
         self._count("puts")

@@ -22,7 +22,9 @@ class LookupModule(DiscoverableModule):
         return cls(build_ctx.server_context)
 
     def register_handlers(self, router) -> None:
-        router.handle(Kind.LOOKUP, self.lookup, owner=self.module_name)
+        # On the caller's affinity thread: after that client's earlier stores (whose commits it does
+        # not wait for), so a client always finds what it stored itself.
+        router.handle(Kind.LOOKUP, self.lookup, affinity=True, owner=self.module_name)
 
     def lookup(self, call: Call) -> Answer:
         body = call.body

@@ -1,6 +1,7 @@
 """StorageModule: retrieve, store, release, clear and flush through the server's store, and its pressure loop.
 
-Retrieve and store run on the calling client's affinity thread (in the order the client sent them).
+Every request here runs on the calling client's affinity thread, in the order the client sent them
+(a client does not wait for its commits, so its later requests must not overtake them).
 A same-host client gets read and write leases on shared-memory pages; any other client (or one
 that asked for inline bytes) gets and sends the bytes in a data frame. The module's background
 loop (once a second, and at once when a store meets pressure) revokes expired leases and evicts
@@ -16,11 +17,12 @@ from kvbridge.cache_server.calls import Answer, Call, RequestFailed
 from kvbridge.cache_server.module import DiscoverableModule, ModuleBuildContext
 from kvbridge.cache_server.modules._liveness import InstanceClock
 from kvbridge.cache_server.pool import LeaseNotOwned, StoreRefused, UnknownLease
-from kvbridge.cache_server.protocol import (Code, FlushReply, Kind, PrepareReply, RetrieveReply, StoreReply,
-                                            WireMeta)
+from kvbridge.cache_server.protocol import (Code, FlushReply, Kind, PrepareReply, RetrieveManyReply, RetrieveReply,
+                                            StoreReply, WireMeta)
 
 log = logging.getLogger("kvbridge.cache_server")
 MAINTENANCE_INTERVAL_S = 1.0
+MAX_KEYS_PER_RETRIEVE = 4096
 
 
 class StorageModule(DiscoverableModule):
@@ -40,32 +42,49 @@ class StorageModule(DiscoverableModule):
         return cls(build_ctx.server_context)
 
     def register_handlers(self, router) -> None:
-        for kind, fn in ((Kind.RETRIEVE, self.retrieve), (Kind.RELEASE, self.release),
+        for kind, fn in ((Kind.RETRIEVE, self.retrieve), (Kind.RETRIEVE_MANY, self.retrieve_many),
+                         (Kind.RELEASE, self.release),
                          (Kind.STORE_PREPARE, self.prepare), (Kind.STORE_COMMIT, self.commit),
                          (Kind.STORE_INLINE, self.store_inline)):
             router.handle(kind, fn, affinity=True, owner=self.module_name)
-        router.handle(Kind.CLEAR, self.clear, owner=self.module_name)
-        router.handle(Kind.FLUSH, self.flush, owner=self.module_name)
+        # clear and flush too: they must come after the caller's stores (commits are not waited for)
+        router.handle(Kind.CLEAR, self.clear, affinity=True, owner=self.module_name)
+        router.handle(Kind.FLUSH, self.flush, affinity=True, owner=self.module_name)
 
     # -- handlers --------------------------------------------------------------------------------
     def retrieve(self, call: Call) -> Answer:
+        reply, data = self._retrieve_one(call.body.key, call.body.namespace, call.body.via_shm, call.instance_id)
+        return Answer(reply, data)
+
+    def retrieve_many(self, call: Call) -> Answer:
         body = call.body
-        found = self._bad_key_is_bad_request(lambda: self.store.retrieve(body.key, body.namespace, call.instance_id))
+        if len(body.keys) > MAX_KEYS_PER_RETRIEVE:
+            raise RequestFailed(Code.BAD_REQUEST, f"retrieve_many takes at most {MAX_KEYS_PER_RETRIEVE} keys")
+        items, frames = [], []
+        for key in body.keys:
+            reply, data = self._retrieve_one(key, body.namespace, body.via_shm, call.instance_id)
+            items.append(reply)
+            frames += data
+        return Answer(RetrieveManyReply(items), tuple(frames))
+
+    def _retrieve_one(self, key: bytes, namespace, via_shm: bool, client_id: str) -> tuple[RetrieveReply, tuple]:
+        """A lease on shared pages for a client that maps them, else the bytes as a data frame."""
+        found = self._bad_key_is_bad_request(lambda: self.store.retrieve(key, namespace, client_id))
         if found is None:
-            return Answer(RetrieveReply(False))
+            return RetrieveReply(False), ()
         meta = WireMeta.of(found.meta)
-        if found.lease is not None and body.via_shm and self.context.settings.cache_server_shm:
+        if found.lease is not None and via_shm and self.context.settings.cache_server_shm:
             lease = found.lease
-            return Answer(RetrieveReply(True, found.tier, meta, found.size, lease.lease_id, list(lease.pages),
-                                        lease.generation))
+            return RetrieveReply(True, found.tier, meta, found.size, lease.lease_id, list(lease.pages),
+                                 lease.generation), ()
         if found.lease is not None:
             try:
                 blob = self.store.read(found.lease)
             finally:
-                self.store.release([found.lease.lease_id], call.instance_id)
+                self.store.release([found.lease.lease_id], client_id)
         else:
             blob = found.blob
-        return Answer(RetrieveReply(True, found.tier, meta, found.size), (blob,))
+        return RetrieveReply(True, found.tier, meta, found.size), (blob,)
 
     def release(self, call: Call) -> Answer:
         self._lease_call(lambda: self.store.release(list(call.body.lease_ids), call.instance_id))
