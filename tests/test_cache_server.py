@@ -141,6 +141,25 @@ def test_store_and_retrieve_return_the_same_bytes(server, use_shm):
     assert stats["read_leases"] == 0 and stats["write_leases"] == 0
 
 
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shared-memory", "inline"])
+def test_a_prompts_objects_go_and_come_back_in_one_call_each(server, use_shm):
+    blobs = {bytes([i]) * 16: blob_of(20_000 + i, i + 2) for i in range(1, 4)}
+    with CacheClient(server.url, timeout_s=5, use_shm=use_shm) as client:
+        first = next(iter(blobs))
+        client.store(first, blobs[first], META)
+        results = client.store_many([(key, blob, META) for key, blob in blobs.items()])
+        assert results[0][0] is True and results[1:] == [(True, ""), (True, "")]   # the first one existed
+        keys = list(blobs) + [b"missing" * 2]
+        found = client.retrieve_many(keys, "ns")
+        assert found[-1] is None
+        for key, item in zip(keys, found[:-1]):
+            assert bytes(item.blob) == blobs[key] and item.tier == "L1"
+            assert client.intact(item)
+        client.release([item for item in found if item is not None])
+        client.flush()
+    assert server.store.pool.stats()["read_leases"] == 0 and server.store.pool.stats()["objects"] == 3
+
+
 def test_l1_is_written_through_to_l2_and_an_l2_hit_is_promoted(server):
     blob = blob_of(100_000, 5)
     with CacheClient(server.url, timeout_s=5) as client:

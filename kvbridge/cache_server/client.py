@@ -216,7 +216,7 @@ class CacheClient:
         segment = self._segment
         if segment is None:
             reply = self._call(Kind.STORE_INLINE, protocol.StoreInline(key, wire), protocol.StoreReply, data=(blob,))
-            return reply.stored, reply.reason
+            return reply.stored or reply.reason == "exists", reply.reason   # already there counts as stored
         prepared = self._call(Kind.STORE_PREPARE, protocol.StorePrepare(key, len(blob), wire), protocol.PrepareReply)
         if not prepared.accepted:
             return prepared.reason == "exists", prepared.reason
@@ -229,6 +229,32 @@ class CacheClient:
         # client sends later, and if the lease was revoked meanwhile the server frees the pages itself.
         self._send(Kind.STORE_COMMIT, protocol.StoreCommit(prepared.lease_id), wait=False)
         return True, ""
+
+    def store_many(self, items: list[tuple[bytes, object, ObjectMeta]]) -> list[tuple[bool, str]]:
+        """store() for a prompt's objects: one prepare round trip for all of them, one commit sent after."""
+        segment = self._segment
+        if segment is None or not items:
+            return [self.store(key, blob, meta) for key, blob, meta in items]
+        request = protocol.StorePrepareMany([protocol.StorePrepare(key, len(blob), protocol.WireMeta.of(meta))
+                                             for key, blob, meta in items])
+        prepared = self._call(Kind.STORE_PREPARE_MANY, request, protocol.PrepareManyReply).items
+        leases: list[int] = []
+        results: list[tuple[bool, str]] = []
+        try:
+            for (key, blob, meta), answer in zip(items, prepared):
+                if answer.accepted:
+                    segment.write(list(answer.pages), blob)
+                    leases.append(answer.lease_id)
+                    results.append((True, ""))
+                else:
+                    results.append((answer.reason == "exists", answer.reason))
+        except BaseException:
+            unused = [a.lease_id for a in prepared if a.accepted and a.lease_id not in leases]
+            self._send(Kind.RELEASE, protocol.Release(unused + leases), wait=False)
+            raise
+        if leases:
+            self._send(Kind.STORE_COMMIT_MANY, protocol.StoreCommitMany(leases), wait=False)
+        return results
 
     def clear(self, tier: str) -> None:
         self._call(Kind.CLEAR, protocol.Clear(tier), None)

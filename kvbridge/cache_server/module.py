@@ -95,6 +95,7 @@ class Handler:
     fn: Callable
     affinity: bool = False
     owner: str = ""
+    fast: bool = False   # short and never blocking: may run on the loop thread itself (see CacheServer)
 
 
 class HandlerRouter:
@@ -109,13 +110,18 @@ class HandlerRouter:
         self._methods: dict[str, Handler] = {}
         self._registering = ""   # the module whose register_handlers() runs now: the default owner
 
-    def handle(self, kind: str, fn: Callable, *, affinity: bool = False, owner: str = "") -> None:
-        """Serve core request `kind` with `fn(call) -> Answer`, replacing any earlier handler."""
+    def handle(self, kind: str, fn: Callable, *, affinity: bool = False, owner: str = "", fast: bool = False) -> None:
+        """Serve core request `kind` with `fn(call) -> Answer`, replacing any earlier handler.
+
+        fast=True: the handler takes microseconds and never blocks (no disk, no network, no waiting),
+        so the server may run it on its loop thread instead of handing it to a worker (one thread
+        switch less each way). Leave it False unless that is true: a slow fast handler stalls every client.
+        """
         owner = owner or self._registering
         previous = self._core.get(kind)
         if previous is not None:
             log.info("core handler %r: module %s overrides module %s", kind, owner or "?", previous.owner or "?")
-        self._core[kind] = Handler(fn, affinity, owner)
+        self._core[kind] = Handler(fn, affinity, owner, fast)
 
     def add_method(self, method: str, fn: Callable, *, affinity: bool = False, owner: str = "") -> None:
         """Serve server-module `method` with `fn(payload) -> bytes`; a second registration is an error."""

@@ -36,6 +36,8 @@ class Kind:
     RELEASE = "release"
     STORE_PREPARE = "store_prepare"
     STORE_COMMIT = "store_commit"
+    STORE_PREPARE_MANY = "store_prepare_many"
+    STORE_COMMIT_MANY = "store_commit_many"
     STORE_INLINE = "store_inline"
     CLEAR = "clear"
     FLUSH = "flush"
@@ -186,6 +188,24 @@ class StoreCommit(msgspec.Struct):
     lease_id: int
 
 
+class StorePrepareMany(msgspec.Struct):
+    """A prompt's new objects in one round trip; each answered like a StorePrepare."""
+
+    items: list[StorePrepare]
+
+
+class PrepareManyReply(msgspec.Struct):
+    items: list[PrepareReply]
+
+
+class StoreCommitMany(msgspec.Struct):
+    lease_ids: list[int]
+
+
+class CommitManyReply(msgspec.Struct):
+    stored: list[bool]
+
+
 class StoreInline(msgspec.Struct):
     key: bytes
     meta: WireMeta                     # the bytes are the next frame
@@ -227,6 +247,8 @@ BODY_TYPES: dict[str, Any] = {
     Kind.RELEASE: Release,
     Kind.STORE_PREPARE: StorePrepare,
     Kind.STORE_COMMIT: StoreCommit,
+    Kind.STORE_PREPARE_MANY: StorePrepareMany,
+    Kind.STORE_COMMIT_MANY: StoreCommitMany,
     Kind.STORE_INLINE: StoreInline,
     Kind.CLEAR: Clear,
     Kind.FLUSH: None,

@@ -114,6 +114,21 @@ class RemoteStore:
             self._counts[f"refused_{reason or 'unknown'}"] += 1
         return stored
 
+    def put_many(self, items: list[tuple[bytes, object, ObjectMeta]]) -> list[bool]:
+        """put() for a prompt's objects in one round trip (their commit is sent without waiting)."""
+        items = [(check_key(key), blob, meta) for key, blob, meta in items]
+        self._counts["puts"] += len(items)
+        try:
+            results = self.client.store_many(items)
+        except (CacheServerUnavailable, CacheServerError) as exc:
+            self._fault("store", exc)
+            return [False] * len(items)
+        for stored, reason in results:
+            if not stored:
+                self._counts["put_failures"] += 1
+                self._counts[f"refused_{reason or 'unknown'}"] += 1
+        return [stored for stored, _ in results]
+
     @contextmanager
     def pinned(self, keys: Iterable[bytes]) -> Iterator[None]:
         """Nothing to pin here: the server keeps a leased object from eviction while it is read."""

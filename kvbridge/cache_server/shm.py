@@ -206,6 +206,10 @@ class Segment:
         """Gather `size` bytes from the pages, in order, into out[:size]."""
         self._check_size(pages, size)
         mapped, out = self._mapped(), memoryview(out).cast("B")
+        if pages and all(b == a + 1 for a, b in zip(pages, pages[1:])):
+            start = self._page_start(pages[0])
+            out[:size] = mapped[start:start + size]
+            return
         done = 0
         for page in pages:
             if done >= size:
@@ -216,6 +220,10 @@ class Segment:
             done += n
 
     def read(self, pages: list[int], size: int) -> bytes:
+        view = self.view(list(pages), size)
+        if view is not None:
+            with view:
+                return bytes(view)   # one copy
         buffer = bytearray(size)
         self.read_into(pages, size, memoryview(buffer))
         return bytes(buffer)
@@ -225,6 +233,10 @@ class Segment:
         data = memoryview(data).cast("B")
         self._check_size(pages, len(data))
         mapped = self._mapped()
+        if pages and all(b == a + 1 for a, b in zip(pages, pages[1:])):
+            start = self._page_start(pages[0])
+            mapped[start:start + len(data)] = data   # one copy for a contiguous run (the usual case)
+            return
         for index, done in enumerate(range(0, len(data), self._page_bytes)):
             piece = data[done:done + self._page_bytes]
             start = self._page_start(pages[index])

@@ -282,18 +282,20 @@ class ChunkKV:
             return 0
         c = self.chunk_size
         n_full = n // c
-        stored = 0
-        for i in range(n_full):
-            if self.store.contains(hashes[i]):
-                continue
+        # Stored chunks form a leading run (each hash names its whole prefix): one lookup says which
+        # are new, and the new objects go to the store in one put_many (one round trip to a server).
+        known = self.store.lookup(list(hashes[:n_full]), namespace=self.namespace).n_hit
+        items = []
+        for i in range(known, n_full):
             ids = tokens[i * c:(i + 1) * c]
-            stored += self._put(hashes[i], encode_chunk(parsed, i * c, (i + 1) * c, ids), ids, "chunk")
+            items.append(self._item(hashes[i], encode_chunk(parsed, i * c, (i + 1) * c, ids), ids, "chunk"))
         for j in range(n_full, max(n_full - TAIL_DEPTH, -1), -1):
             if j * c >= n:
                 continue
             prev = hashes[j - 1] if j else self.seed
             ids = tokens[j * c:n]
-            stored += self._put(tail_key(prev), encode_chunk(parsed, j * c, n, ids), ids, "tail")
+            items.append(self._item(tail_key(prev), encode_chunk(parsed, j * c, n, ids), ids, "tail"))
+        stored = sum(1 for done in self.store.put_many(items) if done)
         if self.prefault_scratch:
             self._reserve_scratch(assembled_size(self.geometry, n))
         return stored
@@ -313,9 +315,12 @@ class ChunkKV:
         keys = {tail_key(self.seed)} | ({tail_key(hashes[-1])} if hashes else set())
         return sum(self._put(key, blob, list(ids), "snapshot") for key in keys)
 
+    def _item(self, key: bytes, blob: bytes, ids: Sequence[int], kind: str) -> tuple[bytes, bytes, ObjectMeta]:
+        return key, blob, ObjectMeta(namespace=self.namespace, n_tokens=len(ids), tokens_digest=tokens_digest(ids),
+                                     kind=kind)
+
     def _put(self, key: bytes, blob: bytes, ids: Sequence[int], kind: str) -> int:
-        meta = ObjectMeta(namespace=self.namespace, n_tokens=len(ids), tokens_digest=tokens_digest(ids), kind=kind)
-        result = self.store.put(key, blob, meta)
+        result = self.store.put(*self._item(key, blob, ids, kind))
         return 0 if result is False else 1
 
 

@@ -236,6 +236,10 @@ class TieredStore:
             self._count("put_failures")
         return stored
 
+    def put_many(self, items: list[tuple[bytes, bytes, ObjectMeta]]) -> list[bool]:
+        """put() for each (key, blob, meta) (a remote store stores them in one round trip)."""
+        return [self.put(key, blob, meta) for key, blob, meta in items]
+
     def _put_into(self, index: int, key: bytes, blob: bytes, meta: ObjectMeta) -> bool:
         level = self._levels[index]
         if not level.policy.fits(len(blob)):

@@ -24,7 +24,7 @@ class LookupModule(DiscoverableModule):
     def register_handlers(self, router) -> None:
         # On the caller's affinity thread: after that client's earlier stores (whose commits it does
         # not wait for), so a client always finds what it stored itself.
-        router.handle(Kind.LOOKUP, self.lookup, affinity=True, owner=self.module_name)
+        router.handle(Kind.LOOKUP, self.lookup, affinity=True, owner=self.module_name, fast=True)
 
     def lookup(self, call: Call) -> Answer:
         body = call.body

@@ -39,7 +39,7 @@ class ManagementModule(DiscoverableModule):
         return cls(build_ctx.server_context)
 
     def register_handlers(self, router) -> None:
-        router.handle(Kind.PING, self.ping, owner=self.module_name)
+        router.handle(Kind.PING, self.ping, owner=self.module_name, fast=True)
         router.handle(Kind.STATUS, self.status, owner=self.module_name)
 
     def attach_liveness_targets(self, targets: list) -> None:

@@ -17,8 +17,8 @@ from kvbridge.cache_server.calls import Answer, Call, RequestFailed
 from kvbridge.cache_server.module import DiscoverableModule, ModuleBuildContext
 from kvbridge.cache_server.modules._liveness import InstanceClock
 from kvbridge.cache_server.pool import LeaseNotOwned, StoreRefused, UnknownLease
-from kvbridge.cache_server.protocol import (Code, FlushReply, Kind, PrepareReply, RetrieveManyReply, RetrieveReply,
-                                            StoreReply, WireMeta)
+from kvbridge.cache_server.protocol import (Code, CommitManyReply, FlushReply, Kind, PrepareManyReply, PrepareReply,
+                                            RetrieveManyReply, RetrieveReply, StoreReply, WireMeta)
 
 log = logging.getLogger("kvbridge.cache_server")
 MAINTENANCE_INTERVAL_S = 1.0
@@ -43,10 +43,12 @@ class StorageModule(DiscoverableModule):
 
     def register_handlers(self, router) -> None:
         for kind, fn in ((Kind.RETRIEVE, self.retrieve), (Kind.RETRIEVE_MANY, self.retrieve_many),
-                         (Kind.RELEASE, self.release),
-                         (Kind.STORE_PREPARE, self.prepare), (Kind.STORE_COMMIT, self.commit),
-                         (Kind.STORE_INLINE, self.store_inline)):
+                         (Kind.STORE_INLINE, self.store_inline)):   # may read or write the disk: a worker
             router.handle(kind, fn, affinity=True, owner=self.module_name)
+        for kind, fn in ((Kind.RELEASE, self.release), (Kind.STORE_PREPARE, self.prepare),
+                         (Kind.STORE_COMMIT, self.commit), (Kind.STORE_PREPARE_MANY, self.prepare_many),
+                         (Kind.STORE_COMMIT_MANY, self.commit_many)):   # page bookkeeping only: may run inline
+            router.handle(kind, fn, affinity=True, owner=self.module_name, fast=True)
         # clear and flush too: they must come after the caller's stores (commits are not waited for)
         router.handle(Kind.CLEAR, self.clear, affinity=True, owner=self.module_name)
         router.handle(Kind.FLUSH, self.flush, affinity=True, owner=self.module_name)
@@ -91,7 +93,14 @@ class StorageModule(DiscoverableModule):
         return Answer(None)
 
     def prepare(self, call: Call) -> Answer:
-        body = call.body
+        return Answer(self._prepare_one(call.body, call))
+
+    def prepare_many(self, call: Call) -> Answer:
+        if len(call.body.items) > MAX_KEYS_PER_RETRIEVE:
+            raise RequestFailed(Code.BAD_REQUEST, f"store_prepare_many takes at most {MAX_KEYS_PER_RETRIEVE} objects")
+        return Answer(PrepareManyReply([self._prepare_one(item, call) for item in call.body.items]))
+
+    def _prepare_one(self, body, call: Call) -> PrepareReply:
         meta = self._meta(body.meta)
         if body.size < 0:
             raise RequestFailed(Code.BAD_REQUEST, f"store of a negative size ({body.size})")
@@ -101,12 +110,16 @@ class StorageModule(DiscoverableModule):
         except StoreRefused as refused:
             if refused.reason in ("pressure", "no_space"):
                 self._wake.set()
-            return Answer(PrepareReply(False, refused.reason))
-        return Answer(PrepareReply(True, "", lease.lease_id, list(lease.pages), lease.generation))
+            return PrepareReply(False, refused.reason)
+        return PrepareReply(True, "", lease.lease_id, list(lease.pages), lease.generation)
 
     def commit(self, call: Call) -> Answer:
         stored = self._lease_call(lambda: self.store.commit(call.body.lease_id, call.instance_id))
         return Answer(StoreReply(stored, "" if stored else "revoked"))
+
+    def commit_many(self, call: Call) -> Answer:
+        return Answer(CommitManyReply([self._lease_call(lambda: self.store.commit(lease_id, call.instance_id))
+                                       for lease_id in call.body.lease_ids]))
 
     def store_inline(self, call: Call) -> Answer:
         if len(call.data) != 1:
