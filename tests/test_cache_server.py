@@ -425,3 +425,15 @@ def test_an_address_in_use_is_a_clear_startup_error(settings, server):
             second.bind()
     finally:
         second.close()
+
+
+def test_a_client_that_closes_says_goodbye_and_its_leases_go(server):
+    with CacheClient(server.url, timeout_s=5) as watcher:
+        leaving = CacheClient(server.url, timeout_s=5)
+        leaving.store(b"g" * 16, blob_of(10_000), META)
+        held = leaving.retrieve(b"g" * 16, "ns")
+        assert held.lease_id
+        leaving.close()   # without releasing: the goodbye does
+        clients = [c["instance_id"] for c in watcher.status()["management"]["clients"]]
+        assert clients == [watcher.instance_id]
+        assert server.store.pool.stats()["read_leases"] == 0

@@ -266,7 +266,9 @@ class CacheClient:
         """Stop the threads and close the socket; leases still held are released by the server's reaper."""
         if self._closing.is_set():
             return
-        self._settle(min(self.timeout_s, CLOSE_SETTLE_S))   # commits are sent without waiting: let them go out
+        if self._hello is not None:   # the server drops this client's state (leases, its row) at once
+            self._send(Kind.GOODBYE, None, wait=False)
+        self._settle(min(self.timeout_s, CLOSE_SETTLE_S))   # commits and the goodbye go out before the socket closes
         self._closing.set()
         self._wake_io()
         self._io.join(timeout=5)

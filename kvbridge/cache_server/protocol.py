@@ -29,6 +29,7 @@ class Kind:
 
     HELLO = "hello"
     PING = "ping"
+    GOODBYE = "goodbye"
     STATUS = "status"
     LOOKUP = "lookup"
     RETRIEVE = "retrieve"
@@ -240,6 +241,7 @@ class ServerModuleCallResponse(msgspec.Struct):
 BODY_TYPES: dict[str, Any] = {
     Kind.HELLO: Hello,
     Kind.PING: None,
+    Kind.GOODBYE: None,
     Kind.STATUS: None,
     Kind.LOOKUP: Lookup,
     Kind.RETRIEVE: Retrieve,

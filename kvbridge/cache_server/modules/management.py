@@ -1,4 +1,4 @@
-"""ManagementModule: ping, status, and the liveness reaper that drops clients that went silent.
+"""ManagementModule: ping, status, goodbye, and the liveness reaper that drops clients that went silent.
 
 Every request touches the caller's instance id on every liveness target (the server does that).
 The reaper runs every KVB_CACHE_SERVER_REAP_TIMEOUT / 4 seconds (0 disables it), asks each target
@@ -41,6 +41,8 @@ class ManagementModule(DiscoverableModule):
     def register_handlers(self, router) -> None:
         router.handle(Kind.PING, self.ping, owner=self.module_name, fast=True)
         router.handle(Kind.STATUS, self.status, owner=self.module_name)
+        # after the client's earlier requests (its last commits), on its affinity thread
+        router.handle(Kind.GOODBYE, self.goodbye, affinity=True, owner=self.module_name)
 
     def attach_liveness_targets(self, targets: list) -> None:
         self.targets = list(targets)
@@ -51,6 +53,13 @@ class ManagementModule(DiscoverableModule):
     # -- handlers --------------------------------------------------------------------------------
     def ping(self, call: Call) -> Answer:
         return Answer(PingReply(self.context.server_id, time.time()))
+
+    def goodbye(self, call: Call) -> Answer:
+        """A client closing cleanly: every target drops its state now rather than at the reap timeout."""
+        for target in self.targets:
+            target.drop_instance_state(call.instance_id)
+        log.info("client %s said goodbye", call.instance_id[:8])
+        return Answer(None)
 
     def status(self, call: Call) -> Answer:
         """Each module's report_status() under its module_name, plus the server's own facts under "server"."""
