@@ -7,8 +7,8 @@ Place in the flow: CachedEngine -> RemoteStore (kvbridge.cache_server.remote_sto
     client.ping(); client.status()["storage"]
     client.server_module_call(ServerModuleCallRequest("my_pkg.echo", b"hi")).result(timeout=5)
 
-One background thread owns the socket; callers hand it messages through an inproc socket of their
-own and wait on a Future. A request unanswered within `timeout_s` fails with CacheServerUnavailable
+The socket plumbing is kvbridge.cache_server.connection (one thread owns the socket; callers wait on
+a Future); this module is the protocol on top of it: hello, shared memory, the calls. A request unanswered within `timeout_s` fails with CacheServerUnavailable
 and the client stays "down" for a short back-off, answering at once with the same error, so a dead
 server costs an engine one timeout, not one per chunk. After the back-off the next call says hello
 again: a restarted server (new shared memory, no registrations) is picked up by itself.
@@ -17,7 +17,6 @@ Refusals a person must act on (wrong token, another protocol version) raise Cach
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import socket
@@ -28,31 +27,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-import zmq
-
 from kvbridge.cache_server import protocol
+from kvbridge.cache_server.connection import (CacheServerError, CacheServerRefused, CacheServerUnavailable, Connection,
+                                              NotConnected)
 from kvbridge.cache_server.protocol import Code, Kind
 from kvbridge.cache_server.shm import Segment, SegmentUnavailable
-from kvbridge.errors import KVBridgeError
-from kvbridge.store.objects import LookupResult, ObjectMeta, StoreFault
+from kvbridge.store.objects import LookupResult, ObjectMeta
 
+__all__ = ["CacheClient", "CacheServerError", "CacheServerRefused", "CacheServerUnavailable", "Retrieved"]
 log = logging.getLogger("kvbridge.cache_server.client")
 DOWN_BACKOFF_S = 1.0     # after a timeout, calls fail at once for this long before trying again
-CONNECT_GRACE_S = 1.0    # a message waits this long for a connection before its call fails
-CONNECT_RETRY_MS = 20
 CLOSE_SETTLE_S = 2.0     # close() waits at most this long for answers still due (a store's commit)
-
-
-class CacheServerUnavailable(StoreFault):
-    """The cache server did not answer in time (down, restarting, unreachable): a cache miss for the engine."""
-
-
-class _NotConnected(Exception):
-    """A message that found no connection within CONNECT_GRACE_S (the socket thread fails its call)."""
-
-
-class CacheServerRefused(KVBridgeError):
-    """The server refused this client (wrong token, protocol version): a person must change a setting."""
 
 
 @dataclass
@@ -81,23 +66,13 @@ class CacheClient:
         self.use_shm = use_shm
         self.label = label
         self._token = token
-        self._ctx = zmq.Context()
-        self._ids = itertools.count(1)
-        self._pending: dict[int, Future] = {}
-        self._pending_lock = threading.Lock()
-        self._local = threading.local()
-        self._outbox_url = f"inproc://kvb-client-{self.instance_id}"
-        self._outbox = self._ctx.socket(zmq.PULL)
-        self._outbox.bind(self._outbox_url)
+        self._conn = Connection(url, self.instance_id)
         self._closing = threading.Event()
         self._hello_lock = threading.Lock()
         self._hello: protocol.HelloReply | None = None
         self._segment: Segment | None = None
         self._down_until = 0.0
-        self._unsent: list = []   # (queued at, frames) waiting for a connection; the socket thread's only
         self.counters = {"timeouts": 0, "reconnects": 0, "torn_copies": 0, "inline_retrieves": 0, "shm_retrieves": 0}
-        self._io = threading.Thread(target=self._io_loop, name="kvb-cache-client", daemon=True)
-        self._io.start()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kvb-cache-heartbeat", daemon=True)
         try:
             self._say_hello()
@@ -268,29 +243,15 @@ class CacheClient:
             return
         if self._hello is not None:   # the server drops this client's state (leases, its row) at once
             self._send(Kind.GOODBYE, None, wait=False)
-        self._settle(min(self.timeout_s, CLOSE_SETTLE_S))   # commits and the goodbye go out before the socket closes
+            # commits and the goodbye are not waited for: let them go out before the socket closes
+            self._conn.settle(min(self.timeout_s, CLOSE_SETTLE_S), still_up=lambda: self._hello is not None)
         self._closing.set()
-        self._wake_io()
-        self._io.join(timeout=5)
         if self._heartbeat.is_alive():
             self._heartbeat.join(timeout=5)
-        sock = getattr(self._local, "push", None)
-        if sock is not None:
-            sock.close(0)
-        self._outbox.close(0)
+        self._conn.close()
         if self._segment is not None:
             self._segment.close()
             self._segment = None
-        self._ctx.destroy(linger=0)   # also closes other threads' send sockets
-
-    def _settle(self, timeout_s: float) -> None:
-        """Wait (bounded) until every request sent has its answer, or the server is known to be down."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self._hello is not None:
-            with self._pending_lock:
-                if not self._pending:
-                    return
-            time.sleep(0.002)
 
     def __enter__(self) -> "CacheClient":
         return self
@@ -341,13 +302,10 @@ class CacheClient:
     def _wait(self, future: Future, kind: str):
         try:
             return future.result(timeout=self.timeout_s)
-        except _NotConnected as exc:
+        except NotConnected as exc:
             self._mark_down(str(exc))
         except TimeoutError:
-            with self._pending_lock:
-                for rid, pending in list(self._pending.items()):
-                    if pending is future:
-                        del self._pending[rid]
+            self._conn.forget(future)
             self._mark_down(f"no answer to {kind} within {self.timeout_s:g} s (KVB_CACHE_SERVER_TIMEOUT)")
 
     def _mark_down(self, why: str):
@@ -399,111 +357,9 @@ class CacheClient:
         except SegmentUnavailable as exc:
             log.info("cache server's shared memory not usable here (%s); bytes travel inline", exc)
 
-    # -- the socket thread -----------------------------------------------------------------------
     def _send(self, kind: str, body: Any, data: tuple = (), wait: bool = True) -> Future:
-        rid = next(self._ids)
-        future: Future = Future()
-        with self._pending_lock:
-            self._pending[rid] = future
-        frame = protocol.encode_request(rid, self.instance_id, kind, body)
-        sock = getattr(self._local, "push", None)
-        if sock is None:
-            sock = self._local.push = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self._outbox_url)
-        sock.send_multipart([frame, *data], copy=False)
-        return future
-
-    def _wake_io(self) -> None:
-        try:
-            self._send(Kind.PING, None, wait=False)   # any message wakes the poll; its answer is dropped
-        except zmq.ZMQError:
-            pass
-
-    def _io_loop(self) -> None:
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.IMMEDIATE, 1)        # no queueing for a server that is not connected
-        dealer.setsockopt(zmq.RECONNECT_IVL, 100)
-        dealer.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        dealer.connect(self.url)
-        poller = zmq.Poller()
-        poller.register(dealer, zmq.POLLIN)
-        poller.register(self._outbox, zmq.POLLIN)
-        try:
-            while not self._closing.is_set():
-                # block until something happens; poll briefly only while messages wait for a connection
-                events = dict(poller.poll(CONNECT_RETRY_MS if self._unsent else None))
-                if self._unsent:
-                    self._retry_unsent(dealer)
-                if self._outbox in events:
-                    self._forward(dealer)
-                if dealer in events:
-                    self._deliver(dealer)
-        finally:
-            dealer.close(0)
-            with self._pending_lock:
-                pending, self._pending = self._pending, {}
-            for future in pending.values():
-                if not future.done():
-                    future.set_exception(CacheServerUnavailable("the client was closed"))
-
-    def _forward(self, dealer) -> None:
-        while True:
-            try:
-                frames = self._outbox.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            if self._closing.is_set():
-                return
-            if self._unsent:
-                self._unsent.append((time.monotonic(), frames))
-                continue
-            try:
-                dealer.send_multipart(frames, zmq.NOBLOCK, copy=False)
-            except zmq.Again:   # not connected (yet): held back for CONNECT_GRACE_S, then a miss
-                self._unsent.append((time.monotonic(), frames))
-
-    def _retry_unsent(self, dealer) -> None:
-        """Send what waited for a connection; what waited longer than CONNECT_GRACE_S fails its caller now."""
-        now = time.monotonic()
-        while self._unsent:
-            queued_at, frames = self._unsent[0]
-            if now - queued_at > CONNECT_GRACE_S:
-                self._unsent.pop(0)
-                self._fail(frames, f"not connected to {self.url} (nothing listening there?)")
-                continue
-            try:
-                dealer.send_multipart(frames, zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._unsent.pop(0)
-
-    def _fail(self, frames, why: str) -> None:
-        try:
-            rid = protocol.decode_envelope(frames[0].buffer).request_id
-        except Exception:   # our own envelope: cannot fail to decode; be safe anyway
-            return
-        with self._pending_lock:
-            future = self._pending.pop(rid, None)
-        if future is not None and not future.done():
-            future.set_exception(_NotConnected(why))
-
-    def _deliver(self, dealer) -> None:
-        while True:
-            try:
-                frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                reply = protocol.decode_reply(frames[0].buffer)
-            except Exception as exc:   # a garbled reply: dropped; its caller times out
-                log.warning("unreadable reply from the cache server dropped: %s", exc)
-                continue
-            with self._pending_lock:
-                future = self._pending.pop(reply.request_id, None)
-            if future is not None and not future.done():
-                future.set_result((reply, [f.buffer for f in frames[1:]]))
+        """Hand a request to the connection; `wait` is documentation: callers that want the answer wait on it."""
+        return self._conn.send(kind, body, data)
 
     def _heartbeat_loop(self) -> None:
         """Ping at the server's heartbeat interval so an idle engine is not reaped (no busy polling)."""
@@ -515,11 +371,3 @@ class CacheClient:
                 self.ping()
             except (CacheServerUnavailable, CacheServerError, CacheServerRefused):
                 pass
-
-
-class CacheServerError(KVBridgeError):
-    """The server answered a request with an error (bad request, lease not owned, ...)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{message} ({code})")
-        self.code = code
