@@ -8,6 +8,6 @@ module + compose (DiscoverableModule, the plugin contract, composition by depend
 shm + pages + pool (the shared-memory segment; page states and watermarks; the paged L1 with leases),
 server_store (L1 in front of the ordinary L2 tiers, the background disk writer), server (the
 ROUTER loop), modules/ (the built-ins: lookup, storage, management, metrics), plugin_modules/
-(opt-in: kv_events), client (CacheClient), remote_store (the store interface CachedEngine uses),
+(opt-in: kv_events), connection (the client's socket thread), client (CacheClient), remote_store (the store interface CachedEngine uses),
 auth (the shared secret and the bind rule), cli (the command).
 """
