@@ -145,6 +145,7 @@ def test_a_server_that_went_away_is_one_line_and_the_panel_still_works(server_se
         view = server_view(state, stats)
         assert view.shown and "cannot be reached" in view.summary and running.url in view.summary
         assert f"python -m kvbridge cache-server --url {running.url}" in view.summary
+        assert f"./scripts/cache_server.sh start --url {running.url}" in view.summary
         assert "| kv_events |" not in view.summary and view.events == ""
         assert not view.page_map.data   # the empty figure with its hint
         assert "| L1 | 0 |" in h.store_markdown(stats)   # the tier table still renders

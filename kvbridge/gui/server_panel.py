@@ -67,8 +67,8 @@ def server_view(state: Any, stats: dict | None) -> ServerView:
 def unreachable_markdown(url: str) -> str:
     return (f"**The cache server at `{url}` cannot be reached** (KVB_STORE_URL). The engine keeps working "
             "without it: every lookup is a miss and prefixes are recomputed.\n\n"
-            f"Start it from the project folder: `python -m kvbridge cache-server --url {url}`, then press "
-            "**Refresh**: the engine reconnects by itself.")
+            f"Start it from the project folder: `./scripts/cache_server.sh start --url {url}` (in the background) "
+            f"or `python -m kvbridge cache-server --url {url}`, then press **Refresh**: the engine reconnects by itself.")
 
 
 def server_line(server: dict, status: dict) -> str:
