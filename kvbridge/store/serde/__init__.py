@@ -1,0 +1,39 @@
+"""Pluggable KV serialisation (LMCache's serde interface): how a tier turns a payload into bytes.
+
+    from kvbridge.store.serde import get_codec, pack, unpack, CodecMeta, CodecOptions
+    codec = get_codec("zstd", CodecOptions(zstd_level=3), setting="KVB_L2_SERDE")
+    framed = pack(codec, chunk_payload, CodecMeta(kind="chunk", geometry=geometry))
+    name, payload = unpack(framed)            # whatever codec wrote it; CorruptObject if damaged
+
+Place in the flow: ... -> encode_chunk -> **pack** -> tier put; tier get -> **unpack** ->
+decode_chunk -> assemble. Modules, in reading order: base (the Codec interface and the registry),
+frame (the framed bytes a tier stores), then one module per codec: raw, zstd, int8 (lossy).
+"""
+from kvbridge.store.serde.base import (
+    Codec,
+    CodecMeta,
+    CodecOptions,
+    UnknownCodecError,
+    broken_codecs,
+    codec_names,
+    get_codec,
+    register_codec,
+    unregister_codec,
+)
+from kvbridge.store.serde.frame import Frame, pack, read_frame, unpack
+
+__all__ = [
+    "Codec",
+    "CodecMeta",
+    "CodecOptions",
+    "Frame",
+    "UnknownCodecError",
+    "broken_codecs",
+    "codec_names",
+    "get_codec",
+    "pack",
+    "read_frame",
+    "register_codec",
+    "unpack",
+    "unregister_codec",
+]

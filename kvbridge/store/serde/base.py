@@ -1,0 +1,130 @@
+"""The codec interface and its registry: the one list of KV serialisations a tier may be set to.
+
+A codec turns a stored payload into the bytes a tier keeps and back (LMCache's serde interface).
+Codecs are stateless and configured once (CodecOptions, filled from Settings by whoever wires a
+tier); `lossless` is a class attribute checked in one place by that wiring, since a lossy codec
+changes what is restored and therefore belongs in the namespace. Adding a codec is one module that
+calls register_codec() plus one line in BUILTIN_CODECS.
+
+Deliberately left out: choosing a codec per tier, the namespace rule for lossy codecs, metrics.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from kvbridge.errors import BadSettings
+
+if TYPE_CHECKING:
+    from kvbridge.formats.llama_state import KVGeometry
+
+# Each module registers its codec(s) with register_codec() when imported.
+BUILTIN_CODECS = (
+    "kvbridge.store.serde.raw",
+    "kvbridge.store.serde.zstd",
+    "kvbridge.store.serde.int8",
+)
+CODEC_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}\Z")   # short ASCII: it is written into every frame
+
+
+class UnknownCodecError(BadSettings, KeyError):
+    """get_codec() got a name no codec is registered under; the message lists the known ones."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.args[0] if self.args else "unknown KV codec"
+
+
+@dataclass(frozen=True)
+class CodecOptions:
+    """Tunables of the codecs, from Settings (KVB_ZSTD_LEVEL); decoding never needs them."""
+
+    zstd_level: int = 3
+
+
+@dataclass(frozen=True)
+class CodecMeta:
+    """What a codec may know about the payload: its ObjectMeta.kind and the engine's KV geometry.
+
+    Lossless codecs ignore it. int8 needs the geometry to find the K and V rows of a chunk (the chunk
+    payload carries only its digest); without it, int8 stores the payload losslessly.
+    """
+
+    kind: str = "chunk"
+    geometry: "KVGeometry | None" = None
+
+
+class Codec:
+    """encode(payload, meta) -> bytes and decode(bytes, meta) -> payload; decode(encode(p)) has len(p).
+
+    decode raises kvbridge.store.objects.CorruptObject for bytes it cannot read (never another error).
+    """
+
+    name: ClassVar[str] = ""
+    lossless: ClassVar[bool] = True
+    blurb: ClassVar[str] = ""          # one line for the GUI and --help
+
+    def __init__(self, options: CodecOptions = CodecOptions()) -> None:
+        self.options = options
+
+    def encode(self, payload: Any, meta: CodecMeta | None = None) -> bytes:
+        raise NotImplementedError
+
+    def decode(self, data: Any, meta: CodecMeta | None = None) -> bytes:
+        raise NotImplementedError
+
+
+_CODECS: dict[str, type[Codec]] = {}
+_BROKEN_CODECS: dict[str, str] = {}     # module -> "ErrorType: message"
+_builtins_loaded = False
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    for module in BUILTIN_CODECS:
+        try:
+            importlib.import_module(module)
+        except ImportError as error:    # e.g. zstandard not installed: the other codecs keep working
+            _BROKEN_CODECS[module] = f"{type(error).__name__}: {error}"
+
+
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    """Add a codec class under cls.name (usable as a class decorator)."""
+    if not CODEC_NAME.match(cls.name or ""):
+        raise ValueError(f"codec name {cls.name!r} must match {CODEC_NAME.pattern}")
+    if _CODECS.get(cls.name, cls) is not cls:
+        raise ValueError(f"codec name {cls.name!r} already registered")
+    _CODECS[cls.name] = cls
+    return cls
+
+
+def unregister_codec(name: str) -> None:
+    """Remove a codec (tests register fakes and remove them again)."""
+    _CODECS.pop(name, None)
+
+
+def codec_names() -> list[str]:
+    _load_builtins()
+    return sorted(_CODECS)
+
+
+def broken_codecs() -> dict[str, str]:
+    """Built-in codec modules that did not import, with the error each raised."""
+    _load_builtins()
+    return dict(_BROKEN_CODECS)
+
+
+def get_codec(name: str, options: CodecOptions | None = None, setting: str | None = None) -> Codec:
+    """The codec registered as `name`, configured; `setting` names the variable the name came from."""
+    _load_builtins()
+    cls = _CODECS.get(name)
+    if cls is None:
+        where = f" (from {setting})" if setting else ""
+        broken = "".join(f"; {module} did not load: {error}" for module, error in _BROKEN_CODECS.items())
+        raise UnknownCodecError(f"unknown KV codec {name!r}{where}; known codecs: "
+                                f"{', '.join(sorted(_CODECS)) or 'none'}{broken}")
+    return cls(options or CodecOptions())
