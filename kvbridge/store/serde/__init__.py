@@ -1,7 +1,7 @@
 """Pluggable KV serialisation (LMCache's serde interface): how a tier turns a payload into bytes.
 
     from kvbridge.store.serde import get_codec, pack, unpack, CodecMeta, CodecOptions
-    codec = get_codec("zstd", CodecOptions(zstd_level=3), setting="KVB_L2_SERDE")
+    codec = get_codec("zstd", CodecOptions(zstd_level=3), setting="the L2 codec setting")
     framed = pack(codec, chunk_payload, CodecMeta(kind="chunk", geometry=geometry))
     name, payload = unpack(framed)            # whatever codec wrote it; CorruptObject if damaged
 

@@ -38,7 +38,7 @@ class UnknownCodecError(BadSettings, KeyError):
 
 @dataclass(frozen=True)
 class CodecOptions:
-    """Tunables of the codecs, from Settings (KVB_ZSTD_LEVEL); decoding never needs them."""
+    """Tunables of the codecs (the zstd level), from Settings once tiers use codecs; decoding never needs them."""
 
     zstd_level: int = 3
 

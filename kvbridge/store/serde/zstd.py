@@ -1,4 +1,4 @@
-"""`zstd`: lossless Zstandard compression at KVB_ZSTD_LEVEL (CodecOptions.zstd_level).
+"""`zstd`: lossless Zstandard compression at the configured level (CodecOptions.zstd_level; a setting once tiers use codecs).
 
 The zstd frame records the content size, so decoding needs no level and no metadata.
 A compressor is made per call: zstandard's objects are not safe to share between threads.
@@ -20,11 +20,11 @@ MIN_LEVEL, MAX_LEVEL = -7, 22     # negative levels: zstd's fast modes
 class ZstdCodec(Codec):
     name = "zstd"
     lossless = True
-    blurb = "lossless Zstandard compression (level KVB_ZSTD_LEVEL)"
+    blurb = "lossless Zstandard compression"
 
     def __init__(self, options: CodecOptions = CodecOptions()) -> None:
         if not MIN_LEVEL <= options.zstd_level <= MAX_LEVEL:
-            raise BadSettings(f"KVB_ZSTD_LEVEL must be {MIN_LEVEL}..{MAX_LEVEL}, got {options.zstd_level}")
+            raise BadSettings(f"the zstd level must be {MIN_LEVEL}..{MAX_LEVEL}, got {options.zstd_level}")
         super().__init__(options)
 
     def encode(self, payload: Any, meta: CodecMeta | None = None) -> bytes:
