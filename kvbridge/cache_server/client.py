@@ -185,8 +185,9 @@ class CacheClient:
     def store(self, key: bytes, blob, meta: ObjectMeta) -> tuple[bool, str]:
         """(stored, reason): through shared memory (prepare, copy, commit) or inline.
 
-        Through shared memory, True means the bytes are in the server's pages and committed without
-        waiting for the answer; under CRITICAL pressure the server may still revoke that write."""
+        Returns once the server has the object (the commit answered): an engine killed right after
+        loses nothing it was told was stored. A write revoked under CRITICAL pressure is (False,
+        "revoked"), and the server frees its pages itself."""
         wire = protocol.WireMeta.of(meta)
         segment = self._segment
         if segment is None:
@@ -200,13 +201,11 @@ class CacheClient:
         except BaseException:
             self._send(Kind.RELEASE, protocol.Release([prepared.lease_id]), wait=False)
             raise
-        # The commit is not waited for: it runs on this client's affinity thread before anything the
-        # client sends later, and if the lease was revoked meanwhile the server frees the pages itself.
-        self._send(Kind.STORE_COMMIT, protocol.StoreCommit(prepared.lease_id), wait=False)
-        return True, ""
+        committed = self._call(Kind.STORE_COMMIT, protocol.StoreCommit(prepared.lease_id), protocol.StoreReply)
+        return committed.stored, committed.reason
 
     def store_many(self, items: list[tuple[bytes, object, ObjectMeta]]) -> list[tuple[bool, str]]:
-        """store() for a prompt's objects: one prepare round trip for all of them, one commit sent after."""
+        """store() for a prompt's objects: one prepare round trip for all of them, one commit for all."""
         segment = self._segment
         if segment is None or not items:
             return [self.store(key, blob, meta) for key, blob, meta in items]
@@ -215,11 +214,13 @@ class CacheClient:
         prepared = self._call(Kind.STORE_PREPARE_MANY, request, protocol.PrepareManyReply).items
         leases: list[int] = []
         results: list[tuple[bool, str]] = []
+        written: list[int] = []   # indexes into results of the objects written into pages
         try:
             for (key, blob, meta), answer in zip(items, prepared):
                 if answer.accepted:
                     segment.write(list(answer.pages), blob)
                     leases.append(answer.lease_id)
+                    written.append(len(results))
                     results.append((True, ""))
                 else:
                     results.append((answer.reason == "exists", answer.reason))
@@ -228,7 +229,10 @@ class CacheClient:
             self._send(Kind.RELEASE, protocol.Release(unused + leases), wait=False)
             raise
         if leases:
-            self._send(Kind.STORE_COMMIT_MANY, protocol.StoreCommitMany(leases), wait=False)
+            committed = self._call(Kind.STORE_COMMIT_MANY, protocol.StoreCommitMany(leases), protocol.CommitManyReply)
+            for index, stored in zip(written, committed.stored):
+                if not stored:
+                    results[index] = (False, "revoked")
         return results
 
     def clear(self, tier: str) -> None:
