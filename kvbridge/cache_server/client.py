@@ -247,7 +247,7 @@ class CacheClient:
             return
         if self._hello is not None:   # the server drops this client's state (leases, its row) at once
             self._send(Kind.GOODBYE, None, wait=False)
-            # commits and the goodbye are not waited for: let them go out before the socket closes
+            # releases and the goodbye are not waited for: let them go out before the socket closes
             self._conn.settle(min(self.timeout_s, CLOSE_SETTLE_S), still_up=lambda: self._hello is not None)
         self._closing.set()
         if self._heartbeat.is_alive():

@@ -115,7 +115,7 @@ class RemoteStore:
         return stored
 
     def put_many(self, items: list[tuple[bytes, object, ObjectMeta]]) -> list[bool]:
-        """put() for a prompt's objects in one round trip (their commit is sent without waiting)."""
+        """put() for a prompt's objects: one prepare and one commit for all of them."""
         items = [(check_key(key), blob, meta) for key, blob, meta in items]
         self._counts["puts"] += len(items)
         try:

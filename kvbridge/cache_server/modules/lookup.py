@@ -22,8 +22,7 @@ class LookupModule(DiscoverableModule):
         return cls(build_ctx.server_context)
 
     def register_handlers(self, router) -> None:
-        # On the caller's affinity thread: after that client's earlier stores (whose commits it does
-        # not wait for), so a client always finds what it stored itself.
+        # On the caller's affinity thread, in order with that client's stores and releases.
         router.handle(Kind.LOOKUP, self.lookup, affinity=True, owner=self.module_name, fast=True)
 
     def lookup(self, call: Call) -> Answer:

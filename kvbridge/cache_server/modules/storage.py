@@ -1,7 +1,7 @@
 """StorageModule: retrieve, store, release, clear and flush through the server's store, and its pressure loop.
 
 Every request here runs on the calling client's affinity thread, in the order the client sent them
-(a client does not wait for its commits, so its later requests must not overtake them).
+(a release is not waited for, so the client's later requests must not overtake it).
 A same-host client gets read and write leases on shared-memory pages; any other client (or one
 that asked for inline bytes) gets and sends the bytes in a data frame. The module's background
 loop (once a second, and at once when a store meets pressure) revokes expired leases and evicts
@@ -49,7 +49,7 @@ class StorageModule(DiscoverableModule):
                          (Kind.STORE_COMMIT, self.commit), (Kind.STORE_PREPARE_MANY, self.prepare_many),
                          (Kind.STORE_COMMIT_MANY, self.commit_many)):   # page bookkeeping only: may run inline
             router.handle(kind, fn, affinity=True, owner=self.module_name, fast=True)
-        # clear and flush too: they must come after the caller's stores (commits are not waited for)
+        # clear and flush too: in order with the caller's stores and releases
         router.handle(Kind.CLEAR, self.clear, affinity=True, owner=self.module_name)
         router.handle(Kind.FLUSH, self.flush, affinity=True, owner=self.module_name)
 
