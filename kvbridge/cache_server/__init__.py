@@ -9,5 +9,5 @@ shm + pages + pool (the shared-memory segment; page states and watermarks; the p
 server_store (L1 in front of the ordinary L2 tiers, the background disk writer), server (the
 ROUTER loop), modules/ (the built-ins: lookup, storage, management, metrics), plugin_modules/
 (opt-in: kv_events), connection (the client's socket thread), client (CacheClient), remote_store (the store interface CachedEngine uses),
-auth (the shared secret and the bind rule), cli (the command).
+auth (the shared secret and the bind rule), liveness (when each client was last seen), cli (the command).
 """

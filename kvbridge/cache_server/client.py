@@ -180,7 +180,7 @@ class CacheClient:
             if hasattr(o, "segment"):
                 o.blob = None
         if ids:
-            self._send(Kind.RELEASE, protocol.Release(ids), wait=False)
+            self._send(Kind.RELEASE, protocol.Release(ids))
 
     def store(self, key: bytes, blob, meta: ObjectMeta) -> tuple[bool, str]:
         """(stored, reason): through shared memory (prepare, copy, commit) or inline.
@@ -199,7 +199,7 @@ class CacheClient:
         try:
             segment.write(list(prepared.pages), blob)
         except BaseException:
-            self._send(Kind.RELEASE, protocol.Release([prepared.lease_id]), wait=False)
+            self._send(Kind.RELEASE, protocol.Release([prepared.lease_id]))
             raise
         committed = self._call(Kind.STORE_COMMIT, protocol.StoreCommit(prepared.lease_id), protocol.StoreReply)
         return committed.stored, committed.reason
@@ -226,7 +226,7 @@ class CacheClient:
                     results.append((answer.reason == "exists", answer.reason))
         except BaseException:
             unused = [a.lease_id for a in prepared if a.accepted and a.lease_id not in leases]
-            self._send(Kind.RELEASE, protocol.Release(unused + leases), wait=False)
+            self._send(Kind.RELEASE, protocol.Release(unused + leases))
             raise
         if leases:
             committed = self._call(Kind.STORE_COMMIT_MANY, protocol.StoreCommitMany(leases), protocol.CommitManyReply)
@@ -246,7 +246,7 @@ class CacheClient:
         if self._closing.is_set():
             return
         if self._hello is not None:   # the server drops this client's state (leases, its row) at once
-            self._send(Kind.GOODBYE, None, wait=False)
+            self._send(Kind.GOODBYE, None)
             # releases and the goodbye are not waited for: let them go out before the socket closes
             self._conn.settle(min(self.timeout_s, CLOSE_SETTLE_S), still_up=lambda: self._hello is not None)
         self._closing.set()
@@ -280,7 +280,7 @@ class CacheClient:
 
         try:
             self._ensure_hello()
-            self._send(kind, request, wait=False).add_done_callback(finish)
+            self._send(kind, request).add_done_callback(finish)
         except BaseException as exc:
             outer.set_exception(exc)
         return outer
@@ -361,8 +361,8 @@ class CacheClient:
         except SegmentUnavailable as exc:
             log.info("cache server's shared memory not usable here (%s); bytes travel inline", exc)
 
-    def _send(self, kind: str, body: Any, data: tuple = (), wait: bool = True) -> Future:
-        """Hand a request to the connection; `wait` is documentation: callers that want the answer wait on it."""
+    def _send(self, kind: str, body: Any, data: tuple = ()) -> Future:
+        """Hand a request to the connection; a caller that wants the answer waits on the Future (see _call)."""
         return self._conn.send(kind, body, data)
 
     def _heartbeat_loop(self) -> None:

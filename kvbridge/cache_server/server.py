@@ -38,6 +38,7 @@ from kvbridge.cache_server import protocol
 from kvbridge.cache_server.auth import check_bind_url, read_token
 from kvbridge.cache_server.calls import Answer, Call, ClientInfo, RequestFailed
 from kvbridge.cache_server.context import ServerContext
+from kvbridge.cache_server.liveness import InstanceClock
 from kvbridge.cache_server.module import ComposedModules, ModuleSpec, compose
 from kvbridge.cache_server.protocol import Code, Kind
 from kvbridge.errors import BadSettings
@@ -52,19 +53,22 @@ _REPLY_ENDPOINT = "inproc://kvb-replies-{}"
 
 
 class ClientTable:
-    """Registered clients (hello) and when each was last heard from: the server's view of who is connected."""
+    """Registered clients (hello) and when each was last heard from: the server's view of who is connected.
+
+    A client's hello is its first touch on the clock, so one that has sent nothing since is given
+    the registration grace (InstanceClock's rule, the same the storage module applies).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._clients: dict[str, ClientInfo] = {}
-        self._last_seen: dict[str, float] = {}
-        self._requests: dict[str, int] = {}
+        self._clock = InstanceClock()
 
     def register(self, info: ClientInfo) -> None:
         with self._lock:
             self._clients[info.instance_id] = info
-            self._last_seen[info.instance_id] = time.time()
-            self._requests[info.instance_id] = 0
+            self._clock.forget(info.instance_id)
+            self._clock.touch(info.instance_id)
 
     def get(self, instance_id: str) -> ClientInfo | None:
         with self._lock:
@@ -73,29 +77,26 @@ class ClientTable:
     def touch(self, instance_id: str) -> None:
         with self._lock:
             if instance_id in self._clients:
-                self._last_seen[instance_id] = time.time()
-                self._requests[instance_id] += 1
+                self._clock.touch(instance_id)
 
     def remove(self, instance_id: str) -> bool:
         with self._lock:
-            self._last_seen.pop(instance_id, None)
-            self._requests.pop(instance_id, None)
+            self._clock.forget(instance_id)
             return self._clients.pop(instance_id, None) is not None
 
     def stale(self, timeout_s: float, grace_s: float) -> list[str]:
-        """Clients silent for timeout_s; one that registered and has sent nothing since gets grace_s."""
-        now = time.time()
-        with self._lock:
-            return [cid for cid, info in self._clients.items()
-                    if now - self._last_seen[cid] > (timeout_s if self._requests[cid] else max(timeout_s, grace_s))]
+        return self._clock.stale(timeout_s, grace_s)
 
     def snapshot(self) -> list[dict]:
-        now = time.time()
+        now, clock_now = time.time(), self._clock.now()
         with self._lock:
-            return [{"instance_id": cid, "priority": info.priority, "pid": info.pid, "hostname": info.hostname,
-                     "label": info.label, "connected_s": round(now - info.registered_at, 1),
-                     "idle_s": round(now - self._last_seen[cid], 1), "requests": self._requests[cid]}
-                    for cid, info in self._clients.items()]
+            rows = []
+            for cid, info in self._clients.items():
+                _, last, touches = self._clock.seen(cid) or (clock_now, clock_now, 1)
+                rows.append({"instance_id": cid, "priority": info.priority, "pid": info.pid, "hostname": info.hostname,
+                             "label": info.label, "connected_s": round(now - info.registered_at, 1),
+                             "idle_s": round(clock_now - last, 1), "requests": touches - 1})
+            return rows
 
     def __len__(self) -> int:
         with self._lock:
@@ -399,6 +400,3 @@ class CacheServer:
             shm_nonce=self.store.segment.nonce if shm_ok else b"",
             page_bytes=self.store.segment.page_bytes, modules=[m.module_name for m in self.modules.modules]))
 
-
-def hostname() -> str:
-    return socket.gethostname()

@@ -196,7 +196,7 @@ class Segment:
     def view(self, pages: list[int], size: int) -> memoryview | None:
         """Zero-copy: exactly `size` bytes over pages that are consecutive (p, p+1, ...); None when they are not."""
         self._check_size(pages, size)
-        if not pages or any(b != a + 1 for a, b in zip(pages, pages[1:])):
+        if not contiguous(pages):
             return None
         start = self._page_start(pages[0])
         self._page_start(pages[-1])  # bounds
@@ -206,7 +206,7 @@ class Segment:
         """Gather `size` bytes from the pages, in order, into out[:size]."""
         self._check_size(pages, size)
         mapped, out = self._mapped(), memoryview(out).cast("B")
-        if pages and all(b == a + 1 for a, b in zip(pages, pages[1:])):
+        if contiguous(pages):
             start = self._page_start(pages[0])
             out[:size] = mapped[start:start + size]
             return
@@ -233,7 +233,7 @@ class Segment:
         data = memoryview(data).cast("B")
         self._check_size(pages, len(data))
         mapped = self._mapped()
-        if pages and all(b == a + 1 for a, b in zip(pages, pages[1:])):
+        if contiguous(pages):
             start = self._page_start(pages[0])
             mapped[start:start + len(data)] = data   # one copy for a contiguous run (the usual case)
             return
@@ -300,6 +300,11 @@ def stale_segments(directory: Path = DEFAULT_DIRECTORY, prefix: str = DEFAULT_PR
         if not _pid_alive(int(match.group(2))):
             stale.append(path)
     return stale
+
+
+def contiguous(pages) -> bool:
+    """Whether the pages are one run p, p+1, ... (then one slice of the mapping covers them)."""
+    return bool(pages) and all(b == a + 1 for a, b in zip(pages, pages[1:]))
 
 
 def _pid_alive(pid: int) -> bool:

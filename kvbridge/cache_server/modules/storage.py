@@ -15,7 +15,7 @@ import threading
 
 from kvbridge.cache_server.calls import Answer, Call, RequestFailed
 from kvbridge.cache_server.module import DiscoverableModule, ModuleBuildContext
-from kvbridge.cache_server.modules._liveness import InstanceClock
+from kvbridge.cache_server.liveness import InstanceClock
 from kvbridge.cache_server.pool import LeaseNotOwned, StoreRefused, UnknownLease
 from kvbridge.cache_server.protocol import (Code, CommitManyReply, FlushReply, Kind, PrepareManyReply, PrepareReply,
                                             RetrieveManyReply, RetrieveReply, StoreReply, WireMeta)

@@ -1,4 +1,5 @@
-"""InstanceClock: when each client instance was first and last seen, for modules that are liveness targets."""
+"""InstanceClock: when each client instance was first and last seen (the server's client table and
+the storage module, a liveness target, both keep one)."""
 from __future__ import annotations
 
 import threading
@@ -29,6 +30,14 @@ class InstanceClock:
         with self._lock:
             return [iid for iid, (first, last, touches) in self._seen.items()
                     if now - last > (reap_timeout_s if touches > 1 else max(reap_timeout_s, registration_grace_s))]
+
+    def seen(self, instance_id: str) -> tuple[float, float, int] | None:
+        """(first seen, last seen, touches) on this clock, or None for an instance it does not know."""
+        with self._lock:
+            return self._seen.get(instance_id)
+
+    def now(self) -> float:
+        return self._clock()
 
     def forget(self, instance_id: str) -> None:
         with self._lock:
