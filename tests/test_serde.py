@@ -164,7 +164,7 @@ def test_int8_stores_bf16_and_quantised_kv_losslessly_and_says_why(k_type, v_typ
     assert unpack(framed) == ("int8", payload)
 
 
-@pytest.mark.parametrize("meta,why", [(None, "no KV geometry"), (CodecMeta("snapshot", None), "no KV geometry"),
+@pytest.mark.parametrize("meta,why", [(None, "no KV geometry"), (CodecMeta("snapshot", None), "not a chunk payload"),
                                       ("snapshot", "not a chunk payload"), ("other-geometry", "not a chunk of this")])
 def test_int8_stores_what_is_not_a_chunk_losslessly(meta, why):
     payload, geometry = synthetic_chunk()

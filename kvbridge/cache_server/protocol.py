@@ -91,15 +91,19 @@ class WireMeta(msgspec.Struct, array_like=True):
     note: str = ""
     created: float = 0.0
     last_used: float = 0.0
+    codec: str = "raw"
+    lossy: str = ""
 
     @classmethod
     def of(cls, meta: ObjectMeta) -> "WireMeta":
-        return cls(meta.namespace, meta.n_tokens, meta.tokens_digest, meta.kind, meta.note, meta.created, meta.last_used)
+        return cls(meta.namespace, meta.n_tokens, meta.tokens_digest, meta.kind, meta.note, meta.created,
+                   meta.last_used, meta.codec, meta.lossy)
 
     def to_meta(self) -> ObjectMeta:
         """Raises ValueError when a field is out of range (ObjectMeta checks itself)."""
         return ObjectMeta(namespace=self.namespace, n_tokens=self.n_tokens, tokens_digest=self.tokens_digest,
-                          kind=self.kind, note=self.note, created=self.created, last_used=self.last_used)
+                          kind=self.kind, note=self.note, created=self.created, last_used=self.last_used,
+                          codec=self.codec, lossy=self.lossy)
 
 
 class Hello(msgspec.Struct):

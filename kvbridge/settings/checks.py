@@ -71,6 +71,7 @@ def _value_problems(s: Settings) -> list[str]:
     )
     problems += [message for failed, message in rules if failed]
     problems += _cache_server_problems(s)
+    problems += _l3_problems(s)
     urls = (("KVB_OLLAMA_URL", s.ollama_url), ("KVB_CLOUD_BASE_URL", s.cloud_base_url),
             ("KVB_LLAMA_SERVER_URL", s.llama_server_url))
     for var, value in urls:
@@ -125,6 +126,59 @@ def _cache_server_problems(s: Settings) -> list[str]:
     if s.cache_server_token_env and not s.cache_server_token_env.replace("_", "").isalnum():
         problems.append(f"KVB_CACHE_SERVER_TOKEN_ENV={s.cache_server_token_env!r} must be the NAME of an environment "
                         "variable (like CACHE_SERVER_SECRET), not the secret itself")
+    return problems
+
+
+L3_SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys", "redis-cluster")
+
+
+def l3_url_problem(url: str) -> str | None:
+    """A message when KVB_L3_URL is not an address redis-py can use, else None."""
+    scheme, sep, rest = url.partition("://")
+    example = "redis://127.0.0.1:6379/0 (or rediss://, unix:///path, valkey://, redis-cluster://h:p,h:p)"
+    if not sep or scheme not in L3_SCHEMES:
+        return f"KVB_L3_URL={url!r} is not a Redis address; use {example}"
+    if scheme == "unix":
+        return None if rest.startswith("/") else f"KVB_L3_URL={url!r}: a unix socket needs an absolute path (unix:///run/redis.sock)"
+    hosts = rest.split("/", 1)[0].rpartition("@")[2].split(",")
+    for host in hosts:
+        name, colon, port = host.rpartition(":")
+        if colon and not (name and port.isdigit() and 1 <= int(port) <= 65535):
+            return f"KVB_L3_URL={url!r}: {host!r} is not host:port; use {example}"
+        if not colon and not host:
+            return f"KVB_L3_URL={url!r} names no host; use {example}"
+    if "@" in rest.split("/", 1)[0] and ":" in rest.split("@", 1)[0]:
+        return (f"KVB_L3_URL carries a password; put the password in a variable and name it in "
+                "KVB_L3_PASSWORD_ENV instead (it is never written to .env, logs or exports)")
+    return None
+
+
+def _l3_problems(s: Settings) -> list[str]:
+    """The remote tier and the codecs of the persistent tiers."""
+    from kvbridge.store.serde import UnknownCodecError, get_codec
+
+    problems = []
+    for var, name in (("KVB_L2_SERDE", s.l2_serde), ("KVB_L3_SERDE", s.l3_serde)):
+        try:
+            get_codec(name, setting=var)
+        except UnknownCodecError as error:
+            problems.append(str(error))
+    rules = (
+        (not -7 <= s.zstd_level <= 22, f"KVB_ZSTD_LEVEL={s.zstd_level} must be -7 to 22 (3 is zstd's default)"),
+        (s.l3_timeout <= 0, f"KVB_L3_TIMEOUT={s.l3_timeout} must be more than 0 seconds"),
+        (s.l3_ttl < 0, f"KVB_L3_TTL={s.l3_ttl} cannot be negative (0: objects live until the server evicts them)"),
+        (s.l3_write_queue < 1, f"KVB_L3_WRITE_QUEUE={s.l3_write_queue} must be at least 1"),
+        (not s.l3_prefix or not all(c.isalnum() or c in "-_.:" for c in s.l3_prefix),
+         f"KVB_L3_PREFIX={s.l3_prefix!r} must be letters, digits and - _ . : only (default kvb)"),
+    )
+    problems += [message for failed, message in rules if failed]
+    if s.l3_url:
+        message = l3_url_problem(s.l3_url)
+        if message:
+            problems.append(message)
+    if s.l3_password_env and not s.l3_password_env.replace("_", "").isalnum():
+        problems.append(f"KVB_L3_PASSWORD_ENV={s.l3_password_env!r} must be the NAME of an environment variable "
+                        "(like REDIS_PASSWORD), not the password itself")
     return problems
 
 

@@ -54,6 +54,16 @@ class Settings:
     l2_dir: str = str(Path("~/.cache/kvbridge/l2").expanduser())
     l2_bytes: int = 8 << 30
     l2_enabled: bool = True
+    l2_serde: str = "raw"             # how L2 stores KV: raw, zstd (lossless), int8 (lossy: part of the namespace)
+    # L3: a Redis / Valkey server or Redis Cluster shared by hosts (empty: none)
+    l3_url: str = ""                  # redis://, rediss://, unix://, valkey://, redis-cluster://h:p[,h:p...]
+    l3_password_env: str = ""         # the NAME of the variable holding the password; never the password
+    l3_prefix: str = "kvb"            # every key KVBridge writes starts with "<prefix>:"
+    l3_timeout: float = 2.0           # seconds any one L3 call may take before it is a miss
+    l3_ttl: float = 0.0               # seconds an L3 object lives; 0: until the server evicts it
+    l3_serde: str = "raw"
+    l3_write_queue: int = 64          # objects waiting to be written to L3 behind the request
+    zstd_level: int = 3               # the zstd codec's level (1 fast .. 19 small)
     prefer_lmcache_hasher: bool = False
     # the cache server (python -m kvbridge cache-server); KVB_STORE_URL set: engines use it, not an embedded store
     store_url: str = ""               # tcp://127.0.0.1:5555 or ipc:///path; empty: the embedded store

@@ -57,6 +57,7 @@ from kvbridge.store.diskformat import (
 )
 from kvbridge.errors import BadSettings
 from kvbridge.store.objects import CorruptObject, ObjectMeta, ObjectVanished, StoreFault
+from kvbridge.store.serde.tier import TierCodec
 from kvbridge.store.tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -113,8 +114,10 @@ class DiskTier(Tier):
 
     persistent = True
 
-    def __init__(self, directory: str | os.PathLike, capacity: int, name: str = "L2", owner: str = "embedded") -> None:
+    def __init__(self, directory: str | os.PathLike, capacity: int, name: str = "L2", owner: str = "embedded",
+                 codec: TierCodec | None = None) -> None:
         super().__init__(name, capacity)
+        self.codec = codec if codec is not None else TierCodec()
         self.directory = Path(directory).expanduser()
         self.location = str(self.directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -262,7 +265,7 @@ class DiskTier(Tier):
             return None
         path = self.path_for(key)
         try:
-            blob, meta = read_object_file(path, key)  # outside the lock: tens of MB
+            stored, meta = read_object_file(path, key)  # outside the lock: tens of MB
         except FileNotFoundError:
             with self._lock:
                 self._index_file_locked(path, key)  # forgets it, unless a put has replaced it since
@@ -278,13 +281,13 @@ class DiskTier(Tier):
             entry = self._index.get(key)
             if entry is not None:  # else removed while we read (clear, eviction): it stays removed
                 entry.last_used = now
-                if entry.size != len(blob):  # replaced while we read, here or by another process
+                if entry.size != len(stored):  # replaced while we read, here or by another process
                     self._index_file_locked(path, key)
         try:
             os.utime(path, (now, now))  # the recency order survives a restart via mtime
         except OSError:
             pass  # removed right after we read it, or not ours to touch; costs recency only
-        return blob, meta
+        return TierCodec.decode(stored, meta), meta  # CorruptObject (counted) when it cannot be decoded
 
     def _drop_if_still_bad_locked(self, path: Path, key: bytes) -> None:
         """A read found the file bad; a put may have replaced it since, so check again before dropping."""
@@ -302,6 +305,7 @@ class DiskTier(Tier):
     def put(self, key: bytes, blob: bytes, meta: ObjectMeta) -> bool:
         path = self.path_for(key)
         try:
+            blob, meta = self.codec.encode(blob, meta)
             path.parent.mkdir(mode=0o700, exist_ok=True)
             temp = write_temp_file(path, key, blob, meta)  # outside the lock: the slow part
         except (OSError, StoreFault) as exc:
@@ -311,7 +315,7 @@ class DiskTier(Tier):
             with self._lock:
                 os.replace(temp, path)
                 self._newer_format.discard(key)
-                self._set_locked(key, _IndexEntry(len(blob), meta, time.time()))
+                self._set_locked(key, _IndexEntry(memoryview(blob).nbytes, meta, time.time()))
         except OSError as exc:
             unlink_quietly(temp)
             log.warning("L2: object not stored in %s: %s", self.directory, exc)

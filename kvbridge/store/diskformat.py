@@ -50,6 +50,7 @@ TEMP_SUFFIX = ".tmp"
 MAX_META_BYTES = 64 << 10
 _FIXED = struct.Struct("<8sIHIQ32s")
 _HEADER_SUM_BYTES = 16
+FIXED_BYTES = _FIXED.size     # enough to learn a header's whole length (header_length)
 
 
 class UnsupportedVersion(CorruptObject):
@@ -69,38 +70,62 @@ class Header:
     header_len: int
 
 
-def encode_header(key: bytes, meta: ObjectMeta, payload: bytes) -> bytes:
+def encode_header(key: bytes, meta: ObjectMeta, payload: bytes, magic: bytes = MAGIC) -> bytes:
+    """The checked header written before `payload` (L3 values use it too, with their own magic)."""
     meta_json = meta.to_json()
     if len(meta_json) > MAX_META_BYTES:
         raise UnstorableObject(f"object metadata is {len(meta_json)} bytes; at most {MAX_META_BYTES} (shorten the note)")
     payload_sum = blake3.blake3(payload, max_threads=blake3.blake3.AUTO).digest()
-    head = _FIXED.pack(MAGIC, FORMAT_VERSION, len(key), len(meta_json), len(payload), payload_sum) + key + meta_json
+    head = _FIXED.pack(magic, FORMAT_VERSION, len(key), len(meta_json), memoryview(payload).nbytes,
+                       payload_sum) + key + meta_json
     return head + blake3.blake3(head).digest(length=_HEADER_SUM_BYTES)
+
+
+def header_length(fixed: bytes, magic: bytes = MAGIC) -> int:
+    """The whole header's length, from its first FIXED_BYTES; CorruptObject when they are not a header."""
+    if len(fixed) < _FIXED.size:
+        raise CorruptObject("truncated header")
+    found_magic, version, key_len, meta_len, _, _ = _FIXED.unpack_from(fixed, 0)
+    if found_magic != magic:
+        raise CorruptObject("not a KVBridge object (bad magic)")
+    if version != FORMAT_VERSION:
+        raise UnsupportedVersion(version)
+    if not 0 < key_len <= MAX_KEY_BYTES or meta_len > MAX_META_BYTES:
+        raise CorruptObject("implausible header lengths")
+    return _FIXED.size + key_len + meta_len + _HEADER_SUM_BYTES
+
+
+def parse_header(buf: bytes, total_size: int, magic: bytes = MAGIC) -> Header:
+    """Check the header at the start of `buf` (which may hold more) of an object `total_size` long."""
+    header_len = header_length(bytes(buf[:_FIXED.size]), magic)
+    if len(buf) < header_len:
+        raise CorruptObject("truncated header")
+    _, _, key_len, _, payload_len, payload_sum = _FIXED.unpack_from(buf, 0)
+    head = bytes(buf[:header_len - _HEADER_SUM_BYTES])
+    if blake3.blake3(head).digest(length=_HEADER_SUM_BYTES) != bytes(buf[header_len - _HEADER_SUM_BYTES:header_len]):
+        raise CorruptObject("header checksum mismatch")
+    if total_size != header_len + payload_len:
+        raise CorruptObject(f"object is {total_size} bytes, its header says {header_len + payload_len} (truncated?)")
+    meta = ObjectMeta.from_json(head[_FIXED.size + key_len:])
+    return Header(head[_FIXED.size:_FIXED.size + key_len], meta, payload_len, payload_sum, header_len)
+
+
+def decode_object(value: bytes, expected_key: bytes, magic: bytes = MAGIC) -> tuple[memoryview, ObjectMeta]:
+    """A whole object held in memory (an L3 value): its payload (a view) and metadata; CorruptObject when bad."""
+    header = parse_header(value, len(value), magic)
+    if header.key != expected_key:
+        raise CorruptObject("the object holds another key")
+    payload = memoryview(value)[header.header_len:]
+    if blake3.blake3(payload, max_threads=blake3.blake3.AUTO).digest() != header.payload_sum:
+        raise CorruptObject("payload checksum mismatch")
+    return payload, header.meta
 
 
 def read_header(stream: BinaryIO, file_size: int) -> Header:
     """Parse and check the header; the stream is left at the payload. Raises CorruptObject."""
     fixed = stream.read(_FIXED.size)
-    if len(fixed) < _FIXED.size:
-        raise CorruptObject("truncated header")
-    magic, version, key_len, meta_len, payload_len, payload_sum = _FIXED.unpack(fixed)
-    if magic != MAGIC:
-        raise CorruptObject("not a KVBridge object file (bad magic)")
-    if version != FORMAT_VERSION:
-        raise UnsupportedVersion(version)
-    if not 0 < key_len <= MAX_KEY_BYTES or meta_len > MAX_META_BYTES:
-        raise CorruptObject("implausible header lengths")
-    rest = stream.read(key_len + meta_len + _HEADER_SUM_BYTES)
-    if len(rest) < key_len + meta_len + _HEADER_SUM_BYTES:
-        raise CorruptObject("truncated header")
-    body, header_sum = rest[:-_HEADER_SUM_BYTES], rest[-_HEADER_SUM_BYTES:]
-    if blake3.blake3(fixed + body).digest(length=_HEADER_SUM_BYTES) != header_sum:
-        raise CorruptObject("header checksum mismatch")
-    header_len = _FIXED.size + len(rest)
-    if file_size != header_len + payload_len:
-        raise CorruptObject(f"file is {file_size} bytes, header says {header_len + payload_len} (truncated?)")
-    meta = ObjectMeta.from_json(body[key_len:])
-    return Header(body[:key_len], meta, payload_len, payload_sum, header_len)
+    rest = stream.read(header_length(fixed) - len(fixed))
+    return parse_header(fixed + rest, file_size)
 
 
 def read_header_file(path: Path) -> Header:

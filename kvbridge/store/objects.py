@@ -59,6 +59,8 @@ class ObjectMeta:
     note: str = ""
     created: float = field(default_factory=time.time)
     last_used: float = 0.0
+    codec: str = "raw"    # how the tier it was read from stores the payload (kvbridge.store.serde)
+    lossy: str = ""       # the lossy codec the payload once passed through ("" = exact KV); sticky
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -88,6 +90,8 @@ class ObjectMeta:
                 note=str(record["note"]),
                 created=float(record["created"]),
                 last_used=float(record["last_used"]),
+                codec=str(record.get("codec", "raw")),     # objects written before codecs existed
+                lossy=str(record.get("lossy", "")),
             )
         except (UnicodeDecodeError, ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
             raise CorruptObject(f"unreadable metadata: {exc}") from exc

@@ -1,10 +1,17 @@
-"""TieredStore: an ordered list of tiers (L1 RAM, L2 disk, later L3), each paired with an LRU policy.
+"""TieredStore: an ordered list of tiers (L1 RAM, L2 disk, L3 Redis), each paired with an LRU policy.
 
 Flow: the engine hashes a prompt into chunk keys, asks `lookup` how many leading chunks are stored,
 `get`s them (an L2 hit is promoted into L1) and restores them; after generating it `put`s the new
 chunks. A put goes into the first tier that can hold it and also into every persistent tier
 (write-through), so a restart finds it; the engine calls put off the TTFT path, so the disk
 write costs no latency a user sees. An L1 eviction demotes the object to L2 unless L2 has it.
+
+Remote tiers (L3) are written behind the request: their copies (a put's write-through, a demotion,
+and the L2 copy of an object promoted from L3) go to one background writer with a bounded queue
+(KVB_L3_WRITE_QUEUE); a full queue skips the write and counts it (`behind_dropped`). flush() waits
+for it. A lookup asks every tier about the hashes no tier here knows in one call per tier
+(`discover_many`: one round trip to a remote tier); get_many reads a remote tier's objects in one.
+A hit in a slower tier is promoted into every faster one: RAM at once, persistent tiers behind.
 
 A storage fault is a miss, counted in stats() and logged, never an exception: the caller then
 recomputes. get/put/lookup/contains/flush raise no storage error at all (a full disk is a skipped
@@ -29,6 +36,7 @@ from typing import Iterable, Iterator, Sequence
 
 from kvbridge.settings import Settings, env_name
 from kvbridge.errors import BadSettings
+from kvbridge.store.behind import BehindWriter
 from kvbridge.store.disk import DiskTier
 from kvbridge.store.objects import (
     TIER_NONE,
@@ -41,6 +49,7 @@ from kvbridge.store.objects import (
     check_key,
 )
 from kvbridge.store.policy import LRUPolicy
+from kvbridge.store.serde.tier import TierCodec
 from kvbridge.store.tiers import MemoryTier, Tier
 
 log = logging.getLogger(__name__)
@@ -57,7 +66,7 @@ class TieredStore:
 
     shared = False   # tiers of this process (L2 files excepted): an engine restart may empty L1
 
-    def __init__(self, tiers: Sequence[Tier], namespace: str | None = None) -> None:
+    def __init__(self, tiers: Sequence[Tier], namespace: str | None = None, write_queue: int = 64) -> None:
         names = [tier.name for tier in tiers]
         if len(set(names)) != len(names) or TIER_NONE in names:
             raise ValueError(f"tier names must be unique and not {TIER_NONE!r}: {names}")
@@ -69,6 +78,8 @@ class TieredStore:
         self._evictions: Counter[str] = Counter()
         self._doomed: dict[str, set[bytes]] = {tier.name: set() for tier in tiers}  # cleared while pinned
         self._all_persistent = all(tier.persistent for tier in tiers)
+        self._any_remote = any(tier.remote for tier in tiers)
+        self._behind = BehindWriter(self._write_behind, write_queue, name="kvbridge-store-behind")
         for index, level in enumerate(self._levels):
             level.policy.seed(level.tier.entries())
             with self._lock:
@@ -78,9 +89,11 @@ class TieredStore:
     @classmethod
     def from_settings(cls, settings: Settings, namespace: str | None = None, *, with_l1: bool = True,
                       owner: str = "embedded") -> "TieredStore":
-        """[L1 (KVB_L1_BYTES)] + [L2 (KVB_L2_DIR, KVB_L2_BYTES) when KVB_L2_ENABLED].
+        """[L1 (KVB_L1_BYTES)] + [L2 (KVB_L2_DIR, KVB_L2_BYTES, KVB_L2_SERDE) when KVB_L2_ENABLED]
+        + [L3 (KVB_L3_URL and the other KVB_L3_ settings) when KVB_L3_URL is set].
 
         with_l1=False, owner="cache-server": the tiers below the cache server's shared-memory L1.
+        An unreachable L3 is not an error here: it is marked down and retried (see redis_tier).
 
         An unusable KVB_L2_DIR is a BadSettings error, not a silent fallback to L1 only: a user who
         asked for a persistent cache should learn at start that they are not getting one.
@@ -88,14 +101,19 @@ class TieredStore:
         tiers: list[Tier] = [MemoryTier(settings.l1_bytes)] if with_l1 else []
         if settings.l2_enabled:
             try:
-                tiers.append(DiskTier(settings.l2_dir, settings.l2_bytes, owner=owner))
+                codec = TierCodec.named(settings.l2_serde, settings.zstd_level, setting=env_name("l2_serde"))
+                tiers.append(DiskTier(settings.l2_dir, settings.l2_bytes, owner=owner, codec=codec))
             except OSError as exc:
                 raise BadSettings(
                     f"{env_name('l2_dir')}={settings.l2_dir!s} cannot be used for the L2 cache: "
                     f"{exc.strerror or exc}. Point {env_name('l2_dir')} at a writable directory, "
                     f"or set {env_name('l2_enabled')}=false to run with L1 only."
                 ) from None
-        return cls(tiers, namespace=namespace)
+        if settings.l3_url:
+            from kvbridge.store.redis_tier import RedisTier   # redis-py is loaded only when L3 is used
+
+            tiers.append(RedisTier.from_settings(settings))
+        return cls(tiers, namespace=namespace, write_queue=settings.l3_write_queue)
 
     @property
     def tiers(self) -> list[Tier]:
@@ -106,6 +124,12 @@ class TieredStore:
         """The tiers' names, fastest first: the one source of tier names and order for the engine,
         the GUI and the charts (a new tier, e.g. a remote L3, appears everywhere by being in the list)."""
         return [level.tier.name for level in self._levels]
+
+    @property
+    def lossy_codecs(self) -> list[str]:
+        """Lossy codecs a tier here writes with (the engine puts them into its namespace)."""
+        return sorted({tier.codec.name for tier in self.tiers
+                       if getattr(tier, "codec", None) is not None and not tier.codec.lossless})
 
     def slower(self, tier_a: str, tier_b: str) -> str:
         """The slower of two tier names by the store's order ("none", no tier, counts as the fastest)."""
@@ -120,10 +144,10 @@ class TieredStore:
         process), and the caller treats that as a shorter hit.
         """
         expected = self.namespace if namespace is None else namespace
+        keys = [check_key(key) for key in hashes]
+        holders = self._holders(keys)
         tiers: list[str] = []
-        for key in hashes:
-            key = check_key(key)
-            index = self._holder(key, pin=False)
+        for key, index in zip(keys, holders):
             if index is None:
                 break
             meta = self._levels[index].tier.meta(key)
@@ -153,8 +177,14 @@ class TieredStore:
         finally:
             with self._lock:
                 self._unpin_locked(level, key)
+        return self._finish_get(index, key, found, expected)
+
+    def _finish_get(self, index: int, key: bytes, found: tuple[bytes, ObjectMeta] | None,
+                    expected: str | None) -> StoredObject | None:
+        """Count a read of level `index` and promote a hit into the faster levels."""
         if found is None:
             return self._miss()
+        level = self._levels[index]
         blob, meta = found
         if expected is not None and meta.namespace != expected:
             self._count("foreign")
@@ -166,13 +196,57 @@ class TieredStore:
                 # Recent in the copies below too, so L2 does not evict what L1 keeps serving
                 # (L1 would later demote it back with a full rewrite).
                 other.policy.on_hit(key)
-        if index > 0 and self._put_into(0, key, blob, meta):
-            self._count("promotions")
+        for faster in range(index):
+            if self._levels[faster].tier.persistent:   # a disk copy of a remote hit: behind the request
+                self._queue_write(faster, key, blob, meta, "promotions")
+            elif self._put_into(faster, key, blob, meta):
+                self._count("promotions")
         return StoredObject(blob, replace(meta, last_used=time.time()), level.tier.name)
 
     def get_many(self, keys: list[bytes], namespace: str | None = None) -> list[StoredObject | None]:
-        """get() for each key (a remote store answers these in one round trip)."""
-        return [self.get(key, namespace) for key in keys]
+        """get() for each key; a remote tier's objects are read in one round trip."""
+        keys = [check_key(key) for key in keys]
+        expected = self.namespace if namespace is None else namespace
+        holders = [self._holder(key, pin=True) for key in keys]
+        found: dict[int, tuple[bytes, ObjectMeta] | None] = {}
+        for index, level in enumerate(self._levels):
+            mine = [at for at, holder in enumerate(holders) if holder == index]
+            if not mine:
+                continue
+            try:
+                if level.tier.remote:
+                    results = level.tier.get_many([keys[at] for at in mine])
+                    for at, result in zip(mine, results):
+                        found[at] = self._read_result(level, keys[at], result)
+                else:
+                    for at in mine:
+                        found[at] = self._read(level, keys[at])
+            finally:
+                with self._lock:
+                    for at in mine:
+                        self._unpin_locked(level, keys[at])
+        return [self._miss() if holder is None else self._finish_get(holder, key, found.get(at), expected)
+                for at, (key, holder) in enumerate(zip(keys, holders))]
+
+    def _holders(self, keys: list[bytes]) -> list[int | None]:
+        """For each key the fastest level holding it; keys no level knows are discovered in one call per tier."""
+        with self._lock:
+            holders = [next((index for index, level in enumerate(self._levels) if key in level.policy), None)
+                       for key in keys]
+        for index, level in enumerate(self._levels):
+            missing = [at for at, holder in enumerate(holders) if holder is None]
+            if not missing:
+                break
+            sizes = level.tier.discover_many([keys[at] for at in missing])   # I/O outside the lock
+            for at, size in zip(missing, sizes):
+                if size is None:
+                    continue
+                with self._lock:
+                    if self._sync_locked(level, keys[at]) is None:
+                        continue   # removed again meanwhile
+                    self._counts["discovered"] += 1
+                holders[at] = index
+        return holders
 
     def _holder(self, key: bytes, pin: bool) -> int | None:
         """Index of the fastest level holding key (pinned there if asked), discovering shared files."""
@@ -198,20 +272,29 @@ class TieredStore:
         """tier.get with every storage fault turned into a counted miss."""
         try:
             found = level.tier.get(key)
-        except CorruptObject:
-            found, reason = None, "corrupt"  # the tier logged what was wrong and dropped it
-        except ObjectVanished:
-            found, reason = None, "vanished"
         except StoreFault as fault:
-            log.warning("%s: read failed for %s: %s", level.tier.name, key.hex()[:16], fault)
-            found, reason = None, "read_errors"
+            found = fault
+        return self._read_result(level, key, found)
+
+    def _read_result(self, level: _Level, key: bytes,
+                     found: tuple[bytes, ObjectMeta] | StoreFault | None) -> tuple[bytes, ObjectMeta] | None:
+        """A tier's answer for one key, a fault turned into a counted miss."""
+        if isinstance(found, CorruptObject):
+            reason = "corrupt"  # the tier logged what was wrong and dropped it
+        elif isinstance(found, ObjectVanished) or found is None:
+            reason = "vanished"
+        elif isinstance(found, StoreFault):
+            if level.tier.remote:   # down or slow: the tier counted and logged it once
+                reason = "remote_errors"
+            else:
+                log.warning("%s: read failed for %s: %s", level.tier.name, key.hex()[:16], found)
+                reason = "read_errors"
         else:
-            reason = "" if found is not None else "vanished"
-        if found is None:
-            with self._lock:
-                self._counts[reason] += 1
-                self._sync_locked(level, key)  # dropped, or replaced meanwhile by a good copy
-        return found
+            return found
+        with self._lock:
+            self._counts[reason] += 1
+            self._sync_locked(level, key)  # dropped, or replaced meanwhile by a good copy
+        return None
 
     def _miss(self) -> None:
         self._count("misses")
@@ -230,7 +313,9 @@ class TieredStore:
         for index, level in enumerate(self._levels):
             if stored and not level.tier.persistent:
                 continue  # already in a faster tier; only persistent tiers get a write-through copy
-            if self._put_into(index, key, blob, meta):
+            if level.tier.remote:
+                stored = self._queue_write(index, key, blob, meta, "written_behind") or stored
+            elif self._put_into(index, key, blob, meta):
                 stored = True
         if not stored:
             self._count("put_failures")
@@ -239,6 +324,22 @@ class TieredStore:
     def put_many(self, items: list[tuple[bytes, bytes, ObjectMeta]]) -> list[bool]:
         """put() for each (key, blob, meta) (a remote store stores them in one round trip)."""
         return [self.put(key, blob, meta) for key, blob, meta in items]
+
+    def _queue_write(self, index: int, key: bytes, blob, meta: ObjectMeta, counter: str) -> bool:
+        """A copy for level `index`, written behind the request; False (counted) when the queue is full."""
+        if not isinstance(blob, bytes) and not (isinstance(blob, memoryview) and blob.readonly and blob.obj is not None
+                                                and isinstance(blob.obj, bytes)):
+            blob = bytes(blob)   # the caller's buffer (the cache server's pages) is not ours to keep
+        if self._behind.submit((index, key, blob, meta, counter)):
+            return True
+        self._count("behind_dropped")
+        log.debug("%s: write-behind queue full, %s not written", self._levels[index].tier.name, key.hex()[:16])
+        return False
+
+    def _write_behind(self, job) -> None:
+        index, key, blob, meta, counter = job
+        if self._put_into(index, key, blob, meta):
+            self._count(counter)
 
     def _put_into(self, index: int, key: bytes, blob: bytes, meta: ObjectMeta) -> bool:
         level = self._levels[index]
@@ -294,7 +395,9 @@ class TieredStore:
         if index >= len(self._levels):
             return
         for key, blob, meta in demoted:
-            if self._put_into(index, key, blob, meta):
+            if self._levels[index].tier.remote:
+                self._queue_write(index, key, blob, meta, "demotions")
+            elif self._put_into(index, key, blob, meta):
                 self._count("demotions")
 
     @contextmanager
@@ -341,6 +444,7 @@ class TieredStore:
 
     def flush(self) -> int:
         """Write every object held only in non-persistent tiers to the persistent ones; returns how many."""
+        self._behind.drain()
         persistent = [index for index, level in enumerate(self._levels) if level.tier.persistent]
         written = 0
         for level in self._levels:
@@ -356,9 +460,16 @@ class TieredStore:
                     written += self._put_into(index, key, *found)
         return written
 
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the writes queued behind requests are done; False when `timeout_s` passed first."""
+        return self._behind.drain(timeout_s)
+
     def close(self) -> None:
-        """Release memory held by the tiers (L1 empties); what is on disk stays. Idempotent."""
+        """Finish queued remote writes (bounded), release memory held by the tiers (L1 empties); what is
+        on disk and in L3 stays. Idempotent."""
+        dropped = self._behind.close(timeout_s=10.0)
         with self._lock:
+            self._counts["behind_dropped"] += dropped
             for level in self._levels:
                 level.tier.close()
                 if not level.tier.persistent:
@@ -376,6 +487,8 @@ class TieredStore:
                     "hits": self._hits[level.tier.name],
                     "evictions": self._evictions[level.tier.name],
                     "location": level.tier.location,
+                    **({"codec": level.tier.codec.label()} if getattr(level.tier, "codec", None) is not None else {}),
+                    **({"remote": level.tier.health()} if level.tier.remote else {}),
                 }
                 for level in self._levels
             }
@@ -391,6 +504,7 @@ class TieredStore:
                 "foreign": counts["foreign"],
                 "vanished": counts["vanished"],
                 "read_errors": counts["read_errors"],
+                "remote_errors": counts["remote_errors"],
                 "puts": counts["puts"],
                 "put_failures": counts["put_failures"],
                 "write_errors": counts["write_errors"],
@@ -399,6 +513,9 @@ class TieredStore:
                 "discovered": counts["discovered"],
                 "clear_deferred": counts["clear_deferred"],
                 "lookups": counts["lookups"],
+                "written_behind": counts["written_behind"],
+                "behind_dropped": counts["behind_dropped"],
+                "behind_queue": self._behind.pending,
             }
 
     def _level_named(self, tier_name: str) -> _Level:

@@ -15,15 +15,16 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import ClassVar, Collection
+from typing import ClassVar, Collection, Sequence
 
-from kvbridge.store.objects import ObjectMeta
+from kvbridge.store.objects import ObjectMeta, StoreFault
 
 
 class Tier(ABC):
     """Storage for (key -> blob, meta). Sizes are payload bytes; get() may raise StoreFault."""
 
     persistent: ClassVar[bool] = False  # survives a restart: put() writes through to it
+    remote: ClassVar[bool] = False      # on the network, shared by hosts: written behind the request
     location: str = "memory"            # shown in stats (a directory for disk tiers)
 
     def __init__(self, name: str, capacity: int) -> None:
@@ -77,6 +78,20 @@ class Tier(ABC):
         Only shared tiers (a disk directory) can gain objects behind our back.
         """
         return None
+
+    def discover_many(self, keys: Sequence[bytes]) -> list[int | None]:
+        """discover() for several keys (a remote tier asks about all of them in one round trip)."""
+        return [self.discover(key) for key in keys]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[tuple[bytes, ObjectMeta] | StoreFault | None]:
+        """get() for several keys, each fault returned in its key's place instead of raised."""
+        results: list[tuple[bytes, ObjectMeta] | StoreFault | None] = []
+        for key in keys:
+            try:
+                results.append(self.get(key))
+            except StoreFault as fault:
+                results.append(fault)
+        return results
 
     def close(self) -> None:
         """Release what the tier holds in memory; stored data stays where it is."""

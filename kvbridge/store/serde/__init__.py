@@ -17,10 +17,13 @@ from kvbridge.store.serde.base import (
     broken_codecs,
     codec_names,
     get_codec,
+    known_geometry,
     register_codec,
+    remember_geometry,
     unregister_codec,
 )
 from kvbridge.store.serde.frame import Frame, pack, read_frame, unpack
+from kvbridge.store.serde.tier import TierCodec
 
 __all__ = [
     "Codec",
@@ -31,9 +34,12 @@ __all__ = [
     "broken_codecs",
     "codec_names",
     "get_codec",
+    "known_geometry",
     "pack",
     "read_frame",
     "register_codec",
+    "remember_geometry",
+    "TierCodec",
     "unpack",
     "unregister_codec",
 ]

@@ -6,7 +6,8 @@ tier); `lossless` is a class attribute checked in one place by that wiring, sinc
 changes what is restored and therefore belongs in the namespace. Adding a codec is one module that
 calls register_codec() plus one line in BUILTIN_CODECS.
 
-Deliberately left out: choosing a codec per tier, the namespace rule for lossy codecs, metrics.
+Choosing a codec per tier is kvbridge.store.serde.tier; the namespace rule for lossy codecs is the
+engine's (kvbridge.engine.cached_engine adds the lossy codec to the namespace fingerprint).
 """
 from __future__ import annotations
 
@@ -73,6 +74,26 @@ class Codec:
 
     def decode(self, data: Any, meta: CodecMeta | None = None) -> bytes:
         raise NotImplementedError
+
+    def declined(self, encoded: Any) -> str | None:
+        """Why encode() kept this payload as it was (a lossy codec that could not quantise it), or None."""
+        return None
+
+
+_GEOMETRIES: dict[bytes, "KVGeometry"] = {}
+
+
+def remember_geometry(geometry: "KVGeometry") -> None:
+    """Make an engine's KV geometry known to codecs that need it (int8), by its digest.
+
+    A chunk payload carries only the digest; the engine that made it registers the geometry when
+    it opens its namespace, so a tier's codec can find the K and V rows without being told.
+    """
+    _GEOMETRIES[geometry.digest()] = geometry
+
+
+def known_geometry(digest: bytes) -> "KVGeometry | None":
+    return _GEOMETRIES.get(bytes(digest))
 
 
 _CODECS: dict[str, type[Codec]] = {}

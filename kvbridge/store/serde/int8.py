@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvbridge.store.objects import CorruptObject
-from kvbridge.store.serde.base import Codec, CodecMeta, register_codec
+from kvbridge.store.serde.base import Codec, CodecMeta, known_geometry, register_codec
 
 if TYPE_CHECKING:
     from kvbridge.formats.llama_state import KVGeometry
@@ -48,6 +48,16 @@ _GEOMETRY_HEAD = struct.Struct("<II")
 _LAYER = struct.Struct("<iQiQII")
 _FLOAT_TYPES = {0: np.dtype("<f4"), 1: np.dtype("<f2")}    # ggml type id -> element dtype
 CHUNK_KINDS = ("chunk", "tail")
+
+
+def _registered_geometry(payload: Any) -> "KVGeometry | None":
+    """The geometry an engine registered for the digest in this chunk's header (None: not a chunk, or unknown)."""
+    from kvbridge.formats.llama_state import CHUNK_MAGIC, _CHUNK_HEADER
+
+    if memoryview(payload).nbytes < _CHUNK_HEADER.size:
+        return None
+    magic, _, _, digest = _CHUNK_HEADER.unpack_from(payload, 0)
+    return known_geometry(digest) if magic == CHUNK_MAGIC else None
 
 
 def _type_name(type_id: int) -> str:
@@ -125,11 +135,11 @@ class Int8Codec(Codec):
     def encode(self, payload: Any, meta: CodecMeta | None = None) -> bytes:
         from kvbridge.formats.llama_state import LayoutError, decode_chunk
 
-        if meta is None or meta.geometry is None:
-            return _stored("no KV geometry given", payload)
-        if meta.kind not in CHUNK_KINDS:
+        if meta is not None and meta.kind not in CHUNK_KINDS:
             return _stored(f"a {meta.kind} object is not a chunk payload", payload)
-        g = meta.geometry
+        g = meta.geometry if meta is not None and meta.geometry is not None else _registered_geometry(payload)
+        if g is None:
+            return _stored("no KV geometry given", payload)
         reason = _why_not(g)
         if reason:
             return _stored(reason, payload)
@@ -152,6 +162,9 @@ class Int8Codec(Codec):
         head_len = len(payload) - n * g.bytes_per_cell      # chunk header + token ids, kept verbatim
         return b"".join([_SUB.pack(MAGIC, VERSION, MODE_QUANTISED, len(extra)), extra,
                          bytes(memoryview(payload)[:head_len]), *parts])
+
+    def declined(self, encoded: Any) -> str | None:
+        return stored_reason(encoded)
 
     @staticmethod
     def _quantise(x: np.ndarray, axis: int) -> bytes | None:

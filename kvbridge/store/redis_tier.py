@@ -1,0 +1,488 @@
+"""L3: objects in a Redis or Valkey server, or a Redis Cluster, shared by every host that names it.
+
+    KVB_L3_URL=redis://127.0.0.1:6379/0     (rediss://, unix:///path, valkey://, redis-cluster://h:p,h:p)
+
+Layout. One value per object under `<KVB_L3_PREFIX>:obj:<key hex>`, written with a single SET (so
+a reader sees a whole old value, a whole new one or none): the same checked header as an L2 file
+(kvbridge.store.diskformat with the magic b"KVB-L3\\r\\n": format version, key, metadata with the
+namespace and the codec, payload length and blake3), then the payload as the tier's codec
+(KVB_L3_SERDE) made it. Optional expiry KVB_L3_TTL. Objects spread over a cluster's masters by key
+(no hash tags). A value that fails a check is a counted miss and is deleted.
+
+What this process knows. The server is shared and evicts on its own (maxmemory + allkeys-lru), so
+the tier never assumes an object it wrote is still there, and never lists the server at start: its
+index holds the objects this process wrote or found. A lookup of hashes nobody here knows is one
+pipelined round trip (GETRANGE of each header plus STRLEN: one trip to a standalone server, one per
+master holding any of the keys in a cluster); a get of an object evicted since is a counted miss.
+
+Faults. Every call is bounded by KVB_L3_TIMEOUT. A connection fault (refused, timed out, reset, a
+wrong password, a cluster without a master for a slot) marks L3 down: calls are then skipped at
+once (a counted miss or skipped write) until a retry time that backs off from 1 s to 30 s; one
+caller probes, the others keep skipping. A write the server refuses (OOM: maxmemory without
+eviction) is a counted skipped write and leaves L3 up. Nothing here raises to the user: get()
+raises StoreFault subclasses (the store counts them), put() returns False.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import (AuthenticationError, ClusterDownError, RedisClusterException, RedisError, ResponseError,
+                              TryAgainError)
+from redis.retry import Retry
+
+from kvbridge.store.diskformat import FIXED_BYTES, Header, UnsupportedVersion, decode_object, encode_header, header_length, parse_header
+from kvbridge.store.objects import CorruptObject, ObjectMeta, ObjectVanished, StoreFault, UnstorableObject
+from kvbridge.store.serde.tier import TierCodec
+from kvbridge.store.tiers import Tier
+
+log = logging.getLogger(__name__)
+
+VALUE_MAGIC = b"KVB-L3\r\n"
+HEAD_PROBE_BYTES = 2048          # one GETRANGE reads a whole header unless its metadata is unusually long
+FIRST_BACKOFF_S, MOST_BACKOFF_S = 1.0, 30.0
+CENSUS_LIMIT = 100_000           # the GUI's count of objects under the prefix stops here
+NO_CAPACITY_LIMIT = 1 << 62      # the server's maxmemory is the limit, not ours
+
+
+class L3Unavailable(StoreFault):
+    """L3 could not be reached (or is marked down and not yet due for a retry)."""
+
+
+class L3Refused(StoreFault):
+    """The server answered with an error (a write refused under maxmemory, a wrong type)."""
+
+
+def redact(url: str) -> str:
+    """The URL without any user or password part, for logs and the GUI."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+def connect(url: str, password: str | None, timeout: float) -> redis.Redis | RedisCluster:
+    """A redis-py client for KVB_L3_URL with every call bounded by `timeout` and no retries of its own."""
+    scheme, _, rest = url.partition("://")
+    common = dict(password=password or None, socket_timeout=timeout, socket_connect_timeout=timeout,
+                  retry=Retry(NoBackoff(), 0), health_check_interval=0)
+    if scheme == "redis-cluster":
+        hosts = rest.split("/", 1)[0].rpartition("@")[2].split(",")
+        nodes = [ClusterNode(host.rpartition(":")[0], int(host.rpartition(":")[2])) for host in hosts]
+        # Connects now (reads the slot map): the caller does this under the breaker.
+        return RedisCluster(startup_nodes=nodes, require_full_coverage=False, **common)
+    if scheme in ("valkey", "valkeys"):       # the same protocol; redis-py knows only its own schemes
+        url = ("rediss" if scheme == "valkeys" else "redis") + "://" + rest
+    return redis.Redis.from_url(url, max_connections=32, **common)
+
+
+class _Breaker:
+    """Up, or down until a retry time that backs off; when due, one caller probes while others skip."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.down_since: float | None = None
+        self.reason = ""
+        self._retry_at = 0.0
+        self._delay = FIRST_BACKOFF_S
+        self._probing = False
+
+    @property
+    def is_down(self) -> bool:
+        return self.down_since is not None
+
+    def allow(self) -> bool:
+        with self._lock:
+            if self.down_since is None:
+                return True
+            if self._probing or self._clock() < self._retry_at:
+                return False
+            self._probing = True
+            return True
+
+    def succeeded(self) -> None:
+        with self._lock:
+            if self.down_since is not None:
+                log.info("L3 is reachable again (down %.1f s)", self._clock() - self.down_since)
+            self.down_since, self.reason, self._probing, self._delay = None, "", False, FIRST_BACKOFF_S
+
+    def failed(self, reason: str) -> None:
+        with self._lock:
+            now = self._clock()
+            if self.down_since is None:
+                self.down_since = now
+                log.warning("L3 marked down (%s); retrying in %.0f s, requests skip it meanwhile", reason, self._delay)
+            self.reason = reason
+            self._retry_at = now + self._delay
+            self._delay = min(self._delay * 2, MOST_BACKOFF_S)
+            self._probing = False
+
+    def retry_in(self) -> float:
+        with self._lock:
+            return max(0.0, self._retry_at - self._clock()) if self.down_since is not None else 0.0
+
+
+@dataclass
+class _Entry:
+    size: int
+    meta: ObjectMeta
+    last_used: float
+
+
+class RedisTier(Tier):
+    """A Tier on Redis/Valkey (standalone or cluster). Never raises for faults: see the module doc."""
+
+    persistent = True   # outlives this process: puts write through to it
+    remote = True       # shared by hosts, slower than disk: the store writes it behind the request
+
+    def __init__(self, url: str, *, password: str | None = None, prefix: str = "kvb", timeout: float = 2.0,
+                 ttl: float = 0.0, codec: TierCodec | None = None, name: str = "L3",
+                 password_env: str = "", client_factory: Callable[[], Any] | None = None) -> None:
+        super().__init__(name, NO_CAPACITY_LIMIT)
+        self.url = url
+        self.location = redact(url)
+        self.prefix = prefix
+        self.timeout = float(timeout)
+        self.ttl_ms = int(ttl * 1000) if ttl > 0 else None
+        self.codec = codec if codec is not None else TierCodec()
+        self.cluster = url.startswith("redis-cluster://")
+        self._password = password
+        self._password_env = password_env
+        self._factory = client_factory or (lambda: connect(url, password, self.timeout))
+        self._client: Any = None
+        self._client_lock = threading.Lock()
+        self._breaker = _Breaker()
+        self._index: dict[bytes, _Entry] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.counts: Counter[str] = Counter()   # skipped_down, timeouts, connection_errors, auth_errors, writes_refused
+
+    @classmethod
+    def from_settings(cls, settings, environ: dict | None = None) -> "RedisTier":
+        import os
+
+        environ = os.environ if environ is None else environ
+        password = environ.get(settings.l3_password_env) if settings.l3_password_env else None
+        if settings.l3_password_env and not password:
+            log.warning("KVB_L3_PASSWORD_ENV names %s, which is not set: connecting to L3 without a password",
+                        settings.l3_password_env)
+        codec = TierCodec.named(settings.l3_serde, settings.zstd_level, setting="KVB_L3_SERDE")
+        return cls(settings.l3_url, password=password, prefix=settings.l3_prefix, timeout=settings.l3_timeout,
+                   ttl=settings.l3_ttl, codec=codec, password_env=settings.l3_password_env)
+
+    # -- keys and calls --------------------------------------------------------------------------
+    def redis_key(self, key: bytes) -> bytes:
+        return f"{self.prefix}:obj:{key.hex()}".encode("ascii")
+
+    def key_pattern(self) -> str:
+        return f"{self.prefix}:obj:*"
+
+    def _call(self, what: str, fn: Callable[[Any], Any]) -> Any:
+        """fn(client) under the breaker: L3Unavailable when down or on a connection fault, L3Refused on a
+        server error; a success marks L3 up again."""
+        if not self._breaker.allow():
+            self.counts["skipped_down"] += 1
+            raise L3Unavailable(f"L3 is down ({self._breaker.reason}); next try in {self._breaker.retry_in():.0f} s")
+        try:
+            client = self._get_client()
+            result = fn(client)
+        except AuthenticationError as error:
+            self._trip("auth_errors", self._auth_message(error))
+            raise L3Unavailable(self._auth_message(error)) from None
+        except (ClusterDownError, TryAgainError) as error:     # a master lost, no replica promoted yet
+            self._trip("connection_errors", f"cluster: {error}")
+            raise L3Unavailable(f"L3 {what}: {error}") from None
+        except ResponseError as error:
+            text = str(error)
+            if text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+                self._trip("auth_errors", self._auth_message(error))
+                raise L3Unavailable(self._auth_message(error)) from None
+            self._breaker.succeeded()       # it answered: reachable
+            if text.startswith("OOM"):
+                self.counts["writes_refused"] += 1
+            else:
+                self.counts["server_errors"] += 1
+            raise L3Refused(f"L3 {what}: {text}") from None
+        except (redis.TimeoutError, TimeoutError) as error:
+            self._trip("timeouts", f"{what} took over {self.timeout:g} s (KVB_L3_TIMEOUT)")
+            raise L3Unavailable(f"L3 {what} timed out: {error}") from None
+        except (redis.ConnectionError, RedisClusterException, OSError, RedisError) as error:
+            self._trip("connection_errors", f"{type(error).__name__}: {error}")
+            raise L3Unavailable(f"L3 {what} failed: {error}") from None
+        self._breaker.succeeded()
+        return result
+
+    def _auth_message(self, error: Exception) -> str:
+        where = (f"the password in ${self._password_env} (KVB_L3_PASSWORD_ENV)" if self._password_env
+                 else "no password (set KVB_L3_PASSWORD_ENV to the NAME of the variable holding it)")
+        return f"L3 refused the login with {where}: {str(error)[:120]}"
+
+    def _trip(self, counter: str, reason: str) -> None:
+        self.counts[counter] += 1
+        self._breaker.failed(reason)
+        if self.cluster:    # a fresh client reads the slot map again (after a failover, another master)
+            self._drop_client()
+
+    def _get_client(self) -> Any:
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._factory()
+            return self._client
+
+    def _drop_client(self) -> None:
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:   # closing a broken client: nothing to save
+                pass
+
+    def _pipeline(self, client: Any) -> Any:
+        return client.pipeline(transaction=False)
+
+    # -- index -----------------------------------------------------------------------------------
+    def _set(self, key: bytes, size: int, meta: ObjectMeta) -> None:
+        with self._lock:
+            old = self._index.get(key)
+            self._bytes += size - (old.size if old else 0)
+            self._index[key] = _Entry(size, meta, time.time())
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            old = self._index.pop(key, None)
+            if old:
+                self._bytes -= old.size
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def meta(self, key: bytes) -> ObjectMeta | None:
+        with self._lock:
+            entry = self._index.get(key)
+        return entry.meta if entry else None
+
+    def size(self, key: bytes) -> int | None:
+        with self._lock:
+            entry = self._index.get(key)
+        return entry.size if entry else None
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._index)
+
+    def bytes_used(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    def entries(self) -> list[tuple[bytes, int, float]]:
+        return []   # never listed at start: objects are found by lookup (see the module doc)
+
+    # -- reading ---------------------------------------------------------------------------------
+    def get(self, key: bytes) -> tuple[Any, ObjectMeta] | None:
+        if not self.contains(key):
+            return None
+        found = self.get_many([key])[0]
+        if isinstance(found, StoreFault):
+            raise found
+        return found
+
+    def get_many(self, keys: Sequence[bytes]) -> list[tuple[Any, ObjectMeta] | StoreFault | None]:
+        """Each object, or the StoreFault reading it raised; one round trip (per master in a cluster)."""
+        if not keys:
+            return []
+
+        def fetch(client):
+            pipe = self._pipeline(client)
+            for key in keys:
+                pipe.get(self.redis_key(key))
+            return pipe.execute(raise_on_error=False)
+
+        try:
+            values = self._call("get", fetch)
+        except StoreFault as fault:
+            return [fault for _ in keys]
+        return [self._decode_value(key, value) for key, value in zip(keys, values)]
+
+    def _decode_value(self, key: bytes, value: Any) -> tuple[Any, ObjectMeta] | StoreFault:
+        if isinstance(value, Exception):
+            return L3Refused(f"L3 get: {value}")
+        if value is None:
+            self._forget(key)
+            return ObjectVanished(f"{self.redis_key(key).decode()} is gone (evicted, expired or removed)")
+        try:
+            stored, meta = decode_object(value, key, VALUE_MAGIC)
+            blob = TierCodec.decode(stored, meta)
+        except CorruptObject as fault:
+            return self._drop_bad(key, fault)
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is not None:
+                entry.last_used = time.time()
+        if self.size(key) != len(stored):
+            self._set(key, len(stored), meta)
+        return blob, meta
+
+    def _drop_bad(self, key: bytes, fault: CorruptObject) -> CorruptObject:
+        if isinstance(fault, UnsupportedVersion) and fault.newer:
+            self._forget(key)
+            return fault    # a newer KVBridge's object: it can still use it
+        self.corrupt_found += 1
+        log.warning("L3: dropping bad object %s: %s", self.redis_key(key).decode(), fault)
+        self.remove(key)
+        return fault
+
+    def discover(self, key: bytes) -> int | None:
+        return self.discover_many([key])[0]
+
+    def discover_many(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Index whichever of these objects the server holds (another host may have stored them); sizes or None."""
+        with self._lock:
+            unknown = [key for key in keys if key not in self._index]
+        if unknown:
+            try:
+                self._probe(unknown)
+            except StoreFault as fault:
+                log.debug("L3 lookup skipped: %s", fault)
+        return [self.size(key) for key in keys]
+
+    def _probe(self, keys: list[bytes]) -> None:
+        def heads(client):
+            pipe = self._pipeline(client)
+            for key in keys:
+                name = self.redis_key(key)
+                pipe.strlen(name)
+                pipe.getrange(name, 0, HEAD_PROBE_BYTES - 1)
+            return pipe.execute(raise_on_error=False)
+
+        replies = self._call("lookup", heads)
+        for at, key in enumerate(keys):
+            total, head = replies[2 * at], replies[2 * at + 1]
+            if isinstance(total, Exception) or isinstance(head, Exception) or not total:
+                continue
+            try:
+                header = self._header(key, head, total)
+            except CorruptObject as fault:
+                self._drop_bad(key, fault)
+                continue
+            except StoreFault:
+                continue
+            if header is not None:
+                self._set(key, header.payload_len, header.meta)
+
+    def _header(self, key: bytes, head: bytes, total: int) -> Header | None:
+        needed = header_length(head[:FIXED_BYTES], VALUE_MAGIC)
+        if needed > len(head):   # metadata longer than the probe: read the rest of the header
+            head = self._call("lookup", lambda client: client.getrange(self.redis_key(key), 0, needed - 1))
+        header = parse_header(head, total, VALUE_MAGIC)
+        if header.key != key:
+            raise CorruptObject("the value holds another key")
+        return header
+
+    # -- writing ---------------------------------------------------------------------------------
+    def put(self, key: bytes, blob: Any, meta: ObjectMeta) -> bool:
+        try:
+            stored, meta = self.codec.encode(blob, meta)
+            value = b"".join((encode_header(key, meta, stored, VALUE_MAGIC), stored))
+        except UnstorableObject as fault:
+            log.warning("L3: object not stored: %s", fault)
+            return False
+        try:
+            self._call("put", lambda client: client.set(self.redis_key(key), value, px=self.ttl_ms))
+        except StoreFault as fault:
+            log.debug("L3: object not stored: %s", fault)
+            return False
+        self._set(key, memoryview(stored).nbytes, meta)
+        return True
+
+    def remove(self, key: bytes) -> None:
+        self._forget(key)
+        try:
+            self._call("remove", lambda client: client.delete(self.redis_key(key)))
+        except StoreFault as fault:
+            log.debug("L3: %s not removed: %s", key.hex()[:16], fault)
+
+    def clear(self, keep: Collection[bytes] = ()) -> None:
+        """Delete every KVBridge object under the prefix (every host's), except `keep`; StoreFault when unreachable."""
+        keep_names = {self.redis_key(key) for key in keep}
+
+        def delete_all(client):
+            removed = 0
+            batch: list[bytes] = []
+            for name in client.scan_iter(match=self.key_pattern(), count=1000):
+                if name not in keep_names:
+                    batch.append(name)
+                if len(batch) >= 500:
+                    removed += self._delete(client, batch)
+                    batch = []
+            return removed + self._delete(client, batch)
+
+        removed = self._call("clear", delete_all)
+        with self._lock:
+            self._index = {key: entry for key, entry in self._index.items() if key in keep}
+            self._bytes = sum(entry.size for entry in self._index.values())
+        log.info("L3: removed %d objects under %s:", removed, self.prefix)
+
+    def _delete(self, client: Any, names: list[bytes]) -> int:
+        if not names:
+            return 0
+        pipe = self._pipeline(client)   # one DEL per key: a cluster refuses multi-key DEL across slots
+        for name in names:
+            pipe.delete(name)
+        return sum(n for n in pipe.execute(raise_on_error=False) if isinstance(n, int))
+
+    # -- state -----------------------------------------------------------------------------------
+    def health(self) -> dict:
+        """What the GUI and stats show without a network call: reachable or down, and the fault counters."""
+        return {
+            "state": "down" if self._breaker.is_down else "up",
+            "reason": self._breaker.reason,
+            "retry_in_s": round(self._breaker.retry_in(), 1),
+            "url": self.location,
+            "prefix": self.prefix,
+            "codec": self.codec.label(),
+            "ttl_s": (self.ttl_ms or 0) / 1000,
+            "cluster": self.cluster,
+            **{name: self.counts[name] for name in ("skipped_down", "timeouts", "connection_errors",
+                                                     "auth_errors", "writes_refused", "server_errors")},
+        }
+
+    def census(self) -> dict:
+        """Objects and bytes under the prefix on the server (all hosts'); a network call, bounded by CENSUS_LIMIT.
+
+        Raises StoreFault when L3 cannot be reached.
+        """
+        def count(client):
+            names = []
+            for name in client.scan_iter(match=self.key_pattern(), count=1000):
+                names.append(name)
+                if len(names) >= CENSUS_LIMIT:
+                    break
+            total = 0
+            for start in range(0, len(names), 1000):
+                pipe = self._pipeline(client)
+                for name in names[start:start + 1000]:
+                    pipe.strlen(name)
+                total += sum(n for n in pipe.execute(raise_on_error=False) if isinstance(n, int))
+            return {"objects": len(names), "bytes": total, "capped": len(names) >= CENSUS_LIMIT}
+
+        return self._call("census", count)
+
+    def ping(self) -> bool:
+        try:
+            return bool(self._call("ping", lambda client: client.ping()))
+        except StoreFault:
+            return False
+
+    def close(self) -> None:
+        self._drop_client()
