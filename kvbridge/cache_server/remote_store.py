@@ -50,6 +50,13 @@ class RemoteStore:
     def tier_names(self) -> list[str]:
         return self.client.tier_names
 
+    @property
+    def lossy_codecs(self) -> list[str]:
+        """The lossy codecs the server's tiers write with (the engine puts them into its namespace)."""
+        tiers = ((self.server_status() or {}).get("storage") or {}).get("tiers") or {}
+        return sorted({str(tier["codec"]).split()[0] for tier in tiers.values()
+                       if "lossy" in str(tier.get("codec", ""))})
+
     def slower(self, tier_a: str, tier_b: str) -> str:
         order = {name: i for i, name in enumerate(self.tier_names, start=1)}
         return tier_a if order.get(tier_a, 0) >= order.get(tier_b, 0) else tier_b

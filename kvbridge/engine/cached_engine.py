@@ -25,6 +25,7 @@ from kvbridge.errors import BadSettings, EmptyPrompt, KVBridgeError, StateTransf
 from kvbridge.engine.hashing import make_hasher
 from kvbridge.engine.chunks import ChunkKV, ForeignState, ShadowIndex
 from kvbridge.formats.llama_state import KVGeometry, LayoutError, parse_state
+from kvbridge.store.serde import remember_geometry
 from kvbridge.engine.metrics import Metrics
 from kvbridge.engine.namespace import build_namespace, file_sha256, short_namespace
 from kvbridge.engine.records import MODES, RequestRecord
@@ -115,6 +116,11 @@ class CachedEngine:
         if self.backend.kv_mode == "full":
             self.geometry = self._probe_geometry()
             fingerprint["kv_layout"] = self.geometry.digest().hex()[:16] if self.geometry else "snapshot"
+            if self.geometry is not None:
+                remember_geometry(self.geometry)   # the int8 codec finds a chunk's K and V rows by it
+            lossy = getattr(self.store, "lossy_codecs", [])
+            if lossy:   # objects written lossy are restored only by readers set to the same codec
+                fingerprint["kv_codec"] = "+".join(lossy)
         self.namespace = build_namespace(fingerprint, self.settings.chunk_size)
         self.hasher = make_hasher(self.settings.chunk_size, self.namespace, self.settings.prefer_lmcache_hasher)
         seed = getattr(self.hasher, "seed", b"")

@@ -54,6 +54,7 @@ class RestorePlan:
     tier: str = "none"
     notes: list[str] = field(default_factory=list)
     borrowed: list = field(default_factory=list)  # objects whose blob views memory on loan (release them)
+    lossy: set[str] = field(default_factory=set)   # lossy codecs the restored KV passed through (ObjectMeta.lossy)
 
     def release(self) -> None:
         """Return every loaned blob (a cache server's shared-memory lease); idempotent."""
@@ -155,6 +156,7 @@ class ChunkKV:
             plan.pieces.append((view, c))
             plan.blobs.append(obj.blob)
             plan.tier = self.store.slower(plan.tier, obj.tier)
+            plan.lossy |= {obj.meta.lossy} - {""}
         plan.chunks_hit = len(plan.pieces)
         start = plan.chunks_hit * c
         if plan.chunks_hit == wanted:
@@ -170,9 +172,12 @@ class ChunkKV:
                     plan.pieces.append((view, keep))
                     plan.blobs.append(obj.blob)
                     plan.tier = self.store.slower(plan.tier, obj.tier)
+                    plan.lossy |= {obj.meta.lossy} - {""}
         n = sum(keep for _, keep in plan.pieces)
         plan.tokens = list(tokens[:n])
         plan.matched_tokens = n
+        if plan.lossy:
+            plan.notes.append(f"restored from lossy {'+'.join(sorted(plan.lossy))} KV: output may differ from cold")
 
     def assemble(self, plan: RestorePlan,
                  buffer_for: Callable[[int, Sequence[int]], np.ndarray | None] | None = None) -> SeqState:
