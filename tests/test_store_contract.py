@@ -1,6 +1,7 @@
 """The Tier contract, run over every tier: the same put/get/contains/remove/sizes/clear/corruption tests.
 
-A new tier (Redis, say) joins TIERS below; test_every_tier_is_covered fails until it does.
+A new tier joins TIERS below; test_every_tier_is_covered fails until it does. The Redis tier runs
+against one real redis-server on loopback for the whole session, each test under its own key prefix.
 """
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from typing import Callable
 
 import pytest
 from blake3 import blake3
+
+import atexit
+import uuid
 
 from kvbridge.store import (
     CorruptObject,
@@ -19,6 +23,8 @@ from kvbridge.store import (
     Tier,
     TieredStore,
 )
+
+from tests.redis_helpers import REDIS_SERVER
 
 NS = "contract"
 
@@ -42,10 +48,35 @@ def _flip_last_byte(tier: DiskTier, k: bytes) -> None:
     path.write_bytes(bytes(data))
 
 
+_redis_server = None
+
+
+def _redis_tier(directory: Path, capacity: int) -> Tier:
+    """A RedisTier on the session's server, under a prefix of its own (skipped without redis-server)."""
+    global _redis_server
+    if not REDIS_SERVER:
+        pytest.skip("redis-server not found: ./scripts/setup.sh installs Debian's redis-server")
+    from kvbridge.store.redis_tier import RedisTier
+    from tests.redis_helpers import RedisServer
+
+    if _redis_server is None:
+        _redis_server = RedisServer().start()
+        atexit.register(_redis_server.close)
+    return RedisTier(_redis_server.url, prefix=f"contract-{uuid.uuid4().hex[:8]}", capacity=capacity, timeout=5.0)
+
+
+def _flip_last_value_byte(tier: Tier, k: bytes) -> None:
+    with _redis_server.client() as client:
+        name = tier.redis_key(k)
+        value = client.get(name)
+        client.setrange(name, len(value) - 1, bytes([value[-1] ^ 0x01]))
+
+
 # name -> (build a tier of a capacity in a directory, corrupt a stored object or None when it cannot be)
 TIERS: dict[str, tuple[Callable[[Path, int], Tier], Callable[[Tier, bytes], None] | None]] = {
     "memory": (lambda directory, capacity: MemoryTier(capacity), None),  # holds the caller's own bytes
     "disk": (lambda directory, capacity: DiskTier(directory / "l2", capacity), _flip_last_byte),
+    "redis": (_redis_tier, _flip_last_value_byte),
 }
 
 
@@ -134,6 +165,7 @@ def test_corrupt_object_is_a_counted_miss_in_the_store(kind, tier):
     store = TieredStore([tier], namespace=NS)
     k = key("bad")
     store.put(k, blob_for(k), meta())
+    store.drain()   # a remote tier is written behind the put
     corrupt(tier, k)
     assert store.get(k) is None
     stats = store.stats()
@@ -144,5 +176,6 @@ def test_the_store_keeps_each_tier_within_capacity(tier):
     store = TieredStore([tier], namespace=NS)
     for i in range(150):
         store.put(key(i), blob_for(key(i), 100), meta())
+        store.drain()   # a remote tier is written behind the put
     assert tier.bytes_used() == store.stats()["tiers"][tier.name]["bytes"] == 10_000
     assert store.lookup([key(149)]).n_hit == 1 and store.lookup([key(0)]).n_hit == 0

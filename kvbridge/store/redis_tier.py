@@ -35,8 +35,8 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import (AuthenticationError, ClusterDownError, RedisClusterException, RedisError, ResponseError,
-                              TryAgainError)
+from redis.exceptions import (AuthenticationError, ClusterDownError, NoPermissionError, OutOfMemoryError,
+                              RedisClusterException, RedisError, ResponseError, TryAgainError)
 from redis.retry import Retry
 
 from kvbridge.store.diskformat import FIXED_BYTES, Header, UnsupportedVersion, decode_object, encode_header, header_length, parse_header
@@ -146,8 +146,10 @@ class RedisTier(Tier):
 
     def __init__(self, url: str, *, password: str | None = None, prefix: str = "kvb", timeout: float = 2.0,
                  ttl: float = 0.0, codec: TierCodec | None = None, name: str = "L3",
-                 password_env: str = "", client_factory: Callable[[], Any] | None = None) -> None:
-        super().__init__(name, NO_CAPACITY_LIMIT)
+                 password_env: str = "", capacity: int = NO_CAPACITY_LIMIT,
+                 client_factory: Callable[[], Any] | None = None) -> None:
+        # capacity bounds what this process's policy tracks; by default none: the server's maxmemory decides
+        super().__init__(name, capacity)
         self.url = url
         self.location = redact(url)
         self.prefix = prefix
@@ -203,11 +205,11 @@ class RedisTier(Tier):
             raise L3Unavailable(f"L3 {what}: {error}") from None
         except ResponseError as error:
             text = str(error)
-            if text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+            if isinstance(error, NoPermissionError) or text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
                 self._trip("auth_errors", self._auth_message(error))
                 raise L3Unavailable(self._auth_message(error)) from None
             self._breaker.succeeded()       # it answered: reachable
-            if text.startswith("OOM"):
+            if isinstance(error, OutOfMemoryError) or text.startswith("OOM"):   # maxmemory without eviction
                 self.counts["writes_refused"] += 1
             else:
                 self.counts["server_errors"] += 1
@@ -286,7 +288,9 @@ class RedisTier(Tier):
             return self._bytes
 
     def entries(self) -> list[tuple[bytes, int, float]]:
-        return []   # never listed at start: objects are found by lookup (see the module doc)
+        """What this process knows of (empty at start: the server is never listed, objects are found by lookup)."""
+        with self._lock:
+            return [(key, entry.size, entry.last_used) for key, entry in self._index.items()]
 
     # -- reading ---------------------------------------------------------------------------------
     def get(self, key: bytes) -> tuple[Any, ObjectMeta] | None:
@@ -333,11 +337,12 @@ class RedisTier(Tier):
             self._set(key, len(stored), meta)
         return blob, meta
 
-    def _drop_bad(self, key: bytes, fault: CorruptObject) -> CorruptObject:
+    def _drop_bad(self, key: bytes, fault: CorruptObject, found_by_lookup: bool = False) -> CorruptObject:
+        """Delete a value that failed a check (a get's fault is counted by the store, a lookup's here)."""
         if isinstance(fault, UnsupportedVersion) and fault.newer:
             self._forget(key)
             return fault    # a newer KVBridge's object: it can still use it
-        self.corrupt_found += 1
+        self.corrupt_found += found_by_lookup
         log.warning("L3: dropping bad object %s: %s", self.redis_key(key).decode(), fault)
         self.remove(key)
         return fault
@@ -373,7 +378,7 @@ class RedisTier(Tier):
             try:
                 header = self._header(key, head, total)
             except CorruptObject as fault:
-                self._drop_bad(key, fault)
+                self._drop_bad(key, fault, found_by_lookup=True)
                 continue
             except StoreFault:
                 continue
