@@ -18,7 +18,7 @@ class RequestRecord:
     chunks_total: int = 0
     chunks_hit: int = 0
     matched_tokens: int = 0           # tokens whose KV came from our store (full) or would (shadow: predicted)
-    tier: str = "none"                # "L1", "L2" or "none": the lowest tier any restored object came from
+    tier: str = "none"                # "L1", "L2", "L3" or "none": the slowest tier any restored object came from
     lookup_ms: float = 0.0
     restore_ms: float = 0.0
     prefill_tokens: int = 0           # tokens actually computed
