@@ -360,3 +360,18 @@ def test_a_cluster_spreads_objects_over_its_masters_and_survives_a_failover(clus
         time.sleep(0.5)
     assert c.lookup(keys).n_hit == 12
     assert [obj.blob for obj in c.get_many(keys)] == [blob(k) for k in keys]
+
+
+def test_objects_known_in_a_down_l3_are_not_promised_by_lookup(server, tmp_path):
+    store = host_store(tmp_path / "a", server.url)
+    keys = [key(i) for i in range(3)]
+    for k in keys:
+        store.put(k, blob(k), meta())
+    store.flush()
+    store.clear("L1")
+    store.clear("L2")
+    assert store.lookup(keys).n_hit == 3
+    server.stop()
+    assert store.get(keys[0]) is None               # the fault marks L3 down
+    result, took = _timed(lambda: store.lookup(keys))
+    assert result.n_hit == 0 and took < 0.05        # no hit a get could not keep

@@ -126,6 +126,11 @@ class _Breaker:
             self._delay = min(self._delay * 2, MOST_BACKOFF_S)
             self._probing = False
 
+    def due(self) -> bool:
+        """Up, or down with its retry time reached (a call now would probe)."""
+        with self._lock:
+            return self.down_since is None or (not self._probing and self._clock() >= self._retry_at)
+
     def retry_in(self) -> float:
         with self._lock:
             return max(0.0, self._retry_at - self._clock()) if self.down_since is not None else 0.0
@@ -248,6 +253,9 @@ class RedisTier(Tier):
                 client.close()
             except Exception:   # closing a broken client: nothing to save
                 pass
+
+    def available(self) -> bool:
+        return self._breaker.due()
 
     def _pipeline(self, client: Any) -> Any:
         return client.pipeline(transaction=False)

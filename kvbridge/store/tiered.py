@@ -148,8 +148,8 @@ class TieredStore:
         holders = self._holders(keys)
         tiers: list[str] = []
         for key, index in zip(keys, holders):
-            if index is None:
-                break
+            if index is None or not self._levels[index].tier.available():
+                break   # a remote tier marked down: its objects cannot be read now
             meta = self._levels[index].tier.meta(key)
             if meta is None:
                 break  # removed between the two calls

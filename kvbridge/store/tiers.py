@@ -79,6 +79,10 @@ class Tier(ABC):
         """
         return None
 
+    def available(self) -> bool:
+        """False while the tier is known to be unreachable (a remote tier marked down): lookups skip it."""
+        return True
+
     def discover_many(self, keys: Sequence[bytes]) -> list[int | None]:
         """discover() for several keys (a remote tier asks about all of them in one round trip)."""
         return [self.discover(key) for key in keys]
