@@ -1,8 +1,10 @@
-"""KV codecs (kvbridge.store.serde): lossless round trips, int8's error bound, the frame's checks.
+"""KV codecs (kvbridge.store.serde): lossless round trips, int8's error bound, and TierCodec, the way
+a tier applies its codec (the codec named in ObjectMeta, lossy sticky, declines stored raw).
 
 Real chunk objects come from the embedded model (a short prompt, one 32-cell chunk); bf16,
 quantised and non-transposed layouts are built synthetically, since the model makes only f16
-with transposed V here.
+with transposed V here. Damage is the tier's to detect (its checked header), so that test writes
+a real L2 file.
 """
 from __future__ import annotations
 
@@ -12,19 +14,19 @@ import pytest
 from conftest import needs_model
 from kvbridge.errors import BadSettings
 from kvbridge.formats.llama_state import KVGeometry, ParsedState, decode_chunk, encode_chunk, parse_state
-from kvbridge.store.objects import CorruptObject
+from kvbridge.store import DiskTier
+from kvbridge.store.objects import CorruptObject, ObjectMeta
 from kvbridge.store.serde import (
     Codec,
     CodecMeta,
     CodecOptions,
+    TierCodec,
     UnknownCodecError,
     base,
     codec_names,
     get_codec,
-    pack,
-    read_frame,
     register_codec,
-    unpack,
+    remember_geometry,
 )
 from kvbridge.store.serde.int8 import quantise_rows, stored_reason
 
@@ -36,12 +38,14 @@ LOSSLESS = ["raw", "zstd"]
 
 @pytest.fixture(autouse=True)
 def codec_registry():
-    """A fake codec a test registers is gone after it."""
+    """A fake codec or a geometry a test registers is gone after it."""
     codec_names()
-    saved = dict(base._CODECS)
+    saved, geometries = dict(base._CODECS), dict(base._GEOMETRIES)
     yield
     base._CODECS.clear()
     base._CODECS.update(saved)
+    base._GEOMETRIES.clear()
+    base._GEOMETRIES.update(geometries)
 
 
 @pytest.fixture(scope="module")
@@ -113,20 +117,33 @@ def _worst_error(original: bytes, restored: bytes, geometry: KVGeometry) -> floa
     return worst
 
 
+def object_meta(kind: str = "chunk", lossy: str = "") -> ObjectMeta:
+    return ObjectMeta("serde-test", 8, bytes(16), kind=kind, lossy=lossy)
+
+
+def round_trip(name: str, payload: bytes, meta: CodecMeta | None = None) -> tuple[bytes, bytes]:
+    """(encoded, decoded) of `payload` through the codec registered as `name`."""
+    codec = get_codec(name)
+    encoded = codec.encode(payload, meta)
+    return encoded, codec.decode(encoded, meta)
+
+
+# -- the codecs themselves ---------------------------------------------------------------------
+
 @needs_model
 @pytest.mark.parametrize("name", LOSSLESS)
 def test_lossless_codecs_round_trip_a_real_chunk_bit_exact(real_chunk, name):
     payload, geometry = real_chunk
-    framed = pack(name, payload, CodecMeta("chunk", geometry))
-    assert unpack(framed) == (name, payload)
-    assert not read_frame(framed).lossy
+    encoded, restored = round_trip(name, payload, CodecMeta("chunk", geometry))
+    assert restored == payload
+    assert get_codec(name).lossless and get_codec(name).declined(encoded) is None
 
 
 @needs_model
 @pytest.mark.parametrize("name", ["zstd", "int8"])
 def test_zstd_and_int8_make_real_kv_smaller(real_chunk, name):
     payload, geometry = real_chunk
-    ratio = len(payload) / len(pack(name, payload, CodecMeta("chunk", geometry)))
+    ratio = len(payload) / len(get_codec(name).encode(payload, CodecMeta("chunk", geometry)))
     assert ratio > 1.0, f"{name} ratio {ratio:.3f}"
     if name == "int8":
         assert ratio > 1.8     # f16 -> int8 plus one f32 scale per 192-value row
@@ -136,10 +153,9 @@ def test_zstd_and_int8_make_real_kv_smaller(real_chunk, name):
 def test_int8_round_trip_of_a_real_chunk_keeps_layout_and_bounds_the_error(real_chunk):
     payload, geometry = real_chunk
     assert geometry.v_trans == 1                 # the model's layout here: transposed V
-    framed = pack("int8", payload, CodecMeta("chunk", geometry))
-    assert read_frame(framed).lossy and stored_reason(read_frame(framed).encoded) is None
-    name, restored = unpack(framed)
-    assert name == "int8" and len(restored) == len(payload)
+    encoded, restored = round_trip("int8", payload, CodecMeta("chunk", geometry))
+    assert not get_codec("int8").lossless and stored_reason(encoded) is None
+    assert len(restored) == len(payload)
     head = 32 + 4 * CHUNK_CELLS                  # chunk header and token ids: untouched
     assert restored[:head] == payload[:head]
     assert restored != payload
@@ -150,7 +166,8 @@ def test_int8_round_trip_of_a_real_chunk_keeps_layout_and_bounds_the_error(real_
 @pytest.mark.parametrize("k_type,v_type,v_trans", [(1, 1, 0), (1, 1, 1), (0, 0, 0), (0, 0, 1), (1, 0, 1)])
 def test_int8_quantises_f16_and_f32_in_both_v_layouts(k_type, v_type, v_trans):
     payload, geometry = synthetic_chunk(k_type, v_type, v_trans)
-    name, restored = unpack(pack("int8", payload, CodecMeta("tail", geometry)))
+    encoded, restored = round_trip("int8", payload, CodecMeta("tail", geometry))
+    assert stored_reason(encoded) is None
     assert len(restored) == len(payload) and restored[:32 + 4 * 8] == payload[:32 + 4 * 8]
     assert _worst_error(payload, restored, geometry) <= INT8_BOUND
 
@@ -159,9 +176,9 @@ def test_int8_quantises_f16_and_f32_in_both_v_layouts(k_type, v_type, v_trans):
                                                (1, 8, "V cache type q8_0")])
 def test_int8_stores_bf16_and_quantised_kv_losslessly_and_says_why(k_type, v_type, why):
     payload, geometry = synthetic_chunk(k_type, v_type, v_trans=1)
-    framed = pack("int8", payload, CodecMeta("chunk", geometry))
-    assert why in stored_reason(read_frame(framed).encoded)
-    assert unpack(framed) == ("int8", payload)
+    encoded, restored = round_trip("int8", payload, CodecMeta("chunk", geometry))
+    assert why in stored_reason(encoded) and get_codec("int8").declined(encoded) == stored_reason(encoded)
+    assert restored == payload
 
 
 @pytest.mark.parametrize("meta,why", [(None, "no KV geometry"), (CodecMeta("snapshot", None), "not a chunk payload"),
@@ -172,18 +189,26 @@ def test_int8_stores_what_is_not_a_chunk_losslessly(meta, why):
         meta = CodecMeta("snapshot", geometry)
     elif meta == "other-geometry":
         meta = CodecMeta("chunk", synthetic_chunk(n_layer=3)[1])
-    framed = pack("int8", payload, meta)
-    assert why in stored_reason(read_frame(framed).encoded)
-    assert unpack(framed)[1] == payload
+    encoded, restored = round_trip("int8", payload, meta)
+    assert why in stored_reason(encoded)
+    assert restored == payload
+
+
+def test_int8_finds_a_registered_geometry_by_the_chunk_digest():
+    payload, geometry = synthetic_chunk()
+    assert "no KV geometry" in stored_reason(get_codec("int8").encode(payload, CodecMeta("chunk")))
+    remember_geometry(geometry)
+    encoded, restored = round_trip("int8", payload, CodecMeta("chunk"))
+    assert stored_reason(encoded) is None and len(restored) == len(payload)
 
 
 def test_int8_stores_non_finite_kv_losslessly():
     payload, geometry = synthetic_chunk(k_type=1)
     damaged = bytearray(payload)
     damaged[32 + 4 * 8: 32 + 4 * 8 + 2] = np.array([np.inf], "<f2").tobytes()
-    framed = pack("int8", bytes(damaged), CodecMeta("chunk", geometry))
-    assert "non-finite" in stored_reason(read_frame(framed).encoded)
-    assert unpack(framed)[1] == bytes(damaged)
+    encoded, restored = round_trip("int8", bytes(damaged), CodecMeta("chunk", geometry))
+    assert "non-finite" in stored_reason(encoded)
+    assert restored == bytes(damaged)
 
 
 def test_quantise_rows_golden_case():
@@ -192,66 +217,11 @@ def test_quantise_rows_golden_case():
     assert q.tolist() == [[64, -127, 32], [0, 0, 0]]     # 63.5 rounds to the even 64; a zero row stays 0
 
 
-@pytest.mark.parametrize("damage", ["payload_bit", "name", "magic", "version", "truncate", "trailing", "decoded_len"])
-def test_a_damaged_frame_is_corrupt(damage):
-    payload, geometry = synthetic_chunk()
-    data = bytearray(pack("zstd", payload, CodecMeta("chunk", geometry)))
-    if damage == "payload_bit":
-        data[-5] ^= 0x10
-    elif damage == "name":
-        data[60] ^= 0x01          # inside "zstd": "zsud" is no codec, but the checksum fails first
-    elif damage == "magic":
-        data[0] ^= 0xFF
-    elif damage == "version":
-        data[8] = 9
-    elif damage == "truncate":
-        data = data[:-1]
-    elif damage == "trailing":
-        data += b"\0"
-    elif damage == "decoded_len":
-        data[12] ^= 0x01
-    with pytest.raises(CorruptObject):
-        unpack(bytes(data))
-
-
-def test_a_frame_whose_codec_decodes_to_another_length_is_corrupt():
-    @register_codec
-    class Short(Codec):
-        name = "short"
-
-        def encode(self, payload, meta=None):
-            return bytes(payload)
-
-        def decode(self, data, meta=None):
-            return bytes(data)[:-1]
-
-    with pytest.raises(CorruptObject, match="decoded"):
-        unpack(pack("short", b"abcdef"))
-
-
 def test_an_unknown_codec_name_is_a_clear_error_listing_the_known_ones():
     with pytest.raises(UnknownCodecError) as caught:
         get_codec("lz4", setting="KVB_L2_SERDE")
     assert isinstance(caught.value, BadSettings)
     assert str(caught.value) == "unknown KV codec 'lz4' (from KVB_L2_SERDE); known codecs: int8, raw, zstd"
-
-
-def test_a_frame_from_a_codec_this_reader_lacks_is_corrupt():
-    @register_codec
-    class Plugin(Codec):
-        name = "plugin"
-
-        def encode(self, payload, meta=None):
-            return bytes(payload)[::-1]
-
-        def decode(self, data, meta=None):
-            return bytes(data)[::-1]
-
-    framed = pack("plugin", b"kv bytes")
-    assert unpack(framed) == ("plugin", b"kv bytes")
-    base.unregister_codec("plugin")
-    with pytest.raises(CorruptObject, match="plugin"):
-        unpack(framed)
 
 
 def test_codec_names_are_checked_and_not_taken_twice():
@@ -270,7 +240,110 @@ def test_codec_names_are_checked_and_not_taken_twice():
 
 def test_zstd_level_comes_from_the_options_and_is_checked():
     payload = bytes(range(256)) * 64
-    fast, small = (pack(get_codec("zstd", CodecOptions(zstd_level=lvl)), payload) for lvl in (1, 19))
-    assert unpack(fast)[1] == unpack(small)[1] == payload
+    fast, small = (get_codec("zstd", CodecOptions(zstd_level=level)) for level in (1, 19))
+    assert fast.decode(fast.encode(payload)) == small.decode(small.encode(payload)) == payload
     with pytest.raises(BadSettings, match="zstd level"):
         get_codec("zstd", CodecOptions(zstd_level=99))
+
+
+# -- TierCodec: how a tier applies its codec -----------------------------------------------------
+
+def test_raw_passes_the_very_same_object_through():
+    blob = bytearray(b"kv bytes" * 100)
+    codec = TierCodec()
+    assert codec.name == "raw" and codec.label() == "raw"
+    stored, meta = codec.encode(blob, object_meta())
+    assert stored is blob and (meta.codec, meta.lossy) == ("raw", "")
+    assert TierCodec.decode(stored, meta) is blob
+
+
+def test_zstd_names_itself_in_the_metadata_and_is_not_lossy():
+    blob = bytes(range(256)) * 64
+    stored, meta = TierCodec.named("zstd", zstd_level=3, setting="KVB_L2_SERDE").encode(blob, object_meta())
+    assert (meta.codec, meta.lossy) == ("zstd", "") and len(stored) < len(blob)
+    assert TierCodec.decode(stored, meta) == blob
+
+
+def test_an_unknown_tier_codec_names_its_setting():
+    with pytest.raises(UnknownCodecError, match="KVB_L3_SERDE"):
+        TierCodec.named("lz4", setting="KVB_L3_SERDE")
+
+
+@needs_model
+def test_int8_quantises_a_real_chunk_whose_geometry_the_engine_registered(real_chunk):
+    payload, geometry = real_chunk
+    remember_geometry(geometry)                  # what CachedEngine does when it opens its namespace
+    codec = TierCodec.named("int8")
+    assert codec.label() == "int8 (lossy)"
+    stored, meta = codec.encode(payload, object_meta())
+    assert (meta.codec, meta.lossy) == ("int8", "int8") and not codec.declined
+    assert len(stored) < len(payload)
+    restored = TierCodec.decode(stored, meta)
+    assert len(restored) == len(payload) and _worst_error(payload, restored, geometry) <= INT8_BOUND
+
+
+@pytest.mark.parametrize("k_type,why", [(30, "bf16"), (8, "quantised already")])
+def test_int8_declines_what_it_cannot_quantise_and_stores_it_raw(k_type, why):
+    payload, geometry = synthetic_chunk(k_type, k_type, v_trans=1)
+    remember_geometry(geometry)                  # declined for its cache type, not for a missing geometry
+    codec = TierCodec.named("int8")
+    for _ in range(2):
+        stored, meta = codec.encode(payload, object_meta())
+        assert stored is payload and (meta.codec, meta.lossy) == ("raw", "")
+    [(reason, count)] = codec.declined.items()
+    assert why in reason and count == 2
+    assert TierCodec.decode(stored, meta) == payload
+
+
+@pytest.mark.parametrize("name", LOSSLESS)
+def test_lossy_is_sticky_through_a_lossless_codec(name):
+    """KV that once went through int8 stays marked lossy when a lossless tier stores it again."""
+    stored, meta = TierCodec.named(name).encode(b"kv bytes" * 100, object_meta(lossy="int8"))
+    assert (meta.codec, meta.lossy) == (name, "int8")
+
+
+def test_an_object_written_by_a_codec_this_reader_lacks_is_corrupt_and_named():
+    @register_codec
+    class Plugin(Codec):
+        name = "plugin"
+
+        def encode(self, payload, meta=None):
+            return bytes(payload)[::-1]
+
+        def decode(self, data, meta=None):
+            return bytes(data)[::-1]
+
+    stored, meta = TierCodec.named("plugin").encode(b"kv bytes", object_meta())
+    assert meta.codec == "plugin" and TierCodec.decode(stored, meta) == b"kv bytes"
+    base.unregister_codec("plugin")
+    with pytest.raises(CorruptObject, match="plugin"):
+        TierCodec.decode(stored, meta)
+
+
+@pytest.mark.parametrize("name", ["zstd", "int8"])
+@pytest.mark.parametrize("damage", ["empty", "garbage", "truncated"])
+def test_bytes_a_codec_cannot_decode_are_corrupt(name, damage):
+    """Every codec's decode raises CorruptObject, never another error, for bytes it cannot read."""
+    payload, geometry = synthetic_chunk()
+    remember_geometry(geometry)
+    stored, meta = TierCodec.named(name).encode(payload, object_meta())
+    assert meta.codec == name
+    stored = {"empty": b"", "garbage": b"\x5a" * 64, "truncated": stored[:-7]}[damage]
+    with pytest.raises(CorruptObject):
+        TierCodec.decode(stored, meta)
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_damaged_stored_bytes_in_an_l2_file_are_corrupt_on_get(tmp_path, where):
+    """The tier's header checksum covers the stored (encoded) bytes: damage never reaches zstd."""
+    tier = DiskTier(tmp_path, 1 << 20, codec=TierCodec.named("zstd"))
+    key, blob = b"k" * 32, bytes(range(256)) * 64
+    assert tier.put(key, blob, object_meta())
+    assert tier.meta(key).codec == "zstd" and tier.get(key)[0] == blob
+    path = tier.path_for(key)
+    data = bytearray(path.read_bytes())
+    data[len(data) - tier.size(key) if where == "first" else -1] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptObject, match="checksum"):
+        tier.get(key)
+    assert not tier.contains(key)

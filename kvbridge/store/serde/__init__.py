@@ -1,13 +1,16 @@
 """Pluggable KV serialisation (LMCache's serde interface): how a tier turns a payload into bytes.
 
-    from kvbridge.store.serde import get_codec, pack, unpack, CodecMeta, CodecOptions
-    codec = get_codec("zstd", CodecOptions(zstd_level=3), setting="the L2 codec setting")
-    framed = pack(codec, chunk_payload, CodecMeta(kind="chunk", geometry=geometry))
-    name, payload = unpack(framed)            # whatever codec wrote it; CorruptObject if damaged
+    from kvbridge.store.serde import TierCodec
+    codec = TierCodec.named("zstd", zstd_level=3, setting="KVB_L2_SERDE")
+    stored, meta = codec.encode(blob, meta)     # meta.codec names the codec, meta.lossy is sticky
+    blob = TierCodec.decode(stored, meta)       # whatever codec wrote it; CorruptObject if it cannot
 
-Place in the flow: ... -> encode_chunk -> **pack** -> tier put; tier get -> **unpack** ->
-decode_chunk -> assemble. Modules, in reading order: base (the Codec interface and the registry),
-frame (the framed bytes a tier stores), then one module per codec: raw, zstd, int8 (lossy).
+Place in the flow: ... -> encode_chunk -> tier put -> **TierCodec.encode** -> the tier's checked
+header (ObjectMeta with codec and lossy) + the stored bytes; tier get -> header and checksum checks
+-> **TierCodec.decode** -> decode_chunk -> assemble. The tier's header (kvbridge.store.diskformat,
+also for L3 values) is what detects damage; codecs only transform bytes. Modules, in reading
+order: base (the Codec interface and the registry), tier (how a tier applies its codec), then one
+module per codec: raw, zstd, int8 (lossy).
 """
 from kvbridge.store.serde.base import (
     Codec,
@@ -22,24 +25,19 @@ from kvbridge.store.serde.base import (
     remember_geometry,
     unregister_codec,
 )
-from kvbridge.store.serde.frame import Frame, pack, read_frame, unpack
 from kvbridge.store.serde.tier import TierCodec
 
 __all__ = [
     "Codec",
     "CodecMeta",
     "CodecOptions",
-    "Frame",
+    "TierCodec",
     "UnknownCodecError",
     "broken_codecs",
     "codec_names",
     "get_codec",
     "known_geometry",
-    "pack",
-    "read_frame",
     "register_codec",
     "remember_geometry",
-    "TierCodec",
-    "unpack",
     "unregister_codec",
 ]

@@ -1,13 +1,12 @@
 """The codec interface and its registry: the one list of KV serialisations a tier may be set to.
 
 A codec turns a stored payload into the bytes a tier keeps and back (LMCache's serde interface).
-Codecs are stateless and configured once (CodecOptions, filled from Settings by whoever wires a
-tier); `lossless` is a class attribute checked in one place by that wiring, since a lossy codec
-changes what is restored and therefore belongs in the namespace. Adding a codec is one module that
-calls register_codec() plus one line in BUILTIN_CODECS.
-
-Choosing a codec per tier is kvbridge.store.serde.tier; the namespace rule for lossy codecs is the
-engine's (kvbridge.engine.cached_engine adds the lossy codec to the namespace fingerprint).
+Codecs are stateless and configured once: a tier's TierCodec (kvbridge.store.serde.tier) is named
+by KVB_L2_SERDE or KVB_L3_SERDE and gets CodecOptions from KVB_ZSTD_LEVEL. `lossless` is a class
+attribute read in two places only: TierCodec marks what a lossy codec wrote (ObjectMeta.lossy), and
+the engine adds a lossy codec to the namespace fingerprint (kvbridge.engine.cached_engine), since
+it changes what is restored. Adding a codec is one module that calls register_codec() plus one
+line in BUILTIN_CODECS.
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ BUILTIN_CODECS = (
     "kvbridge.store.serde.zstd",
     "kvbridge.store.serde.int8",
 )
-CODEC_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}\Z")   # short ASCII: it is written into every frame
+CODEC_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}\Z")   # short ASCII: every object's ObjectMeta.codec
 
 
 class UnknownCodecError(BadSettings, KeyError):
@@ -39,7 +38,7 @@ class UnknownCodecError(BadSettings, KeyError):
 
 @dataclass(frozen=True)
 class CodecOptions:
-    """Tunables of the codecs (the zstd level), from Settings once tiers use codecs; decoding never needs them."""
+    """Tunables of the codecs (the zstd level, KVB_ZSTD_LEVEL); decoding never needs them."""
 
     zstd_level: int = 3
 
@@ -48,8 +47,10 @@ class CodecOptions:
 class CodecMeta:
     """What a codec may know about the payload: its ObjectMeta.kind and the engine's KV geometry.
 
-    Lossless codecs ignore it. int8 needs the geometry to find the K and V rows of a chunk (the chunk
-    payload carries only its digest); without it, int8 stores the payload losslessly.
+    Lossless codecs ignore it. int8 needs the geometry to find the K and V rows of a chunk; when none
+    is given (TierCodec gives none) it looks the geometry up by the digest in the chunk's header
+    (known_geometry, filled by the engine's remember_geometry), and stores the payload losslessly
+    only if that digest is unknown too.
     """
 
     kind: str = "chunk"

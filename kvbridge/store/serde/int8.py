@@ -12,10 +12,12 @@ reports) while its scales cost as much as the values in a one-cell tail; a per-c
 left for another module. Error: |x - x'| <= scale/2 + the dtype's rounding, scale = absmax/127,
 i.e. at most absmax * (1/254 + 2**-11) for f16 (measured: absmax * 0.00433).
 
+The geometry comes from CodecMeta when given; otherwise (a tier's TierCodec gives none) from the
+digest in the chunk's header, looked up among the geometries engines registered (known_geometry).
 What it cannot quantise it stores losslessly and says why (stored_reason): a cache type that is
-already quantised (q8_0, q4_0, ...) or bf16, non-finite values, no geometry given, a payload that
-is not a chunk. Encoded layout (little-endian), after the sub-header `<4sBBI` (magic b"KVQ8",
-version, mode, extra_len):
+already quantised (q8_0, q4_0, ...) or bf16, non-finite values, no geometry given or registered,
+a payload that is not a chunk. Encoded layout (little-endian), after the sub-header `<4sBBI`
+(magic b"KVQ8", version, mode, extra_len):
 
     mode 1, stored:    extra = the reason (UTF-8), then the payload as it was
     mode 0, quantised: extra = u32 v_trans, u32 n_layer, per layer <iQiQII (k_type, k_row,
@@ -139,7 +141,7 @@ class Int8Codec(Codec):
             return _stored(f"a {meta.kind} object is not a chunk payload", payload)
         g = meta.geometry if meta is not None and meta.geometry is not None else _registered_geometry(payload)
         if g is None:
-            return _stored("no KV geometry given", payload)
+            return _stored("no KV geometry given or registered for this chunk", payload)
         reason = _why_not(g)
         if reason:
             return _stored(reason, payload)

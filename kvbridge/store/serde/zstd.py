@@ -1,4 +1,4 @@
-"""`zstd`: lossless Zstandard compression at the configured level (CodecOptions.zstd_level; a setting once tiers use codecs).
+"""`zstd`: lossless Zstandard compression at the configured level (CodecOptions.zstd_level, from KVB_ZSTD_LEVEL).
 
 The zstd frame records the content size, so decoding needs no level and no metadata.
 A compressor is made per call: zstandard's objects are not safe to share between threads.
