@@ -137,4 +137,15 @@ if [[ $want_browser -eq 1 && ! -x /usr/bin/chromium ]]; then
     fi
 fi
 
+# 6. Redis (redis-server and redis-cli) for the Redis tests, which start their own servers and
+#    clusters on free loopback ports. Debian's package may also start a system redis on port 6379;
+#    the tests never use that port.
+if [[ ! -x /usr/bin/redis-server || ! -x /usr/bin/redis-cli ]]; then
+    if is_root; then
+        apt_install redis-server redis-tools
+    else
+        say "redis-server or redis-cli is missing (the Redis tests will be skipped). To install: sudo apt-get update && sudo apt-get install -y redis-server redis-tools"
+    fi
+fi
+
 say "ready"
