@@ -9,6 +9,8 @@ real checkout's run results. It does remove every stale segment of this user, as
 from __future__ import annotations
 
 import os
+import pty
+import select
 import shutil
 import signal
 import socket
@@ -20,6 +22,7 @@ import pytest
 
 from kvbridge.cache_server.client import CacheClient
 from kvbridge.settings import PROJECT_ROOT
+from tests.redis_helpers import RedisServer, needs_redis
 
 SCRIPT = PROJECT_ROOT / "scripts" / "cache_server.sh"
 PID_FILE = PROJECT_ROOT / ".kvbridge-cache-server.pid"
@@ -185,7 +188,8 @@ def checkout_copy(tmp_path) -> Path:
 
 
 def cleanup(root: Path, *args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([str(root / "scripts" / "cleanup.sh"), *args], cwd=root, env=env,
+    """Without a terminal on stdin (as from cron or CI): it never waits for an answer."""
+    return subprocess.run([str(root / "scripts" / "cleanup.sh"), *args], cwd=root, env=env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=30)
 
 
@@ -225,3 +229,92 @@ def test_cleanup_removes_a_killed_servers_segment_not_a_live_ones(server_env, ch
                 process.terminate()
                 process.wait(timeout=20)
     assert live.returncode == 0 and not live_segment.exists()   # a clean stop takes its segment along
+
+
+# -- cleanup.sh and L3 ---------------------------------------------------------------------------------
+L3_PASSWORD = "l3-pw-never-printed"
+OURS = [f"team-a:obj:{i:02x}".encode() + b"ab" * 31 for i in range(3)]     # KVB_L3_PREFIX=team-a
+KEPT = [b"app:thing", b"kvb:obj:" + b"cd" * 32, b"team-ab:obj:" + b"ef" * 32]   # an application's, other prefixes
+
+
+@pytest.fixture
+def l3_server():
+    with RedisServer(password=L3_PASSWORD) as server:
+        with server.client() as c:
+            for name in OURS + KEPT:
+                c.set(name, b"v" * 100)
+        yield server
+
+
+def l3_env(server_env: dict, checkout: Path, server: RedisServer) -> dict:
+    """KVB_L3_URL and the prefix from the checkout's .env, the password's variable from the environment."""
+    (checkout / ".env").write_text(f"KVB_L3_URL={server.url}  # the shared Redis\nKVB_L3_PREFIX='team-a'\n")
+    return {**server_env, "KVB_L3_PASSWORD_ENV": "KVB_TEST_REDIS_PASSWORD", "KVB_TEST_REDIS_PASSWORD": L3_PASSWORD}
+
+
+def keys_on(server: RedisServer) -> set[bytes]:
+    with server.client() as c:
+        return set(c.keys(b"*"))
+
+
+@needs_redis
+@pytest.mark.timeout(90)   # three runs of the script, each starting Python twice or three times
+def test_cleanup_removes_kvbridges_l3_keys_only_with_yes(server_env, checkout_copy, l3_server):
+    env = l3_env(server_env, checkout_copy, l3_server)
+    found = f"L3 redis://127.0.0.1:{l3_server.port}/0 (KVB_L3_PREFIX=team-a): 3 KVBridge keys under team-a:obj:*"
+
+    listed = cleanup(checkout_copy, "--dry-run", env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert found in listed.stdout and "Would remove them after asking (--yes: without asking)." in listed.stdout
+    assert keys_on(l3_server) == set(OURS + KEPT)
+
+    unasked = cleanup(checkout_copy, env=env)   # no terminal to ask on, no --yes: kept, and it says how
+    assert unasked.returncode == 0, unasked.stderr
+    assert found in unasked.stdout and "Run scripts/cleanup.sh --yes to remove them." in unasked.stderr
+    assert keys_on(l3_server) == set(OURS + KEPT)
+    assert not (checkout_copy / "output" / "kvbridge-run.csv").exists()   # the files went without asking
+
+    removed = cleanup(checkout_copy, "--yes", env=env)
+    assert removed.returncode == 0, removed.stderr
+    assert "Removed 3 KVBridge keys under team-a:obj:*" in removed.stdout
+    assert keys_on(l3_server) == set(KEPT)
+
+    for result in (listed, unasked, removed):
+        assert L3_PASSWORD not in result.stdout + result.stderr
+
+
+@needs_redis
+def test_cleanup_with_l3_unreachable_is_one_line_and_cleans_the_rest(server_env, checkout_copy, l3_server):
+    env = l3_env(server_env, checkout_copy, l3_server)
+    l3_server.stop()
+    cleaned = cleanup(checkout_copy, "--yes", env=env)
+    assert cleaned.returncode == 0, cleaned.stderr
+    assert "Removed:" in cleaned.stdout and not (checkout_copy / "output" / "kvbridge-run.csv").exists()
+    [line] = [line for line in cleaned.stderr.splitlines() if "L3" in line]
+    assert line.startswith(f"cleanup.sh: leaving L3 alone: L3 redis://127.0.0.1:{l3_server.port}/0")
+    assert "Connection refused" in line and "Traceback" not in cleaned.stderr
+
+
+@needs_redis
+@pytest.mark.parametrize("answer, left", [("n", set(OURS + KEPT)), ("y", set(KEPT))])
+def test_cleanup_asks_on_a_terminal(server_env, checkout_copy, l3_server, answer, left):
+    env = l3_env(server_env, checkout_copy, l3_server)
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen([str(checkout_copy / "scripts" / "cleanup.sh")], cwd=checkout_copy, env=env,
+                               stdin=terminal, stdout=subprocess.PIPE, stderr=terminal, text=True)
+    os.close(terminal)
+    try:
+        seen = b""
+        while b"Remove them? [y/N]" not in seen:
+            ready, _, _ = select.select([controller], [], [], 20)
+            assert ready, f"no question within 20 s; the terminal showed {seen!r}"
+            seen += os.read(controller, 4096)
+        os.write(controller, answer.encode() + b"\n")
+        out, _ = process.communicate(timeout=20)
+    finally:
+        os.close(controller)
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0
+    assert keys_on(l3_server) == left
+    assert ("L3's keys are kept." in out) == (answer == "n")

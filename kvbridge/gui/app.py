@@ -19,7 +19,7 @@ import gradio as gr
 from kvbridge.gui.handlers import (
     AppState, Outcome, clear_tier, connect_engine, disconnect_engine, engine_choices, engine_notice,
     engine_status, field_type, fields_for_engine, form_fields, form_values, restart_engine, save_settings,
-    selected_engine, store_markdown, store_stats, store_tier_names, COMMON_FIELDS,
+    selected_engine, store_census, store_markdown, store_stats, store_tier_names, clear_question, COMMON_FIELDS,
 )
 from kvbridge.gui.results import (
     ResultsView, document_choices, export_results, free_prompt, records_table, request_stop, results_view,
@@ -161,8 +161,9 @@ def _prompt_panel(ui: SimpleNamespace, settings: Settings) -> None:
 
 def _store_panel(ui: SimpleNamespace, state: AppState) -> None:
     gr.Markdown("## 5 · Store")
+    census = store_census(state)   # before stats(): a count that finds L3 down shows it down in the same view
     stats = store_stats(state)
-    ui.store_md = gr.Markdown(store_markdown(stats), elem_id="kvb-store")
+    ui.store_md = gr.Markdown(store_markdown(stats, census), elem_id="kvb-store")
     ui.store_plot = gr.Plot(store_figure(stats), show_label=False, elem_id="kvb-plot-store")
     server = server_view(state, stats)   # shown only when the store is a cache server's (KVB_STORE_URL)
     with gr.Column(visible=server.shown, elem_id="kvb-server-panel") as ui.server_box:
@@ -196,11 +197,12 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
                        ui.hits_plot, ui.shadow_plot, ui.table, *store_outputs]
 
     def store_values(choose_first_tier: bool = False) -> list[Any]:
+        census = store_census(state)   # before stats(), as in _store_panel
         stats = store_stats(state)
         tiers = store_tier_names(state)
         choice = gr.update(choices=tiers, value=tiers[0] if tiers else None) if choose_first_tier \
             else gr.update(choices=tiers)
-        return [store_markdown(stats), store_figure(stats), choice, *_server_values(server_view(state, stats))]
+        return [store_markdown(stats, census), store_figure(stats), choice, *_server_values(server_view(state, stats))]
 
     def results_values(view: ResultsView) -> list[Any]:
         figs = view.figures
@@ -252,14 +254,8 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
 
     # store: Clear asks first (the tier waits in pending_tier until Yes or Cancel)
     def ask_clear(tier: str | None) -> list[Any]:
-        tiers = store_tier_names(state)
-        if not tiers:
-            return [None, gr.update(visible=False), "Connect an engine first."]
-        if tier not in tiers:
-            return [None, gr.update(visible=False), f"Choose one of the store's tiers: {', '.join(tiers)}."]
-        others = ", ".join(t for t in tiers if t != tier) or "nothing else"
-        return [tier, gr.update(visible=True), f"**Really clear {tier}?** Every object in {tier} is deleted; "
-                                               f"{others} is kept."]
+        question = clear_question(state, tier)
+        return [tier if question.ok else None, gr.update(visible=question.ok), question.message]
 
     def on_confirm_clear(tier: str | None) -> list[Any]:
         outcome = clear_tier(state, tier or "")

@@ -234,6 +234,7 @@ class TierUsage:
     objects: int
     bytes_used: int
     capacity: int
+    remote: bool = False   # a shared server's tier (L3): its capacity is the server's, objects those known here
 
 
 def tier_usages(stats: dict | None) -> list[TierUsage]:
@@ -248,6 +249,7 @@ def tier_usages(stats: dict | None) -> list[TierUsage]:
             objects=int(tier.get("objects", 0)),
             bytes_used=int(tier.get("bytes", 0)),
             capacity=int(tier.get("capacity", 0) or tier.get("capacity_bytes", 0)),
+            remote="remote" in tier,
         )
         for name, tier in items
     ]
@@ -268,12 +270,14 @@ def store_figure(stats: dict | None) -> go.Figure:
     if not usages:
         return _empty(title, "Connect an engine to see its store.")
     names = [u.name for u in usages]
-    used = [100 * u.bytes_used / u.capacity if u.capacity else 0 for u in usages]
+    used = [100 * u.bytes_used / u.capacity if u.capacity and not u.remote else 0 for u in usages]
     fig = go.Figure()
     fig.add_trace(go.Bar(
         y=names, x=used, orientation="h", name="used",
         marker={"color": [tier_color(n, names) for n in names]},
-        text=[f"{format_bytes(u.bytes_used)} of {format_bytes(u.capacity)} · {u.objects} objects" for u in usages],
+        text=[f"{format_bytes(u.bytes_used)} · {u.objects} objects known here; the server's memory is its limit"
+              if u.remote else f"{format_bytes(u.bytes_used)} of {format_bytes(u.capacity)} · {u.objects} objects"
+              for u in usages],
         textposition="outside", cliponaxis=False, hovertemplate="%{y}: %{x:.2f} % full<extra></extra>",
     ))
     fig = _base_layout(fig, title, showlegend=False, xaxis={"title": "% of capacity", "range": [0, 100]},
