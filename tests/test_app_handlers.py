@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.gui import handlers as h
+from kvbridge.gui import store_panel as sp
 from kvbridge.gui import results as r
 from kvbridge.backends import engine_specs
 from kvbridge.settings import EMBEDDED_MODEL_PATH, Settings
@@ -101,7 +102,7 @@ def test_save_settings_keeps_the_file_and_never_writes_a_key(state):
 
 def test_status_before_connect(state):
     assert "Not connected" in h.engine_status(state)
-    assert "connect" in h.store_markdown(h.store_stats(state)).lower()
+    assert "connect" in sp.store_markdown(sp.store_stats(state)).lower()
 
 
 def test_page_builds_with_registry_engines_and_kvb_labels(state):
@@ -147,9 +148,9 @@ def test_no_engine_messages_and_results_are_kept(state):
     assert len(views[0].table["data"]) == 2  # what was shown stays
     assert not r.free_prompt(state, "hi", "lmcache").ok
     assert not h.restart_engine(state).ok
-    assert not h.clear_tier(state, "L1").ok
-    assert "Connect an engine" in h.clear_tier(state, "L9").message
-    assert h.store_tier_names(state) == []
+    assert not sp.clear_tier(state, "L1").ok
+    assert "Connect an engine" in sp.clear_tier(state, "L9").message
+    assert sp.store_tier_names(state) == []
 
 
 @pytest.mark.parametrize("modes, n, expected", [([], 2, "at least one mode"), (["warm"], 2, "Unknown mode"),
@@ -284,14 +285,14 @@ def test_live_restart_then_restore_from_l1_and_l2(live_state):
 @needs_model
 def test_live_clear_tiers(live_state):
     r.free_prompt(live_state, TINY_DOC + "\n\nName the west bed's day.", "lmcache", 2)
-    assert h.store_stats(live_state)["tiers"]["L2"]["objects"] > 0
-    assert h.store_tier_names(live_state) == live_state.engine.store.tier_names == ["L1", "L2"]
+    assert sp.store_stats(live_state)["tiers"]["L2"]["objects"] > 0
+    assert sp.store_tier_names(live_state) == live_state.engine.store.tier_names == ["L1", "L2"]
     for tier in live_state.engine.store.tier_names:
-        assert h.clear_tier(live_state, tier).ok
-        assert h.store_stats(live_state)["tiers"][tier]["objects"] == 0
-    refused = h.clear_tier(live_state, "L9")
+        assert sp.clear_tier(live_state, tier).ok
+        assert sp.store_stats(live_state)["tiers"][tier]["objects"] == 0
+    refused = sp.clear_tier(live_state, "L9")
     assert not refused.ok and "no tier 'L9'" in refused.message and "L1, L2" in refused.message
-    assert "| L1 | 0 |" in h.store_markdown(h.store_stats(live_state))
+    assert "| L1 | 0 |" in sp.store_markdown(sp.store_stats(live_state))
 
 
 # -- a shadow engine: the cloud adapter against a loopback replay of a provider's stream ---------

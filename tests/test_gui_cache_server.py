@@ -15,6 +15,7 @@ from kvbridge.cache_server.module import ModuleSpec
 from kvbridge.cache_server.remote_store import RemoteStore
 from kvbridge.cache_server.server import CacheServer
 from kvbridge.gui import handlers as h
+from kvbridge.gui import store_panel as sp
 from kvbridge.gui.charts import PAGE_MAP_MAX_CELLS, PAGE_STATES, page_map_figure
 from kvbridge.gui.server_panel import ENABLE_EVENTS, KV_EVENTS_MODULE, pressure_line, server_view
 from kvbridge.store import ObjectMeta, TieredStore
@@ -79,7 +80,7 @@ def test_the_section_shows_server_modules_clients_pressure_and_page_map(connecte
     state, running = connected
     assert state.engine.store.put(key(1), BLOB, meta())
     state.engine.store.flush()   # its commit and the disk writer's short lease are over: a plain object page
-    view = server_view(state, h.store_stats(state))
+    view = server_view(state, sp.store_stats(state))
     assert view.shown
     text = view.summary
     assert f"`{running.url}`" in text and "connected" in text and "shared memory" in text
@@ -103,7 +104,7 @@ def test_the_event_log_lists_stores_and_removals_newest_first(connected):
     state, _ = connected
     assert state.engine.store.put(key(7), BLOB, meta())
     state.engine.store.clear("L1")
-    stats = h.store_stats(state)
+    stats = sp.store_stats(state)
     events = server_view(state, stats).events
     for _ in range(50):   # the publisher thread records an event a moment after the store reports it
         if "| removed |" in events:
@@ -123,7 +124,7 @@ def test_without_kv_events_the_log_says_how_to_turn_it_on(server_settings, make_
     store = RemoteStore.from_settings(make_settings(store_url=running.url, l2_dir=str(tmp_path / "e")))
     try:
         state = engine_state(make_settings(store_url=running.url), store)
-        view = server_view(state, h.store_stats(state))
+        view = server_view(state, sp.store_stats(state))
         assert view.shown and "| kv_events |" not in view.summary
         assert "Event log:** off" in view.events
         assert ENABLE_EVENTS == '--server-module \'{"module_path": "kvbridge.cache_server.plugin_modules.kv_events"}\''
@@ -139,16 +140,16 @@ def test_a_server_that_went_away_is_one_line_and_the_panel_still_works(server_se
     store = RemoteStore.from_settings(settings)
     state = engine_state(settings, store)
     try:
-        assert "cannot be reached" not in server_view(state, h.store_stats(state)).summary
+        assert "cannot be reached" not in server_view(state, sp.store_stats(state)).summary
         running.stop()
-        stats = h.store_stats(state)
+        stats = sp.store_stats(state)
         view = server_view(state, stats)
         assert view.shown and "cannot be reached" in view.summary and running.url in view.summary
         assert f"python -m kvbridge cache-server --url {running.url}" in view.summary
         assert f"./scripts/cache_server.sh start --url {running.url}" in view.summary
         assert "| kv_events |" not in view.summary and view.events == ""
         assert not view.page_map.data   # the empty figure with its hint
-        assert "| L1 | 0 |" in h.store_markdown(stats)   # the tier table still renders
+        assert "| L1 | 0 |" in sp.store_markdown(stats)   # the tier table still renders
     finally:
         store.close()
 
@@ -169,7 +170,7 @@ def test_an_embedded_store_shows_no_server_section(make_settings):
     store = TieredStore.from_settings(settings)
     try:
         state = engine_state(settings, store)
-        assert server_view(state, h.store_stats(state)).shown is False
+        assert server_view(state, sp.store_stats(state)).shown is False
     finally:
         store.close()
     assert server_view(h.AppState(settings), None).shown is False   # no engine, no KVB_STORE_URL

@@ -12,6 +12,7 @@ import pytest
 
 from kvbridge.gui import charts
 from kvbridge.gui import handlers as h
+from kvbridge.gui import store_panel as sp
 from kvbridge.store import ObjectMeta, TieredStore
 from tests.redis_helpers import RedisServer, needs_redis
 
@@ -43,8 +44,8 @@ def l3_state(make_settings, monkeypatch, server: RedisServer, **changes) -> h.Ap
 
 def panel(state: h.AppState) -> str:
     """The store panel's text as a refresh builds it (app.store_values: the census first, then stats)."""
-    census = h.store_census(state)
-    return h.store_markdown(h.store_stats(state), census)
+    census = sp.store_census(state)
+    return sp.store_markdown(sp.store_stats(state), census)
 
 
 def l3_line(markdown: str) -> str:
@@ -65,9 +66,9 @@ def test_l3_line_is_up_with_the_servers_objects_and_this_process_hits(make_setti
             c.set(b"app:thing", b"an application's key")
             c.set(b"other:obj:" + b"ab" * 32, b"another team's prefix")
         put_objects(store, 3)
-        assert store.tier_names == ["L1", "L2", "L3"] == h.store_tier_names(state)
+        assert store.tier_names == ["L1", "L2", "L3"] == sp.store_tier_names(state)
         for tier in ("L1", "L2"):   # the next read of key 0 comes from L3
-            assert h.clear_tier(state, tier).ok
+            assert sp.clear_tier(state, tier).ok
         assert store.get(key(0)).tier == "L3"
 
         markdown = panel(state)
@@ -79,7 +80,7 @@ def test_l3_line_is_up_with_the_servers_objects_and_this_process_hits(make_setti
         assert "| L3 | 3 known here |" in markdown and "| L2 |" in markdown
         assert PASSWORD not in markdown
 
-        fig = charts.store_figure(h.store_stats(state))   # the occupancy bar: no % of a capacity L3 lacks
+        fig = charts.store_figure(sp.store_stats(state))   # the occupancy bar: no % of a capacity L3 lacks
         at = list(fig.data[0].y).index("L3")
         assert fig.data[0].x[at] == 0 and "known here" in fig.data[0].text[at]
     finally:
@@ -100,11 +101,11 @@ def test_l3_line_says_down_with_reason_and_retry_after_the_server_stopped(make_s
         assert "on the server under `kvb:obj:*` (every host's): unknown (L3 down)" in line
         assert f"`redis://127.0.0.1:{redis_server.port}/0`" in line
 
-        refused = h.clear_tier(state, "L3")
+        refused = sp.clear_tier(state, "L3")
         assert not refused.ok
         assert refused.message.startswith("L3 was not cleared: L3 ") and "once it can be reached" in refused.message
         assert "Traceback" not in refused.message and "unexpectedly" not in refused.message
-        assert h.clear_tier(state, "L1").ok   # the rest of the store still works
+        assert sp.clear_tier(state, "L1").ok   # the rest of the store still works
     finally:
         store.close()
 
@@ -117,12 +118,12 @@ def test_clear_l3_removes_only_kvbridges_objects(make_settings, monkeypatch, red
         with redis_server.client() as c:
             c.set(b"app:thing", b"keep")
             c.set(b"other:obj:" + b"cd" * 32, b"keep")
-        question = h.clear_question(state, "L3")
+        question = sp.clear_question(state, "L3")
         assert question.ok and "**Really clear L3?**" in question.message
         assert f"under `kvb:obj:*` on `redis://127.0.0.1:{redis_server.port}/0`" in question.message
         assert "every host's" in question.message and "L1, L2 are kept" in question.message
 
-        outcome = h.clear_tier(state, "L3")
+        outcome = sp.clear_tier(state, "L3")
         assert outcome.ok and outcome.message == "L3 cleared."
         with redis_server.client() as c:
             assert c.keys(b"kvb:*") == []
@@ -139,11 +140,11 @@ def test_a_slow_server_holds_the_refresh_no_longer_than_the_tiers_timeout(make_s
         put_objects(state.engine.store, 1)
         redis_server.pause(3)
         began = time.monotonic()
-        census = h.store_census(state)
+        census = sp.store_census(state)
         assert time.monotonic() - began < 1.5
         assert "unknown" in census["L3"]
         assert "on the server under `kvb:obj:*` (every host's): unknown (" in l3_line(
-            h.store_markdown(h.store_stats(state), census))
+            sp.store_markdown(sp.store_stats(state), census))
     finally:
         state.engine.store.close()
 
@@ -164,10 +165,10 @@ def test_without_l3_the_panel_has_no_l3_line(make_settings):
     state = h.AppState(make_settings())
     state.engine = SimpleNamespace(store=TieredStore.from_settings(state.settings, namespace="ns"))
     try:
-        assert h.store_census(state) == {}
+        assert sp.store_census(state) == {}
         markdown = panel(state)
         assert "**L3**" not in markdown and "| L1 | 0 |" in markdown and "Lossy" not in markdown
-        assert "Every object in L2 is deleted; L1 is kept." in h.clear_question(state, "L2").message
+        assert "Every object in L2 is deleted; L1 is kept." in sp.clear_question(state, "L2").message
     finally:
         state.engine.store.close()
 
@@ -194,11 +195,11 @@ def test_the_cache_servers_l3_shows_in_the_panel_and_clears_through_it(make_sett
                 while not c.keys(b"kvb:obj:*") and time.monotonic() < deadline:
                     time.sleep(0.05)
                 assert len(c.keys(b"kvb:obj:*")) == 1
-            assert h.store_census(state) == {}   # no tiers of its own here
+            assert sp.store_census(state) == {}   # no tiers of its own here
             line = l3_line(panel(state))
             assert "**up** (reachable)" in line and f"`redis://127.0.0.1:{redis_server.port}/0`" in line
             assert "not counted from here (the cache server's tier)" in line
-            assert h.clear_tier(state, "L3").ok
+            assert sp.clear_tier(state, "L3").ok
             with redis_server.client() as c:
                 assert c.keys(b"kvb:*") == []
         finally:

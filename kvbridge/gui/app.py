@@ -17,9 +17,12 @@ from typing import Any
 import gradio as gr
 
 from kvbridge.gui.handlers import (
-    AppState, Outcome, clear_tier, connect_engine, disconnect_engine, engine_choices, engine_notice,
-    engine_status, field_type, fields_for_engine, form_fields, form_values, restart_engine, save_settings,
-    selected_engine, store_census, store_markdown, store_stats, store_tier_names, clear_question, COMMON_FIELDS,
+    AppState, Outcome, connect_engine, disconnect_engine, engine_choices, engine_notice, engine_status,
+    field_type, fields_for_engine, form_fields, form_values, restart_engine, save_settings, selected_engine,
+    COMMON_FIELDS,
+)
+from kvbridge.gui.store_panel import (
+    clear_question, clear_tier, store_census, store_markdown, store_stats, store_tier_names,
 )
 from kvbridge.gui.results import (
     ResultsView, document_choices, export_results, free_prompt, records_table, request_stop, results_view,

@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import plotly.graph_objects as go
 
-from kvbridge.gui.handlers import AppState, Outcome, failure_message, store_stats
+from kvbridge.gui.handlers import AppState, Outcome, failure_message
+from kvbridge.gui.store_panel import store_stats
 from kvbridge.gui.charts import ModeSummary, mode_summaries, run_figures
 from kvbridge.errors import BadSettings, KVBridgeError
 from kvbridge.gui.export import export_run
