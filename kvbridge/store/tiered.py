@@ -418,7 +418,8 @@ class TieredStore:
 
     # -- housekeeping ----------------------------------------------------------------------------
     def clear(self, tier_name: str) -> None:
-        """Empty one tier ("L1", "L2"); L2 loses every object file in its directory.
+        """Empty one tier ("L1", "L2", "L3"); L2 loses every object file in its directory, L3 every
+        KVBridge key under its prefix on the server (every host's).
 
         An object pinned at that moment (a restore is reading it) is deleted when its last pin is
         released, not before: the reader that pinned it gets its data, as the pin promised. Until
@@ -426,21 +427,36 @@ class TieredStore:
         after the clear keeps the new copy. Raises StoreFault when the disk cannot be listed.
         """
         level = self._level_named(tier_name)
+        if level.tier.remote:
+            # The network part runs outside the lock, so a slow or dead L3 holds no other store call
+            # (the tier bounds it by its own timeout; an unreachable L3 raises StoreFault at once).
+            with self._lock:
+                pinned = {key for key in level.policy.pinned_keys() if level.tier.contains(key)}
+            try:
+                level.tier.clear(keep=pinned)
+            finally:
+                with self._lock:
+                    self._resync_after_clear_locked(level, pinned)
+            return
         with self._lock:
             pinned = {key for key in level.policy.pinned_keys() if level.tier.contains(key)}
             try:
                 level.tier.clear(keep=pinned)
             finally:
-                present = {key: size for key, size, _ in level.tier.entries()}
-                for key in level.policy.keys_oldest_first():
-                    if key not in present:
-                        level.policy.on_remove(key)
-                for key, size in present.items():
-                    if key not in level.policy:
-                        level.policy.on_put(key, size)
-            deferred = pinned & present.keys()
-            self._doomed[level.tier.name] |= deferred
-            self._counts["clear_deferred"] += len(deferred)
+                self._resync_after_clear_locked(level, pinned)
+
+    def _resync_after_clear_locked(self, level: _Level, pinned: set[bytes]) -> None:
+        """The policy follows what the tier holds after a clear; pinned survivors go when unpinned."""
+        present = {key: size for key, size, _ in level.tier.entries()}
+        for key in level.policy.keys_oldest_first():
+            if key not in present:
+                level.policy.on_remove(key)
+        for key, size in present.items():
+            if key not in level.policy:
+                level.policy.on_put(key, size)
+        deferred = pinned & present.keys()
+        self._doomed[level.tier.name] |= deferred
+        self._counts["clear_deferred"] += len(deferred)
 
     def flush(self) -> int:
         """Write every object held only in non-persistent tiers to the persistent ones; returns how many."""
