@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Callable, Sequence
 
 from kvbridge.backends.base import Backend, EngineReport, Message, Prompt
@@ -27,7 +26,7 @@ from kvbridge.engine.chunks import ChunkKV, ForeignState, ShadowIndex
 from kvbridge.formats.llama_state import KVGeometry, LayoutError, parse_state
 from kvbridge.store.serde import remember_geometry
 from kvbridge.engine.metrics import Metrics
-from kvbridge.engine.namespace import build_namespace, file_sha256, short_namespace
+from kvbridge.engine.namespace import file_sha256, kv_namespace, sha_cache_file, short_namespace
 from kvbridge.engine.records import MODES, RequestRecord
 from kvbridge.store import TieredStore
 from kvbridge.store.objects import StoreFault
@@ -108,20 +107,17 @@ class CachedEngine:
                 self.backend.reset_native_cache()
 
     def _open_namespace(self) -> None:
-        fingerprint = dict(self.backend.kv_fingerprint())
         model = self.backend.model_file()
-        if model is not None:
-            cache_file = self._sha_cache_file()
-            fingerprint["model_sha256"] = file_sha256(model, cache_file)
+        model_sha = file_sha256(model, sha_cache_file(self.settings.l2_dir)) if model is not None else None
+        kv_layout = None
         if self.backend.kv_mode == "full":
             self.geometry = self._probe_geometry()
-            fingerprint["kv_layout"] = self.geometry.digest().hex()[:16] if self.geometry else "snapshot"
+            kv_layout = self.geometry.digest().hex()[:16] if self.geometry else "snapshot"
             if self.geometry is not None:
                 remember_geometry(self.geometry)   # the int8 codec finds a chunk's K and V rows by it
-            lossy = getattr(self.store, "lossy_codecs", [])
-            if lossy:   # objects written lossy are restored only by readers set to the same codec
-                fingerprint["kv_codec"] = "+".join(lossy)
-        self.namespace = build_namespace(fingerprint, self.settings.chunk_size)
+        self.namespace = kv_namespace(self.backend.kv_fingerprint(), model_sha256=model_sha, kv_layout=kv_layout,
+                                      lossy_codecs=getattr(self.store, "lossy_codecs", []),
+                                      chunk_size=self.settings.chunk_size)
         self.hasher = make_hasher(self.settings.chunk_size, self.namespace, self.settings.prefer_lmcache_hasher)
         seed = getattr(self.hasher, "seed", b"")
         if self.backend.kv_mode == "full":
@@ -129,9 +125,6 @@ class CachedEngine:
             self._kv.prefault_scratch = not self.backend.assembles_in_place
         else:
             self._index = ShadowIndex(self.store, self.namespace, seed, self.settings.chunk_size)
-
-    def _sha_cache_file(self) -> Path:
-        return Path(self.settings.l2_dir).expanduser().parent / "model-sha256.json"
 
     def _probe_geometry(self) -> KVGeometry | None:
         """Learn the engine's KV layout from a tiny real state; None means whole-snapshot fallback."""

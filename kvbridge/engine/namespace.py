@@ -70,6 +70,26 @@ def build_namespace(fingerprint: dict[str, str], chunk_size: int) -> str:
     return "|".join(parts)
 
 
+def kv_namespace(fingerprint: dict[str, str], *, model_sha256: str | None, kv_layout: str | None,
+                 lossy_codecs: list[str], chunk_size: int) -> str:
+    """The namespace of a full-KV engine: its fingerprint plus the model file's sha256, the KV layout's
+    digest and any lossy codec a tier stores with (objects written lossy are restored only by readers
+    set to the same codec). CachedEngine and the scheduler both name their objects with it."""
+    fingerprint = dict(fingerprint)
+    if model_sha256 is not None:
+        fingerprint["model_sha256"] = model_sha256
+    if kv_layout is not None:
+        fingerprint["kv_layout"] = kv_layout
+    if lossy_codecs:
+        fingerprint["kv_codec"] = "+".join(lossy_codecs)
+    return build_namespace(fingerprint, chunk_size)
+
+
+def sha_cache_file(l2_dir: str) -> Path:
+    """Where model sha256 sums are cached: beside the L2 directory."""
+    return Path(l2_dir).expanduser().parent / "model-sha256.json"
+
+
 def short_namespace(namespace: str) -> str:
     """A 12-hex-digit handle for status lines; the full string is shown on demand."""
     return hashlib.blake2b(namespace.encode(), digest_size=6).hexdigest()
