@@ -26,8 +26,12 @@ ALLOWED = {
                         "kvbridge.backends.base", "kvbridge.backends.registry"},
     # the cache server sits beside the engine: it holds tiers (store) and never touches an engine
     "kvbridge.cache_server": {"kvbridge.errors", "kvbridge.settings", "kvbridge.store"},
+    # the scheduler drives llama.cpp itself (the in-process adapter's model checks and chat template)
+    # and keeps KV in the engine's object format through the store
+    "kvbridge.scheduler": {"kvbridge.errors", "kvbridge.settings", "kvbridge.formats", "kvbridge.store",
+                           "kvbridge.backends", "kvbridge.engine"},
     "kvbridge.bench": {"kvbridge.errors", "kvbridge.settings", "kvbridge.engine", "kvbridge.store",
-                       "kvbridge.backends", "kvbridge.formats", "kvbridge.cache_server"},
+                       "kvbridge.backends", "kvbridge.formats", "kvbridge.cache_server", "kvbridge.scheduler"},
 }
 
 

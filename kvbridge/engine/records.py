@@ -34,6 +34,12 @@ class RequestRecord:
     approx: bool = False              # token figures come from an approximate tokenizer
     error: str = ""
     notes: str = ""
+    # the scheduler (kvbridge.scheduler): many requests on one context
+    priority: int = 5                 # 0-9, higher is more urgent
+    queue_ms: float = 0.0             # from submission to admission
+    preemptions: int = 0              # times it was swapped out for a more urgent request
+    swap_out_ms: float = 0.0
+    swap_in_ms: float = 0.0
 
     def add_note(self, note: str) -> None:
         self.notes = f"{self.notes}; {note}" if self.notes else note

@@ -72,6 +72,7 @@ def _value_problems(s: Settings) -> list[str]:
     problems += [message for failed, message in rules if failed]
     problems += _cache_server_problems(s)
     problems += _l3_problems(s)
+    problems += _scheduler_problems(s)
     urls = (("KVB_OLLAMA_URL", s.ollama_url), ("KVB_CLOUD_BASE_URL", s.cloud_base_url),
             ("KVB_LLAMA_SERVER_URL", s.llama_server_url))
     for var, value in urls:
@@ -180,6 +181,22 @@ def _l3_problems(s: Settings) -> list[str]:
         problems.append(f"KVB_L3_PASSWORD_ENV={s.l3_password_env!r} must be the NAME of an environment variable "
                         "(like REDIS_PASSWORD), not the password itself")
     return problems
+
+
+def _scheduler_problems(s: Settings) -> list[str]:
+    marks = (s.sched_critical, s.sched_hard, s.sched_soft)
+    rules = (
+        (s.sched_block_tokens < 1, f"KVB_SCHED_BLOCK_TOKENS={s.sched_block_tokens} must be at least 1"),
+        (s.sched_kv_cells < 16 * s.sched_block_tokens,
+         f"KVB_SCHED_KV_CELLS={s.sched_kv_cells} is too small; use at least 16 blocks of KVB_SCHED_BLOCK_TOKENS"),
+        (not 1 <= s.sched_max_running <= 64, f"KVB_SCHED_MAX_RUNNING={s.sched_max_running} must be 1 to 64"),
+        (not 0 <= s.sched_cached_prefixes <= 64, f"KVB_SCHED_CACHED_PREFIXES={s.sched_cached_prefixes} must be 0 to 64"),
+        (s.sched_max_waiting < 1, f"KVB_SCHED_MAX_WAITING={s.sched_max_waiting} must be at least 1"),
+        (not all(0 <= m < 1 for m in marks) or list(marks) != sorted(marks),
+         "the scheduler's watermarks must be fractions with KVB_SCHED_CRITICAL <= KVB_SCHED_HARD <= KVB_SCHED_SOFT "
+         f"< 1; got {', '.join(str(m) for m in marks)}"),
+    )
+    return [message for failed, message in rules if failed]
 
 
 def _resolve_engine_class(name: str) -> tuple[type | None, list[str]]:

@@ -65,6 +65,15 @@ class Settings:
     l3_write_queue: int = 64          # objects waiting to be written to L3 behind the request
     zstd_level: int = 3               # the zstd codec's level (1 fast .. 19 small)
     prefer_lmcache_hasher: bool = False
+    # the scheduler (kvbridge.scheduler): many requests on one llama.cpp context
+    sched_kv_cells: int = 8192        # the unified KV cache: the KV budget of every request together
+    sched_max_running: int = 4        # sequences decoding at once
+    sched_cached_prefixes: int = 4    # finished prompts kept resident for sharing (extra sequence ids)
+    sched_block_tokens: int = 16      # cells per block in the accounting
+    sched_soft: float = 0.25          # free fraction below which cold cached prefixes are evicted
+    sched_hard: float = 0.10          # ... below which no new request is admitted
+    sched_critical: float = 0.05      # ... below which the lowest-priority running request is preempted
+    sched_max_waiting: int = 64       # requests waiting to be admitted; more are refused
     # the cache server (python -m kvbridge cache-server); KVB_STORE_URL set: engines use it, not an embedded store
     store_url: str = ""               # tcp://127.0.0.1:5555 or ipc:///path; empty: the embedded store
     client_priority: int = 5          # 0-9, higher is more important under memory pressure

@@ -1,0 +1,145 @@
+"""One llama.cpp context whose unified KV cache several sequences share, driven by the low-level API.
+
+The scheduler's only door to llama.cpp: a batch carries tokens of several sequences (each with its
+position, its sequence id and whether its logits are wanted), and the sequence operations
+`seq_cp` (share cells), `seq_rm` (free them), `seq_pos_max` and the per-sequence state copy used
+for swap. Tokenizing and the chat template come from a vocab-only `llama_cpp.Llama` (no weights),
+the same template code the in-process engine uses. Not thread-safe: one thread (the scheduler's
+loop) calls it. The build is checked in a child process first, as the in-process engine does.
+"""
+from __future__ import annotations
+
+import ctypes
+from collections import Counter
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from kvbridge.backends.base import Message
+from kvbridge.backends.build_check import ensure_llama_cpp_runs
+from kvbridge.backends.chat_template import template_of_llama
+from kvbridge.backends.llamacpp import check_model_file, ggml_type_id, model_path_for
+from kvbridge.errors import EngineUnavailable, StateTransferError
+from kvbridge.settings import Settings
+
+BATCH_TOKENS = 512     # tokens per llama_decode call (prefill chunks share it with decode steps)
+
+
+class LlamaContext:
+    def __init__(self, settings: Settings, n_cells: int, n_seq: int) -> None:
+        import llama_cpp
+
+        self._llama = llama_cpp
+        path = model_path_for(settings)
+        check_model_file(path)
+        ensure_llama_cpp_runs(path)
+        self.model_path: Path = path
+        self.n_seq = n_seq
+        self.counters: Counter[str] = Counter()
+        self._vocab_llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+        self._template = None
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+        if not self.model:
+            raise EngineUnavailable(f"llama.cpp could not load {path} (KVB_MODEL_PATH)")
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_cells
+        params.n_batch = params.n_ubatch = BATCH_TOKENS
+        params.n_seq_max = n_seq
+        params.kv_unified = True           # one pool of cells for every sequence: the KV budget
+        params.n_threads = params.n_threads_batch = settings.resolved_threads()
+        params.type_k = ggml_type_id(settings.cache_type_k, "KVB_CACHE_TYPE_K")
+        params.type_v = ggml_type_id(settings.cache_type_v, "KVB_CACHE_TYPE_V")
+        params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if settings.flash_attn
+                                  else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            llama_cpp.llama_model_free(self.model)
+            raise EngineUnavailable(f"llama.cpp could not make a context of {n_cells} cells for {n_seq} sequences "
+                                    "(KVB_SCHED_KV_CELLS, KVB_SCHED_MAX_RUNNING)")
+        self.n_cells = int(llama_cpp.llama_n_ctx(self.ctx))
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
+        self._batch = llama_cpp.llama_batch_init(BATCH_TOKENS, 0, n_seq)
+
+    # -- text ---------------------------------------------------------------------------------------
+    def render(self, messages: Sequence[Message]) -> str:
+        if self._template is None:
+            self._template = template_of_llama(self._vocab_llm, self.counters, self.model_path.name)
+        return self._template.render(messages)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._vocab_llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+
+    def piece(self, token: int) -> bytes:
+        return self._vocab_llm.detokenize([token], special=False)
+
+    def is_end(self, token: int) -> bool:
+        return bool(self._llama.llama_vocab_is_eog(self.vocab, token))
+
+    # -- decoding -----------------------------------------------------------------------------------
+    def decode(self, entries: Sequence[tuple[int, int, int, bool]]) -> int:
+        """One llama_decode of (token, position, seq id, wants logits); llama.cpp's return code
+        (0 ok, 1 no room for these cells: the caller frees some and retries)."""
+        if not 0 < len(entries) <= BATCH_TOKENS:
+            raise ValueError(f"a batch holds 1..{BATCH_TOKENS} tokens, got {len(entries)}")
+        batch = self._batch
+        for i, (token, pos, seq, wants) in enumerate(entries):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = wants
+        batch.n_tokens = len(entries)
+        return int(self._llama.llama_decode(self.ctx, batch))
+
+    def logits(self, index: int) -> np.ndarray:
+        """A copy of the logits of the batch entry `index` (which asked for them)."""
+        pointer = self._llama.llama_get_logits_ith(self.ctx, index)
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,)).copy()
+
+    # -- sequences ----------------------------------------------------------------------------------
+    def seq_cp(self, src: int, dst: int, n_tokens: int) -> None:
+        """Share positions [0, n_tokens) of `src` with `dst` (one set of cells, two sequences)."""
+        self._llama.llama_memory_seq_cp(self.memory, src, dst, 0, n_tokens)
+
+    def seq_rm(self, seq: int, start: int = -1, stop: int = -1) -> None:
+        self._llama.llama_memory_seq_rm(self.memory, seq, start, stop)
+
+    def seq_len(self, seq: int) -> int:
+        return int(self._llama.llama_memory_seq_pos_max(self.memory, seq)) + 1
+
+    def save_seq(self, seq: int) -> memoryview:
+        """The sequence's KV as llama_state_seq_get_data writes it (the format CachedEngine stores)."""
+        size = self._llama.llama_state_seq_get_size(self.ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        written = self._llama.llama_state_seq_get_data(self.ctx, buf, size, seq)
+        if written != size:
+            raise StateTransferError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
+        return memoryview(buf).cast("B")
+
+    def load_seq(self, seq: int, data) -> None:
+        """Put a saved state into sequence `seq` (which must be empty); StateTransferError when refused."""
+        view = memoryview(data).cast("B")
+        if view.readonly:
+            view = memoryview(bytearray(view))
+        buf = (ctypes.c_uint8 * len(view)).from_buffer(view)
+        if self._llama.llama_state_seq_set_data(self.ctx, buf, len(view), seq) == 0:
+            self.seq_rm(seq)
+            raise StateTransferError("llama_state_seq_set_data refused the state (no room, or another layout)")
+
+    def close(self) -> None:
+        llama = self._llama
+        if getattr(self, "_batch", None) is not None:
+            llama.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "ctx", None):
+            llama.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            llama.llama_model_free(self.model)
+            self.model = None
+        if getattr(self, "_vocab_llm", None) is not None:
+            self._vocab_llm.close()
+            self._vocab_llm = None

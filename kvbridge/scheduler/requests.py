@@ -1,0 +1,128 @@
+"""What the scheduler keeps per request and per cached prefix, and the per-request sampler.
+
+A request's context is its prompt followed by what it generated; the KV of context[:kv_tokens] sits
+in its llama.cpp sequence, and `pending` (context[kv_tokens:]) is what the next batches feed: the
+unprefilled prompt, or the one token just sampled. Preemption empties the sequence (kv_tokens = 0,
+pending = the whole context) and swap-in restores all it can, so a request resumes where it stopped.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from kvbridge.engine.records import RequestRecord
+from kvbridge.scheduler.ledger import Holding
+
+TOP_K = 40    # llama.cpp's usual top-k when sampling at a temperature (kvbridge.backends.base.Sampling)
+
+
+class Sampler:
+    """Greedy at temperature 0, else top-k 40 then top-p (nucleus) sampling from a seeded generator."""
+
+    def __init__(self, temperature: float, top_p: float, seed: int | None) -> None:
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self._rng = np.random.default_rng(seed)
+
+    def pick(self, logits: np.ndarray) -> int:
+        if self.temperature <= 0:
+            return int(np.argmax(logits))
+        top = np.argpartition(logits, -TOP_K)[-TOP_K:]
+        top = top[np.argsort(logits[top])[::-1]]
+        scaled = logits[top].astype(np.float64) / self.temperature
+        probs = np.exp(scaled - scaled.max())
+        probs /= probs.sum()
+        keep = int(np.searchsorted(np.cumsum(probs), self.top_p) + 1)
+        probs = probs[:keep] / probs[:keep].sum()
+        return int(top[self._rng.choice(keep, p=probs)])
+
+
+class Utf8Pieces:
+    """Joins token bytes so a character split across tokens comes out whole."""
+
+    def __init__(self) -> None:
+        self.pending = b""
+
+    def feed(self, piece: bytes) -> str:
+        data = self.pending + piece
+        for cut in range(len(data), max(len(data) - 4, -1), -1):
+            try:
+                text = data[:cut].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            self.pending = data[cut:]
+            return text
+        self.pending = data
+        return ""
+
+    def flush(self) -> str:
+        text, self.pending = self.pending.decode("utf-8", errors="replace"), b""
+        return text
+
+
+@dataclass
+class Request:
+    id: int
+    label: str
+    priority: int
+    prompt: list[int]
+    n_predict: int
+    sampler: Sampler
+    stop: tuple[str, ...]
+    on_token: Callable[[str], None] | None
+    future: Future
+    record: RequestRecord
+    submitted: float = field(default_factory=time.perf_counter)
+    state: str = "waiting"          # waiting, running, swapped, done
+    seq: int | None = None
+    held: Holding | None = None
+    generated: list[int] = field(default_factory=list)
+    kv_tokens: int = 0
+    pending: list[int] = field(default_factory=list)
+    text: str = ""
+    pieces: Utf8Pieces = field(default_factory=Utf8Pieces)
+    prompt_stored: bool = False
+    first_token_at: float | None = None
+    admitted_at: float | None = None
+    swap_pins: ExitStack | None = None   # keeps the swapped-out objects from being evicted
+    swap_lost: bool = False              # the store could not take the swap: recompute on resume
+
+    def __post_init__(self) -> None:
+        self.pending = list(self.prompt)
+
+    @property
+    def holder(self) -> str:
+        return f"req-{self.id}"
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def prefilling(self) -> bool:
+        return self.kv_tokens < len(self.prompt)
+
+    def describe(self) -> dict:
+        return {"id": self.id, "label": self.label, "priority": self.priority, "state": self.state,
+                "tokens": len(self.context), "kv_tokens": self.kv_tokens, "generated": len(self.generated),
+                "preemptions": self.record.preemptions}
+
+
+@dataclass
+class CachedPrefix:
+    """A finished request's prompt kept resident in a sequence of its own, so later prompts share it."""
+
+    id: int
+    seq: int
+    tokens: list[int]
+    held: Holding
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def holder(self) -> str:
+        return f"prefix-{self.id}"

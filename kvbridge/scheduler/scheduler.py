@@ -1,0 +1,562 @@
+"""Many conversations on one llama.cpp context: continuous batching over a paged KV budget, shared
+prefixes, LRU eviction of cached prefixes, watermark pressure and priority preemption with swap.
+
+Each step of the loop (one thread owns llama.cpp):
+  1. cancelled requests free their blocks;
+  2. pressure from free blocks: SOFT evicts cold cached prefixes (least recently used first), CRITICAL
+     preempts the lowest-priority running request;
+  3. swapped requests resume first (restored from the store), then waiting ones are admitted in
+     priority order while the budget allows and pressure is below HARD; a waiting request more
+     urgent than the least urgent running one preempts it when the budget or the slots are short;
+  4. one batch: a token for every decoding sequence plus prefill work for newly admitted ones;
+  5. sampling, streaming, stop checks; a finished prompt stays resident as a cached prefix.
+
+A prefix is shared at token granularity: the longest common token run with a running request's
+context or a cached prefix is copied into the new sequence with seq_cp (no recompute, no copy of
+cells), and what no resident sequence has may come from the store (chunks, then the tail). A
+preempted request is swapped out to the store (pinned), swapped back in by restore, and continues
+decoding where it stopped; if the store could not take it, it is recomputed from its tokens.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from kvbridge.backends.base import Message
+from kvbridge.backends.llamacpp import LlamaCppBackend
+from kvbridge.engine.cached_engine import open_store
+from kvbridge.engine.namespace import file_sha256, kv_namespace, sha_cache_file
+from kvbridge.engine.records import RequestRecord
+from kvbridge.errors import KVBridgeError
+from kvbridge.formats.llama_state import parse_state
+from kvbridge.scheduler.ledger import BlockLedger, Holding, Pressure
+from kvbridge.scheduler.llama_context import BATCH_TOKENS, LlamaContext
+from kvbridge.scheduler.requests import CachedPrefix, Request, Sampler
+from kvbridge.scheduler.swap import SwapSpace
+from kvbridge.settings import Settings
+from kvbridge.store.serde import remember_geometry
+
+log = logging.getLogger(__name__)
+
+PROBE_TEXT = "KVBridge scheduler probe: the KV layout of this model."
+EVENT_KINDS = ("admit", "share", "restore", "evict", "preempt", "swap-out", "swap-in", "finish", "cancel")
+
+
+class RequestRefused(KVBridgeError):
+    """A request the scheduler cannot take (too long for the budget, a priority out of range, a full queue)."""
+
+
+class QueueFull(RequestRefused):
+    """KVB_SCHED_MAX_WAITING requests are already waiting."""
+
+
+@dataclass(frozen=True)
+class Event:
+    t: float          # seconds since the scheduler started
+    kind: str
+    request: str
+    detail: str = ""
+
+
+class Scheduler:
+    """`Scheduler(settings)`; `submit(...)` returns a Future of the RequestRecord. Use as a context manager."""
+
+    def __init__(self, settings: Settings, store=None) -> None:
+        self.settings = settings
+        s = settings
+        self.max_running = s.sched_max_running
+        self._ctx = LlamaContext(s, s.sched_kv_cells, s.sched_max_running + s.sched_cached_prefixes + 1)
+        self.ledger = BlockLedger(self._ctx.n_cells, s.sched_block_tokens, s.sched_soft, s.sched_hard, s.sched_critical)
+        self._free_seqs = list(range(self._ctx.n_seq))
+        self.store = store if store is not None else open_store(s)
+        self._own_store = store is None
+        geometry = self._probe_geometry()
+        remember_geometry(geometry)
+        model_sha = file_sha256(self._ctx.model_path, sha_cache_file(s.l2_dir))
+        self.namespace = kv_namespace(LlamaCppBackend(s).kv_fingerprint(), model_sha256=model_sha,
+                                      kv_layout=geometry.digest().hex()[:16],
+                                      lossy_codecs=getattr(self.store, "lossy_codecs", []), chunk_size=s.chunk_size)
+        self.swap = SwapSpace(self.store, s, self.namespace, geometry)
+        self._running: list[Request] = []
+        self._waiting: list[Request] = []
+        self._swapped: list[Request] = []
+        self._prefixes: list[CachedPrefix] = []
+        self._ids = iter(range(1, 1 << 62))
+        self._counters = collections.Counter()
+        self._events: collections.deque[Event] = collections.deque(maxlen=5000)
+        self._started = time.perf_counter()
+        self._lock = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="kvbridge-scheduler", daemon=True)
+        self._thread.start()
+
+    def _probe_geometry(self):
+        """The KV layout of this model and cache type, from a tiny real state (as CachedEngine learns it)."""
+        seq = self._free_seqs[0]
+        tokens = self._ctx.tokenize(PROBE_TEXT)
+        if self._ctx.decode([(t, i, seq, i == len(tokens) - 1) for i, t in enumerate(tokens)]) != 0:
+            raise KVBridgeError("llama.cpp could not decode the scheduler's probe prompt")
+        geometry = parse_state(self._ctx.save_seq(seq)).geometry
+        self._ctx.seq_rm(seq)
+        return geometry
+
+    # -- the public API -------------------------------------------------------------------------------
+    def __enter__(self) -> "Scheduler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def submit(self, prompt: str | Sequence[Message], *, priority: int = 5, n_predict: int | None = None,
+               temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
+               on_token: Callable[[str], None] | None = None, label: str = "") -> Future:
+        """Queue a request; its Future gives a RequestRecord. Raises QueueFull when too many wait;
+        a request that cannot run (too long, a bad priority) fails on its Future, the others go on."""
+        future: Future = Future()
+        with self._lock:
+            if self._closing:
+                raise RequestRefused("the scheduler is closed")
+            if len(self._waiting) >= self.settings.sched_max_waiting:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting already (KVB_SCHED_MAX_WAITING="
+                                f"{self.settings.sched_max_waiting}); try again when some have finished")
+            request_id = next(self._ids)
+        try:
+            tokens = self._prompt_tokens(prompt)
+            self._check_request(tokens, priority, n_predict)
+        except (RequestRefused, ValueError, TypeError) as exc:
+            future.set_exception(exc if isinstance(exc, RequestRefused) else RequestRefused(str(exc)))
+            return future
+        n_predict = self.settings.n_predict if n_predict is None else int(n_predict)
+        record = RequestRecord(mode="lmcache", engine="llamacpp-scheduler", kv_mode="full", label=label,
+                               request_index=request_id, prompt_tokens=len(tokens), priority=priority)
+        request = Request(request_id, label or f"request {request_id}", int(priority), tokens, n_predict,
+                          Sampler(temperature, top_p, seed), tuple(stop), on_token, future, record)
+        with self._lock:
+            self._waiting.append(request)
+            self._lock.notify_all()
+        return future
+
+    def cancel(self, future: Future) -> bool:
+        """Stop a waiting, running or swapped request and free its blocks; False when it already finished."""
+        cancelled = future.cancel()
+        with self._lock:
+            self._lock.notify_all()
+        return cancelled
+
+    def snapshot(self) -> dict:
+        """Blocks by owner (shared ones with reference counts), pressure, the three queues, counters."""
+        with self._lock:
+            return {
+                "blocks": self.ledger.snapshot(),
+                "pressure": self.ledger.pressure().name,
+                "watermarks": {"soft": self.settings.sched_soft, "hard": self.settings.sched_hard,
+                               "critical": self.settings.sched_critical},
+                "running": [r.describe() for r in self._running],
+                "waiting": [r.describe() for r in self._waiting],
+                "swapped": [r.describe() for r in self._swapped],
+                "prefixes": [{"id": p.id, "tokens": len(p.tokens), "holder": p.holder} for p in self._prefixes],
+                "counters": {name: self._counters[name] for name in ("hits", "misses", "evictions", "preemptions",
+                                                                     "swap_ins", "recomputed", "shared_tokens",
+                                                                     "restored_tokens", "finished", "cancelled")},
+            }
+
+    def events(self) -> list[dict]:
+        with self._lock:
+            return [{"t": round(e.t, 4), "kind": e.kind, "request": e.request, "detail": e.detail} for e in self._events]
+
+    def drain(self, timeout_s: float = 300.0) -> bool:
+        """Wait until every submitted request finished and the prompts' stores are done."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._running or self._waiting or self._swapped:
+                if not self._lock.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() > deadline:
+                    return False
+        self.swap.drain()
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._lock.notify_all()
+        self._thread.join(timeout=60)
+        for request in self._running + self._waiting + self._swapped:
+            self._fail(request, RequestRefused("the scheduler was closed before this request finished"))
+        self.swap.close()
+        self._ctx.close()
+        if self._own_store:
+            self.store.close()
+
+    # -- checks ---------------------------------------------------------------------------------------
+    def _prompt_tokens(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            text = prompt
+        else:
+            text = self._ctx.render(tuple(dict(m) for m in prompt))
+        if not text:
+            raise RequestRefused("the prompt is empty")
+        return self._ctx.tokenize(text)
+
+    def _check_request(self, tokens: list[int], priority, n_predict) -> None:
+        if not isinstance(priority, int) or not 0 <= priority <= 9:
+            raise RequestRefused(f"priority {priority!r} is out of range; use 0 to 9 (higher is more urgent)")
+        if n_predict is not None and int(n_predict) < 1:
+            raise RequestRefused(f"n_predict must be at least 1, got {n_predict}")
+        budget = min(self.settings.ctx_size, self._ctx.n_cells)
+        if len(tokens) + 1 > budget:
+            raise RequestRefused(f"the prompt has {len(tokens)} tokens; one request may use at most {budget} "
+                                 f"(KVB_CTX_SIZE={self.settings.ctx_size}, KVB_SCHED_KV_CELLS={self._ctx.n_cells})")
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closing and not (self._running or self._waiting or self._swapped):
+                    self._lock.wait()
+                if self._closing:
+                    return
+            try:
+                self._step()
+            except Exception as exc:   # a bug must fail the requests, never leave their futures hanging
+                log.exception("scheduler step failed")
+                with self._lock:
+                    for request in self._running + self._waiting + self._swapped:
+                        self._fail(request, RequestRefused(f"the scheduler failed: {exc}"))
+                    self._running, self._waiting, self._swapped = [], [], []
+                    self._lock.notify_all()
+
+    def _step(self) -> None:
+        with self._lock:
+            self._drop_cancelled()
+            self._relieve_pressure()
+            self._resume_swapped()
+            self._admit_waiting()
+            batch = self._plan_batch()
+        if not batch:
+            time.sleep(0.001)
+            return
+        entries = [entry for _, feed in batch for entry in feed]
+        rc = self._ctx.decode(entries)
+        with self._lock:
+            if rc != 0:
+                self._no_room(rc)
+                return
+            self._after_decode(batch)
+            self._lock.notify_all()
+
+    # -- 1, 2: cancels and pressure -------------------------------------------------------------------
+    def _drop_cancelled(self) -> None:
+        for queue_ in (self._waiting, self._running, self._swapped):
+            for request in [r for r in queue_ if r.future.cancelled()]:
+                queue_.remove(request)
+                self._free_request(request)
+                if request.swap_pins is not None:
+                    request.swap_pins.close()
+                    request.swap_pins = None
+                request.state = "done"
+                self._counters["cancelled"] += 1
+                self._event("cancel", request)
+
+    def _relieve_pressure(self) -> None:
+        while self.ledger.pressure() >= Pressure.SOFT and self._prefixes:
+            self._evict_prefix(min(self._prefixes, key=lambda p: p.last_used))
+        if self.ledger.pressure() >= Pressure.CRITICAL and len(self._running) > 1:
+            self._preempt(self._least_urgent(), "critical pressure")
+
+    def _evict_prefix(self, prefix: CachedPrefix) -> None:
+        """Drop a cached prefix (its prompt was stored after its prefill, so a restore can bring it back)."""
+        self._prefixes.remove(prefix)
+        self._ctx.seq_rm(prefix.seq)
+        self.ledger.release(prefix.held)
+        self._free_seqs.append(prefix.seq)
+        self._counters["evictions"] += 1
+        self._event("evict", prefix.holder, f"{len(prefix.tokens)} tokens")
+
+    # -- 3: resume and admit ----------------------------------------------------------------------------
+    def _resume_swapped(self) -> None:
+        for request in sorted(self._swapped, key=lambda r: (-r.priority, r.submitted)):
+            if not self._room_for(request):
+                break
+            self._swapped.remove(request)
+            self._start(request, resumed=True)
+
+    def _admit_waiting(self) -> None:
+        top_swapped = max((r.priority for r in self._swapped), default=-1)
+        for request in sorted(self._waiting, key=lambda r: (-r.priority, r.submitted)):
+            if request.priority <= top_swapped:
+                break        # swapped requests resume before new ones of no higher priority
+            if self.ledger.pressure() >= Pressure.HARD and not self._can_preempt_for(request):
+                break
+            if not self._room_for(request):
+                if self._can_preempt_for(request):
+                    self._preempt(self._least_urgent(), f"for {request.holder} (priority {request.priority})")
+                    if not self._room_for(request):
+                        break
+                else:
+                    break
+            self._waiting.remove(request)
+            request.admitted_at = time.perf_counter()
+            request.record.queue_ms = (request.admitted_at - request.submitted) * 1e3
+            self._start(request, resumed=False)
+
+    def _room_for(self, request: Request) -> bool:
+        """A free slot and blocks for the context (a shared prefix costs nothing) plus a decode block each."""
+        if len(self._running) >= self.max_running or not self._free_seqs:
+            return False
+        _, shared = self._best_source(request.context)
+        cost = self.ledger.blocks_for(len(request.context) - shared) + len(self._running) + 1
+        return self.ledger.pressure(extra_blocks=cost) < Pressure.HARD and cost <= self.ledger.free_blocks()
+
+    def _can_preempt_for(self, request: Request) -> bool:
+        return bool(self._running) and self._least_urgent().priority < request.priority
+
+    def _least_urgent(self) -> Request:
+        return min(self._running, key=lambda r: (r.priority, -r.submitted))
+
+    def _start(self, request: Request, resumed: bool) -> None:
+        """Give the request a sequence holding as much of its context as resident cells or the store have."""
+        request.seq = self._take_seq()
+        request.held = Holding(request.holder)
+        context = request.context
+        source, shared = self._best_source(context)
+        if shared > 0:
+            self._ctx.seq_cp(source.seq, request.seq, shared)
+            request.held = self.ledger.share(source.held, request.holder, shared)
+            self._counters["shared_tokens"] += shared
+            if isinstance(source, CachedPrefix):
+                source.last_used = time.monotonic()
+            self._event("share", request, f"{shared} tokens from {source.holder}")
+        kv = shared
+        tier = "resident" if shared else "none"
+        if not (resumed and request.swap_lost):
+            restored, restored_tier, swap_ms = self._restore_beyond(request, shared)
+            if restored > kv:
+                kv, tier = restored, restored_tier
+            if resumed:
+                request.record.swap_in_ms += swap_ms
+        if request.swap_pins is not None:
+            request.swap_pins.close()   # restored (or to be recomputed): the store may evict them again
+            request.swap_pins = None
+        if resumed:
+            self._counters["swap_ins"] += 1
+            if kv < len(context) - 1:
+                self._counters["recomputed"] += 1
+            self._event("swap-in", request, f"{kv} of {len(context)} tokens restored")
+        else:
+            self._counters["hits" if kv else "misses"] += 1
+            request.record.matched_tokens = kv
+            request.record.chunks_hit = kv // self.settings.chunk_size
+            request.record.tier = tier
+            request.record.restore_ok = True if kv else None
+            self._event("admit", request, f"{len(context)} tokens, {kv} reused ({tier})")
+        request.kv_tokens = kv
+        request.pending = context[kv:]
+        request.state = "running"
+        self._running.append(request)
+
+    def _restore_beyond(self, request: Request, shared: int) -> tuple[int, str, float]:
+        """Restore the context's longest stored prefix into the request's sequence when it beats `shared`."""
+        start = time.perf_counter()
+        plan = self.swap.restore(request.context)
+        if plan.matched_tokens <= shared + self.ledger.block_tokens // 2 or plan.state is None:
+            return 0, "none", 0.0
+        # the store's copy replaces the shared cells: one sequence, one source
+        self._ctx.seq_rm(request.seq)
+        self.ledger.release(request.held)
+        request.held = Holding(request.holder)
+        try:
+            self._ctx.load_seq(request.seq, plan.state.data)
+        except KVBridgeError as exc:
+            log.warning("restore into sequence %d failed (%s); recomputing", request.seq, exc)
+            return 0, "none", 0.0
+        self.ledger.grow(request.held, plan.matched_tokens, request.holder)
+        self._counters["restored_tokens"] += plan.matched_tokens
+        self._event("restore", request, f"{plan.matched_tokens} tokens from {plan.tier}")
+        return plan.matched_tokens, plan.tier, (time.perf_counter() - start) * 1e3
+
+    def _best_source(self, context: list[int]):
+        """The resident sequence (running request or cached prefix) sharing the longest token run with
+        `context`, and that length (at most len(context) - 1: the last token is always fed)."""
+        best, best_len = None, 0
+        limit = len(context) - 1
+        for source in [*self._running, *self._prefixes]:
+            tokens = source.context[:source.kv_tokens] if isinstance(source, Request) else source.tokens
+            n = _common_prefix(tokens, context, limit)
+            if n > best_len:
+                best, best_len = source, n
+        return best, best_len
+
+    # -- preemption ---------------------------------------------------------------------------------
+    def _preempt(self, request: Request, why: str) -> None:
+        """Swap the request's KV out to the store, free its cells, and queue it to resume later."""
+        start = time.perf_counter()
+        self._running.remove(request)
+        kept = request.kv_tokens
+        if kept > 0:
+            data = self._ctx.save_seq(request.seq)
+            complete, pins = self.swap.swap_out(data, request.context[:kept])
+            request.swap_pins = pins
+            request.swap_lost = not complete
+        self._free_request(request)
+        request.kv_tokens = 0
+        request.pending = request.context
+        request.state = "swapped"
+        request.record.preemptions += 1
+        request.record.swap_out_ms += (time.perf_counter() - start) * 1e3
+        self._swapped.append(request)
+        self._counters["preemptions"] += 1
+        self._event("preempt", request, why)
+        self._event("swap-out", request, f"{kept} tokens" + (" (store refused: will recompute)" if request.swap_lost else ""))
+
+    def _no_room(self, rc: int) -> None:
+        """llama.cpp found no cells for the batch: preempt or evict, then the next step retries."""
+        if rc < 0:
+            raise KVBridgeError(f"llama_decode failed with {rc}")
+        if self._prefixes:
+            self._evict_prefix(min(self._prefixes, key=lambda p: p.last_used))
+        elif len(self._running) > 1:
+            self._preempt(self._least_urgent(), "llama.cpp had no free cells")
+        else:
+            request = self._running[0]
+            self._running.remove(request)
+            self._free_request(request)
+            self._fail(request, RequestRefused("the KV cache has no room for this request (KVB_SCHED_KV_CELLS)"))
+
+    # -- 4, 5: the batch and what comes out ----------------------------------------------------------
+    def _plan_batch(self) -> list[tuple[Request, list[tuple[int, int, int, bool]]]]:
+        """Decoding sequences first (one token each), then prefill chunks in priority order."""
+        batch = []
+        room = BATCH_TOKENS
+        ordered = sorted(self._running, key=lambda r: (len(r.pending) > 1, -r.priority, r.submitted))
+        for request in ordered:
+            if room <= 0:
+                break
+            feed = request.pending[:room]
+            if not feed:
+                continue
+            last = len(feed) == len(request.pending)
+            entries = [(token, request.kv_tokens + i, request.seq, last and i == len(feed) - 1)
+                       for i, token in enumerate(feed)]
+            batch.append((request, entries))
+            room -= len(entries)
+        return batch
+
+    def _after_decode(self, batch) -> None:
+        logit_index = 0
+        for request, entries in batch:
+            n = len(entries)
+            self.ledger.grow(request.held, n, request.holder)
+            request.kv_tokens += n
+            request.pending = request.pending[n:]
+            request.record.prefill_tokens += max(0, min(n, len(request.prompt) - (request.kv_tokens - n)))
+            wants = entries[-1][3]
+            index = logit_index + n - 1
+            logit_index += n
+            if not wants:
+                continue
+            token = request.sampler.pick(self._ctx.logits(index))
+            self._on_token(request, token)
+
+    def _on_token(self, request: Request, token: int) -> None:
+        now = time.perf_counter()
+        if request.first_token_at is None:
+            request.first_token_at = now
+            request.record.ttft_ms = (now - request.submitted) * 1e3
+        if not request.prompt_stored and request.kv_tokens >= len(request.prompt):
+            request.prompt_stored = True   # its prompt's KV, for a restart or another process
+            self.swap.store_behind(self._ctx.save_seq(request.seq), request.prompt)
+        if self._ctx.is_end(token):
+            self._finish(request)
+            return
+        request.generated.append(token)
+        piece = request.pieces.feed(self._ctx.piece(token))
+        done = len(request.generated) >= request.n_predict
+        if request.stop:
+            text = request.text + piece
+            cut = min((text.find(s) for s in request.stop if s and s in text), default=-1)
+            if cut >= 0:
+                piece, done = text[:cut][len(request.text):], True
+        if piece:
+            request.text += piece
+            if request.on_token is not None:
+                request.on_token(piece)
+        if done:
+            self._finish(request)
+        else:
+            request.pending = [token]
+
+    def _finish(self, request: Request) -> None:
+        tail = request.pieces.flush()
+        if tail:
+            request.text += tail
+            if request.on_token is not None:
+                request.on_token(tail)
+        self._running.remove(request)
+        self._keep_prefix(request)
+        self._free_request(request)
+        request.state = "done"
+        record = request.record
+        record.text = request.text
+        record.gen_tokens = len(request.generated)
+        record.total_ms = (time.perf_counter() - request.submitted) * 1e3
+        self._counters["finished"] += 1
+        self._event("finish", request, f"{record.gen_tokens} tokens")
+        if not request.future.cancelled():
+            request.future.set_result(record)
+
+    def _keep_prefix(self, request: Request) -> None:
+        """Keep the finished prompt resident (its cells shared, not copied) for later prompts to share."""
+        n = min(len(request.prompt), request.kv_tokens)
+        if self.settings.sched_cached_prefixes == 0 or n < self.ledger.block_tokens:
+            return
+        if any(_common_prefix(p.tokens, request.prompt, n) >= n for p in self._prefixes):
+            return   # the same prompt is resident already
+        if len(self._prefixes) >= self.settings.sched_cached_prefixes:
+            self._evict_prefix(min(self._prefixes, key=lambda p: p.last_used))
+        if not self._free_seqs:
+            return
+        seq = self._take_seq()
+        self._ctx.seq_cp(request.seq, seq, n)
+        prefix = CachedPrefix(next(self._ids), seq, request.prompt[:n], Holding(""))
+        prefix.held = self.ledger.share(request.held, prefix.holder, n)
+        self._prefixes.append(prefix)
+
+    # -- helpers ----------------------------------------------------------------------------------------
+    def _take_seq(self) -> int:
+        return self._free_seqs.pop(0)
+
+    def _free_request(self, request: Request) -> None:
+        if request.seq is not None:
+            self._ctx.seq_rm(request.seq)
+            self._free_seqs.append(request.seq)
+            request.seq = None
+        if request.held is not None:
+            self.ledger.release(request.held)
+            request.held = None
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        request.state = "done"
+        if request.swap_pins is not None:
+            request.swap_pins.close()
+            request.swap_pins = None
+        if not request.future.done():
+            request.future.set_exception(error)
+
+    def _event(self, kind: str, who, detail: str = "") -> None:
+        holder = who if isinstance(who, str) else who.holder
+        self._events.append(Event(time.perf_counter() - self._started, kind, holder, detail))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if n >= limit or x != y:
+            break
+        n += 1
+    return n
