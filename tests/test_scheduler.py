@@ -1,0 +1,149 @@
+"""The scheduler on the real model: shared prefixes, block accounting, preemption with swap to the
+store and back (the KV after swap-in equals the KV at swap-out, byte for byte), cancellation, and
+bad input failing only its own request. Small budgets and short prompts keep it to a minute or so.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import CancelledError
+
+import numpy as np
+import pytest
+
+from conftest import needs_model
+from kvbridge.formats.llama_state import parse_state
+from kvbridge.scheduler import QueueFull, RequestRefused, Scheduler
+from kvbridge.scheduler import scheduler as scheduler_module
+
+pytestmark = [needs_model, pytest.mark.timeout(300)]
+
+QUESTIONS = ["Who leads the operations team?", "What is the first section about?", "When are reports due?"]
+
+
+def chat(doc: str, question: str) -> list[dict]:
+    return [{"role": "system", "content": "Answer from the document."},
+            {"role": "user", "content": f"Document:\n{doc}\n\nQuestion: {question}"}]
+
+
+@pytest.fixture
+def settings(make_settings):
+    return make_settings(sched_kv_cells=2048, sched_max_running=3, sched_cached_prefixes=2, sched_block_tokens=16,
+                         n_predict=12, ctx_size=1024)
+
+
+def only_cached_blocks_left(snapshot: dict) -> bool:
+    """Every block is free or held by a cached prefix; the only references are the prefixes' own."""
+    prefixes = {p["holder"] for p in snapshot["prefixes"]}
+    holders = {h for shared in snapshot["blocks"]["shared"] for h in shared["holders"]}
+    return (not snapshot["running"] and not snapshot["waiting"] and not snapshot["swapped"]
+            and holders <= prefixes and snapshot["blocks"]["refs"] <= len(prefixes) * 64)
+
+
+def test_a_shared_document_is_prefilled_once_and_every_block_comes_back(settings, short_doc):
+    with Scheduler(settings) as scheduler:
+        first = scheduler.submit(chat(short_doc, QUESTIONS[0])).result(timeout=120)
+        futures = [scheduler.submit(chat(short_doc, q)) for q in QUESTIONS[1:]]
+        records = [f.result(timeout=120) for f in futures]
+        assert scheduler.drain(60)
+        snapshot = scheduler.snapshot()
+        events = scheduler.events()
+    assert first.matched_tokens == 0 and first.gen_tokens > 0
+    for record in records:   # the document's cells are shared, not prefilled again
+        assert record.tier == "resident" and record.matched_tokens >= record.prompt_tokens - 32
+        assert record.prefill_tokens <= record.prompt_tokens - record.matched_tokens
+    assert snapshot["counters"]["shared_tokens"] >= sum(r.matched_tokens for r in records)
+    assert [e["kind"] for e in events].count("share") >= 2
+    assert only_cached_blocks_left(snapshot)
+    assert snapshot["blocks"]["used"] == sum(snapshot["blocks"]["by_owner"].values())
+
+
+def test_a_preempted_request_resumes_with_the_same_kv_and_finishes(make_settings, short_doc, monkeypatch):
+    settings = make_settings(sched_kv_cells=2048, sched_max_running=1, sched_cached_prefixes=0, n_predict=24,
+                             ctx_size=1024)
+    saved_out: dict[int, bytes] = {}
+    saved_in: dict[int, bytes] = {}
+    preempt, start = scheduler_module.Scheduler._preempt, scheduler_module.Scheduler._start
+
+    def spying_preempt(self, request, why):
+        saved_out[request.id] = bytes(self._ctx.save_seq(request.seq))
+        preempt(self, request, why)
+
+    def spying_start(self, request, resumed):
+        start(self, request, resumed)
+        if resumed:
+            saved_in[request.id] = bytes(self._ctx.save_seq(request.seq))
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "_preempt", spying_preempt)
+    monkeypatch.setattr(scheduler_module.Scheduler, "_start", spying_start)
+    started = threading.Event()
+    with Scheduler(settings) as scheduler:
+        low = scheduler.submit(chat(short_doc, QUESTIONS[0]), priority=1, on_token=lambda piece: started.set())
+        assert started.wait(120)
+        urgent = scheduler.submit([{"role": "user", "content": "Say hello in one short sentence."}], priority=9, n_predict=6)
+        urgent_record, low_record = urgent.result(timeout=120), low.result(timeout=120)
+        kinds = [(e["kind"], e["request"]) for e in scheduler.events()]
+        snapshot = scheduler.snapshot()
+    assert low_record.preemptions == 1 and low_record.swap_out_ms > 0 and low_record.swap_in_ms > 0
+    assert urgent_record.preemptions == 0 and urgent_record.gen_tokens > 0
+    assert low_record.gen_tokens > 0 and low_record.text
+    low_id = f"req-{low_record.request_index}"
+    order = [k for k, who in kinds if who == low_id]
+    assert order.index("preempt") < order.index("swap-out") < order.index("swap-in") < order.index("finish")
+    # the KV after swap-in is the KV at swap-out: the same K and V rows for the same positions
+    (request_id, before), = saved_out.items()
+    after = saved_in[request_id]
+    a, b = parse_state(before), parse_state(after)
+    assert b.n_cells == a.n_cells
+    for k_a, k_b, v_a, v_b in zip(a.k, b.k, a.v, b.v):
+        assert np.array_equal(k_a, k_b) and np.array_equal(v_a, v_b)
+    assert snapshot["counters"]["preemptions"] == 1 and snapshot["counters"]["swap_ins"] == 1
+    assert only_cached_blocks_left(snapshot)
+
+
+def test_cancelling_mid_decode_frees_the_requests_blocks(settings, short_doc):
+    settings = settings.replace(n_predict=200, sched_cached_prefixes=0)
+    got_tokens = threading.Event()
+    with Scheduler(settings) as scheduler:
+        future = scheduler.submit(chat(short_doc, QUESTIONS[1]), on_token=lambda piece: got_tokens.set())
+        assert got_tokens.wait(120)
+        assert scheduler.cancel(future)
+        with pytest.raises(CancelledError):
+            future.result(timeout=5)
+        other = scheduler.submit([{"role": "user", "content": "Name one colour."}], n_predict=4).result(timeout=120)   # the loop goes on
+        assert scheduler.drain(60)
+        snapshot = scheduler.snapshot()
+    assert other.gen_tokens > 0
+    assert snapshot["counters"]["cancelled"] == 1
+    assert snapshot["blocks"]["used"] == 0 and snapshot["blocks"]["refs"] == 0
+
+
+def test_bad_requests_fail_on_their_own_future_and_the_rest_go_on(settings):
+    settings = settings.replace(ctx_size=64, sched_max_running=1, sched_max_waiting=1)
+    with Scheduler(settings) as scheduler:
+        wrong_priority = scheduler.submit("Hello", priority=12)
+        too_long = scheduler.submit("word " * 200)
+        good = scheduler.submit([{"role": "user", "content": "Name one colour."}], n_predict=4)
+        with pytest.raises(RequestRefused, match="priority 12 is out of range"):
+            wrong_priority.result(timeout=5)
+        with pytest.raises(RequestRefused, match="KVB_CTX_SIZE"):
+            too_long.result(timeout=5)
+        refused = 0
+        for _ in range(3):
+            try:
+                scheduler.submit("Name one animal.", n_predict=4)
+            except QueueFull as exc:
+                assert "KVB_SCHED_MAX_WAITING" in str(exc)
+                refused += 1
+        assert refused >= 1
+        assert good.result(timeout=120).gen_tokens > 0
+
+
+def test_a_new_scheduler_restores_a_prompt_an_earlier_one_stored(settings, short_doc):
+    with Scheduler(settings) as scheduler:
+        scheduler.submit(chat(short_doc, QUESTIONS[0])).result(timeout=120)
+        assert scheduler.drain(60)
+    with Scheduler(settings) as scheduler:          # a restart: nothing resident, the store has it
+        record = scheduler.submit(chat(short_doc, QUESTIONS[0])).result(timeout=120)
+        events = scheduler.events()
+    assert record.tier in ("L1", "L2") and record.matched_tokens >= record.prompt_tokens - 32
+    assert any(e["kind"] == "restore" for e in events)
