@@ -147,3 +147,4 @@ def test_a_new_scheduler_restores_a_prompt_an_earlier_one_stored(settings, short
         events = scheduler.events()
     assert record.tier in ("L1", "L2") and record.matched_tokens >= record.prompt_tokens - 32
     assert any(e["kind"] == "restore" for e in events)
+
