@@ -1,4 +1,4 @@
-"""`python -m kvbridge`: the command line (gui, demo, bench, bench-store, cache-server, namespace, engines, scenarios)."""
+"""`python -m kvbridge`: the command line (gui, demo, bench, bench-store, bench-l3, cache-server, namespace, engines, scenarios)."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +20,8 @@ COMMANDS = {
     "bench-restore": "restore of a 2k-token prefix (lookup+fetch+assemble+set) against a plain memory copy, "
                      "and through a private cache server",
     "bench-cache-server": "a private cache server: a store call against a memory copy, memory above the pool, idle CPU",
+    "bench-l3": "L3 on Redis (KVB_L3_URL, else a private redis-server): doc Q&A served from L3, a restore against "
+                "plain GETs, lookup round trips, L3 stopped, and the KV codecs",
     "cache-server": "run the cache server (ZMQ + shared memory) that engines share when KVB_STORE_URL points at it",
     "namespace": "start the configured engine and print its namespace (what its stored KV is keyed under)",
     "engines": "list the engines in the registry",
@@ -161,6 +163,21 @@ def cmd_bench_cache_server(args) -> int:
     return 0
 
 
+def cmd_bench_l3(args) -> int:
+    from kvbridge.bench.l3_bench import PARTS, format_bench_l3, run_bench_l3, write_json
+
+    settings = _settings(args)
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()] if args.parts else list(PARTS)
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        raise SystemExit(f"Unknown part(s) {', '.join(unknown) or '(none given)'}; use any of {', '.join(PARTS)}.")
+    result = run_bench_l3(settings, _make_engine, parts=parts, repeats=args.repeats, n_requests=args.requests,
+                          quality_questions=args.quality_questions, prompt_tokens=args.tokens, progress=_progress)
+    print(format_bench_l3(result))
+    print(f"wrote {write_json(result, settings.output_dir)}")
+    return 1 if result.get("doc_qa", {}).get("errors") else 0
+
+
 def _progress(done: int, total: int, what: str) -> None:
     width = 30
     filled = int(width * done / max(total, 1))
@@ -186,6 +203,16 @@ def cmd_bench(args) -> int:
             print(f"context raised from {settings.ctx_size} to {needed} tokens for this run")
             settings = settings.replace(ctx_size=needed)
     with contextlib.ExitStack() as stack:
+        if args.from_tier and args.cache_server:
+            raise KVBridgeError("--from-tier empties the embedded store's tiers; a cache server's tiers are its own "
+                                "(leave out --cache-server).")
+        if args.from_tier == "L3" and not settings.l3_url:
+            from kvbridge.bench.private_redis import private_redis
+
+            redis_server = stack.enter_context(private_redis())
+            settings = settings.replace(l3_url=redis_server.url)
+            print(f"L3 on a private redis-server on {redis_server.url} (pid {redis_server.pid}; KVB_L3_URL is not "
+                  "set), stopped after the run")
         if args.cache_server:
             from kvbridge.bench.private_server import private_cache_server
 
@@ -199,7 +226,7 @@ def cmd_bench(args) -> int:
 def _bench_run(args, settings: Settings, modes: list[str], lengths) -> int:
     from kvbridge.bench.long_context import format_rows, length_rows
     from kvbridge.bench.report import format_summary, format_table, summarize
-    from kvbridge.bench.runner import run_scenario
+    from kvbridge.bench.runner import empty_faster_tiers, run_scenario
     from kvbridge.gui.charts import run_figures
     from kvbridge.gui.export import export_run
 
@@ -212,8 +239,10 @@ def _bench_run(args, settings: Settings, modes: list[str], lengths) -> int:
             print(f"engine {status['label']} ({status['location']}), {status['kv_mode'].upper()}, "
                   f"namespace {status['namespace_short']}, chunk {settings.chunk_size}, context {settings.ctx_size}")
             document = _read_document(args.document)
+            before = empty_faster_tiers(engine.store, args.from_tier) if args.from_tier else None
             for record in run_scenario(engine, args.scenario, modes, n_requests=args.requests, document=document,
-                                       progress=_progress, n_predict=args.n_predict, lengths=lengths):
+                                       progress=_progress, n_predict=args.n_predict, lengths=lengths,
+                                       before_request=before):
                 records.append(record)
             stats = engine.store.stats()
         print(format_table(records))
@@ -226,7 +255,7 @@ def _bench_run(args, settings: Settings, modes: list[str], lengths) -> int:
             "command": "bench", "scenario": args.scenario, "modes": modes, "engine": status["engine"],
             "namespace": status["namespace"], "chunk_size": settings.chunk_size, "ctx_size": settings.ctx_size,
             "n_predict": settings.n_predict, "summary": summary, "store": stats,
-            "cache_server": settings.store_url or None})
+            "cache_server": settings.store_url or None, "from_tier": args.from_tier})
         print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 1 if any(r.error for r in records) else 0
 
@@ -265,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        if name in ("bench", "demo", "namespace", "bench-restore"):
+        if name in ("bench", "demo", "namespace", "bench-restore", "bench-l3"):
             p.add_argument("--engine", help="engine key or alias (default: KVB_ENGINE)")
             p.add_argument("--chunk-size", dest="chunk_size", type=int, help="tokens per chunk (default: KVB_CHUNK_SIZE)")
         if name == "bench":
@@ -283,6 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--cache-server", action="store_true",
                            help="run through a private cache server (a child process on a free loopback port, "
                                 "L1 = KVB_L1_BYTES, L2 in a temp dir), stopped after the run")
+            p.add_argument("--from-tier", dest="from_tier", choices=("L2", "L3"),
+                           help="serve every lmcache hit from this tier: before each lmcache request the writes "
+                                "queued behind the last one finish and every faster tier is emptied; L3 without "
+                                "KVB_L3_URL starts a private redis-server")
         if name == "bench-restore":
             p.add_argument("--tokens", type=int, default=2048, help="prefix length to restore (default 2048)")
             p.add_argument("--repeats", type=int, default=7, help="runs (median is shown)")
@@ -296,6 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
                            help="fill the pool to this fraction before reading the memory (default 0.7, below eviction)")
             p.add_argument("--idle-s", dest="idle_s", type=float, default=20.0,
                            help="seconds the server is watched idle with 2 clients (default 20)")
+        if name == "bench-l3":
+            p.add_argument("--parts", help="comma-separated: doc-qa, restore, lookup, down, codecs (default all)")
+            p.add_argument("--requests", type=int, default=None, help="doc-qa questions (default 12)")
+            p.add_argument("--repeats", type=int, default=7,
+                           help="restores and GETs, alternated (medians); the codec rows use repeats // 2 + 1")
+            p.add_argument("--tokens", type=int, default=2048, help="prefix length of the restore row (default 2048)")
+            p.add_argument("--quality-questions", dest="quality_questions", type=int, default=12,
+                           help="doc-qa questions for int8's quality (each one cold prefill; 0: skip)")
         if name == "cache-server":
             p.add_argument("--url", help="where to listen: tcp://HOST:PORT or ipc:///path "
                                          "(default: KVB_CACHE_SERVER_URL, else tcp://127.0.0.1:5555)")
