@@ -17,8 +17,9 @@ master holding any of the keys in a cluster); a get of an object evicted since i
 
 Faults. Every call is bounded by KVB_L3_TIMEOUT. A connection fault (refused, timed out, reset, a
 wrong password, a cluster without a master for a slot) marks L3 down: calls are then skipped at
-once (a counted miss or skipped write) until a retry time that backs off from 1 s to 30 s; one
-caller probes, the others keep skipping. A write the server refuses (OOM: maxmemory without
+once (a counted miss or skipped write) while a background prober pings at retry times that back
+off from 1 s to 30 s; requests use L3 again once a ping is answered, so a silent server costs one
+request one timeout in all. A write the server refuses (OOM: maxmemory without
 eviction) is a counted skipped write and leaves L3 up. Nothing here raises to the user: get()
 raises StoreFault subclasses (the store counts them), put() returns False.
 """
@@ -85,7 +86,9 @@ def connect(url: str, password: str | None, timeout: float) -> redis.Redis | Red
 
 
 class _Breaker:
-    """Up, or down until a retry time that backs off; when due, one caller probes while others skip."""
+    """Up, or down until a retry time that backs off. Requests never probe: while down they skip, and
+    a background prober (RedisTier._probe_until_up) pings at each retry time, so a silent server costs
+    one request one timeout in all, not one per backoff period."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -94,7 +97,6 @@ class _Breaker:
         self.reason = ""
         self._retry_at = 0.0
         self._delay = FIRST_BACKOFF_S
-        self._probing = False
 
     @property
     def is_down(self) -> bool:
@@ -102,18 +104,13 @@ class _Breaker:
 
     def allow(self) -> bool:
         with self._lock:
-            if self.down_since is None:
-                return True
-            if self._probing or self._clock() < self._retry_at:
-                return False
-            self._probing = True
-            return True
+            return self.down_since is None
 
     def succeeded(self) -> None:
         with self._lock:
             if self.down_since is not None:
                 log.info("L3 is reachable again (down %.1f s)", self._clock() - self.down_since)
-            self.down_since, self.reason, self._probing, self._delay = None, "", False, FIRST_BACKOFF_S
+            self.down_since, self.reason, self._delay = None, "", FIRST_BACKOFF_S
 
     def failed(self, reason: str) -> None:
         with self._lock:
@@ -124,12 +121,7 @@ class _Breaker:
             self.reason = reason
             self._retry_at = now + self._delay
             self._delay = min(self._delay * 2, MOST_BACKOFF_S)
-            self._probing = False
 
-    def due(self) -> bool:
-        """Up, or down with its retry time reached (a call now would probe)."""
-        with self._lock:
-            return self.down_since is None or (not self._probing and self._clock() >= self._retry_at)
 
     def retry_in(self) -> float:
         with self._lock:
@@ -167,6 +159,9 @@ class RedisTier(Tier):
         self._factory = client_factory or (lambda: connect(url, password, self.timeout))
         self._client: Any = None
         self._client_lock = threading.Lock()
+        self._prober: threading.Thread | None = None
+        self._wake = threading.Event()     # set at close: the prober stops
+        self._closed = False
         self._breaker = _Breaker()
         self._index: dict[bytes, _Entry] = {}
         self._bytes = 0
@@ -238,6 +233,39 @@ class RedisTier(Tier):
         self._breaker.failed(reason)
         if self.cluster:    # a fresh client reads the slot map again (after a failover, another master)
             self._drop_client()
+        with self._client_lock:
+            if self._prober is None and not self._closed:
+                self._prober = threading.Thread(target=self._probe_until_up, name=f"kvbridge-{self.name}-probe",
+                                                daemon=True)
+                self._prober.start()
+
+    def _probe_until_up(self) -> None:
+        """Ping at each retry time until the server answers (then requests use it again) or the tier closes."""
+        try:
+            while not self._closed and self._breaker.is_down:
+                if self._wake.wait(self._breaker.retry_in()):
+                    return      # closed
+                try:
+                    self._get_client().ping()
+                except AuthenticationError as error:
+                    self.counts["auth_errors"] += 1
+                    self._breaker.failed(self._auth_message(error))
+                except ResponseError as error:
+                    if str(error).startswith(("NOAUTH", "WRONGPASS")):
+                        self.counts["auth_errors"] += 1
+                        self._breaker.failed(self._auth_message(error))
+                    else:
+                        self._breaker.succeeded()
+                except (redis.TimeoutError, TimeoutError, redis.ConnectionError, RedisClusterException, OSError,
+                        RedisError) as error:
+                    self._breaker.failed(f"{type(error).__name__}: {error}")
+                    if self.cluster:
+                        self._drop_client()
+                else:
+                    self._breaker.succeeded()
+        finally:
+            with self._client_lock:
+                self._prober = None
 
     def _get_client(self) -> Any:
         with self._client_lock:
@@ -255,7 +283,7 @@ class RedisTier(Tier):
                 pass
 
     def available(self) -> bool:
-        return self._breaker.due()
+        return not self._breaker.is_down
 
     def _pipeline(self, client: Any) -> Any:
         return client.pipeline(transaction=False)
@@ -498,4 +526,9 @@ class RedisTier(Tier):
             return False
 
     def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        prober = self._prober
+        if prober is not None:
+            prober.join(timeout=self.timeout + 1)
         self._drop_client()

@@ -204,20 +204,37 @@ class TieredStore:
         return StoredObject(blob, replace(meta, last_used=time.time()), level.tier.name)
 
     def get_many(self, keys: list[bytes], namespace: str | None = None) -> list[StoredObject | None]:
-        """get() for each key; a remote tier's objects are read in one round trip."""
+        """get() for each key; a remote tier's objects are read in one round trip, including the keys
+        no tier here knew (another host's): a restore is one lookup and one read, whatever it holds."""
         keys = [check_key(key) for key in keys]
         expected = self.namespace if namespace is None else namespace
-        holders = [self._holder(key, pin=True) for key in keys]
+        holders = self._holders(keys, remote=False)   # local tiers (a file another process wrote) only
+        unknown = [at for at, index in enumerate(holders) if index is None]
+        with self._lock:
+            for at, (key, index) in enumerate(zip(keys, holders)):
+                if index is not None and key in self._levels[index].policy:
+                    self._levels[index].policy.pin(key)
+                elif index is not None:
+                    holders[at] = None   # evicted or removed since
+        remote = next((index for index, level in enumerate(self._levels)
+                       if level.tier.remote and level.tier.available()), None)
         found: dict[int, tuple[bytes, ObjectMeta] | None] = {}
         for index, level in enumerate(self._levels):
             mine = [at for at, holder in enumerate(holders) if holder == index]
-            if not mine:
+            asked = mine + (unknown if index == remote else [])
+            if not asked:
                 continue
             try:
                 if level.tier.remote:
-                    results = level.tier.get_many([keys[at] for at in mine])
-                    for at, result in zip(mine, results):
-                        found[at] = self._read_result(level, keys[at], result)
+                    results = level.tier.get_many([keys[at] for at in asked])
+                    for at, result in zip(asked, results):
+                        if at in mine:
+                            found[at] = self._read_result(level, keys[at], result)
+                        elif isinstance(result, tuple):   # found by reading it: now indexed by the tier
+                            with self._lock:
+                                if self._sync_locked(level, keys[at]) is not None:
+                                    self._counts["discovered"] += 1
+                            holders[at], found[at] = index, result
                 else:
                     for at in mine:
                         found[at] = self._read(level, keys[at])
@@ -228,8 +245,9 @@ class TieredStore:
         return [self._miss() if holder is None else self._finish_get(holder, key, found.get(at), expected)
                 for at, (key, holder) in enumerate(zip(keys, holders))]
 
-    def _holders(self, keys: list[bytes]) -> list[int | None]:
-        """For each key the fastest level holding it; keys no level knows are discovered in one call per tier."""
+    def _holders(self, keys: list[bytes], remote: bool = True) -> list[int | None]:
+        """For each key the fastest level holding it; keys no level knows are discovered in one call per
+        tier (remote tiers too unless remote=False)."""
         with self._lock:
             holders = [next((index for index, level in enumerate(self._levels) if key in level.policy), None)
                        for key in keys]
@@ -237,6 +255,8 @@ class TieredStore:
             missing = [at for at, holder in enumerate(holders) if holder is None]
             if not missing:
                 break
+            if level.tier.remote and not remote:
+                continue
             sizes = level.tier.discover_many([keys[at] for at in missing])   # I/O outside the lock
             for at, size in zip(missing, sizes):
                 if size is None:
