@@ -304,7 +304,7 @@ def format_bench_l3(result: dict) -> str:
                          f"with no L3 at all "
                          f"(skipped while down: {row['skipped_down']})")
             if "probe_ms" in row:
-                lines.append(f"    after the back-off a request probes L3 again: {row['probe_ms']:.1f} ms; "
+                lines.append(f"    a request after the first back-off (the background prober pings, not it): {row['probe_ms']:.1f} ms; "
                              f"next retry in {row['next_retry_s']} s ({row['reason']})")
     if result.get("seconds"):
         lines += ["", "wall time per part: " + ", ".join(f"{k} {v:g} s" for k, v in result["seconds"].items())]

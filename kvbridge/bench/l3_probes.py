@@ -151,7 +151,7 @@ def lookups_with_l3_down(engine, settings: Settings, url: str, later: int = 10,
     after one healthy lookup (it kills the server). Then: the first lookup (it finds L3 down and
     marks it so), `later` lookups alternated with the same lookup on a store without L3 (the
     baseline: what a request costs with L3 out of the picture), and, with probe_again, one lookup
-    after the first back-off has passed (that request is the one that probes L3 again).
+    after the first back-off has passed (the tier's background prober pings then; the request skips L3).
     """
     from kvbridge.engine.chunks import ChunkKV
 
