@@ -6,7 +6,10 @@ same namespace), so what the scheduler stores a restart or another process resto
 way round. Three uses:
 
 - swap-out: a preempted sequence's whole context is stored and its objects pinned until it resumes
-  (the store's pressure may not evict them); `swap_out` says whether the store really holds all of it;
+  (the store's pressure may not evict them); `swap_out` says whether the store really holds all of it.
+  Pins keep objects from eviction, not from being replaced: another request sharing the prefix up to
+  the last whole chunk writes the same tail key, and the resumed request then restores the common
+  part and recomputes the rest (token ids are confirmed, so never wrong KV);
 - swap-in and admission: the longest stored prefix of a context is restored into a sequence;
 - a prompt's KV is stored after its prefill on a background thread (off the TTFT path).
 """
@@ -46,6 +49,9 @@ class SwapSpace:
     def swap_out(self, data, tokens: list[int]) -> tuple[bool, ExitStack]:
         """Store a context's KV and pin its objects; (whether all of it can come back, the pins)."""
         hashes = self.hashes(tokens)
+        # A prompt store still queued would write this context's tail key with the shorter prompt's
+        # tail after us (same key: the tail after the last whole chunk), so the swap lands last.
+        self.drain()
         pins = ExitStack()
         pins.enter_context(self.store.pinned(self._keys(hashes)))
         try:
