@@ -1,4 +1,4 @@
-"""`python -m kvbridge`: the command line (gui, demo, bench, bench-store, bench-l3, cache-server, namespace, engines, scenarios)."""
+"""`python -m kvbridge`: the command line (gui, demo, bench, bench-store, bench-l3, bench-scheduler, cache-server, namespace, engines, scenarios)."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +22,8 @@ COMMANDS = {
     "bench-cache-server": "a private cache server: a store call against a memory copy, memory above the pool, idle CPU",
     "bench-l3": "L3 on Redis (KVB_L3_URL, else a private redis-server): doc Q&A served from L3, a restore against "
                 "plain GETs, lookup round trips, L3 stopped, and the KV codecs",
+    "bench-scheduler": "the scheduler: swapping a ~2k-token sequence out to the store and back in, against "
+                       "recomputing it",
     "cache-server": "run the cache server (ZMQ + shared memory) that engines share when KVB_STORE_URL points at it",
     "namespace": "start the configured engine and print its namespace (what its stored KV is keyed under)",
     "engines": "list the engines in the registry",
@@ -160,6 +162,19 @@ def cmd_bench_cache_server(args) -> int:
     settings = _settings(args)
     print(format_bench_cache_server(run_bench_cache_server(
         settings, object_mb=args.object_mb, repeats=args.repeats, fill=args.fill, idle_s=args.idle_s)))
+    return 0
+
+
+def cmd_bench_scheduler(args) -> int:
+    import tempfile
+
+    from kvbridge.bench.scheduler_bench import bench_swap_vs_recompute, format_swap_vs_recompute
+
+    settings = _settings(args)
+    with tempfile.TemporaryDirectory(prefix="kvb-bench-sched-") as l2_dir:   # a fresh store, not the user's
+        result = bench_swap_vs_recompute(settings.replace(l2_dir=l2_dir), prompt_tokens=args.tokens,
+                                         repeats=args.repeats)
+    print(format_swap_vs_recompute(result))
     return 0
 
 
@@ -337,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--tokens", type=int, default=2048, help="prefix length of the restore row (default 2048)")
             p.add_argument("--quality-questions", dest="quality_questions", type=int, default=12,
                            help="doc-qa questions for int8's quality (each one cold prefill; 0: skip)")
+        if name == "bench-scheduler":
+            p.add_argument("--tokens", type=int, default=2048, help="sequence length (default 2048)")
+            p.add_argument("--repeats", type=int, default=5, help="swaps and recomputes, alternated (medians)")
         if name == "cache-server":
             p.add_argument("--url", help="where to listen: tcp://HOST:PORT or ipc:///path "
                                          "(default: KVB_CACHE_SERVER_URL, else tcp://127.0.0.1:5555)")
