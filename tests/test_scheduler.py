@@ -148,3 +148,20 @@ def test_a_new_scheduler_restores_a_prompt_an_earlier_one_stored(settings, short
     assert record.tier in ("L1", "L2") and record.matched_tokens >= record.prompt_tokens - 32
     assert any(e["kind"] == "restore" for e in events)
 
+
+
+
+def test_a_request_needing_most_of_the_budget_still_runs_when_it_is_alone(make_settings):
+    """Past the HARD watermark on its own: admitted anyway when nothing else runs (it would wait for nobody)."""
+    settings = make_settings(sched_kv_cells=512, sched_block_tokens=16, sched_cached_prefixes=1, n_predict=8,
+                             ctx_size=512)
+    with Scheduler(settings) as scheduler:
+        from kvbridge.bench.scenarios import builtin_document
+
+        doc = builtin_document()[:2400]
+        while len(scheduler._prompt_tokens(chat(doc, QUESTIONS[0]))) > 470:   # ~92% of the 512 cells
+            doc = doc[:-20]
+        first = scheduler.submit(chat(doc, QUESTIONS[0])).result(timeout=120)
+        second = scheduler.submit(chat(doc, QUESTIONS[1])).result(timeout=120)   # the cached prefix makes room
+    assert first.prompt_tokens > 0.9 * 512 - 20
+    assert first.gen_tokens > 0 and second.gen_tokens > 0 and not second.error

@@ -293,6 +293,8 @@ class Scheduler:
                 break        # swapped requests resume before new ones of no higher priority
             if self.ledger.pressure() >= Pressure.HARD and not self._can_preempt_for(request):
                 break
+            while not self._room_for(request) and self._prefixes:
+                self._evict_prefix(min(self._prefixes, key=lambda p: p.last_used))   # cold prefixes go first
             if not self._room_for(request):
                 if self._can_preempt_for(request):
                     self._preempt(self._least_urgent(), f"for {request.holder} (priority {request.priority})")
@@ -311,6 +313,8 @@ class Scheduler:
             return False
         _, shared = self._best_source(request.context)
         cost = self.ledger.blocks_for(len(request.context) - shared) + len(self._running) + 1
+        if not self._running:   # alone it may use the whole budget: never wait for nobody
+            return cost <= self.ledger.free_blocks()
         return self.ledger.pressure(extra_blocks=cost) < Pressure.HARD and cost <= self.ledger.free_blocks()
 
     def _can_preempt_for(self, request: Request) -> bool:

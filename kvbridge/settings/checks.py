@@ -149,7 +149,7 @@ def l3_url_problem(url: str) -> str | None:
         if not colon and not host:
             return f"KVB_L3_URL={url!r} names no host; use {example}"
     if "@" in rest.split("/", 1)[0] and ":" in rest.split("@", 1)[0]:
-        return (f"KVB_L3_URL carries a password; put the password in a variable and name it in "
+        return ("KVB_L3_URL carries a password; put the password in a variable and name it in "
                 "KVB_L3_PASSWORD_ENV instead (it is never written to .env, logs or exports)")
     return None
 

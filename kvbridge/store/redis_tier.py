@@ -526,9 +526,10 @@ class RedisTier(Tier):
             return False
 
     def close(self) -> None:
-        self._closed = True
+        with self._client_lock:   # _trip starts a prober under this lock: seen started, or not at all
+            self._closed = True
+            prober = self._prober
         self._wake.set()
-        prober = self._prober
         if prober is not None:
             prober.join(timeout=self.timeout + 1)
         self._drop_client()
