@@ -173,7 +173,7 @@ class LlamaCppBackend(Backend):
         report.engine_prefill_tokens = len(tokens) - cached
         report.prompt_tokens = len(tokens)
         vocab = llm._model.vocab
-        decoder = _Utf8Decoder()
+        decoder = Utf8Decoder()
         produced = 0
         sampling = Sampling.for_temperature(temperature)
         for token in llm.generate(tokens, temp=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
@@ -271,7 +271,7 @@ class LlamaCppBackend(Backend):
         llm._requires_eval = True  # logits are stale: Llama.generate must decode at least one token
 
 
-class _Utf8Decoder:
+class Utf8Decoder:
     """Joins token bytes so multi-byte characters split across tokens come out whole."""
 
     def __init__(self):

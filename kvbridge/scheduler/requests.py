@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from kvbridge.backends.llamacpp import Utf8Decoder
 from kvbridge.engine.records import RequestRecord
 from kvbridge.scheduler.ledger import Holding
 
@@ -42,29 +43,6 @@ class Sampler:
         return int(top[self._rng.choice(keep, p=probs)])
 
 
-class Utf8Pieces:
-    """Joins token bytes so a character split across tokens comes out whole."""
-
-    def __init__(self) -> None:
-        self.pending = b""
-
-    def feed(self, piece: bytes) -> str:
-        data = self.pending + piece
-        for cut in range(len(data), max(len(data) - 4, -1), -1):
-            try:
-                text = data[:cut].decode("utf-8")
-            except UnicodeDecodeError:
-                continue
-            self.pending = data[cut:]
-            return text
-        self.pending = data
-        return ""
-
-    def flush(self) -> str:
-        text, self.pending = self.pending.decode("utf-8", errors="replace"), b""
-        return text
-
-
 @dataclass
 class Request:
     id: int
@@ -85,7 +63,7 @@ class Request:
     kv_tokens: int = 0
     pending: list[int] = field(default_factory=list)
     text: str = ""
-    pieces: Utf8Pieces = field(default_factory=Utf8Pieces)
+    pieces: Utf8Decoder = field(default_factory=Utf8Decoder)
     prompt_stored: bool = False
     first_token_at: float | None = None
     admitted_at: float | None = None
