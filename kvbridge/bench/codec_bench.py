@@ -24,6 +24,7 @@ import numpy as np
 
 from kvbridge.bench.scenarios import build_requests
 from kvbridge.bench.store_bench import _paired_median_ms
+from kvbridge.engine.chunks import common_prefix_length
 from kvbridge.settings import Settings
 from kvbridge.store import DiskTier, MemoryTier, TieredStore
 
@@ -185,15 +186,6 @@ def _greedy(llm, tokens: Sequence[int], n_predict: int) -> tuple[list[int], np.n
     return ids, first
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def int8_quality(engine, settings: Settings, directory: Path, questions: int = 12, document: str | None = None,
                  cold_texts: Sequence[str] | None = None) -> dict:
     """Per doc-qa question: cold greedy answer and first-token logits, then the same after restoring the
@@ -232,7 +224,7 @@ def int8_quality(engine, settings: Settings, directory: Path, questions: int = 1
                 diff = np.abs(logits - cold_logits)
                 row[name] = {"restored_tokens": plan.matched_tokens, "tier": plan.tier, "lossy": sorted(plan.lossy),
                              "tokens": len(ids), "equal_positions": sum(a == b for a, b in zip(cold_ids, ids)),
-                             "common_prefix": _common_prefix(cold_ids, ids), "identical": ids == cold_ids,
+                             "common_prefix": common_prefix_length(cold_ids, ids), "identical": ids == cold_ids,
                              "max_abs_logit_diff": float(diff.max()), "mean_abs_logit_diff": float(diff.mean()),
                              "same_first_token": int(np.argmax(logits)) == int(np.argmax(cold_logits))}
             rows.append(row)

@@ -46,15 +46,15 @@ def bench_swap_vs_recompute(settings: Settings, prompt_tokens: int = 2048, repea
         for repeat in range(-1, repeats):
             start = time.perf_counter()
             data = ctx.save_seq(seq)
-            complete, pins = swap.swap_out(data, tokens)
+            ticket = swap.swap_out(data, tokens)
             ctx.seq_rm(seq)
             out_ms = (time.perf_counter() - start) * 1e3
             start = time.perf_counter()
-            plan = swap.restore(tokens + [tokens[-1]])   # the restore takes all but the last token given
+            plan = swap.restore(tokens + [tokens[-1]], ticket)   # the restore takes all but the last token given
             ctx.load_seq(seq, plan.state.data)
             in_ms = (time.perf_counter() - start) * 1e3
-            pins.close()
-            if not complete or plan.matched_tokens != len(tokens):
+            ticket.release()
+            if not ticket.complete or plan.matched_tokens != len(tokens):
                 raise RuntimeError(f"the store did not give back the whole sequence ({plan.matched_tokens} of {len(tokens)})")
             stored_bytes = len(data)
             ctx.seq_rm(seq)

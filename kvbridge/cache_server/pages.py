@@ -11,20 +11,14 @@ Watermarks turn the free fraction into a PressureLevel. Not thread-safe: PagedPo
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import numpy as np
 
+from kvbridge.store.pressure import PressureLevel, pressure_level
+
 # page states, as page_map() reports them (the GUI draws these)
 FREE, OBJECT, LEASED_OBJECT, PENDING, QUARANTINED = 0, 1, 2, 3, 4
-
-
-class PressureLevel(enum.IntEnum):
-    OK = 0
-    SOFT = 1
-    HARD = 2
-    CRITICAL = 3
 
 
 @dataclass(frozen=True)
@@ -41,13 +35,7 @@ class Watermarks:
             raise ValueError(f"watermarks must satisfy 0 <= critical <= hard <= soft <= target <= 1, got {self}")
 
     def level(self, free_ratio: float) -> PressureLevel:
-        if free_ratio < self.critical_free:
-            return PressureLevel.CRITICAL
-        if free_ratio < self.hard_free:
-            return PressureLevel.HARD
-        if free_ratio < self.soft_free:
-            return PressureLevel.SOFT
-        return PressureLevel.OK
+        return pressure_level(free_ratio, soft=self.soft_free, hard=self.hard_free, critical=self.critical_free)
 
 
 class PageTable:

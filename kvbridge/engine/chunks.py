@@ -68,7 +68,8 @@ def _run_all(jobs) -> None:
         job()
 
 
-def _lcp(a: np.ndarray, b: Sequence[int]) -> int:
+def common_prefix_length(a: np.ndarray | Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` have in common."""
     n = min(len(a), len(b))
     if n == 0:
         return 0
@@ -110,9 +111,10 @@ class ChunkKV:
 
     # restore -----------------------------------------------------------------------------
     def plan_restore(self, tokens: Sequence[int], hashes: Sequence[bytes],
-                     buffer_for: Callable[[int, Sequence[int]], np.ndarray | None] | None = None) -> RestorePlan:
+                     buffer_for: Callable[[int, Sequence[int]], np.ndarray | None] | None = None,
+                     tail_override: tuple[bytes, bytes] | None = None) -> RestorePlan:
         """find_prefix() and assemble() in one step."""
-        plan = self.find_prefix(tokens, hashes)
+        plan = self.find_prefix(tokens, hashes, tail_override)
         try:
             if plan.matched_tokens:
                 self.assemble(plan, buffer_for)
@@ -120,11 +122,14 @@ class ChunkKV:
             plan.release()
         return plan
 
-    def find_prefix(self, tokens: Sequence[int], hashes: Sequence[bytes]) -> RestorePlan:
+    def find_prefix(self, tokens: Sequence[int], hashes: Sequence[bytes],
+                    tail_override: tuple[bytes, bytes] | None = None) -> RestorePlan:
         """Fetch and confirm the longest stored prefix of `tokens` (at most len-1: the last token is recomputed).
 
         Objects a remote store lends (shared-memory views) are kept in plan.borrowed: the caller
-        calls plan.release() once the plan is assembled or abandoned.
+        calls plan.release() once the plan is assembled or abandoned. `tail_override` (boundary, key):
+        the tail after that boundary (a chunk hash or the seed) is read from `key` instead of
+        tail_key(boundary) (a swapped-out sequence's own tail, which no other prompt overwrites).
         """
         limit = len(tokens) - 1
         if limit < 1:
@@ -133,20 +138,23 @@ class ChunkKV:
             return self._plan_snapshot(tokens, hashes, limit)
         plan = RestorePlan()
         try:
-            self._find_chunks(plan, tokens, hashes, limit)
+            self._find_chunks(plan, tokens, hashes, limit, tail_override)
         except BaseException:
             plan.release()
             raise
         return plan
 
-    def _find_chunks(self, plan: RestorePlan, tokens: Sequence[int], hashes: Sequence[bytes], limit: int) -> None:
+    def _find_chunks(self, plan: RestorePlan, tokens: Sequence[int], hashes: Sequence[bytes], limit: int,
+                     tail_override: tuple[bytes, bytes] | None) -> None:
         """Lookup, then the hit chunks and the tail after them in one get_many (one round trip to a
         cache server); a chunk that fails its check ends the prefix, and the tail at that boundary
         is fetched on its own."""
         c = self.chunk_size
         found = self.store.lookup(list(hashes), namespace=self.namespace)
         wanted = min(found.n_hit, limit // c)
-        tail_at = tail_key(hashes[wanted - 1] if wanted else self.seed)
+        boundary_key = dict([tail_override]) if tail_override else {}
+        at = hashes[wanted - 1] if wanted else self.seed
+        tail_at = boundary_key.get(at) or tail_key(at)
         fetched = [self._borrow(plan, obj)
                    for obj in self.store.get_many(list(hashes[:wanted]) + [tail_at], namespace=self.namespace)]
         for i, obj in enumerate(fetched[:wanted]):
@@ -163,11 +171,11 @@ class ChunkKV:
             obj = fetched[-1]
         else:
             prev = hashes[plan.chunks_hit - 1] if plan.chunks_hit else self.seed
-            obj = self._borrow(plan, self.store.get(tail_key(prev), namespace=self.namespace))
+            obj = self._borrow(plan, self.store.get(boundary_key.get(prev) or tail_key(prev), namespace=self.namespace))
         if obj is not None and obj.meta.kind == "tail":
             view = self._decoded(obj.blob, plan)
             if view is not None:
-                keep = min(_lcp(view.token_ids, tokens[start:]), limit - start)
+                keep = min(common_prefix_length(view.token_ids, tokens[start:]), limit - start)
                 if keep > 0:
                     plan.pieces.append((view, keep))
                     plan.blobs.append(obj.blob)
@@ -251,7 +259,7 @@ class ChunkKV:
             if magic != _SNAPSHOT_MAGIC:
                 continue
             ids = np.frombuffer(obj.blob, dtype="<i4", count=n_ids, offset=_SNAPSHOT_HEADER.size)
-            match = min(_lcp(ids, tokens), limit)
+            match = min(common_prefix_length(ids, tokens), limit)
             if match < 1:
                 continue
             raw = memoryview(obj.blob)[_SNAPSHOT_HEADER.size + 4 * n_ids:]
@@ -305,6 +313,19 @@ class ChunkKV:
             self._reserve_scratch(assembled_size(self.geometry, n))
         return stored
 
+    def store_tail(self, data, tokens: Sequence[int], start: int, key: bytes) -> bool:
+        """Put the cells tokens[start:] of a sequence's saved state as one tail object under `key`."""
+        try:
+            parsed = parse_state(data)
+        except LayoutError as exc:
+            log.warning("saved KV state not understood (%s); tail not stored", exc)
+            return False
+        if parsed.geometry != self.geometry or parsed.n_cells < len(tokens):
+            return False
+        ids = tokens[start:]
+        result = self.store.put(*self._item(key, encode_chunk(parsed, start, len(tokens), ids), ids, "tail"))
+        return result is not False
+
     def _reserve_scratch(self, size: int) -> None:
         """Grow and touch the assembly buffer now, off the TTFT path, so a later restore of this
         prompt's prefix does not pay a page fault per 4 KiB (30-90 ms for 40 MB, once)."""
@@ -347,7 +368,7 @@ class ShadowIndex:
         extra = 0
         if obj is not None and obj.meta.kind == "index":
             ids = np.frombuffer(obj.blob, dtype="<u4")
-            extra = _lcp(ids, tokens[k * self.chunk_size:])
+            extra = common_prefix_length(ids, tokens[k * self.chunk_size:])
             tier = self.store.slower(tier, obj.tier)
         return k, k * self.chunk_size + extra, tier
 

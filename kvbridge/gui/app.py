@@ -29,6 +29,8 @@ from kvbridge.gui.results import (
     run_stream, scenario_choices, scenario_description,
 )
 from kvbridge.gui.charts import store_figure
+from kvbridge.gui.lab import LabSession
+from kvbridge.gui.lab_tab import build_lab_tab
 from kvbridge.gui.server_panel import ServerView, server_view
 from kvbridge.settings import Settings, env_name
 from kvbridge.errors import KVBridgeError
@@ -62,27 +64,34 @@ def _message(outcome: Outcome | ResultsView) -> str:
     return outcome.message
 
 
-def build_app(settings: Settings, state: AppState | None = None) -> gr.Blocks:
-    """The whole page; `state` (one per server) defaults to a fresh AppState over `settings`."""
+def build_app(settings: Settings, state: AppState | None = None, lab: LabSession | None = None) -> gr.Blocks:
+    """The whole page; `state` (one per server) defaults to a fresh AppState over `settings`, `lab` (the
+    KV cache lab's scheduler and run) to a fresh LabSession."""
     state = state or AppState(settings)
+    lab = lab or LabSession(settings)
     ui = SimpleNamespace()  # the components event wiring needs, by name
     with gr.Blocks(title="KVBridge testbed", analytics_enabled=False) as demo:
         gr.Markdown("# KVBridge testbed\nHow much time-to-first-token does reusing KV save? Connect an engine, "
                     "run a scenario in several modes, and compare. " + MODE_HELP)
-        ui.status = gr.Markdown(engine_status(state), elem_id="kvb-status")
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=1):
-                _engine_panel(ui, settings)
-            with gr.Column(scale=1):
-                _scenario_panel(ui, state)
-        _results_panel(ui)
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=1):
-                _prompt_panel(ui, settings)
-            with gr.Column(scale=1):
-                _store_panel(ui, state)
+        with gr.Tabs():
+            with gr.Tab("Testbed", id="testbed", elem_id="kvb-tab-testbed"):
+                ui.status = gr.Markdown(engine_status(state), elem_id="kvb-status")
+                with gr.Row(equal_height=False):
+                    with gr.Column(scale=1):
+                        _engine_panel(ui, settings)
+                    with gr.Column(scale=1):
+                        _scenario_panel(ui, state)
+                _results_panel(ui)
+                with gr.Row(equal_height=False):
+                    with gr.Column(scale=1):
+                        _prompt_panel(ui, settings)
+                    with gr.Column(scale=1):
+                        _store_panel(ui, state)
+            with gr.Tab("KV cache lab", id="lab", elem_id="kvb-tab-lab"):
+                build_lab_tab(lab)
         _wire(ui, state, demo)
     demo.app_state = state  # main() stops this engine on SIGTERM
+    demo.lab = lab          # ... and closes the lab's scheduler
     return demo
 
 
@@ -344,6 +353,7 @@ def main(settings: Settings | None = None) -> int:
     while not shutdown.wait(0.5):
         pass
     print("Stopping: ending the run, flushing the store, closing the engine…", flush=True)
+    demo.lab.close()
     disconnect_engine(state)
     demo.close()
     print("Stopped.", flush=True)

@@ -17,16 +17,12 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from enum import IntEnum
 
+from kvbridge.store.pressure import PressureLevel, pressure_level
 
-class Pressure(IntEnum):
-    """How short the budget is, from free blocks against the watermarks (free fractions)."""
-
-    OK = 0
-    SOFT = 1       # evict cold cached prefixes
-    HARD = 2       # also stop admitting new requests
-    CRITICAL = 3   # also preempt
+# How short the budget is, from free blocks against the watermarks (free fractions), by the store's
+# one rule: SOFT evicts cold cached prefixes, HARD also stops admitting, CRITICAL also preempts.
+Pressure = PressureLevel
 
 
 @dataclass
@@ -121,25 +117,22 @@ class BlockLedger:
     def pressure(self, extra_blocks: int = 0) -> Pressure:
         """The level now, or after taking `extra_blocks` more."""
         free = (self.free_blocks() - extra_blocks) / self.total_blocks
-        if free < self.critical:
-            return Pressure.CRITICAL
-        if free < self.hard:
-            return Pressure.HARD
-        if free < self.soft:
-            return Pressure.SOFT
-        return Pressure.OK
+        return pressure_level(free, soft=self.soft, hard=self.hard, critical=self.critical)
 
     def snapshot(self) -> dict:
-        """Blocks by owner and the shared extents with their reference counts (for snapshot() and the lab)."""
+        """Blocks by owner, the shared extents with their reference counts, and every extent in the order
+        it was made (the lab's block map)."""
         by_owner: dict[str, int] = {}
-        shared = []
+        shared, extents = [], []
         for extent in sorted(self._extents.values(), key=lambda e: e.id):
             blocks = self.blocks_for(extent.cells)
             by_owner[extent.owner] = by_owner.get(extent.owner, 0) + blocks
+            extents.append({"owner": extent.owner, "blocks": blocks, "cells": extent.cells,
+                            "holders": sorted(extent.holders)})
             if len(extent.holders) > 1:
                 shared.append({"owner": extent.owner, "blocks": blocks, "refs": len(extent.holders),
                                "holders": sorted(extent.holders)})
         used = sum(by_owner.values())
         return {"total": self.total_blocks, "used": used, "free": self.total_blocks - used,
-                "block_tokens": self.block_tokens, "by_owner": by_owner, "shared": shared,
+                "block_tokens": self.block_tokens, "by_owner": by_owner, "shared": shared, "extents": extents,
                 "refs": sum(len(extent.holders) for extent in self._extents.values())}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -18,6 +17,7 @@ import numpy as np
 from kvbridge.backends.llamacpp import Utf8Decoder
 from kvbridge.engine.records import RequestRecord
 from kvbridge.scheduler.ledger import Holding
+from kvbridge.scheduler.swap import SwapTicket
 
 TOP_K = 40    # llama.cpp's usual top-k when sampling at a temperature (kvbridge.backends.base.Sampling)
 
@@ -67,8 +67,7 @@ class Request:
     prompt_stored: bool = False
     first_token_at: float | None = None
     admitted_at: float | None = None
-    swap_pins: ExitStack | None = None   # keeps the swapped-out objects from being evicted
-    swap_lost: bool = False              # the store could not take the swap: recompute on resume
+    swap: SwapTicket | None = None       # what swap-out left in the store (pinned until the request resumes)
 
     def __post_init__(self) -> None:
         self.pending = list(self.prompt)
@@ -99,6 +98,7 @@ class CachedPrefix:
     seq: int
     tokens: list[int]
     held: Holding
+    label: str = ""
     last_used: float = field(default_factory=time.monotonic)
 
     @property

@@ -8,6 +8,8 @@ Each step of the loop (one thread owns llama.cpp):
   3. swapped requests resume first (restored from the store), then waiting ones are admitted in
      priority order while the budget allows and pressure is below HARD; a waiting request more
      urgent than the least urgent running one preempts it when the budget or the slots are short;
+     one whose prompt a running request is still prefilling waits for it, to share it (a system
+     prompt that many users send at once is prefilled once);
   4. one batch: a token for every decoding sequence plus prefill work for newly admitted ones;
   5. sampling, streaming, stop checks; a finished prompt stays resident as a cached prefix.
 
@@ -30,6 +32,7 @@ from typing import Callable, Sequence
 from kvbridge.backends.base import Message
 from kvbridge.backends.llamacpp import LlamaCppBackend
 from kvbridge.engine.cached_engine import open_store
+from kvbridge.engine.chunks import common_prefix_length
 from kvbridge.engine.namespace import file_sha256, kv_namespace, sha_cache_file
 from kvbridge.engine.records import RequestRecord
 from kvbridge.errors import KVBridgeError
@@ -59,8 +62,9 @@ class QueueFull(RequestRefused):
 class Event:
     t: float          # seconds since the scheduler started
     kind: str
-    request: str
+    request: str      # the holder: "req-7", "prefix-9"
     detail: str = ""
+    label: str = ""   # what the person who submitted it called it
 
 
 class Scheduler:
@@ -159,7 +163,8 @@ class Scheduler:
                 "running": [r.describe() for r in self._running],
                 "waiting": [r.describe() for r in self._waiting],
                 "swapped": [r.describe() for r in self._swapped],
-                "prefixes": [{"id": p.id, "tokens": len(p.tokens), "holder": p.holder} for p in self._prefixes],
+                "prefixes": [{"id": p.id, "tokens": len(p.tokens), "holder": p.holder, "label": p.label}
+                             for p in self._prefixes],
                 "counters": {name: self._counters[name] for name in ("hits", "misses", "evictions", "preemptions",
                                                                      "swap_ins", "recomputed", "shared_tokens",
                                                                      "restored_tokens", "finished", "cancelled")},
@@ -167,7 +172,8 @@ class Scheduler:
 
     def events(self) -> list[dict]:
         with self._lock:
-            return [{"t": round(e.t, 4), "kind": e.kind, "request": e.request, "detail": e.detail} for e in self._events]
+            return [{"t": round(e.t, 4), "kind": e.kind, "request": e.request, "label": e.label, "detail": e.detail}
+                    for e in self._events]
 
     def drain(self, timeout_s: float = 300.0) -> bool:
         """Wait until every submitted request finished and the prompts' stores are done."""
@@ -256,9 +262,7 @@ class Scheduler:
             for request in [r for r in queue_ if r.future.cancelled()]:
                 queue_.remove(request)
                 self._free_request(request)
-                if request.swap_pins is not None:
-                    request.swap_pins.close()
-                    request.swap_pins = None
+                self._release_swap(request)
                 request.state = "done"
                 self._counters["cancelled"] += 1
                 self._event("cancel", request)
@@ -276,7 +280,7 @@ class Scheduler:
         self.ledger.release(prefix.held)
         self._free_seqs.append(prefix.seq)
         self._counters["evictions"] += 1
-        self._event("evict", prefix.holder, f"{len(prefix.tokens)} tokens")
+        self._event("evict", prefix, f"{len(prefix.tokens)} tokens")
 
     # -- 3: resume and admit ----------------------------------------------------------------------------
     def _resume_swapped(self) -> None:
@@ -293,6 +297,8 @@ class Scheduler:
                 break        # swapped requests resume before new ones of no higher priority
             if self.ledger.pressure() >= Pressure.HARD and not self._can_preempt_for(request):
                 break
+            if self._prefix_in_prefill(request):
+                continue     # share it when its prefill is done rather than prefill the same tokens twice
             while not self._room_for(request) and self._prefixes:
                 self._evict_prefix(min(self._prefixes, key=lambda p: p.last_used))   # cold prefixes go first
             if not self._room_for(request):
@@ -317,6 +323,21 @@ class Scheduler:
             return cost <= self.ledger.free_blocks()
         return self.ledger.pressure(extra_blocks=cost) < Pressure.HARD and cost <= self.ledger.free_blocks()
 
+    def _prefix_in_prefill(self, request: Request) -> bool:
+        """A running request is still prefilling most of this request's context (at least half of it,
+        and a block more than any resident sequence holds now): a system prompt many users send at
+        once. Waiting costs this request that prefill's time; not waiting would prefill it twice. A
+        short common run (a few tokens of chat template) is not worth a wait."""
+        _, shared = self._best_source(request.context)
+        limit = len(request.context) - 1
+        for other in self._running:
+            if other.prefilling:
+                common = _common_prefix(other.prompt, request.context, limit)
+                if 2 * common >= len(request.context) and common >= shared + self.ledger.block_tokens \
+                        and other.kv_tokens < common:
+                    return True
+        return False
+
     def _can_preempt_for(self, request: Request) -> bool:
         return bool(self._running) and self._least_urgent().priority < request.priority
 
@@ -338,15 +359,13 @@ class Scheduler:
             self._event("share", request, f"{shared} tokens from {source.holder}")
         kv = shared
         tier = "resident" if shared else "none"
-        if not (resumed and request.swap_lost):
+        if not (resumed and request.swap is not None and not request.swap.complete):
             restored, restored_tier, swap_ms = self._restore_beyond(request, shared)
             if restored > kv:
                 kv, tier = restored, restored_tier
             if resumed:
                 request.record.swap_in_ms += swap_ms
-        if request.swap_pins is not None:
-            request.swap_pins.close()   # restored (or to be recomputed): the store may evict them again
-            request.swap_pins = None
+        self._release_swap(request)   # restored (or to be recomputed): the store may evict them again
         if resumed:
             self._counters["swap_ins"] += 1
             if kv < len(context) - 1:
@@ -367,7 +386,7 @@ class Scheduler:
     def _restore_beyond(self, request: Request, shared: int) -> tuple[int, str, float]:
         """Restore the context's longest stored prefix into the request's sequence when it beats `shared`."""
         start = time.perf_counter()
-        plan = self.swap.restore(request.context)
+        plan = self.swap.restore(request.context, request.swap)
         if plan.matched_tokens <= shared + self.ledger.block_tokens // 2 or plan.state is None:
             return 0, "none", 0.0
         # the store's copy replaces the shared cells: one sequence, one source
@@ -404,9 +423,7 @@ class Scheduler:
         kept = request.kv_tokens
         if kept > 0:
             data = self._ctx.save_seq(request.seq)
-            complete, pins = self.swap.swap_out(data, request.context[:kept])
-            request.swap_pins = pins
-            request.swap_lost = not complete
+            request.swap = self.swap.swap_out(data, request.context[:kept])
         self._free_request(request)
         request.kv_tokens = 0
         request.pending = request.context
@@ -416,7 +433,8 @@ class Scheduler:
         self._swapped.append(request)
         self._counters["preemptions"] += 1
         self._event("preempt", request, why)
-        self._event("swap-out", request, f"{kept} tokens" + (" (store refused: will recompute)" if request.swap_lost else ""))
+        lost = request.swap is not None and not request.swap.complete
+        self._event("swap-out", request, f"{kept} tokens" + (" (store refused: will recompute)" if lost else ""))
 
     def _no_room(self, rc: int) -> None:
         """llama.cpp found no cells for the batch: preempt or evict, then the next step retries."""
@@ -527,7 +545,7 @@ class Scheduler:
             return
         seq = self._take_seq()
         self._ctx.seq_cp(request.seq, seq, n)
-        prefix = CachedPrefix(next(self._ids), seq, request.prompt[:n], Holding(""))
+        prefix = CachedPrefix(next(self._ids), seq, request.prompt[:n], Holding(""), f"prompt of {request.label}")
         prefix.held = self.ledger.share(request.held, prefix.holder, n)
         self._prefixes.append(prefix)
 
@@ -546,21 +564,19 @@ class Scheduler:
 
     def _fail(self, request: Request, error: Exception) -> None:
         request.state = "done"
-        if request.swap_pins is not None:
-            request.swap_pins.close()
-            request.swap_pins = None
+        self._release_swap(request)
         if not request.future.done():
             request.future.set_exception(error)
 
-    def _event(self, kind: str, who, detail: str = "") -> None:
-        holder = who if isinstance(who, str) else who.holder
-        self._events.append(Event(time.perf_counter() - self._started, kind, holder, detail))
+    @staticmethod
+    def _release_swap(request: Request) -> None:
+        if request.swap is not None:
+            request.swap.release()
+            request.swap = None
+
+    def _event(self, kind: str, who: Request | CachedPrefix, detail: str = "") -> None:
+        self._events.append(Event(time.perf_counter() - self._started, kind, who.holder, detail, who.label))
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if n >= limit or x != y:
-            break
-        n += 1
-    return n
+    return min(common_prefix_length(a, b), limit)

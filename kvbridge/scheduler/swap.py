@@ -6,10 +6,10 @@ same namespace), so what the scheduler stores a restart or another process resto
 way round. Three uses:
 
 - swap-out: a preempted sequence's whole context is stored and its objects pinned until it resumes
-  (the store's pressure may not evict them); `swap_out` says whether the store really holds all of it.
-  Pins keep objects from eviction, not from being replaced: another request sharing the prefix up to
-  the last whole chunk writes the same tail key, and the resumed request then restores the common
-  part and recomputes the rest (token ids are confirmed, so never wrong KV);
+  (the store's pressure may not evict them); the ticket says whether the store really holds all of
+  it. Whole chunks are content-addressed; the cells after the last whole chunk go under a key of
+  their own (the boundary and the tail's token digest), not under the shared tail key that every
+  prompt with the same leading chunks writes, so another request's prompt cannot replace them;
 - swap-in and admission: the longest stored prefix of a context is restored into a sequence;
 - a prompt's KV is stored after its prefill on a background thread (off the TTFT path).
 """
@@ -19,15 +19,33 @@ import logging
 import queue
 import threading
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from typing import Sequence
+
+from blake3 import blake3
 
 from kvbridge.backends.base import SeqState
 from kvbridge.engine.chunks import ChunkKV, ForeignState
-from kvbridge.engine.hashing import make_hasher, tail_key
+from kvbridge.engine.hashing import make_hasher, tail_key, tokens_digest
 from kvbridge.formats.llama_state import KVGeometry
 from kvbridge.settings import Settings
 
 log = logging.getLogger(__name__)
+
+SWAP_TAIL_PREFIX = b"kvb-swap-tail:"
+
+
+@dataclass
+class SwapTicket:
+    """What a swap-out left in the store: whether all of it, the pins that keep it there until the
+    request resumes, and its own tail (boundary, key) for the restore."""
+
+    complete: bool
+    pins: ExitStack = field(default_factory=ExitStack)
+    tail: tuple[bytes, bytes] | None = None
+
+    def release(self) -> None:
+        self.pins.close()
 
 
 class SwapSpace:
@@ -46,29 +64,32 @@ class SwapSpace:
         return self.hasher.chunk_hashes(tokens)
 
     # -- swap -----------------------------------------------------------------------------------------
-    def swap_out(self, data, tokens: list[int]) -> tuple[bool, ExitStack]:
-        """Store a context's KV and pin its objects; (whether all of it can come back, the pins)."""
+    def swap_out(self, data, tokens: list[int]) -> SwapTicket:
+        """Store a context's KV (chunks, and its tail under a key of its own) and pin the objects."""
         hashes = self.hashes(tokens)
-        # A prompt store still queued would write this context's tail key with the shorter prompt's
-        # tail after us (same key: the tail after the last whole chunk), so the swap lands last.
-        self.drain()
-        pins = ExitStack()
-        pins.enter_context(self.store.pinned(self._keys(hashes)))
+        c = self.kv.chunk_size
+        whole = len(tokens) // c
+        boundary = hashes[whole - 1] if whole else self.seed
+        ticket = SwapTicket(False)
+        if whole * c < len(tokens):
+            ticket.tail = (boundary, swap_tail_key(boundary, tokens[whole * c:]))
+        ticket.pins.enter_context(self.store.pinned(list(hashes[:whole]) + [ticket.tail[1]] if ticket.tail else hashes))
+        self.drain()   # a queued prompt store of the same chunks lands first, not after us
         try:
             self.kv.store_prompt(SeqState(data=data, n_tokens=len(tokens), token_ids=tuple(tokens)), tokens, hashes)
         except ForeignState as exc:   # cannot happen with our own sequence; recompute rather than trust it
             log.warning("swap-out not stored: %s", exc)
-            return False, pins
-        whole = len(tokens) // self.kv.chunk_size
+            return ticket
         found = self.store.lookup(hashes[:whole], namespace=self.kv.namespace).n_hit == whole
-        tail = whole * self.kv.chunk_size >= len(tokens) or \
-            self.store.contains(tail_key(hashes[whole - 1] if whole else self.seed), namespace=self.kv.namespace)
-        return found and tail, pins
+        tail = ticket.tail is None or (self.kv.store_tail(data, tokens, whole * c, ticket.tail[1])
+                                       and self.store.contains(ticket.tail[1], namespace=self.kv.namespace))
+        ticket.complete = found and tail
+        return ticket
 
-    def restore(self, tokens: list[int]):
-        """The longest stored prefix of `tokens` (at most all but the last): a RestorePlan whose state is
-        set when matched_tokens > 0."""
-        return self.kv.plan_restore(tokens, self.hashes(tokens))
+    def restore(self, tokens: list[int], ticket: SwapTicket | None = None):
+        """The longest stored prefix of `tokens` (at most all but the last), with a swapped-out
+        sequence's own tail when `ticket` is given: a RestorePlan whose state is set when matched_tokens > 0."""
+        return self.kv.plan_restore(tokens, self.hashes(tokens), tail_override=ticket.tail if ticket else None)
 
     # -- prompts --------------------------------------------------------------------------------------
     def store_behind(self, data, tokens: list[int]) -> bool:
@@ -102,5 +123,8 @@ class SwapSpace:
         self._writer.join(timeout=30)
         self.kv.close()
 
-    def _keys(self, hashes: list[bytes]) -> list[bytes]:
-        return list(hashes) + [tail_key(prev) for prev in [self.seed, *hashes]]
+
+
+def swap_tail_key(boundary: bytes, tail_tokens: Sequence[int]) -> bytes:
+    """A swapped-out tail's own key: the chunk boundary it follows and its exact token ids."""
+    return blake3(SWAP_TAIL_PREFIX + bytes(boundary) + tokens_digest(tail_tokens)).digest()
