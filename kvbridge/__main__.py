@@ -22,8 +22,9 @@ COMMANDS = {
     "bench-cache-server": "a private cache server: a store call against a memory copy, memory above the pool, idle CPU",
     "bench-l3": "L3 on Redis (KVB_L3_URL, else a private redis-server): doc Q&A served from L3, a restore against "
                 "plain GETs, lookup round trips, L3 stopped, and the KV codecs",
-    "bench-scheduler": "the scheduler: swapping a ~2k-token sequence out to the store and back in, against "
-                       "recomputing it",
+    "bench-scheduler": "the scheduler against llama-server (same cells, -np, --kv-unified) on a priority burst and "
+                       "a shared system prompt, and swapping a ~2k-token sequence out and back in against "
+                       "recomputing it; JSON to output/",
     "cache-server": "run the cache server (ZMQ + shared memory) that engines share when KVB_STORE_URL points at it",
     "namespace": "start the configured engine and print its namespace (what its stored KV is keyed under)",
     "engines": "list the engines in the registry",
@@ -166,16 +167,25 @@ def cmd_bench_cache_server(args) -> int:
 
 
 def cmd_bench_scheduler(args) -> int:
-    import tempfile
-
-    from kvbridge.bench.scheduler_bench import bench_swap_vs_recompute, format_swap_vs_recompute
+    from kvbridge.bench.scheduler_compare import PARTS, format_bench_scheduler, run_bench_scheduler, write_json
 
     settings = _settings(args)
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        raise SystemExit(f"Unknown part(s) {', '.join(unknown) or '(none given)'}; use any of {', '.join(PARTS)}.")
+    burst = dict(document_tokens=args.document_tokens, n_low=args.low, n_urgent=args.urgent,
+                 low_predict=args.low_predict, urgent_predict=args.urgent_predict, urgent_at_s=args.urgent_at)
+    shared = dict(n_users=args.users, n_predict=args.user_predict)
     with tempfile.TemporaryDirectory(prefix="kvb-bench-sched-") as l2_dir:   # a fresh store, not the user's
-        result = bench_swap_vs_recompute(settings.replace(l2_dir=l2_dir), prompt_tokens=args.tokens,
-                                         repeats=args.repeats)
-    print(format_swap_vs_recompute(result))
-    return 0
+        result = run_bench_scheduler(settings.replace(l2_dir=l2_dir), parts,
+                                     swap=dict(prompt_tokens=args.tokens, repeats=args.repeats),
+                                     burst=burst, shared=shared)
+    print(format_bench_scheduler(result))
+    print(f"wrote {write_json(result, settings.output_dir)}")
+    failed = [r for part in ("burst", "shared") if part in result for r in result[part]["runs"]["ours"]["requests"]
+              if r["error"]]
+    return 1 if failed else 0
 
 
 def cmd_bench_l3(args) -> int:
@@ -353,8 +363,24 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--quality-questions", dest="quality_questions", type=int, default=12,
                            help="doc-qa questions for int8's quality (each one cold prefill; 0: skip)")
         if name == "bench-scheduler":
-            p.add_argument("--tokens", type=int, default=2048, help="sequence length (default 2048)")
-            p.add_argument("--repeats", type=int, default=5, help="swaps and recomputes, alternated (medians)")
+            p.add_argument("--parts", default="swap,burst,shared",
+                           help="comma-separated: swap, burst, shared (default all three); burst and shared start "
+                                "a private llama-server on a free loopback port, stopped after the run")
+            p.add_argument("--tokens", type=int, default=2048, help="swap: sequence length (default 2048)")
+            p.add_argument("--repeats", type=int, default=5, help="swap: swaps and recomputes, alternated (medians)")
+            p.add_argument("--document-tokens", dest="document_tokens", type=int, default=600,
+                           help="burst: at least this many tokens of manual per low chat (whole sections; default 600)")
+            p.add_argument("--low", type=int, default=3, help="burst: low-priority document chats (default 3)")
+            p.add_argument("--urgent", type=int, default=2, help="burst: urgent short requests (default 2)")
+            p.add_argument("--low-predict", dest="low_predict", type=int, default=96,
+                           help="burst: tokens each low chat generates (default 96)")
+            p.add_argument("--urgent-predict", dest="urgent_predict", type=int, default=24,
+                           help="burst: tokens each urgent request generates (default 24)")
+            p.add_argument("--urgent-at", dest="urgent_at", type=float, default=2.0,
+                           help="burst: seconds after the start the first urgent request arrives (default 2)")
+            p.add_argument("--users", type=int, default=8, help="shared: users behind one system prompt (default 8)")
+            p.add_argument("--user-predict", dest="user_predict", type=int, default=24,
+                           help="shared: tokens each user's answer generates (default 24)")
         if name == "cache-server":
             p.add_argument("--url", help="where to listen: tcp://HOST:PORT or ipc:///path "
                                          "(default: KVB_CACHE_SERVER_URL, else tcp://127.0.0.1:5555)")

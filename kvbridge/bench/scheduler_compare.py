@@ -1,0 +1,507 @@
+"""The scheduler against llama-server on the same workloads, in one run (issue 12, section 4).
+
+Place in the flow: a Workload (kvbridge.bench.scheduler_workloads: chat requests, each with a
+priority and an arrival time) runs on one engine, then on the other, never both at once:
+
+- **ours**: kvbridge.scheduler.Scheduler with the workload's LabDefaults (KV cells, running
+  sequences, watermarks) and ctx_size = the whole budget (as a llama-server slot may use it all). A
+  driver thread submits each request at its `at_s`. TTFT runs from that submission to the first
+  piece of text streamed to `on_token`. KV cells used are sampled from `snapshot()["blocks"]` every
+  ~50 ms (the live cells of every extent; a shared extent counts once).
+- **llama-server**: the same GGUF, `-c <cells> -np <running> --kv-unified -t <threads>`, otherwise
+  its defaults, so its RAM prompt cache (`--cache-ram`) and flash attention `auto` stay on.
+  ServerProcess adds a private `--slot-save-path`, which is used only if a slot is saved, and none
+  is. Each request is POSTed to /v1/chat/completions at its `at_s` on its own thread, streaming and
+  greedy. TTFT runs to the first chunk carrying content. What it computed and what it reused come
+  from the final chunk's `timings` (`prompt_n`, `cache_n`), and the generated tokens from its
+  `usage`. KV cells used are the sum of the slots' `n_prompt_tokens` from GET /slots (on by
+  default, so no `--metrics` is needed), polled every ~50 ms. Its slots share no cells, so the sum
+  counts each cell once; a slot counts a token when it is put in a batch, so a batch that finds no
+  room would count cells that never were, and the figure is capped at the budget. The server is
+  stopped at the end, also on error.
+
+Throughput is generated tokens of completed requests / the wall time of the whole workload (from
+its start to the last request's end). Ratios are ours / llama-server. No target is judged here
+(Docs/Research.md does that). Deliberately left out: warm-up passes and repeats (one pass per
+engine; the real measurement is run on a quiet machine).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import requests
+
+from kvbridge.backends.llama_server.api import LlamaServerError, sse_events
+from kvbridge.backends.llama_server.process import (BUILD_SCRIPT, ServerProcess, built_binary, free_port,
+                                                    pinned_llama_cpp_version)
+from kvbridge.bench.scheduler_workloads import TimedRequest, Workload, priority_burst, shared_system_prompt
+from kvbridge.errors import EngineUnavailable, KVBridgeError
+from kvbridge.settings import Settings
+
+POLL_S = 0.05           # how often KV cells used are sampled
+RUN_TIMEOUT_S = 900.0   # the longest one engine may take for the whole workload
+PARTS = ("swap", "burst", "shared")
+OURS, THEIRS = "ours", "llama-server"
+
+
+@dataclass
+class RequestResult:
+    label: str
+    priority: int
+    urgent: bool
+    submitted_s: float              # when it was sent, from the workload's start
+    ttft_ms: float | None = None    # from its own submission to its first text
+    total_ms: float | None = None
+    prompt_tokens: int = 0
+    computed_tokens: int = 0        # prompt tokens the engine prefilled for it
+    reused_tokens: int = 0          # prompt tokens whose KV it found (shared, cached or restored)
+    gen_tokens: int = 0
+    preemptions: int = 0
+    error: str = ""
+
+
+@dataclass
+class EngineRun:
+    engine: str
+    kv_cells: int                   # the KV budget as the engine reports it
+    slots: int                      # sequences running at once
+    threads: int
+    wall_s: float = 0.0
+    peak_cells: int = 0
+    samples: int = 0                # cell samples taken
+    failed_samples: int = 0         # polls that got no answer (llama-server busy or gone)
+    requests: list[RequestResult] = field(default_factory=list)
+    counters: dict = field(default_factory=dict)   # ours: the scheduler's snapshot()["counters"] at the end
+    notes: list[str] = field(default_factory=list)
+
+
+# -- ours -------------------------------------------------------------------------------------------
+def scheduler_settings(workload: Workload, settings: Settings) -> Settings:
+    d = workload.defaults
+    return settings.replace(sched_kv_cells=d.kv_cells, sched_max_running=d.max_running, sched_soft=d.soft,
+                            sched_hard=d.hard, sched_critical=d.critical, ctx_size=d.kv_cells)
+
+
+def run_scheduler(workload: Workload, settings: Settings, *, timeout_s: float = RUN_TIMEOUT_S) -> EngineRun:
+    from kvbridge.scheduler import RequestRefused, Scheduler
+
+    settings = scheduler_settings(workload, settings)
+    results = [_empty_result(r) for r in workload.requests]
+    futures: list[Future | None] = [None] * len(results)
+    first_text: list[float | None] = [None] * len(results)
+    ended: list[float | None] = [None] * len(results)
+    with Scheduler(settings) as scheduler:
+        blocks = scheduler.snapshot()["blocks"]
+        run = EngineRun(OURS, blocks["total"] * blocks["block_tokens"], settings.sched_max_running,
+                        settings.resolved_threads())
+        start = time.perf_counter()
+
+        def submit(i: int, timed: TimedRequest) -> None:
+            def on_token(piece: str) -> None:
+                if first_text[i] is None:
+                    first_text[i] = time.perf_counter()
+
+            sent = time.perf_counter()
+            results[i].submitted_s = sent - start
+            try:
+                future = scheduler.submit(list(timed.messages), priority=timed.priority, n_predict=timed.n_predict,
+                                          temperature=0.0, on_token=on_token, label=timed.label)
+            except RequestRefused as exc:   # a full queue: counted as a failed request
+                results[i].error, ended[i] = str(exc), time.perf_counter()
+                return
+            future.add_done_callback(lambda _: ended.__setitem__(i, time.perf_counter()))
+            futures[i] = future
+
+        driver = threading.Thread(target=_drive, args=(workload, start, submit), name="kvb-bench-driver", daemon=True)
+        driver.start()
+        deadline = start + timeout_s
+        while time.perf_counter() < deadline and (driver.is_alive() or not all(
+                f is None or f.done() for f in futures)):
+            blocks = scheduler.snapshot()["blocks"]
+            run.peak_cells = max(run.peak_cells, sum(e["cells"] for e in blocks["extents"]))
+            run.samples += 1
+            time.sleep(POLL_S)
+        driver.join(timeout=max(0.0, deadline - time.perf_counter()))
+        wait_futures([f for f in futures if f is not None], timeout=max(0.0, deadline - time.perf_counter()))
+        for i, future in enumerate(futures):
+            if future is None:
+                if not results[i].error:
+                    results[i].error = f"not submitted within {timeout_s:g} s"
+                continue
+            if not future.done():
+                scheduler.cancel(future)
+                results[i].error, ended[i] = f"did not finish within {timeout_s:g} s", time.perf_counter()
+                continue
+            try:
+                record = future.result()
+            except KVBridgeError as exc:
+                results[i].error = str(exc)
+                continue
+            _fill_from_record(results[i], record, first_text[i], start)
+        run.counters = scheduler.snapshot()["counters"]
+    run.wall_s = max((t for t in ended if t is not None), default=start) - start
+    run.requests = results
+    return run
+
+
+def _fill_from_record(result: RequestResult, record, first_text: float | None, start: float) -> None:
+    sent = start + result.submitted_s
+    # no text at all (the first token ended it): the scheduler's own TTFT, which starts after tokenizing
+    result.ttft_ms = (first_text - sent) * 1e3 if first_text is not None else record.ttft_ms
+    result.total_ms = record.total_ms
+    result.prompt_tokens = record.prompt_tokens
+    result.computed_tokens = record.prefill_tokens
+    result.reused_tokens = record.matched_tokens
+    result.gen_tokens = record.gen_tokens
+    result.preemptions = record.preemptions
+
+
+# -- llama-server -------------------------------------------------------------------------------------
+def llama_server_binary(settings: Settings) -> Path:
+    """KVB_LLAMA_SERVER_BIN, else the binary scripts/build_llama_server.sh built."""
+    binary = (Path(settings.llama_server_bin).expanduser() if settings.llama_server_bin
+              else built_binary(pinned_llama_cpp_version()))
+    if not binary.is_file():
+        raise EngineUnavailable(f"llama-server binary {binary} does not exist; build it with ./{BUILD_SCRIPT} "
+                                "(about 5 minutes on 2 cores) or point KVB_LLAMA_SERVER_BIN at one.")
+    return binary
+
+
+def llama_server_args(workload: Workload, settings: Settings) -> list[str]:
+    from kvbridge.backends.llamacpp import model_path_for
+
+    d = workload.defaults
+    return ["-m", str(model_path_for(settings)), "-c", str(d.kv_cells), "-np", str(d.max_running), "--kv-unified",
+            "-t", str(settings.resolved_threads())]
+
+
+def run_llama_server(workload: Workload, settings: Settings, *, timeout_s: float = RUN_TIMEOUT_S,
+                     binary: Path | None = None) -> EngineRun:
+    server = _start_server(binary or llama_server_binary(settings), llama_server_args(workload, settings),
+                           settings.llama_start_timeout)
+    try:
+        return _run_on_server(workload, server, settings.resolved_threads(), timeout_s)
+    finally:
+        server.stop()
+
+
+def _start_server(binary: Path, args: list[str], start_timeout_s: float) -> ServerProcess:
+    for attempt in (1, 2):
+        server = ServerProcess(binary, args, "127.0.0.1", free_port())
+        server.start()
+        try:
+            server.wait_healthy(start_timeout_s)
+            return server
+        except EngineUnavailable as exc:
+            # a free port can be taken between our probe and the server's bind: try another once
+            if attempt == 2 or "KVB_LLAMA_SERVER_PORT" not in str(exc):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_on_server(workload: Workload, server: ServerProcess, threads: int, timeout_s: float) -> EngineRun:
+    d = workload.defaults
+    slots = _get_slots(server.url) or []
+    run = EngineRun(THEIRS, int(slots[0]["n_ctx"]) if slots else d.kv_cells, d.max_running, threads)
+    results = [_empty_result(r) for r in workload.requests]
+    ended: list[float | None] = [None] * len(results)
+    start = time.perf_counter()
+    workers = []
+
+    def send(i: int, timed: TimedRequest) -> None:
+        _stream_chat(server.url, timed, results[i], start, timeout_s)
+        ended[i] = time.perf_counter()
+
+    for i, timed in enumerate(workload.requests):
+        worker = threading.Thread(target=send, args=(i, timed), name=f"kvb-bench-{timed.label}", daemon=True)
+        worker.start()
+        workers.append(worker)
+    deadline = start + timeout_s
+    while time.perf_counter() < deadline and any(w.is_alive() for w in workers):
+        slots = _get_slots(server.url)
+        if slots is None:
+            run.failed_samples += 1
+        else:
+            used = sum(int(s.get("n_prompt_tokens", 0)) for s in slots)
+            run.peak_cells = max(run.peak_cells, min(used, run.kv_cells))
+            run.samples += 1
+        time.sleep(POLL_S)
+    for worker in workers:
+        worker.join(timeout=max(0.0, deadline - time.perf_counter()))
+    for i, worker in enumerate(workers):
+        if worker.is_alive():   # its socket closes when the server stops
+            results[i].error, ended[i] = f"did not finish within {timeout_s:g} s", time.perf_counter()
+    if any(r.error for r in results):
+        run.notes.append("llama-server log, last lines:\n" + server.log_tail(20))
+    run.wall_s = max((t for t in ended if t is not None), default=start) - start
+    run.requests = results
+    return run
+
+
+def _get_slots(url: str) -> list[dict] | None:
+    try:
+        resp = requests.get(f"{url}/slots", timeout=5)
+        return resp.json() if resp.status_code == 200 else None
+    except (requests.RequestException, ValueError):
+        return None
+
+
+def _stream_chat(url: str, timed: TimedRequest, result: RequestResult, start: float, timeout_s: float) -> None:
+    """One request at its arrival time; its figures (or its error) go into `result`."""
+    _sleep_until(start + timed.at_s)
+    sent = time.perf_counter()
+    result.submitted_s = sent - start
+    body = {"messages": list(timed.messages), "max_tokens": timed.n_predict, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    finish, usage, timings = None, {}, {}
+    try:
+        with requests.post(f"{url}/v1/chat/completions", json=body, stream=True, timeout=(5, timeout_s)) as resp:
+            if resp.status_code != 200:
+                raise LlamaServerError("/v1/chat/completions", resp)
+            for event in sse_events(resp):
+                if "error" in event:
+                    error = event["error"]
+                    result.error = str(error.get("message", error) if isinstance(error, dict) else error)
+                    return
+                for choice in event.get("choices") or []:
+                    if result.ttft_ms is None and (choice.get("delta") or {}).get("content"):
+                        result.ttft_ms = (time.perf_counter() - sent) * 1e3
+                    finish = choice.get("finish_reason") or finish
+                usage = event.get("usage") or usage
+                timings = event.get("timings") or timings
+    except (requests.RequestException, KVBridgeError) as exc:
+        result.error = str(exc)
+        return
+    result.total_ms = (time.perf_counter() - sent) * 1e3
+    if finish is None:
+        result.error = "the stream ended without a finish reason"
+    result.computed_tokens = int(timings.get("prompt_n", 0))
+    result.reused_tokens = int(timings.get("cache_n", 0))
+    result.prompt_tokens = int(usage.get("prompt_tokens", result.computed_tokens + result.reused_tokens))
+    result.gen_tokens = int(usage.get("completion_tokens", timings.get("predicted_n", 0)))
+
+
+# -- shared helpers ---------------------------------------------------------------------------------
+def _empty_result(timed: TimedRequest) -> RequestResult:
+    return RequestResult(timed.label, timed.priority, timed.urgent, timed.at_s)
+
+
+def _drive(workload: Workload, start: float, submit) -> None:
+    """Call submit(i, request) for each request at its arrival time."""
+    order = sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].at_s)
+    for i in order:
+        _sleep_until(start + workload.requests[i].at_s)
+        submit(i, workload.requests[i])
+
+
+def _sleep_until(when: float) -> None:
+    time.sleep(max(0.0, when - time.perf_counter()))
+
+
+def shared_prefix_tokens(workload: Workload, settings: Settings) -> int:
+    """Tokens every prompt of the workload starts with (its shared system prompt as rendered), as
+    our engines tokenize them."""
+    from kvbridge.backends.gguf_vocab import GGUFVocab
+    from kvbridge.backends.llamacpp import model_path_for
+
+    vocab = GGUFVocab(model_path_for(settings))
+    prompts = [vocab.tokenize(vocab.render(list(r.messages))) for r in workload.requests]
+    n = 0
+    while all(len(p) > n and p[n] == prompts[0][n] for p in prompts):
+        n += 1
+    return n
+
+
+# -- the figures ------------------------------------------------------------------------------------
+def common_figures(run: EngineRun) -> dict:
+    done = [r for r in run.requests if not r.error]
+    gen = sum(r.gen_tokens for r in done)
+    return {"requests": len(run.requests), "completed": len(done), "gen_tokens": gen, "wall_s": run.wall_s,
+            "throughput_tok_s": gen / run.wall_s if run.wall_s > 0 else None, "peak_cells": run.peak_cells,
+            "kv_cells": run.kv_cells}
+
+
+def burst_figures(run: EngineRun) -> dict:
+    """Urgent TTFT (median, p95) of the urgent requests that completed, the low ones' for contrast."""
+    def ttfts(urgent: bool) -> list[float]:
+        return [r.ttft_ms for r in run.requests if r.urgent == urgent and not r.error and r.ttft_ms is not None]
+
+    return {**common_figures(run), "urgent_ttft_median_ms": _percentile(ttfts(True), 50),
+            "urgent_ttft_p95_ms": _percentile(ttfts(True), 95), "low_ttft_median_ms": _percentile(ttfts(False), 50),
+            "preemptions": sum(r.preemptions for r in run.requests)}
+
+
+def shared_figures(run: EngineRun, shared_tokens: int) -> dict:
+    """How often the shared prompt was computed: requests that reused all of it, requests that computed
+    at least its length, and its tokens computed over every completed request (ideal: shared_tokens)."""
+    done = [r for r in run.requests if not r.error]
+    return {**common_figures(run), "shared_tokens": shared_tokens,
+            "reused_whole_shared": sum(r.reused_tokens >= shared_tokens for r in done),
+            "computed_whole_shared": sum(r.computed_tokens >= shared_tokens for r in done),
+            "shared_tokens_computed": sum(shared_tokens - min(shared_tokens, r.reused_tokens) for r in done)}
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def ratios(ours: dict, theirs: dict, names: tuple[str, ...]) -> dict:
+    """ours / llama-server for each figure both have (None where either is missing or llama-server's is 0)."""
+    out = {}
+    for name in names:
+        a, b = ours.get(name), theirs.get(name)
+        out[name] = a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+    return out
+
+
+# -- the comparisons --------------------------------------------------------------------------------
+BURST_RATIOS = ("urgent_ttft_median_ms", "urgent_ttft_p95_ms", "low_ttft_median_ms", "throughput_tok_s", "wall_s",
+                "peak_cells")
+SHARED_RATIOS = ("peak_cells", "shared_tokens_computed", "throughput_tok_s", "wall_s")
+
+
+def compare_priority_burst(settings: Settings, *, timeout_s: float = RUN_TIMEOUT_S, **sizes) -> dict:
+    """priority_burst(**sizes) on our scheduler, then on llama-server."""
+    workload = priority_burst(**sizes)
+    runs = _run_both(workload, settings, timeout_s)
+    figures = {name: burst_figures(run) for name, run in runs.items()}
+    return _result(workload, settings, runs, figures, ratios(figures[OURS], figures[THEIRS], BURST_RATIOS))
+
+
+def compare_shared_system_prompt(settings: Settings, *, timeout_s: float = RUN_TIMEOUT_S, **sizes) -> dict:
+    """shared_system_prompt(**sizes) on our scheduler, then on llama-server."""
+    workload = shared_system_prompt(**sizes)
+    shared = shared_prefix_tokens(workload, settings)
+    runs = _run_both(workload, settings, timeout_s)
+    figures = {name: shared_figures(run, shared) for name, run in runs.items()}
+    return _result(workload, settings, runs, figures, ratios(figures[OURS], figures[THEIRS], SHARED_RATIOS))
+
+
+def _run_both(workload: Workload, settings: Settings, timeout_s: float) -> dict[str, EngineRun]:
+    binary = llama_server_binary(settings)   # a missing binary is said before our run, not after it
+    ours = run_scheduler(workload, settings, timeout_s=timeout_s)
+    return {OURS: ours, THEIRS: run_llama_server(workload, settings, timeout_s=timeout_s, binary=binary)}
+
+
+def _result(workload: Workload, settings: Settings, runs: dict[str, EngineRun], figures: dict, ratio: dict) -> dict:
+    d = workload.defaults
+    return {"workload": {"key": workload.key, "title": workload.title, "kv_cells": d.kv_cells,
+                         "max_running": d.max_running, "threads": settings.resolved_threads(),
+                         "watermarks": [d.soft, d.hard, d.critical],
+                         "llama_server_args": llama_server_args(workload, settings),
+                         "requests": [dataclasses.asdict(r) for r in workload.requests]},
+            "runs": {name: dataclasses.asdict(run) for name, run in runs.items()},
+            "figures": figures, "ratios": ratio}
+
+
+def run_bench_scheduler(settings: Settings, parts=PARTS, *, swap: dict | None = None, burst: dict | None = None,
+                        shared: dict | None = None, timeout_s: float = RUN_TIMEOUT_S) -> dict:
+    """The parts asked for, in one run: swap cost, then the burst and shared-prompt comparisons."""
+    from kvbridge.bench.scheduler_bench import bench_swap_vs_recompute
+
+    result: dict = {"parts": list(parts)}
+    if "swap" in parts:
+        result["swap"] = bench_swap_vs_recompute(settings, **(swap or {}))
+    if "burst" in parts:
+        result["burst"] = compare_priority_burst(settings, timeout_s=timeout_s, **(burst or {}))
+    if "shared" in parts:
+        result["shared"] = compare_shared_system_prompt(settings, timeout_s=timeout_s, **(shared or {}))
+    return result
+
+
+# -- the report -------------------------------------------------------------------------------------
+def format_bench_scheduler(result: dict) -> str:
+    from kvbridge.bench.scheduler_bench import format_swap_vs_recompute
+
+    sections = []
+    if "swap" in result:
+        sections.append(format_swap_vs_recompute(result["swap"]))
+    if "burst" in result:
+        sections.append(format_priority_burst(result["burst"]))
+    if "shared" in result:
+        sections.append(format_shared_system_prompt(result["shared"]))
+    return "\n\n".join(sections)
+
+
+def format_priority_burst(result: dict) -> str:
+    return _format(result, [
+        ("urgent TTFT median (ms)", "urgent_ttft_median_ms"),
+        ("urgent TTFT p95 (ms)", "urgent_ttft_p95_ms"),
+        ("low TTFT median (ms)", "low_ttft_median_ms"),
+        ("throughput (generated tokens/s)", "throughput_tok_s"),
+        ("generated tokens", "gen_tokens"),
+        ("wall time (s)", "wall_s"),
+        ("requests completed", "completed"),
+        ("preemptions", "preemptions"),
+        ("KV cells used, peak", "peak_cells"),
+    ])
+
+
+def format_shared_system_prompt(result: dict) -> str:
+    shared = result["figures"][OURS]["shared_tokens"]
+    return _format(result, [
+        ("KV cells used, peak", "peak_cells"),
+        ("requests completed", "completed"),
+        (f"reused all {shared} shared tokens", "reused_whole_shared"),
+        (f"computed >= {shared} prompt tokens", "computed_whole_shared"),
+        ("shared-prompt tokens computed", "shared_tokens_computed"),
+        ("throughput (generated tokens/s)", "throughput_tok_s"),
+        ("generated tokens", "gen_tokens"),
+        ("wall time (s)", "wall_s"),
+    ])
+
+
+def _format(result: dict, rows: list[tuple[str, str]]) -> str:
+    w, figures, ratio = result["workload"], result["figures"], result["ratios"]
+    lines = [f"{w['title']}: {len(w['requests'])} requests on {w['kv_cells']} KV cells over {w['max_running']} "
+             f"running sequences, threads {w['threads']} (llama-server -c {w['kv_cells']} -np {w['max_running']} "
+             f"--kv-unified -t {w['threads']}, its defaults otherwise)",
+             f"  {'':36}{'ours':>12}{'llama-server':>14}{'ours / llama-server':>21}"]
+    for title, key in rows:
+        lines.append(f"  {title:36}{_fmt(figures[OURS][key]):>12}{_fmt(figures[THEIRS][key]):>14}"
+                     f"{_fmt_ratio(ratio.get(key)):>21}")
+    lines.append(f"  {'per request':24}{'prio':>5}{'at s':>6} | {'ours: TTFT ms':>13}{'gen':>5}{'computed':>9}"
+                 f"{'reused':>7}{'preempt':>8} | {'llama-server: TTFT ms':>21}{'gen':>5}{'computed':>9}{'reused':>7}")
+    ours, theirs = result["runs"][OURS]["requests"], result["runs"][THEIRS]["requests"]
+    for a, b in zip(ours, theirs):
+        lines.append(f"  {a['label'][:24]:24}{a['priority']:>5}{a['submitted_s']:>6.1f} | {_fmt(a['ttft_ms']):>13}"
+                     f"{a['gen_tokens']:>5}{a['computed_tokens']:>9}{a['reused_tokens']:>7}{a['preemptions']:>8} | "
+                     f"{_fmt(b['ttft_ms']):>21}{b['gen_tokens']:>5}{b['computed_tokens']:>9}{b['reused_tokens']:>7}")
+    for engine, requests_ in ((OURS, ours), (THEIRS, theirs)):
+        lines += [f"  {engine} {r['label']} failed: {r['error']}" for r in requests_ if r["error"]]
+    return "\n".join(lines)
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
+    return str(value)
+
+
+def _fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}x"
+
+
+def write_json(result: dict, output_dir) -> Path:
+    """The whole result (every request of both engines) as JSON in output_dir."""
+    folder = Path(output_dir).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"kvbridge-bench-scheduler-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result, default=_plain, indent=1), encoding="utf-8")
+    return path
+
+
+def _plain(value):
+    if hasattr(value, "item"):    # numpy scalars
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON")
