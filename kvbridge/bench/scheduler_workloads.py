@@ -110,7 +110,10 @@ def priority_burst(*, document_tokens: int = 600, n_low: int = 3, n_urgent: int 
     urgent = [TimedRequest(f"urgent {i + 1}", ({"role": "user", "content": URGENT_PROMPTS[i % len(URGENT_PROMPTS)]},),
                            priority=urgent_priority, n_predict=urgent_predict, at_s=urgent_at_s + 0.2 * i, urgent=True)
               for i in range(n_urgent)]
-    cells = n_low * (document_tokens + low_predict + 160)   # room for the chats, not for the urgent ones too
+    # room for the chats' prompts (whole sections, so longer than asked) and answers with a margin
+    # above the watermarks; every running slot is taken, so an urgent request waits or preempts
+    needs = sum(_tokens(m["content"]) for r in low for m in r.messages) + n_low * (low_predict + 40)
+    cells = int(needs / (1 - 0.20))
     return Workload(
         "priority-burst", "Priority burst",
         f"{n_low} low-priority chats over different ~{document_tokens}-token documents fill every running slot; "
@@ -150,6 +153,10 @@ def get_workload(key: str, **options) -> Workload:
     except KeyError:
         raise BadSettings(f"unknown workload {key!r}; known: {', '.join(WORKLOADS)}") from None
     return build(**options)
+
+
+def _tokens(text: str) -> int:
+    return int(len(text) / CHARS_PER_TOKEN) + 1
 
 
 def _round_up(n: int, step: int) -> int:

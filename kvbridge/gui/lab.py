@@ -58,8 +58,9 @@ class LabSession:
     """The lab of one GUI server: its scheduler (built per run from the tab's controls, or attached
     from a serving front in the same process) and the current run."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, workload_options: dict[str, dict] | None = None) -> None:
         self.settings = settings
+        self.workload_options = workload_options or {}   # sizes per workload key (tests use small ones)
         self.scheduler = None
         self.run: LabRun | None = None
         self._own = False
@@ -79,6 +80,10 @@ class LabSession:
                 run.thread.join(timeout=30)
         with self._lock:
             self._close_own()
+
+    @property
+    def owns_scheduler(self) -> bool:
+        return self._own
 
     def scheduler_for(self, settings: Settings):
         """A fresh scheduler with these settings (so counters and the timeline start with the run),
@@ -103,9 +108,9 @@ def workload_choices() -> list[tuple[str, str]]:
     return [(get_workload(key).title, key) for key in WORKLOADS]
 
 
-def workload_defaults(key: str) -> tuple[str, LabDefaults, list[list[Any]]]:
+def workload_defaults(lab: LabSession, key: str) -> tuple[str, LabDefaults, list[list[Any]]]:
     """The workload's description, its default scheduler settings, and its requests as table rows."""
-    workload = get_workload(key)
+    workload = get_workload(key, **lab.workload_options.get(key, {}))
     return workload.description, workload.defaults, request_rows(workload.requests)
 
 
@@ -144,7 +149,7 @@ def start_lab(lab: LabSession, key: str, kv_cells: Any, max_running: Any, soft: 
     if lab.run is not None and lab.run.active:
         return Outcome("A workload is running; press Stop first (or wait for it to finish).", ok=False)
     try:
-        workload = get_workload(key).with_priorities(_priorities(rows))
+        workload = get_workload(key, **lab.workload_options.get(key, {})).with_priorities(_priorities(rows))
     except KVBridgeError as exc:
         return Outcome(f"Cannot start: {exc}. Nothing was changed.", ok=False)
     settings, problems = lab_settings(lab.settings, kv_cells, max_running, soft, hard, critical)
@@ -195,6 +200,8 @@ def _drive(lab: LabSession, run: LabRun, settings: Settings) -> None:
                     future.exception(timeout=0.2)
                 except (FutureTimeout, CancelledError):
                     pass
+        if run.stop.is_set() and lab.owns_scheduler:
+            scheduler.drain(30)   # the cancelled requests leave the queues (and free their blocks) first
     except Exception as exc:
         run.error = failure_message("The lab run", exc)
     finally:

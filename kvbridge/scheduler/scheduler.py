@@ -244,8 +244,9 @@ class Scheduler:
             self._resume_swapped()
             self._admit_waiting()
             batch = self._plan_batch()
-        if not batch:
-            time.sleep(0.001)
+        if not batch:   # nothing can run now: wait for a submit, a cancel or a finished store
+            with self._lock:
+                self._lock.wait(0.02)
             return
         entries = [entry for _, feed in batch for entry in feed]
         rc = self._ctx.decode(entries)
@@ -285,7 +286,7 @@ class Scheduler:
     # -- 3: resume and admit ----------------------------------------------------------------------------
     def _resume_swapped(self) -> None:
         for request in sorted(self._swapped, key=lambda r: (-r.priority, r.submitted)):
-            if not self._room_for(request):
+            if not self._make_room(request):
                 break
             self._swapped.remove(request)
             self._start(request, resumed=True)
@@ -299,9 +300,7 @@ class Scheduler:
                 break
             if self._prefix_in_prefill(request):
                 continue     # share it when its prefill is done rather than prefill the same tokens twice
-            while not self._room_for(request) and self._prefixes:
-                self._evict_prefix(min(self._prefixes, key=lambda p: p.last_used))   # cold prefixes go first
-            if not self._room_for(request):
+            if not self._make_room(request):
                 if self._can_preempt_for(request):
                     self._preempt(self._least_urgent(), f"for {request.holder} (priority {request.priority})")
                     if not self._room_for(request):
@@ -312,6 +311,12 @@ class Scheduler:
             request.admitted_at = time.perf_counter()
             request.record.queue_ms = (request.admitted_at - request.submitted) * 1e3
             self._start(request, resumed=False)
+
+    def _make_room(self, request: Request) -> bool:
+        """Whether the request fits, after evicting cold cached prefixes (least recently used first)."""
+        while not self._room_for(request) and self._prefixes:
+            self._evict_prefix(min(self._prefixes, key=lambda p: p.last_used))
+        return self._room_for(request)
 
     def _room_for(self, request: Request) -> bool:
         """A free slot and blocks for the context (a shared prefix costs nothing) plus a decode block each."""
