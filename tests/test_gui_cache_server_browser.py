@@ -7,69 +7,21 @@ Drives Debian's /usr/bin/chromium through the PyPI `playwright` package, like te
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import requests
 
-from kvbridge.settings import EMBEDDED_MODEL_PATH, PROJECT_ROOT
+from browser_helpers import (BROWSER_MARKS, CHROMIUM, CHROMIUM_ARGS, clean_env, expect, free_port, stop,
+                             sync_playwright, wait_for)
+from kvbridge.settings import PROJECT_ROOT
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic"]
 KV_EVENTS = json.dumps({"module_path": "kvbridge.cache_server.plugin_modules.kv_events"})
 PROMPT = "# Garden rota\n\n" + " ".join(f"Rule {i}: the bed is watered on day {i % 7}." for i in range(10)) + \
     "\n\nQuestion: which day is rule 3?\nAnswer:"
 
-try:
-    from playwright.sync_api import expect, sync_playwright
-except ImportError:  # setup installs it; say so instead of failing at import
-    sync_playwright = None
-
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.live,
-    pytest.mark.timeout(300),
-    pytest.mark.skipif(not CHROMIUM.exists(), reason="/usr/bin/chromium missing (apt-get install chromium)"),
-    pytest.mark.skipif(sync_playwright is None, reason="the playwright package is not installed (requirements.txt)"),
-    pytest.mark.skipif(not EMBEDDED_MODEL_PATH.is_file(), reason=f"embedded model {EMBEDDED_MODEL_PATH} missing"),
-]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def clean_env(**changes: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVB_")}
-    env.update(GRADIO_ANALYTICS_ENABLED="False", **changes)
-    return env
-
-
-def wait_for(condition, what: str, log_path: Path, proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert proc.poll() is None, f"{what}: the process exited early:\n{log_path.read_text()}"
-        assert time.monotonic() < deadline, f"{what} within {timeout_s:.0f} s:\n{log_path.read_text()}"
-        time.sleep(0.3)
-
-
-def stop(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return proc.wait()
+pytestmark = [*BROWSER_MARKS, pytest.mark.timeout(300)]
 
 
 @pytest.fixture
