@@ -26,7 +26,7 @@ def build_lab_tab(lab: LabSession) -> None:
                 "priority, press **Run**, and watch.")
     choices = workload_choices()
     first = choices[0][1]
-    description, defaults, rows = workload_defaults(first)
+    description, defaults, rows = workload_defaults(lab, first)
     with gr.Row(equal_height=False):
         with gr.Column(scale=1):
             scenario = gr.Dropdown(choices, value=first, label="Scenario", elem_id="kvb-lab-scenario")
@@ -74,7 +74,7 @@ def build_lab_tab(lab: LabSession) -> None:
                 gr.Timer(active=view.running)]
 
     def on_scenario(key: str) -> list[Any]:
-        text, marks, table = workload_defaults(key)
+        text, marks, table = workload_defaults(lab, key)
         return [text, marks.kv_cells, marks.max_running, marks.soft, marks.hard, marks.critical, table]
 
     def on_run(key: str, cells: Any, running: Any, s: Any, h: Any, c: Any, table: Any) -> list[Any]:
