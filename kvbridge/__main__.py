@@ -372,8 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="burst: at least this many tokens of manual per low chat (whole sections; default 600)")
             p.add_argument("--low", type=int, default=3, help="burst: low-priority document chats (default 3)")
             p.add_argument("--urgent", type=int, default=2, help="burst: urgent short requests (default 2)")
-            p.add_argument("--low-predict", dest="low_predict", type=int, default=96,
-                           help="burst: tokens each low chat generates (default 96)")
+            p.add_argument("--low-predict", dest="low_predict", type=int, default=200,
+                           help="burst: tokens each low chat generates (default 200)")
             p.add_argument("--urgent-predict", dest="urgent_predict", type=int, default=24,
                            help="burst: tokens each urgent request generates (default 24)")
             p.add_argument("--urgent-at", dest="urgent_at", type=float, default=2.0,
