@@ -250,3 +250,34 @@ def test_greedy_answers_equal_solo_cold_runs_across_sharing_eviction_and_preempt
                                     f"from its solo run at token {first} where the solo gap is {gaps[first]:.4f}")
         near_ties.append(record.request_index)
     assert len(near_ties) <= 1, near_ties
+
+
+def test_with_a_cache_server_the_swap_goes_through_it_and_a_new_scheduler_restores_from_it(make_settings, short_doc,
+                                                                                             tmp_path):
+    """KVB_STORE_URL set: the scheduler's store is the cache server (a real one on a loopback port); a
+    preempted request's KV is swapped out to it and back in whole, and the prompt a first scheduler
+    stored is restored by a second one (a restart) from the server."""
+    from cache_server_helpers import running_server
+
+    server_settings = make_settings(l2_dir=str(tmp_path / "server-l2"), l1_bytes=64 << 20,
+                                    cache_server_page_bytes=64 << 10)
+    with running_server(server_settings) as server:
+        settings = make_settings(store_url=server.url, l2_dir=str(tmp_path / "engine-l2-unused"), sched_kv_cells=2048,
+                                 sched_max_running=1, sched_cached_prefixes=0, n_predict=16, ctx_size=1024)
+        started = threading.Event()
+        with Scheduler(settings) as scheduler:
+            assert type(scheduler.store).__name__ == "RemoteStore"
+            low = scheduler.submit(chat(short_doc, QUESTIONS[0]), priority=1, on_token=lambda piece: started.set())
+            assert started.wait(120)
+            urgent = scheduler.submit([{"role": "user", "content": "Say hello in one short sentence."}], priority=9,
+                                      n_predict=6)
+            low_record, urgent_record = low.result(timeout=120), urgent.result(timeout=120)
+            assert scheduler.drain(60)
+            swap_ins = [e["detail"] for e in scheduler.events() if e["kind"] == "swap-in"]
+        assert low_record.preemptions == 1 and urgent_record.gen_tokens > 0 and low_record.text
+        (detail,) = swap_ins
+        restored, _, total = detail.split()[:3]
+        assert int(restored) == int(total) - 1, detail      # all but the token it feeds again
+        with Scheduler(settings) as scheduler:
+            again = scheduler.submit(chat(short_doc, QUESTIONS[0])).result(timeout=120)
+        assert again.tier == "L1" and again.matched_tokens >= again.prompt_tokens - 1   # the server's L1
