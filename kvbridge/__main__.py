@@ -167,7 +167,8 @@ def cmd_bench_cache_server(args) -> int:
 
 
 def cmd_bench_scheduler(args) -> int:
-    from kvbridge.bench.scheduler_compare import PARTS, format_bench_scheduler, run_bench_scheduler, write_json
+    from kvbridge.bench.scheduler_compare import PARTS, run_bench_scheduler
+    from kvbridge.bench.scheduler_report import format_bench_scheduler, write_json
 
     settings = _settings(args)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]

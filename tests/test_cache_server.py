@@ -14,7 +14,6 @@ import time
 import urllib.request
 from concurrent.futures import Future
 
-import msgspec
 import pytest
 import zmq
 

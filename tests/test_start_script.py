@@ -6,7 +6,6 @@ import os
 import socket
 import subprocess
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -39,7 +38,7 @@ def test_background_start_prints_the_url_only_when_it_answers(tmp_path):
     try:
         assert started.returncode == 0, started.stdout + started.stderr
         url = f"http://127.0.0.1:{port}"
-        assert f"running in the background" in started.stdout and url in started.stdout
+        assert "running in the background" in started.stdout and url in started.stdout
         with urllib.request.urlopen(url + "/", timeout=5) as response:   # at once: no wait, no retry
             assert response.status == 200
     finally:

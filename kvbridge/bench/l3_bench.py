@@ -17,8 +17,6 @@ threshold; the command prints the targets next to the figures and Docs/Research.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import os
 import statistics
 import tempfile
@@ -29,7 +27,7 @@ from typing import Callable, Sequence
 
 from kvbridge.bench.cache_server_bench import restored_keys
 from kvbridge.bench.l3_probes import l3_down_both_ways, l3_tier, lookup_round_trips
-from kvbridge.bench.report import format_table, is_warm, stored_prefix, summarize
+from kvbridge.bench.report import format_table, is_warm, stored_prefix, summarize, write_result_json
 from kvbridge.bench.runner import ProgressFn, empty_faster_tiers, run_scenario
 from kvbridge.errors import KVBridgeError
 from kvbridge.settings import Settings
@@ -205,20 +203,7 @@ def run_bench_l3(settings: Settings, make_engine: Callable, parts: Sequence[str]
 
 def write_json(result: dict, output_dir) -> Path:
     """The whole result (every request record, every per-question row) as JSON in output_dir."""
-    def plain(value):
-        if dataclasses.is_dataclass(value):
-            return dataclasses.asdict(value)
-        if isinstance(value, (set, frozenset)):
-            return sorted(value)
-        if hasattr(value, "item"):    # numpy scalars
-            return value.item()
-        raise TypeError(f"{type(value).__name__} is not JSON")
-
-    folder = Path(output_dir).expanduser()
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"kvbridge-bench-l3-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, default=plain, indent=1), encoding="utf-8")
-    return path
+    return write_result_json(result, output_dir, "bench-l3")
 
 
 def _remove_bench_objects(store: TieredStore) -> None:

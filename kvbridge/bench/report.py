@@ -1,8 +1,12 @@
 """Text tables and the summary the bench prints: mean/median TTFT per mode, speedups against cold, hits, tiers."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import statistics
+import time
 from collections import Counter
+from pathlib import Path
 from typing import Sequence
 
 from kvbridge.engine.records import MODES, RequestRecord
@@ -151,3 +155,22 @@ def bench_restore(engine, prompt_tokens: int = 2048, repeats: int = 7) -> dict:
     copy = statistics.median(copy_ms)
     return {"restored_tokens": plan.matched_tokens, "state_bytes": state_bytes, "restore_ms": restore,
             "memcpy_ms": copy, "ratio": restore / copy if copy else None, "first_record_error": record.error}
+
+
+def write_result_json(result: dict, output_dir, name: str) -> Path:
+    """A bench's whole result as JSON in output_dir: kvbridge-<name>-<time>.json (dataclasses, sets
+    and numpy scalars made plain)."""
+    def plain(value):
+        if dataclasses.is_dataclass(value):
+            return dataclasses.asdict(value)
+        if isinstance(value, (set, frozenset)):
+            return sorted(value)
+        if hasattr(value, "item"):    # numpy scalars
+            return value.item()
+        raise TypeError(f"{type(value).__name__} is not JSON")
+
+    folder = Path(output_dir).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"kvbridge-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result, default=plain, indent=1), encoding="utf-8")
+    return path

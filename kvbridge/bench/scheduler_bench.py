@@ -9,8 +9,9 @@
 - recompute: free the cells and prefill the same tokens again (what a scheduler that cannot swap,
   or llama-server after a slot is taken, pays).
 
-Medians are reported with their ratio; no threshold is judged here (Docs/Research.md does).
-Deliberately left out: the priority-burst and shared-system-prompt comparisons with llama-server.
+Medians are reported with their ratio; no threshold is judged here (Docs/Research.md does). The
+priority-burst and shared-system-prompt comparisons with llama-server, in the same command, are in
+kvbridge.bench.scheduler_compare.
 """
 from __future__ import annotations
 

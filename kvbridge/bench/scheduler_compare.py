@@ -21,14 +21,14 @@ priority and an arrival time) runs on one engine, then on the other, never both 
   stopped at the end, also on error.
 
 Throughput is generated tokens of completed requests / the wall time of the whole workload (from
-its start to the last request's end). Ratios are ours / llama-server. No target is judged here
+its start to the last request's end). Ratios are ours / llama-server; kvbridge.bench.scheduler_report
+prints them. No target is judged here
 (Docs/Research.md does that). Deliberately left out: warm-up passes and repeats (one pass per
 engine; the real measurement is run on a quiet machine).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 import time
 from concurrent.futures import Future
@@ -417,93 +417,3 @@ def run_bench_scheduler(settings: Settings, parts=PARTS, *, swap: dict | None = 
     if "shared" in parts:
         result["shared"] = compare_shared_system_prompt(settings, timeout_s=timeout_s, **(shared or {}))
     return result
-
-
-# -- the report -------------------------------------------------------------------------------------
-def format_bench_scheduler(result: dict) -> str:
-    from kvbridge.bench.scheduler_bench import format_swap_vs_recompute
-
-    sections = []
-    if "swap" in result:
-        sections.append(format_swap_vs_recompute(result["swap"]))
-    if "burst" in result:
-        sections.append(format_priority_burst(result["burst"]))
-    if "shared" in result:
-        sections.append(format_shared_system_prompt(result["shared"]))
-    return "\n\n".join(sections)
-
-
-def format_priority_burst(result: dict) -> str:
-    return _format(result, [
-        ("urgent TTFT median (ms)", "urgent_ttft_median_ms"),
-        ("urgent TTFT p95 (ms)", "urgent_ttft_p95_ms"),
-        ("low TTFT median (ms)", "low_ttft_median_ms"),
-        ("throughput (generated tokens/s)", "throughput_tok_s"),
-        ("generated tokens", "gen_tokens"),
-        ("wall time (s)", "wall_s"),
-        ("requests completed", "completed"),
-        ("preemptions", "preemptions"),
-        ("KV cells used, peak", "peak_cells"),
-    ])
-
-
-def format_shared_system_prompt(result: dict) -> str:
-    shared = result["figures"][OURS]["shared_tokens"]
-    return _format(result, [
-        ("KV cells used, peak", "peak_cells"),
-        ("requests completed", "completed"),
-        (f"reused all {shared} shared tokens", "reused_whole_shared"),
-        (f"computed >= {shared} prompt tokens", "computed_whole_shared"),
-        ("shared-prompt tokens computed", "shared_tokens_computed"),
-        ("throughput (generated tokens/s)", "throughput_tok_s"),
-        ("generated tokens", "gen_tokens"),
-        ("wall time (s)", "wall_s"),
-    ])
-
-
-def _format(result: dict, rows: list[tuple[str, str]]) -> str:
-    w, figures, ratio = result["workload"], result["figures"], result["ratios"]
-    lines = [f"{w['title']}: {len(w['requests'])} requests on {w['kv_cells']} KV cells over {w['max_running']} "
-             f"running sequences, threads {w['threads']} (llama-server -c {w['kv_cells']} -np {w['max_running']} "
-             f"--kv-unified -t {w['threads']}, its defaults otherwise)",
-             f"  {'':36}{'ours':>12}{'llama-server':>14}{'ours / llama-server':>21}"]
-    for title, key in rows:
-        lines.append(f"  {title:36}{_fmt(figures[OURS][key]):>12}{_fmt(figures[THEIRS][key]):>14}"
-                     f"{_fmt_ratio(ratio.get(key)):>21}")
-    lines.append(f"  {'per request':24}{'prio':>5}{'at s':>6} | {'ours: TTFT ms':>13}{'gen':>5}{'computed':>9}"
-                 f"{'reused':>7}{'preempt':>8} | {'llama-server: TTFT ms':>21}{'gen':>5}{'computed':>9}{'reused':>7}")
-    ours, theirs = result["runs"][OURS]["requests"], result["runs"][THEIRS]["requests"]
-    for a, b in zip(ours, theirs):
-        lines.append(f"  {a['label'][:24]:24}{a['priority']:>5}{a['submitted_s']:>6.1f} | {_fmt(a['ttft_ms']):>13}"
-                     f"{a['gen_tokens']:>5}{a['computed_tokens']:>9}{a['reused_tokens']:>7}{a['preemptions']:>8} | "
-                     f"{_fmt(b['ttft_ms']):>21}{b['gen_tokens']:>5}{b['computed_tokens']:>9}{b['reused_tokens']:>7}")
-    for engine, requests_ in ((OURS, ours), (THEIRS, theirs)):
-        lines += [f"  {engine} {r['label']} failed: {r['error']}" for r in requests_ if r["error"]]
-    return "\n".join(lines)
-
-
-def _fmt(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
-    return str(value)
-
-
-def _fmt_ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3g}x"
-
-
-def write_json(result: dict, output_dir) -> Path:
-    """The whole result (every request of both engines) as JSON in output_dir."""
-    folder = Path(output_dir).expanduser()
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"kvbridge-bench-scheduler-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, default=_plain, indent=1), encoding="utf-8")
-    return path
-
-
-def _plain(value):
-    if hasattr(value, "item"):    # numpy scalars
-        return value.item()
-    raise TypeError(f"{type(value).__name__} is not JSON")

@@ -26,7 +26,7 @@ from blake3 import blake3
 
 from kvbridge.backends.base import SeqState
 from kvbridge.engine.chunks import ChunkKV, ForeignState
-from kvbridge.engine.hashing import make_hasher, tail_key, tokens_digest
+from kvbridge.engine.hashing import make_hasher, tokens_digest
 from kvbridge.formats.llama_state import KVGeometry
 from kvbridge.settings import Settings
 
