@@ -1,4 +1,4 @@
-"""`python -m kvbridge`: the command line (gui, demo, bench, bench-store, bench-l3, bench-scheduler, cache-server, namespace, engines, scenarios)."""
+"""`python -m kvbridge`: the command line (gui, demo, bench, bench-store, bench-l3, bench-scheduler, cache-server, serve, namespace, engines, scenarios)."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +26,7 @@ COMMANDS = {
                        "a shared system prompt, and swapping a ~2k-token sequence out and back in against "
                        "recomputing it; JSON to output/",
     "cache-server": "run the cache server (ZMQ + shared memory) that engines share when KVB_STORE_URL points at it",
+    "serve": "an OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions) with KVBridge's cache behind it",
     "namespace": "start the configured engine and print its namespace (what its stored KV is keyed under)",
     "engines": "list the engines in the registry",
     "scenarios": "list the demo scenarios",
@@ -70,6 +71,16 @@ def cmd_cache_server(args) -> int:
     if problems:
         raise SystemExit("Settings need attention:\n  - " + "\n  - ".join(problems))
     return run(settings, args.url, args.server_module or [], args.metrics_port)
+
+
+def cmd_serve(args) -> int:
+    from kvbridge.serve.server import run
+
+    settings = Settings.from_env()
+    problems = settings.validate()
+    if problems:
+        raise SystemExit("Settings need attention:\n  - " + "\n  - ".join(problems))
+    return run(settings, args.host, args.port, args.engine)
 
 
 def cmd_engines(args) -> int:
@@ -390,6 +401,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 "repeatable; after those in KVB_CACHE_SERVER_MODULES")
             p.add_argument("--metrics-port", type=int, default=None,
                            help="serve Prometheus text on 127.0.0.1:PORT/metrics (default: KVB_CACHE_SERVER_METRICS_PORT)")
+        if name == "serve":
+            p.add_argument("--host", help="address to listen on (default: KVB_SERVE_HOST, else 127.0.0.1)")
+            p.add_argument("--port", type=int, help="port (default: KVB_SERVE_PORT, else 8000)")
+            p.add_argument("--engine", choices=["scheduler", "llama-server", "ollama", "cloud"],
+                           help="scheduler: in-process, many requests at once (default: KVB_SERVE_ENGINE); "
+                                "llama-server: CachedEngine in lmcache mode, requests queued")
         if name == "bench-store":
             p.add_argument("--object-mb", type=float, default=40.0, help="object size in MB (default 40)")
             p.add_argument("--repeats", type=int, default=5, help="runs per measurement (median is shown)")
@@ -405,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     handler = globals()["cmd_" + args.command.replace("-", "_")]
-    if args.command not in ("gui", "cache-server"):   # those install their own; elsewhere SIGTERM must still run cleanup
+    if args.command not in ("gui", "cache-server", "serve"):   # those install their own; elsewhere SIGTERM must still run cleanup
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         return handler(args)

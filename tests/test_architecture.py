@@ -32,6 +32,9 @@ ALLOWED = {
                            "kvbridge.backends", "kvbridge.engine"},
     "kvbridge.bench": {"kvbridge.errors", "kvbridge.settings", "kvbridge.engine", "kvbridge.store",
                        "kvbridge.backends", "kvbridge.formats", "kvbridge.cache_server", "kvbridge.scheduler"},
+    # the OpenAI-compatible endpoint is a front on the scheduler or CachedEngine
+    "kvbridge.serve": {"kvbridge.errors", "kvbridge.settings", "kvbridge.engine", "kvbridge.scheduler",
+                       "kvbridge.backends"},
 }
 
 

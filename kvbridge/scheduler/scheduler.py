@@ -145,6 +145,7 @@ class Scheduler:
                                request_index=request_id, prompt_tokens=len(tokens), priority=priority)
         request = Request(request_id, label or f"request {request_id}", int(priority), tokens, n_predict,
                           Sampler(temperature, top_p, seed), tuple(stop), on_token, future, record)
+        future.record = record   # live: tier and matched_tokens are set at admission (a server's headers read them)
         with self._lock:
             self._waiting.append(request)
             self._lock.notify_all()

@@ -73,6 +73,7 @@ def _value_problems(s: Settings) -> list[str]:
     problems += _cache_server_problems(s)
     problems += _l3_problems(s)
     problems += _scheduler_problems(s)
+    problems += _serve_problems(s)
     urls = (("KVB_OLLAMA_URL", s.ollama_url), ("KVB_CLOUD_BASE_URL", s.cloud_base_url),
             ("KVB_LLAMA_SERVER_URL", s.llama_server_url))
     for var, value in urls:
@@ -210,3 +211,24 @@ def _resolve_engine_class(name: str) -> tuple[type | None, list[str]]:
         return resolve_engine(name).cls, []
     except UnknownEngineError as error:
         return None, [str(error)]
+
+
+SERVE_ENGINES = ("scheduler", "llama-server")
+
+
+def _serve_problems(s: Settings) -> list[str]:
+    origins = [o.strip() for o in s.serve_cors_origins.split(",") if o.strip()]
+    rules = (
+        (not s.serve_host.strip(), "KVB_SERVE_HOST is empty; use 127.0.0.1 (this machine only) or 0.0.0.0"),
+        (not 1 <= s.serve_port <= 65535, f"KVB_SERVE_PORT={s.serve_port} is not a port; use 1 to 65535 (default 8000)"),
+        (s.serve_engine not in SERVE_ENGINES,
+         f"KVB_SERVE_ENGINE={s.serve_engine!r} is not one serve can run; use {' or '.join(SERVE_ENGINES)}"),
+        (s.serve_max_tokens < 1, f"KVB_SERVE_MAX_TOKENS={s.serve_max_tokens} must be at least 1"),
+        (s.serve_drain_timeout < 0, f"KVB_SERVE_DRAIN_TIMEOUT={s.serve_drain_timeout} cannot be negative"),
+        (bool(s.serve_api_key_env) and not s.serve_api_key_env.replace("_", "").isalnum(),
+         f"KVB_SERVE_API_KEY_ENV={s.serve_api_key_env!r} must be the NAME of an environment variable (like "
+         "KVB_SERVE_TOKEN), not the key itself"),
+        (any(not o.startswith(("http://", "https://")) and o != "*" for o in origins),
+         f"KVB_SERVE_CORS_ORIGINS={s.serve_cors_origins!r}: list origins like http://localhost:3000, comma-separated"),
+    )
+    return [message for failed, message in rules if failed]

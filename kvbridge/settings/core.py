@@ -74,6 +74,14 @@ class Settings:
     sched_hard: float = 0.10          # ... below which no new request is admitted
     sched_critical: float = 0.05      # ... below which the lowest-priority running request is preempted
     sched_max_waiting: int = 64       # requests waiting to be admitted; more are refused
+    # serve (python -m kvbridge serve): an OpenAI-compatible endpoint
+    serve_host: str = "127.0.0.1"
+    serve_port: int = 8000
+    serve_engine: str = "scheduler"   # scheduler (in-process, many requests at once) or llama-server (queued)
+    serve_api_key_env: str = ""       # the NAME of the variable holding the bearer token; never the token
+    serve_max_tokens: int = 1024      # a request's cap when it names no max_tokens
+    serve_cors_origins: str = ""      # comma-separated origins browsers may call from; empty: CORS off
+    serve_drain_timeout: float = 30.0 # SIGTERM: seconds running requests get to finish
     # the cache server (python -m kvbridge cache-server); KVB_STORE_URL set: engines use it, not an embedded store
     store_url: str = ""               # tcp://127.0.0.1:5555 or ipc:///path; empty: the embedded store
     client_priority: int = 5          # 0-9, higher is more important under memory pressure

@@ -1,0 +1,6 @@
+"""`python -m kvbridge serve` (issue 13): an OpenAI-compatible endpoint with KVBridge's cache behind it.
+
+Modules, in reading order: protocol (OpenAI's request and response shapes, errors), engines (the
+scheduler or CachedEngine over llama-server, as jobs an event loop waits on), metrics (Prometheus),
+app (the Starlette routes), server (uvicorn, the ready line, SIGTERM drain).
+"""

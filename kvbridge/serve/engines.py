@@ -1,0 +1,226 @@
+"""What `serve` runs requests on: the in-process scheduler (many at once, with priorities and
+preemption) or CachedEngine over llama-server in lmcache mode (one at a time, queued).
+
+Both hand back a `Job`: the text pieces as they are generated and then the RequestRecord, delivered
+into the event loop that waits for them (the engines run on their own threads), and a cancel that
+frees what the request holds. The shadow engines (Ollama, hosted providers) hold no KV of ours to
+serve from and are refused.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from kvbridge.engine.records import RequestRecord
+from kvbridge.errors import BadSettings, KVBridgeError
+from kvbridge.serve.protocol import ApiError, Generation
+from kvbridge.settings import Settings
+
+log = logging.getLogger(__name__)
+RETRY_AFTER_S = 2
+
+
+class Job:
+    """One request's events, read by the HTTP side: ("text", piece) ... then ("done", record) or
+    ("error", exception). Producers call from any thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._events: asyncio.Queue = asyncio.Queue()
+        self.future: Future | None = None
+        self._cancel = None
+
+    def push(self, kind: str, value) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, (kind, value))
+        except RuntimeError:   # the loop is gone (the server stopped): nobody is listening
+            pass
+
+    async def next_event(self) -> tuple[str, object]:
+        return await self._events.get()
+
+    def follow(self, future: Future) -> None:
+        """Push the future's outcome as the last event."""
+        self.future = future
+
+        def done(f: Future) -> None:
+            if f.cancelled():
+                self.push("error", ApiError(499, "the request was cancelled", code="cancelled"))
+            elif f.exception() is not None:
+                self.push("error", f.exception())
+            else:
+                self.push("done", f.result())
+
+        future.add_done_callback(done)
+
+    def cancel(self) -> None:
+        if self._cancel is not None and self.future is not None and not self.future.done():
+            self._cancel(self.future)
+
+
+class ServeEngine:
+    """The base: a model id, submit, live state for /metrics and the lab, close."""
+
+    name = ""
+
+    def __init__(self, settings: Settings) -> None:
+        from kvbridge.backends.llamacpp import model_path_for
+
+        self.settings = settings
+        self.model_path: Path = model_path_for(settings)
+        self.model_id = self.model_path.stem
+
+    def submit(self, gen: Generation, priority: int, job: Job) -> None:
+        raise NotImplementedError
+
+    def state(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class SchedulerEngine(ServeEngine):
+    """kvbridge.scheduler: continuous batching, shared prefixes, priority preemption with swap."""
+
+    name = "scheduler"
+
+    def __init__(self, settings: Settings, scheduler=None) -> None:
+        super().__init__(settings)
+        from kvbridge.scheduler import Scheduler
+
+        self.scheduler = scheduler if scheduler is not None else Scheduler(settings)
+        self._own = scheduler is None
+
+    def submit(self, gen: Generation, priority: int, job: Job) -> None:
+        from kvbridge.scheduler import QueueFull
+
+        try:
+            future = self.scheduler.submit(gen.prompt, priority=priority, n_predict=gen.max_tokens,
+                                           temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed,
+                                           stop=gen.stop, on_token=lambda piece: job.push("text", piece),
+                                           label=f"serve {gen.kind}")
+        except QueueFull as exc:
+            raise ApiError(429, str(exc), code="queue_full", kind="rate_limit_error",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        job._cancel = self.scheduler.cancel
+        job.follow(future)
+
+    def state(self) -> dict[str, int]:
+        snapshot = self.scheduler.snapshot()
+        return {"running": len(snapshot["running"]), "waiting": len(snapshot["waiting"]),
+                "swapped": len(snapshot["swapped"]), "free_blocks": snapshot["blocks"]["free"],
+                "total_blocks": snapshot["blocks"]["total"], "preemptions": snapshot["counters"]["preemptions"]}
+
+    def close(self) -> None:
+        if self._own:
+            self.scheduler.close()
+
+
+class LlamaServerEngine(ServeEngine):
+    """CachedEngine in lmcache mode over llama-server: one request at a time, the rest queued
+    (KVB_SCHED_MAX_WAITING of them); priority does not reorder them."""
+
+    name = "llama-server"
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        from kvbridge.backends.registry import make_backend
+        from kvbridge.engine.cached_engine import CachedEngine
+
+        self.engine = CachedEngine(settings, make_backend("llama-server", settings))
+        self.engine.start()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-serve")
+        self._lock = threading.Lock()
+        self._queued = 0
+
+    def submit(self, gen: Generation, priority: int, job: Job) -> None:
+        if gen.top_p != 1.0:
+            raise ApiError(400, "'top_p' is not supported with the llama-server engine (KVB_SERVE_ENGINE); "
+                                "use the scheduler engine or leave top_p at 1", param="top_p")
+        with self._lock:
+            if self._queued >= self.settings.sched_max_waiting:
+                raise ApiError(429, f"{self._queued} requests are queued already (KVB_SCHED_MAX_WAITING="
+                                    f"{self.settings.sched_max_waiting}); try again shortly", code="queue_full",
+                               kind="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+            self._queued += 1
+        future = self._pool.submit(self._run, gen, job)
+        future.add_done_callback(lambda _: self._release())
+        job._cancel = lambda f: f.cancel()    # a queued request leaves the queue; a running one finishes
+        job.follow(future)
+
+    def _release(self) -> None:
+        with self._lock:
+            self._queued -= 1
+
+    def _run(self, gen: Generation, job: Job) -> RequestRecord:
+        stopper = _StopCutter(gen.stop, lambda piece: job.push("text", piece))
+        record = self.engine.infer(gen.prompt, mode="lmcache", n_predict=gen.max_tokens,
+                                   temperature=gen.temperature, label="serve", on_text=stopper.feed)
+        if record.error:
+            raise KVBridgeError(record.error)
+        record.text = stopper.finish(record.text)
+        return record
+
+    def state(self) -> dict[str, int]:
+        with self._lock:
+            return {"running": min(1, self._queued), "waiting": max(0, self._queued - 1)}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.engine.stop()
+
+
+class _StopCutter:
+    """Stop strings for an engine that cannot stop itself: text after the first stop string is
+    neither streamed nor returned (what could still become a stop string is held back)."""
+
+    def __init__(self, stop: tuple[str, ...], emit) -> None:
+        self.stop, self.emit = stop, emit
+        self.text, self.sent, self.stopped = "", 0, False
+
+    def feed(self, piece: str) -> None:
+        if self.stopped:
+            return
+        self.text += piece
+        cut = self._cut()
+        if cut is not None:
+            self.stopped = True
+            self._send(cut)
+            return
+        hold = max((len(s) - 1 for s in self.stop), default=0)
+        self._send(max(self.sent, len(self.text) - hold))
+
+    def finish(self, text: str) -> str:
+        self.text = text
+        cut = self._cut()
+        end = cut if cut is not None else len(text)
+        if not self.stopped:
+            self._send(end)
+        return text[:end]
+
+    def _cut(self) -> int | None:
+        found = [self.text.find(s) for s in self.stop if s in self.text]
+        return min(found) if found else None
+
+    def _send(self, upto: int) -> None:
+        if upto > self.sent:
+            self.emit(self.text[self.sent:upto])
+            self.sent = upto
+
+
+def make_serve_engine(settings: Settings, engine: str | None = None) -> ServeEngine:
+    """The engine `serve` runs on: KVB_SERVE_ENGINE (or --engine), checked before anything loads."""
+    key = engine or settings.serve_engine
+    if key in ("scheduler", "llamacpp"):
+        return SchedulerEngine(settings)
+    if key == "llama-server":
+        return LlamaServerEngine(settings)
+    if key in ("ollama", "cloud"):
+        raise BadSettings(f"serve cannot run on the {key} engine: it is a shadow engine, whose KV KVBridge does not "
+                          "hold, so there is nothing to serve from. Use --engine scheduler (the default) or "
+                          "--engine llama-server.")
+    raise BadSettings(f"unknown serve engine {key!r} (--engine / KVB_SERVE_ENGINE); use scheduler or llama-server")

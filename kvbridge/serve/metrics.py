@@ -1,0 +1,43 @@
+"""Prometheus metrics of `serve` (GET /metrics), in a registry of its own, names under `kvbridge_serve_`."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+
+
+class ServeMetrics:
+    def __init__(self, engine) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvbridge_serve_requests", "Requests answered, by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("kvbridge_serve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("kvbridge_serve_cached_tokens",
+                                     "Prompt tokens restored or shared instead of prefilled", registry=r)
+        self.completion_tokens = Counter("kvbridge_serve_completion_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("kvbridge_serve_ttft_seconds", "Time to first token of finished requests",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tier = Counter("kvbridge_serve_requests_by_tier", "Finished requests by where their reused KV came from",
+                            ["tier"], registry=r)
+        state = Gauge("kvbridge_serve_engine", "The engine's live state (running, waiting, swapped, free blocks...)",
+                      ["field"], registry=r)
+        self._state_gauge, self._engine = state, engine
+
+    def answered(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def finished(self, endpoint: str, record) -> None:
+        self.answered(endpoint, 200)
+        self.prompt_tokens.inc(record.prompt_tokens)
+        self.cached_tokens.inc(record.matched_tokens)
+        self.completion_tokens.inc(record.gen_tokens)
+        if record.ttft_ms:
+            self.ttft.observe(record.ttft_ms / 1e3)
+        self.tier.labels(record.tier or "none").inc()
+
+    def render(self) -> tuple[bytes, str]:
+        for name, value in self._engine.state().items():
+            self._state_gauge.labels(name).set(value)
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

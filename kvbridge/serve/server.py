@@ -1,0 +1,110 @@
+"""`python -m kvbridge serve`: load the engine, serve the app with uvicorn, drain on SIGTERM.
+
+The ready line `KVBridge serve ready on http://HOST:PORT` is printed once the socket listens (what
+scripts/serve.sh waits for). SIGTERM or SIGINT: stop accepting, let running requests finish for up
+to KVB_SERVE_DRAIN_TIMEOUT seconds, then close the engine (unfinished requests fail, their KV blocks
+freed) and exit 0. `serve_in_thread` runs the same app beside the GUI (`gui --serve`).
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import signal
+import sys
+import threading
+
+import uvicorn
+
+from kvbridge.errors import BadSettings
+from kvbridge.serve.app import build_app
+from kvbridge.serve.engines import ServeEngine, make_serve_engine
+from kvbridge.settings import Settings
+
+log = logging.getLogger(__name__)
+READY = "KVBridge serve ready on http://{host}:{port}"
+
+
+def api_key_from(settings: Settings, environ=os.environ) -> str:
+    """The bearer token from the variable KVB_SERVE_API_KEY_ENV names; '' when no key is asked for."""
+    name = settings.serve_api_key_env
+    if not name:
+        return ""
+    key = environ.get(name, "")
+    if not key:
+        raise BadSettings(f"KVB_SERVE_API_KEY_ENV names {name}, but that variable is empty or not set; set it "
+                          f"(export {name}=...) or leave KVB_SERVE_API_KEY_ENV empty to need no key")
+    return key
+
+
+def _config(app, settings: Settings, host: str, port: int) -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+                          timeout_graceful_shutdown=max(1, int(settings.serve_drain_timeout)), ws="none")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, printing the ready line once it listens."""
+
+    def __init__(self, config: uvicorn.Config, on_ready=None) -> None:
+        super().__init__(config)
+        self._on_ready = on_ready
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self._on_ready is not None:
+            self._on_ready()
+
+
+def run(settings: Settings, host: str | None = None, port: int | None = None, engine_key: str | None = None) -> int:
+    host = host or settings.serve_host
+    port = settings.serve_port if port is None else port
+    key = api_key_from(settings)
+    if not _is_loopback(host) and not key:
+        print(f"warning: serving on {host} without a key: anyone who can reach this port can use it "
+              "(set KVB_SERVE_API_KEY_ENV)", file=sys.stderr)
+    for sig in (signal.SIGTERM, signal.SIGINT):   # while the model loads: stop at once
+        signal.signal(sig, lambda signum, frame: sys.exit(0))
+    print(f"loading the {engine_key or settings.serve_engine} engine…", flush=True)
+    engine = make_serve_engine(settings, engine_key)
+    try:
+        app = build_app(settings, engine, key)
+        server = _Server(_config(app, settings, host, port),
+                         on_ready=lambda: print(READY.format(host=host, port=port), flush=True))
+        # uvicorn drains on SIGTERM/SIGINT, then raises the signal again for the handler it found:
+        # this one, so the engine below is still closed and the exit status is 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: None)
+        server.run()
+        if not server.started:
+            print(f"Cannot serve on {host}:{port}: the port is in use or the address is not available here "
+                  "(--port / KVB_SERVE_PORT, --host / KVB_SERVE_HOST).", file=sys.stderr)
+            return 2
+    finally:
+        engine.close()
+    print("serve stopped.", flush=True)
+    return 0
+
+
+def serve_in_thread(settings: Settings, engine: ServeEngine, host: str | None = None,
+                    port: int | None = None) -> tuple[uvicorn.Server, threading.Thread]:
+    """The app on a thread of this process (signals stay with the caller); stop with server.should_exit."""
+    host = host or settings.serve_host
+    port = settings.serve_port if port is None else port
+    ready = threading.Event()
+    server = _Server(_config(build_app(settings, engine, api_key_from(settings)), settings, host, port),
+                     on_ready=ready.set)
+    server.install_signal_handlers = lambda: None    # older uvicorn; newer ones skip off the main thread
+    thread = threading.Thread(target=server.run, name="kvbridge-serve", daemon=True)
+    thread.start()
+    if not ready.wait(30) or not server.started:
+        raise BadSettings(f"serve could not listen on {host}:{port} (KVB_SERVE_PORT / KVB_SERVE_HOST)")
+    return server, thread
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,256 @@
+"""`python -m kvbridge serve` as a person runs it (a real process on a loopback port, the embedded
+model, the in-process scheduler) with the official `openai` SDK as the client: chat and completions,
+streaming and not, usage with cached_tokens, the greedy answer to a repeated document equal to the
+first (cold) one, eight concurrent clients, a disconnect mid-stream freeing its blocks, a full queue
+(429 + Retry-After), bad input answered in OpenAI's error shape while the server keeps serving, a
+key, CORS, /metrics, a restart that keeps the cache, and SIGTERM letting a running request finish.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from conftest import needs_model
+from process_helpers import clean_env, free_port, start_kvbridge, stop, wait_for
+
+openai = pytest.importorskip("openai", reason="the openai SDK is not installed (requirements.txt)")
+
+pytestmark = [needs_model, pytest.mark.timeout(600)]
+DOCUMENT = "# Orchard rota\n\n" + " ".join(
+    f"Rule {i}: the {['north', 'south', 'east', 'west'][i % 4]} orchard is pruned in week {i % 9} by crew {i % 5}."
+    for i in range(40))
+QUESTION = "Which orchard is pruned in week 3?"
+WORDS = ["apple", "river", "candle", "violin", "tiger", "garden", "rocket", "pepper"]
+
+
+def doc_messages(question: str = QUESTION) -> list[dict]:
+    return [{"role": "system", "content": "Answer from the document."},
+            {"role": "user", "content": f"Document:\n{DOCUMENT}\n\nQuestion: {question}"}]
+
+
+class Served:
+    def __init__(self, tmp_path, name: str, **env: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp_path / f"{name}.log"
+        settings = dict(KVB_SERVE_PORT=str(self.port), KVB_L2_DIR=str(tmp_path / f"{name}-l2"),
+                        KVB_OUTPUT_DIR=str(tmp_path / "output"), KVB_CHUNK_SIZE="32", KVB_CTX_SIZE="1024",
+                        KVB_SCHED_KV_CELLS="3072", KVB_SCHED_MAX_RUNNING="4", KVB_SERVE_MAX_TOKENS="48",
+                        KVB_SERVE_DRAIN_TIMEOUT="60")
+        self.env = clean_env(**{**settings, **env})
+        self.proc = None
+
+    def start(self) -> "Served":
+        self.proc = start_kvbridge(["serve"], self.env, self.log)
+        wait_for(lambda: "KVBridge serve ready on" in self.log.read_text(), "serve did not get ready", self.log,
+                 self.proc, timeout_s=180)
+        return self
+
+    def stop(self) -> int:
+        return stop(self.proc)
+
+    def client(self, key: str = "unused", **kw) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120, **kw)
+
+    def health(self) -> dict:
+        return requests.get(self.url + "/health", timeout=10).json()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    server = Served(tmp_path_factory.mktemp("serve"), "serve").start()
+    yield server
+    assert server.stop() == 0
+
+
+def test_models_and_health_name_the_gguf(served):
+    models = served.client().models.list()
+    assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
+    assert served.health()["status"] == "ok"
+
+
+def test_chat_and_completions_streaming_and_not_with_usage(served):
+    client = served.client()
+    chat = client.chat.completions.create(model="whatever-a-client-sends", temperature=0, max_tokens=12,
+                                          messages=[{"role": "user", "content": "Name one fruit."}])
+    assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage.completion_tokens > 0 and chat.usage.prompt_tokens > 0
+    pieces, usage = [], None
+    for chunk in client.chat.completions.create(model="x", temperature=0, max_tokens=12, stream=True,
+                                                stream_options={"include_usage": True},
+                                                messages=[{"role": "user", "content": "Name one fruit."}]):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(pieces) == chat.choices[0].message.content          # greedy: the same answer streamed
+    assert usage.completion_tokens == chat.usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 1   # the same prompt again
+
+    text = client.completions.create(model="x", prompt="The word is banana. The word is banana. The word is",
+                                     temperature=0, max_tokens=4)
+    assert text.choices[0].text.strip().startswith("banana") and text.usage.completion_tokens >= 1
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="x", prompt="The word is banana. The word is banana. The word is", temperature=0, max_tokens=4,
+        stream=True) if c.choices)
+    assert streamed == text.choices[0].text
+
+
+def test_a_repeated_document_is_cached_and_answers_as_cold(served):
+    client = served.client()
+    first = client.chat.completions.with_raw_response.create(model="x", temperature=0, max_tokens=24,
+                                                            messages=doc_messages())
+    second = client.chat.completions.with_raw_response.create(model="x", temperature=0, max_tokens=24,
+                                                             messages=doc_messages())
+    cold, warm = first.parse(), second.parse()
+    assert cold.usage.prompt_tokens_details.cached_tokens < 64      # at most the chat template's head
+    document_tokens = warm.usage.prompt_tokens - 24
+    assert warm.usage.prompt_tokens_details.cached_tokens >= document_tokens
+    assert second.headers["X-KVBridge-Tier"] in ("resident", "L1", "L2")
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    assert warm.usage.completion_tokens == cold.usage.completion_tokens
+
+
+def test_eight_concurrent_clients_each_get_their_own_answer(served):
+    def ask(word: str) -> tuple[str, str]:
+        client = served.client()
+        answer = client.completions.create(model="x", prompt=", ".join([word] * 7) + ",", temperature=0, max_tokens=3)
+        return word, answer.choices[0].text
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, WORDS))
+    assert time.monotonic() - started < 300
+    for word, text in answers:
+        assert text.strip().startswith(word), (word, text)
+
+
+def test_a_client_leaving_mid_stream_frees_its_blocks(served):
+    before = served.health()
+    body = {"model": "x", "stream": True, "temperature": 0, "max_tokens": 48,
+            "messages": [{"role": "user", "content": "Tell a long story about a lighthouse keeper."}]}
+    with requests.post(served.url + "/v1/chat/completions", json=body, stream=True, timeout=120) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        got = [next(lines) for _ in range(4)]      # a few chunks, then hang up
+        assert any(line.startswith(b"data: ") for line in got)
+    deadline = time.monotonic() + 30
+    while True:
+        now = served.health()
+        if now["running"] == 0 and now["free_blocks"] >= before["free_blocks"]:
+            break
+        assert time.monotonic() < deadline, now
+        time.sleep(0.2)
+    metrics = requests.get(served.url + "/metrics", timeout=10).text
+    assert 'kvbridge_serve_requests_total{endpoint="chat",status="499"}' in metrics
+
+
+def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(served):
+    client = served.client()
+    with pytest.raises(openai.BadRequestError) as negative:
+        client.chat.completions.create(model="x", max_tokens=-1, messages=[{"role": "user", "content": "Hi"}])
+    assert negative.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.chat.completions.create(model="x", max_tokens=4, messages=[{"role": "user", "content": "word " * 1500}])
+    assert too_long.value.body["code"] == "context_length_exceeded" and "KVB_CTX_SIZE" in too_long.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as two:
+        client.chat.completions.create(model="x", n=2, messages=[{"role": "user", "content": "Hi"}])
+    assert two.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as tools:
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}])
+    assert tools.value.body["param"] == "tools"
+    broken = requests.post(served.url + "/v1/chat/completions", data=b"{not json", timeout=10,
+                           headers={"Content-Type": "application/json"})
+    assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]["message"]
+    priority = requests.post(served.url + "/v1/chat/completions", timeout=10, headers={"X-KVBridge-Priority": "12"},
+                             json={"model": "x", "messages": [{"role": "user", "content": "Hi"}]})
+    assert priority.status_code == 400 and priority.json()["error"]["param"] == "X-KVBridge-Priority"
+    ok = client.chat.completions.create(model="x", max_tokens=4, temperature=0,
+                                        messages=[{"role": "user", "content": "Hi"}])
+    assert ok.choices[0].message.content is not None
+
+
+@pytest.fixture
+def small_queue(tmp_path):
+    server = Served(tmp_path, "queue", KVB_SCHED_MAX_RUNNING="1", KVB_SCHED_MAX_WAITING="1",
+                    KVB_SERVE_API_KEY_ENV="KVB_TEST_SERVE_KEY", KVB_TEST_SERVE_KEY="s3cret-key",
+                    KVB_SERVE_CORS_ORIGINS="http://localhost:3000").start()
+    yield server
+    assert server.stop() == 0
+
+
+def test_key_cors_and_a_full_queue(small_queue):
+    served = small_queue
+    with pytest.raises(openai.AuthenticationError) as wrong:
+        served.client("wrong-key").chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}])
+    assert wrong.value.status_code == 401 and wrong.value.body["code"] == "invalid_api_key"
+    assert requests.get(served.url + "/v1/models", timeout=10).status_code == 401
+    assert served.health()["status"] == "ok"                      # health needs no key
+    client = served.client("s3cret-key")
+    assert client.models.list().data[0].id
+    allowed = requests.options(served.url + "/v1/chat/completions", timeout=10, headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert allowed.headers.get("access-control-allow-origin") == "http://localhost:3000"
+    other = requests.options(served.url + "/v1/chat/completions", timeout=10, headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in other.headers
+    assert "s3cret-key" not in served.log.read_text()
+
+    def post(i: int) -> requests.Response:
+        return requests.post(served.url + "/v1/chat/completions", timeout=120,
+                             headers={"Authorization": "Bearer s3cret-key"},
+                             json={"model": "x", "max_tokens": 24, "temperature": 0,
+                                   "messages": [{"role": "user", "content": f"Count to twenty, number {i}."}]})
+
+    with ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(post, range(6)))
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses.count(200) >= 2 and 429 in statuses, statuses
+    refused = next(r for r in responses if r.status_code == 429)
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert "KVB_SCHED_MAX_WAITING" in refused.json()["error"]["message"]
+
+
+def test_a_restart_keeps_the_cache_and_sigterm_lets_a_running_request_finish(tmp_path):
+    served = Served(tmp_path, "restart").start()
+    client = served.client()
+    cold = client.chat.completions.create(model="x", temperature=0, max_tokens=16, messages=doc_messages())
+    assert served.stop() == 0
+    served.start()                                        # the same L2 directory
+    raw = served.client().chat.completions.with_raw_response.create(model="x", temperature=0, max_tokens=16,
+                                                                    messages=doc_messages())
+    warm = raw.parse()
+    assert raw.headers["X-KVBridge-Tier"] in ("L1", "L2")
+    assert warm.usage.prompt_tokens_details.cached_tokens >= warm.usage.prompt_tokens - 32
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+
+    # SIGTERM while a request streams: it finishes, then the process exits 0
+    events: list[bytes] = []
+    body = {"model": "x", "stream": True, "temperature": 0, "max_tokens": 40,
+            "messages": [{"role": "user", "content": "Tell a long story about a lighthouse keeper."}]}
+    first_chunk = threading.Event()
+
+    def read() -> None:
+        with requests.post(served.url + "/v1/chat/completions", json=body, stream=True, timeout=120) as response:
+            for line in response.iter_lines():
+                if line:
+                    events.append(line)
+                    first_chunk.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert first_chunk.wait(120)
+    served.proc.send_signal(signal.SIGTERM)
+    reader.join(120)
+    assert served.proc.wait(timeout=120) == 0
+    assert events[-1] == b"data: [DONE]"
+    finish = [json.loads(e[6:]) for e in events[:-1]][-1]["choices"][0]["finish_reason"]
+    assert finish in ("stop", "length")
