@@ -1,4 +1,4 @@
-"""`python -m kvbridge`: the command line (gui, demo, bench, bench-store, bench-l3, bench-scheduler, cache-server, serve, namespace, engines, scenarios)."""
+"""`python -m kvbridge`: the command line (gui, demo, bench, bench-store, bench-l3, bench-scheduler, bench-serve, cache-server, serve, namespace, engines, scenarios)."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +25,8 @@ COMMANDS = {
     "bench-scheduler": "the scheduler against llama-server (same cells, -np, --kv-unified) on a priority burst and "
                        "a shared system prompt, and swapping a ~2k-token sequence out and back in against "
                        "recomputing it; JSON to output/",
+    "bench-serve": "Document Q&A through the openai SDK: serve against llama-server's own endpoint, warm and after "
+                   "both are restarted (one server up at a time, ours with a private L2); JSON to output/",
     "cache-server": "run the cache server (ZMQ + shared memory) that engines share when KVB_STORE_URL points at it",
     "serve": "an OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions) with KVBridge's cache behind it",
     "namespace": "start the configured engine and print its namespace (what its stored KV is keyed under)",
@@ -198,6 +200,22 @@ def cmd_bench_scheduler(args) -> int:
     failed = [r for part in ("burst", "shared") if part in result for r in result[part]["runs"]["ours"]["requests"]
               if r["error"]]
     return 1 if failed else 0
+
+
+def cmd_bench_serve(args) -> int:
+    from kvbridge.bench.serve_bench import failed, format_bench_serve, run_bench_serve, write_json
+
+    settings = _settings(args)
+    for option, value, least in (("--questions", args.questions, 1), ("--repeats", args.repeats, 0),
+                                 ("--max-tokens", args.max_tokens, 1), ("--document-chars", args.document_chars, 1)):
+        if value is not None and value < least:
+            raise SystemExit(f"{option} must be at least {least}, got {value}.")
+    result = run_bench_serve(settings, questions=args.questions, repeats=args.repeats, max_tokens=args.max_tokens,
+                             document_chars=args.document_chars,
+                             progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(format_bench_serve(result))
+    print(f"wrote {write_json(result, settings.output_dir)}")
+    return 1 if failed(result) else 0
 
 
 def cmd_bench_l3(args) -> int:
@@ -393,6 +411,15 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--users", type=int, default=8, help="shared: users behind one system prompt (default 8)")
             p.add_argument("--user-predict", dest="user_predict", type=int, default=24,
                            help="shared: tokens each user's answer generates (default 24)")
+        if name == "bench-serve":
+            p.add_argument("--questions", type=int, default=12, help="Document Q&A questions asked warm (default 12)")
+            p.add_argument("--repeats", type=int, default=3,
+                           help="restarts of both servers, question 1 timed after each (medians; default 3)")
+            p.add_argument("--max-tokens", dest="max_tokens", type=int, default=16,
+                           help="max_tokens of every request (default 16)")
+            p.add_argument("--document-chars", dest="document_chars", type=int, default=None,
+                           help="only the start of the built-in handbook, up to this many characters (cut at a "
+                                "space; default: all of it, ~1.7k tokens)")
         if name == "cache-server":
             p.add_argument("--url", help="where to listen: tcp://HOST:PORT or ipc:///path "
                                          "(default: KVB_CACHE_SERVER_URL, else tcp://127.0.0.1:5555)")
