@@ -12,17 +12,22 @@ is_kvbridge() {  # the process with this PID runs KVBridge (not some later proce
 }
 
 
-# The cache server is not stopped here: it has a life of its own (scripts/cache_server.sh) and other
-# engine processes may be using it. Say so once, whatever happened to the GUI.
-note_cache_server() {
+# The cache server and the serve endpoint are not stopped here: each has a life of its own
+# (scripts/cache_server.sh, scripts/serve.sh) and other processes may be using them. Say so once,
+# whatever happened to the GUI.
+note_running() {  # PID_FILE, the command in its cmdline, what to call it, its script
     local pid
-    pid="$(sed -n 1p "$REPO_ROOT/.kvbridge-cache-server.pid" 2>/dev/null || true)"
+    pid="$(sed -n 1p "$REPO_ROOT/$1" 2>/dev/null || true)"
     if [[ "$pid" =~ ^[0-9]+$ && -r "/proc/$pid/cmdline" ]] &&
-        tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- "-m kvbridge cache-server"; then
-        echo "note: the cache server (pid $pid) keeps running; scripts/cache_server.sh stop stops it."
+        tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- "-m kvbridge $2 "; then
+        echo "note: $3 (pid $pid) keeps running; $4 stop stops it."
     fi
 }
-trap note_cache_server EXIT
+note_background_servers() {
+    note_running .kvbridge-cache-server.pid cache-server "the cache server" scripts/cache_server.sh
+    note_running .kvbridge-serve.pid serve "the serve endpoint" scripts/serve.sh
+}
+trap note_background_servers EXIT
 
 timeout_s=30
 while [[ $# -gt 0 ]]; do
