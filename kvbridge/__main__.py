@@ -62,7 +62,7 @@ def _make_engine(settings: Settings, l2_dir: str | None = None):
 def cmd_gui(args) -> int:
     from kvbridge.gui.app import main as app_main
 
-    return app_main() or 0
+    return app_main(serve=args.serve) or 0
 
 
 def cmd_cache_server(args) -> int:
@@ -428,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "repeatable; after those in KVB_CACHE_SERVER_MODULES")
             p.add_argument("--metrics-port", type=int, default=None,
                            help="serve Prometheus text on 127.0.0.1:PORT/metrics (default: KVB_CACHE_SERVER_METRICS_PORT)")
+        if name == "gui":
+            p.add_argument("--serve", action="store_true",
+                           help="also run the OpenAI-compatible endpoint on KVB_SERVE_PORT; the lab tab shows its requests")
         if name == "serve":
             p.add_argument("--host", help="address to listen on (default: KVB_SERVE_HOST, else 127.0.0.1)")
             p.add_argument("--port", type=int, help="port (default: KVB_SERVE_PORT, else 8000)")

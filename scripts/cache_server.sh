@@ -57,6 +57,7 @@ cmd_start() {
     log_start=1   # the first line of this run's log
     [[ -f "$LOG_FILE" ]] && log_start=$(( $(wc -l <"$LOG_FILE") + 1 ))
     # setsid: its own session, so closing this terminal does not stop it.
+    touch "$LOG_FILE"   # before the child opens it: the wait below tails it (set -e -o pipefail)
     setsid "$REPO_ROOT/.venv/bin/python" -m kvbridge cache-server "$@" >>"$LOG_FILE" 2>&1 </dev/null &
     pid=$!
     echo "$pid" >"$PID_FILE"

@@ -65,3 +65,39 @@ def test_the_lab_shows_a_priority_burst_preempting_and_resuming(gui_server):
             browser.close()
     assert stop(gui_server["proc"]) == 0
     assert "Stopped." in gui_server["log"].read_text()
+
+
+def test_gui_with_serve_shows_the_endpoints_requests_in_the_lab(tmp_path):
+    """`gui --serve`: the OpenAI-compatible endpoint beside the GUI in one process; a request sent with
+    the openai SDK shows up in the lab tab's events while the page watches."""
+    import openai
+
+    port, serve_port = free_port(), free_port()
+    log_path = tmp_path / "gui.log"
+    proc = start_kvbridge(["gui", "--serve"], clean_env(
+        KVB_PORT=str(port), KVB_SERVE_PORT=str(serve_port), KVB_HOST="127.0.0.1", KVB_L2_DIR=str(tmp_path / "l2"),
+        KVB_CHUNK_SIZE="32", KVB_CTX_SIZE="1024", KVB_SCHED_KV_CELLS="2048", KVB_OUTPUT_DIR=str(tmp_path / "output"),
+        KVB_INPUT_DIR=str(tmp_path / "input")), log_path)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        wait_for(lambda: answers(url) and f"ready on http://127.0.0.1:{serve_port}" in log_path.read_text(),
+                 "the GUI with serve did not start", log_path, proc, timeout_s=180)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1100})
+                page.goto(url)
+                page.get_by_role("tab", name="KV cache lab").click()
+                expect(page.locator("#kvb-lab-msg")).to_contain_text("Watching the serve endpoint", timeout=30_000)
+                client = openai.OpenAI(base_url=f"http://127.0.0.1:{serve_port}/v1", api_key="x", max_retries=0)
+                answer = client.chat.completions.create(model="x", temperature=0, max_tokens=16,
+                                                        messages=[{"role": "user", "content": "Name a river."}])
+                assert answer.choices[0].message.content
+                events = page.locator("#kvb-lab-events")
+                expect(events).to_contain_text("serve chat", timeout=30_000)
+                expect(events).to_contain_text("finish", timeout=30_000)
+            finally:
+                browser.close()
+    finally:
+        assert stop(proc) == 0
+    assert "Stopped." in log_path.read_text()

@@ -326,14 +326,25 @@ def launch_app(demo: gr.Blocks, settings: Settings, **kwargs: Any) -> str:
     return url
 
 
-def main(settings: Settings | None = None) -> int:
-    """`python -m kvbridge gui`: serve until SIGTERM/SIGINT, then stop the run, the store and the engine."""
+def main(settings: Settings | None = None, serve: bool = False) -> int:
+    """`python -m kvbridge gui [--serve]`: serve until SIGTERM/SIGINT, then stop the run, the store and the
+    engine. With --serve, the OpenAI-compatible endpoint runs beside it on KVB_SERVE_PORT, and the lab
+    tab watches its scheduler."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings or Settings.from_env()
     for problem in settings.validate():
         print(f"Setting problem (fix it in the Engine panel or .env): {problem}", file=sys.stderr)
     state = AppState(settings)
-    demo = build_app(settings, state)
+    lab = LabSession(settings)
+    serving = None
+    if serve:
+        try:
+            serving = _start_serving(settings, lab)
+        except KVBridgeError as exc:
+            print(f"Cannot start the serve endpoint: {exc}", file=sys.stderr)
+            lab.close()
+            return 2
+    demo = build_app(settings, state, lab)
     try:
         url = launch_app(demo, settings)
     except OSError as exc:
@@ -353,11 +364,31 @@ def main(settings: Settings | None = None) -> int:
     while not shutdown.wait(0.5):
         pass
     print("Stopping: ending the run, flushing the store, closing the engine…", flush=True)
+    if serving is not None:
+        serve_endpoint, serve_engine = serving
+        serve_endpoint.stop(settings.serve_drain_timeout + 5)
+        serve_engine.close()
     demo.lab.close()
     disconnect_engine(state)
     demo.close()
     print("Stopped.", flush=True)
     return 0
+
+
+def _start_serving(settings: Settings, lab: LabSession):
+    """The serve endpoint on its own port in this process, its scheduler attached to the lab."""
+    from kvbridge.serve.engines import SchedulerEngine
+    from kvbridge.serve.server import BackgroundServe
+
+    engine = SchedulerEngine(settings)
+    try:
+        endpoint = BackgroundServe(settings, engine)
+    except BaseException:
+        engine.close()
+        raise
+    lab.attach(engine.scheduler)
+    print(f"KVBridge serve ready on {endpoint.url} (beside the GUI)", flush=True)
+    return endpoint, engine
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ RESULT_COLUMNS = ["request", "priority", "result", "queue ms", "TTFT ms", "token
                   "swap-out ms", "swap-in ms", "answer"]
 EVENT_COLUMNS = ["t (s)", "event", "request", "detail"]
 EVENTS_SHOWN = 60
+WATCHING = ("Watching the serve endpoint's scheduler (`gui --serve`): its requests appear here as they run. A "
+            "scenario runs on it too, with its settings (the budget controls here apply to the lab's own scheduler).")
 SCHEDULER_FIELDS = ("sched_kv_cells", "sched_max_running", "sched_soft", "sched_hard", "sched_critical")
 
 
@@ -84,6 +86,11 @@ class LabSession:
     @property
     def owns_scheduler(self) -> bool:
         return self._own
+
+    @property
+    def attached(self) -> bool:
+        """Watching a scheduler someone else runs (the serve endpoint of `gui --serve`)."""
+        return self.scheduler is not None and not self._own
 
     def scheduler_for(self, settings: Settings):
         """A fresh scheduler with these settings (so counters and the timeline start with the run),
@@ -235,9 +242,9 @@ def lab_view(lab: LabSession) -> LabView:
     run, scheduler = lab.run, lab.scheduler
     snapshot = scheduler.snapshot() if scheduler is not None else None
     events = scheduler.events() if scheduler is not None else []
-    running = run is not None and run.active
+    running = (run is not None and run.active) or lab.attached   # a served scheduler is watched all along
     return LabView(
-        message=_run_message(run, snapshot),
+        message=_run_message(run, snapshot, lab.attached),
         status=status_markdown(snapshot) if snapshot else "No scheduler yet: choose a scenario and press **Run**.",
         block_map=block_map_figure(snapshot),
         pressure=pressure_figure(snapshot),
@@ -295,9 +302,9 @@ def result_rows(run: LabRun) -> list[list[Any]]:
     return rows
 
 
-def _run_message(run: LabRun | None, snapshot: dict | None) -> str:
+def _run_message(run: LabRun | None, snapshot: dict | None, attached: bool = False) -> str:
     if run is None:
-        return ""
+        return WATCHING if attached else ""
     if run.error:
         return f"⚠️ {run.error}"
     done = sum(1 for f in run.futures.values() if f.done())

@@ -50,7 +50,7 @@ def build_lab_tab(lab: LabSession) -> None:
             with gr.Row():
                 run_btn = gr.Button("Run", variant="primary", elem_id="kvb-lab-run")
                 stop_btn = gr.Button("Stop", variant="stop", elem_id="kvb-lab-stop")
-            message = gr.Markdown(elem_classes="kvb-message", elem_id="kvb-lab-msg")
+            message = gr.Markdown(lab_view(lab).message, elem_classes="kvb-message", elem_id="kvb-lab-msg")
     status = gr.Markdown("No scheduler yet: choose a scenario and press **Run**.", elem_id="kvb-lab-status")
     with gr.Row(equal_height=False):
         with gr.Column(scale=3):
@@ -63,7 +63,7 @@ def build_lab_tab(lab: LabSession) -> None:
                               wrap=True, max_height=320, elem_id="kvb-lab-events")
         results = gr.Dataframe([], headers=RESULT_COLUMNS, label="Requests' results", interactive=False, wrap=True,
                                max_height=320, elem_id="kvb-lab-results")
-    timer = gr.Timer(TICK_S, active=False)
+    timer = gr.Timer(TICK_S, active=lab.attached)   # a served scheduler (gui --serve) is watched from the start
 
     view_outputs = [message, status, block_map, pressure, timeline, events, results, timer]
 

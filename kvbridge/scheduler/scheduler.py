@@ -509,9 +509,22 @@ class Scheduler:
         if request.first_token_at is None:
             request.first_token_at = now
             request.record.ttft_ms = (now - request.submitted) * 1e3
+        store_prompt = False
         if not request.prompt_stored and request.kv_tokens >= len(request.prompt):
-            request.prompt_stored = True   # its prompt's KV, for a restart or another process
+            request.prompt_stored = True   # its prompt's KV, for a restart or another process, ...
+            # ... unless all but its last token came from the store or from a sequence whose prompt was
+            # stored (every prompt is): then the store has it, and copying the state out is skipped
+            store_prompt = request.record.matched_tokens < len(request.prompt) - 1
+        # after the token went out, so the state copy (tens of MB) stays off the TTFT; before it when
+        # this token may end the request (its sequence is freed at the end)
+        may_end = self._ctx.is_end(token) or len(request.generated) + 1 >= request.n_predict or bool(request.stop)
+        if store_prompt and may_end:
             self.swap.store_behind(self._ctx.save_seq(request.seq), request.prompt)
+        self._emit(request, token)
+        if store_prompt and not may_end:
+            self.swap.store_behind(self._ctx.save_seq(request.seq), request.prompt)
+
+    def _emit(self, request: Request, token: int) -> None:
         if self._ctx.is_end(token):
             self._finish(request)
             return

@@ -3,7 +3,7 @@
 The ready line `KVBridge serve ready on http://HOST:PORT` is printed once the socket listens (what
 scripts/serve.sh waits for). SIGTERM or SIGINT: stop accepting, let running requests finish for up
 to KVB_SERVE_DRAIN_TIMEOUT seconds, then close the engine (unfinished requests fail, their KV blocks
-freed) and exit 0. `serve_in_thread` runs the same app beside the GUI (`gui --serve`).
+freed) and exit 0. `BackgroundServe` runs the same app beside the GUI (`gui --serve`).
 """
 from __future__ import annotations
 
@@ -52,7 +52,14 @@ class _Server(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started and self._on_ready is not None:
-            self._on_ready()
+            self._on_ready(self.bound_port())
+
+    def bound_port(self) -> int:
+        """The port the socket listens on (what --port 0 was given)."""
+        for server in getattr(self, "servers", []):
+            for sock in server.sockets:
+                return int(sock.getsockname()[1])
+        return self.config.port
 
 
 def run(settings: Settings, host: str | None = None, port: int | None = None, engine_key: str | None = None) -> int:
@@ -69,7 +76,7 @@ def run(settings: Settings, host: str | None = None, port: int | None = None, en
     try:
         app = build_app(settings, engine, key)
         server = _Server(_config(app, settings, host, port),
-                         on_ready=lambda: print(READY.format(host=host, port=port), flush=True))
+                         on_ready=lambda bound: print(READY.format(host=_url_host(host), port=bound), flush=True))
         # uvicorn drains on SIGTERM/SIGINT, then raises the signal again for the handler it found:
         # this one, so the engine below is still closed and the exit status is 0
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -85,20 +92,35 @@ def run(settings: Settings, host: str | None = None, port: int | None = None, en
     return 0
 
 
-def serve_in_thread(settings: Settings, engine: ServeEngine, host: str | None = None,
-                    port: int | None = None) -> tuple[uvicorn.Server, threading.Thread]:
-    """The app on a thread of this process (signals stay with the caller); stop with server.should_exit."""
-    host = host or settings.serve_host
-    port = settings.serve_port if port is None else port
-    ready = threading.Event()
-    server = _Server(_config(build_app(settings, engine, api_key_from(settings)), settings, host, port),
-                     on_ready=ready.set)
-    server.install_signal_handlers = lambda: None    # older uvicorn; newer ones skip off the main thread
-    thread = threading.Thread(target=server.run, name="kvbridge-serve", daemon=True)
-    thread.start()
-    if not ready.wait(30) or not server.started:
-        raise BadSettings(f"serve could not listen on {host}:{port} (KVB_SERVE_PORT / KVB_SERVE_HOST)")
-    return server, thread
+class BackgroundServe:
+    """The app on a thread of this process, beside the GUI (`gui --serve`); signals stay with the caller.
+    `stop()` drains like SIGTERM does; the engine is the caller's to close."""
+
+    def __init__(self, settings: Settings, engine: ServeEngine, host: str | None = None,
+                 port: int | None = None) -> None:
+        self.host = host or settings.serve_host
+        self.port = settings.serve_port if port is None else port
+        ready = threading.Event()
+        self.server = _Server(_config(build_app(settings, engine, api_key_from(settings)), settings, self.host,
+                                      self.port), on_ready=lambda bound: (setattr(self, "port", bound), ready.set()))
+        self.thread = threading.Thread(target=self.server.run, name="kvbridge-serve", daemon=True)
+        self.thread.start()
+        if not ready.wait(30) or not self.server.started:
+            self.stop(5)
+            raise BadSettings(f"serve could not listen on {self.host}:{self.port}: the port is in use or the "
+                              "address is not available (KVB_SERVE_PORT / KVB_SERVE_HOST)")
+
+    @property
+    def url(self) -> str:
+        return f"http://{_url_host(self.host)}:{self.port}"
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def _is_loopback(host: str) -> bool:
