@@ -396,9 +396,12 @@ class Scheduler:
 
     def _restore_beyond(self, request: Request, shared: int) -> tuple[int, str, float]:
         """Restore the context's longest stored prefix into the request's sequence when it beats `shared`."""
+        enough = shared + self.ledger.block_tokens // 2    # less is not worth replacing the shared cells
+        if len(request.context) - 1 <= enough:
+            return 0, "none", 0.0     # the resident run covers all the store could give
         start = time.perf_counter()
-        plan = self.swap.restore(request.context, request.swap)
-        if plan.matched_tokens <= shared + self.ledger.block_tokens // 2 or plan.state is None:
+        plan = self.swap.restore(request.context, request.swap, at_least=enough)
+        if plan.matched_tokens <= enough or plan.state is None:
             return 0, "none", 0.0
         # the store's copy replaces the shared cells: one sequence, one source
         self._ctx.seq_rm(request.seq)

@@ -86,10 +86,17 @@ class SwapSpace:
         ticket.complete = found and tail
         return ticket
 
-    def restore(self, tokens: list[int], ticket: SwapTicket | None = None):
+    def restore(self, tokens: list[int], ticket: SwapTicket | None = None, at_least: int = 0):
         """The longest stored prefix of `tokens` (at most all but the last), with a swapped-out
-        sequence's own tail when `ticket` is given: a RestorePlan whose state is set when matched_tokens > 0."""
-        return self.kv.plan_restore(tokens, self.hashes(tokens), tail_override=ticket.tail if ticket else None)
+        sequence's own tail when `ticket` is given: a RestorePlan whose state is set when matched_tokens
+        > at_least (a shorter one is not assembled: the caller holds that much already)."""
+        plan = self.kv.find_prefix(tokens, self.hashes(tokens), tail_override=ticket.tail if ticket else None)
+        try:
+            if plan.matched_tokens > at_least:
+                self.kv.assemble(plan)
+        finally:
+            plan.release()
+        return plan
 
     # -- prompts --------------------------------------------------------------------------------------
     def store_behind(self, data, tokens: list[int]) -> bool:
