@@ -180,7 +180,7 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(served):
 @pytest.fixture
 def small_queue(tmp_path):
     server = Served(tmp_path, "queue", KVB_SCHED_MAX_RUNNING="1", KVB_SCHED_MAX_WAITING="1",
-                    KVB_SERVE_API_KEY_ENV="KVB_TEST_SERVE_KEY", KVB_TEST_SERVE_KEY="s3cret-key",
+                    KVB_SERVE_API_KEY_ENV="SERVE_TEST_KEY", SERVE_TEST_KEY="s3cret-key",
                     KVB_SERVE_CORS_ORIGINS="http://localhost:3000").start()
     yield server
     assert server.stop() == 0
@@ -254,3 +254,27 @@ def test_a_restart_keeps_the_cache_and_sigterm_lets_a_running_request_finish(tmp
     assert events[-1] == b"data: [DONE]"
     finish = [json.loads(e[6:]) for e in events[:-1]][-1]["choices"][0]["finish_reason"]
     assert finish in ("stop", "length")
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"serve_port": 0}, "KVB_SERVE_PORT"),
+    ({"serve_engine": "vllm"}, "KVB_SERVE_ENGINE"),
+    ({"serve_api_key_env": "sk-live key"}, "KVB_SERVE_API_KEY_ENV"),
+    ({"serve_max_tokens": 0}, "KVB_SERVE_MAX_TOKENS"),
+    ({"serve_cors_origins": "localhost:3000"}, "KVB_SERVE_CORS_ORIGINS"),
+])
+def test_bad_serve_settings_name_the_variable(make_settings, changes, named):
+    problems = make_settings(**changes).validate()
+    assert any(named in p for p in problems), problems
+
+
+def test_a_key_variable_that_is_empty_stops_the_start_with_its_name(tmp_path):
+    import subprocess
+    import sys
+
+    from kvbridge.settings import PROJECT_ROOT
+
+    done = subprocess.run([sys.executable, "-m", "kvbridge", "serve", "--port", str(free_port())], cwd=PROJECT_ROOT,
+                          env=clean_env(KVB_L2_DIR=str(tmp_path / "l2"), KVB_SERVE_API_KEY_ENV="SERVE_TEST_KEY"),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "SERVE_TEST_KEY" in done.stderr and "empty or not set" in done.stderr
