@@ -65,6 +65,7 @@ class Request:
     text: str = ""
     pieces: Utf8Decoder = field(default_factory=Utf8Decoder)
     prompt_stored: bool = False
+    store_pending: bool = False          # its prompt's KV is to be stored (after the token that went out)
     first_token_at: float | None = None
     admitted_at: float | None = None
     swap: SwapTicket | None = None       # what swap-out left in the store (pinned until the request resumes)

@@ -512,19 +512,26 @@ class Scheduler:
         if request.first_token_at is None:
             request.first_token_at = now
             request.record.ttft_ms = (now - request.submitted) * 1e3
-        store_prompt = False
         if not request.prompt_stored and request.kv_tokens >= len(request.prompt):
-            request.prompt_stored = True   # its prompt's KV, for a restart or another process, ...
-            # ... unless all but its last token came from the store or from a sequence whose prompt was
-            # stored (every prompt is): then the store has it, and copying the state out is skipped
-            store_prompt = request.record.matched_tokens < len(request.prompt) - 1
-        # after the token went out, so the state copy (tens of MB) stays off the TTFT; before it when
-        # this token may end the request (its sequence is freed at the end)
-        may_end = self._ctx.is_end(token) or len(request.generated) + 1 >= request.n_predict or bool(request.stop)
-        if store_prompt and may_end:
-            self.swap.store_behind(self._ctx.save_seq(request.seq), request.prompt)
+            request.prompt_stored = True   # its prompt's KV, for a restart or another process
+            request.store_pending = self._worth_storing(request)
         self._emit(request, token)
-        if store_prompt and not may_end:
+        self._store_prompt(request)   # after the token went out: the state copy (tens of MB) is off the TTFT
+
+    def _worth_storing(self, request: Request) -> bool:
+        """What it reused came from the store or from a sequence whose prompt was stored, so only what
+        lies beyond is new: worth storing unless every whole chunk is there already and the rest is a
+        few tokens (a new question after a shared document). That tail would cost a copy of the whole
+        sequence's state (tens of MB) and a tail object of up to a chunk to save recomputing a few
+        tokens, and on a 2-core machine it competes with the next request's prefill."""
+        reused, n = request.record.matched_tokens, len(request.prompt)
+        new_tokens = n - reused
+        c = self.settings.chunk_size
+        return new_tokens > 1 and not (reused // c >= n // c and new_tokens < c // 4)
+
+    def _store_prompt(self, request: Request) -> None:
+        if request.store_pending and request.seq is not None:
+            request.store_pending = False
             self.swap.store_behind(self._ctx.save_seq(request.seq), request.prompt)
 
     def _emit(self, request: Request, token: int) -> None:
@@ -555,8 +562,6 @@ class Scheduler:
             if request.on_token is not None:
                 request.on_token(tail)
         self._running.remove(request)
-        self._keep_prefix(request)
-        self._free_request(request)
         request.state = "done"
         record = request.record
         record.text = request.text
@@ -565,7 +570,10 @@ class Scheduler:
         self._counters["finished"] += 1
         self._event("finish", request, f"{record.gen_tokens} tokens")
         if not request.future.cancelled():
-            request.future.set_result(record)
+            request.future.set_result(record)   # first: what follows is housekeeping, not the answer's time
+        self._store_prompt(request)
+        self._keep_prefix(request)
+        self._free_request(request)
 
     def _keep_prefix(self, request: Request) -> None:
         """Keep the finished prompt resident (its cells shared, not copied) for later prompts to share."""

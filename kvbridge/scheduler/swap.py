@@ -100,9 +100,10 @@ class SwapSpace:
 
     # -- prompts --------------------------------------------------------------------------------------
     def store_behind(self, data, tokens: list[int]) -> bool:
-        """Queue a prompt's KV (already copied out of llama.cpp) for storing; False when the queue is full."""
+        """Queue a prompt's KV (a buffer of its own, out of llama.cpp: LlamaContext.save_seq) for storing;
+        False when the queue is full."""
         try:
-            self._jobs.put_nowait((bytes(data), list(tokens)))
+            self._jobs.put_nowait((data, list(tokens)))
             return True
         except queue.Full:
             self.skipped_writes += 1
