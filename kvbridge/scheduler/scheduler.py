@@ -319,7 +319,10 @@ class Scheduler:
             self._start(request, resumed=False)
 
     def _make_room(self, request: Request) -> bool:
-        """Whether the request fits, after evicting cold cached prefixes (least recently used first)."""
+        """Whether the request fits, after evicting cold cached prefixes (least recently used first)
+        when blocks are short; a full set of running slots is not helped by evicting anything."""
+        if len(self._running) >= self.max_running:
+            return False
         while not self._room_for(request) and self._prefixes:
             self._evict_prefix(min(self._prefixes, key=lambda p: p.last_used))
         return self._room_for(request)
