@@ -95,7 +95,7 @@ def test_flash_attention_changes_the_namespace(settings):
     answer token's top-2 log-probabilities moved by ~0.08 and the greedy answer changed, with
     llama-server's own cache as much as with ours. So the oracle here is exact where it can be: the
     restored K and V rows equal the cold prefill's byte for byte, and the answer equals llama-server's
-    own prompt-cache reuse token for token (and the cold answer whenever that one does)."""
+    own prompt-cache reuse token for token."""
     with engine_on("llama-server", settings) as plain:
         plain_ns = plain.namespace
     with engine_on("llama-server", dataclasses.replace(settings, flash_attn=True)) as flash:
@@ -115,8 +115,6 @@ def test_flash_attention_changes_the_namespace(settings):
         assert np.array_equal(k_cold[:restored], k_hit[:restored])
         assert np.array_equal(v_cold[:restored], v_hit[:restored])
     assert hit.text == native.text
-    if native.text == cold.text:
-        assert hit.text == cold.text
 
 
 def test_attached_without_local_slot_files_restores_whole_snapshots(settings):
