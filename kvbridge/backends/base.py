@@ -11,10 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from collections import Counter
 from collections.abc import Mapping
-from typing import ClassVar, Iterator, Literal, Sequence
+from typing import TYPE_CHECKING, ClassVar, Iterator, Literal, Sequence
 
 from kvbridge.settings import Settings
 from kvbridge.backends.chat_template import chatml
+
+if TYPE_CHECKING:
+    from kvbridge.formats.architectures import ModelTraits
 
 KVMode = Literal["full", "shadow"]
 Message = dict  # {"role": "system"|"user"|"assistant", "content": str}
@@ -69,6 +72,15 @@ class SeqState:
     # file's ids; in-process: the context's ids). None: the engine cannot say; (): the engine says the
     # state is another client's (llama-server by name: its slot ran another task). Neither is stored.
     token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class WindowCapture:
+    """A sliding-window model's window rows at an earlier position (Backend.capture_window)."""
+
+    data: bytes | memoryview     # llama.cpp state bytes
+    whole_state: bool            # True: a whole iSWA state (a slot file), whose second cache is the window
+    trusted_end: int             # rows of positions below this are the ones the prefill computed
 
 
 class Backend:
@@ -167,6 +179,23 @@ class Backend:
         """The current sequence's KV (prompt and generated tokens) as engine bytes, with the token ids the
         engine itself says those cells hold (SeqState.token_ids): KVBridge stores nothing they do not confirm."""
         raise NotImplementedError
+
+    def model_traits(self) -> "ModelTraits | None":
+        """What llama.cpp says about the model (architecture, sliding window, recurrent, hybrid); None when
+        this engine cannot tell, which a full engine treats as a refusal (kvbridge.formats.architectures)."""
+        return None
+
+    def capture_window(self, n_tokens: int) -> WindowCapture | None:
+        """Sliding-window models: the sliding-window rows the context holds for the window ending at position
+        n_tokens - 1, after truncating the context to its first n_tokens (later cells are dropped: call it
+        with decreasing n_tokens, after save_state). None: this engine cannot (nothing of the window is
+        stored then that the state alone does not hold)."""
+        return None
+
+    @property
+    def kv_by_reference(self) -> bool:
+        """True when save_state() returns a reference to bytes kept elsewhere (they cannot be parsed here)."""
+        return False
 
     def state_buffer(self, size: int, tokens: Sequence[int]):
         """Optional: a writable uint8 buffer of `size` bytes to assemble the next restore state into.

@@ -14,10 +14,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from kvbridge.settings import EMBEDDED_MODEL_PATH, Settings
+from kvbridge.settings import Settings
+from kvbridge.settings.models import EMBEDDED_MODELS
 from kvbridge.errors import BadSettings, EngineUnavailable, StateTransferError
 from kvbridge.backends.build_check import ensure_llama_cpp_runs
-from kvbridge.backends.base import Backend, EngineReport, Message, Prompt, Sampling, SeqState
+from kvbridge.backends.base import Backend, EngineReport, Message, Prompt, Sampling, SeqState, WindowCapture
+from kvbridge.backends.model_traits import traits_of_model
 from kvbridge.backends.chat_template import ChatTemplate, template_of_llama
 from kvbridge.backends.registry import EngineSpec, register_engine
 from kvbridge.formats.llama_state import KV_CACHE_TYPES, UNQUANTISED_KV_TYPES
@@ -57,14 +59,14 @@ def model_file_problems(s: Settings, *, ollama_model_ok: bool = False) -> list[s
     if ollama_model_ok and s.ollama_model:
         return []  # the engine looks the model's GGUF up in KVB_OLLAMA_MODELS
     embedded = s.resolved_model_path()
-    if not embedded.is_file():
-        return [f"the embedded model {embedded} is missing; run ./scripts/setup.sh to fetch it, "
-                "or set KVB_MODEL_PATH to a .gguf file"]
+    if not embedded.is_file() and s.model in EMBEDDED_MODELS:
+        return [f"the embedded model {s.model} (KVB_MODEL) is missing at {embedded}; run "
+                f"./scripts/setup.sh --model {s.model} to fetch it, or set KVB_MODEL_PATH to a .gguf file"]
     return []
 
 
 def model_path_for(settings: Settings) -> Path:
-    """KVB_MODEL_PATH, else an Ollama model's GGUF (KVB_OLLAMA_MODEL), else the embedded SmolLM2."""
+    """KVB_MODEL_PATH, else an Ollama model's GGUF (KVB_OLLAMA_MODEL), else the embedded model KVB_MODEL names."""
     if settings.model_path:
         return Path(settings.model_path).expanduser()
     if settings.ollama_model:
@@ -79,19 +81,29 @@ def model_path_for(settings: Settings) -> Path:
                     f"KVB_OLLAMA_MODEL={settings.ollama_model!r} was not found in Ollama's model store "
                     f"{settings.ollama_models} (KVB_OLLAMA_MODELS); pull it with `ollama pull` or set KVB_MODEL_PATH")
             return found
-    return EMBEDDED_MODEL_PATH
+    return settings.resolved_model_path()
 
 
 def check_model_file(path: Path) -> None:
     """A clear error for a missing or unreadable GGUF, naming the file and the setting."""
     if not path.is_file():
-        hint = " Run ./scripts/setup.sh to fetch the embedded model." if path == EMBEDDED_MODEL_PATH else ""
-        raise EngineUnavailable(f"Model file {path} does not exist (KVB_MODEL_PATH).{hint}")
+        embedded = next((m for m in EMBEDDED_MODELS.values() if m.path == path), None)
+        if embedded is not None:
+            raise EngineUnavailable(f"The embedded model {embedded.name} ({path}) is not fetched yet (KVB_MODEL): "
+                                    f"run ./scripts/setup.sh --model {embedded.name}")
+        raise EngineUnavailable(f"Model file {path} does not exist (KVB_MODEL_PATH).")
     if not os.access(path, os.R_OK):
         raise EngineUnavailable(f"Model file {path} is not readable (KVB_MODEL_PATH).")
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise EngineUnavailable(f"Model file {path} is not a GGUF file (KVB_MODEL_PATH).")
+
+
+def swa_fingerprint(traits) -> dict[str, str]:
+    """The sliding-window cache mode, for the namespace: both llama.cpp engines run sliding-window models
+    with the full-size cache (swa_full), and say so identically so they keep sharing chunks. A plain
+    model adds nothing (its namespace stays what it was)."""
+    return {"swa": "full"} if traits is not None and traits.n_swa else {}
 
 
 class LlamaCppBackend(Backend):
@@ -123,7 +135,10 @@ class LlamaCppBackend(Backend):
         try:
             self.llm = llama_cpp.Llama(
                 model_path=str(path), n_ctx=self.settings.ctx_size, n_threads=self.settings.resolved_threads(),
-                n_batch=512, flash_attn=self.settings.flash_attn, type_k=type_k, type_v=type_v, verbose=False)
+                n_batch=512, flash_attn=self.settings.flash_attn, type_k=type_k, type_v=type_v, verbose=False,
+                # a sliding-window model keeps every cell (llama.cpp's full-size SWA cache), so the window
+                # rows of earlier positions can still be captured after the prefill (capture_window)
+                swa_full=True)
         except (ValueError, RuntimeError) as exc:
             raise EngineUnavailable(f"llama.cpp could not load {path} (KVB_MODEL_PATH): {exc}") from exc
         self.model_path = path
@@ -218,10 +233,30 @@ class LlamaCppBackend(Backend):
             "cache_type_k": self.settings.cache_type_k.lower(),
             "cache_type_v": self.settings.cache_type_v.lower(),
             "v_trans": "0" if self.settings.flash_attn else "1",
+            **swa_fingerprint(self.model_traits()),
         }
 
     def model_file(self) -> Path | None:
         return self.model_path
+
+    def model_traits(self):
+        return traits_of_model(self._llm.model)
+
+    def capture_window(self, n_tokens: int) -> WindowCapture | None:
+        import llama_cpp
+
+        llm = self._llm
+        ctx = llm._ctx.ctx
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), 0, n_tokens, -1)
+        llm.n_tokens = min(llm.n_tokens, n_tokens)
+        llm._requires_eval = True   # the last logits belong to a dropped position
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_SWA_ONLY
+        size = llama_cpp.llama_state_seq_get_size_ext(ctx, 0, flags)
+        buf = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data_ext(ctx, buf, size, 0, flags)
+        if written != size:
+            raise StateTransferError(f"llama_state_seq_get_data_ext wrote {written} of {size} bytes")
+        return WindowCapture(data=memoryview(buf).cast("B"), whole_state=False, trusted_end=n_tokens)
 
     def held_tokens(self) -> int:
         """llama.cpp's own position range for sequence 0 (pos_max + 1; 0 when it is empty)."""

@@ -23,6 +23,7 @@ from kvbridge.settings import Settings
 from kvbridge.errors import BadSettings, EmptyPrompt, KVBridgeError, StateTransferError
 from kvbridge.engine.hashing import make_hasher
 from kvbridge.engine.chunks import ChunkKV, ForeignState, ShadowIndex
+from kvbridge.formats.architectures import ModelTraits, kv_support
 from kvbridge.formats.llama_state import KVGeometry, LayoutError, parse_state
 from kvbridge.store.serde import remember_geometry
 from kvbridge.engine.metrics import Metrics
@@ -55,6 +56,8 @@ class CachedEngine:
         self.metrics = metrics if metrics is not None else Metrics()
         self.namespace = ""
         self.geometry: KVGeometry | None = None
+        self.traits: ModelTraits | None = None
+        self.kv_refusal = ""   # set: the model's KV layout is not one KVBridge can restore exactly; runs uncached
         self.hasher = None
         self._kv: ChunkKV | None = None
         self._index: ShadowIndex | None = None
@@ -111,8 +114,9 @@ class CachedEngine:
         model_sha = file_sha256(model, sha_cache_file(self.settings.l2_dir)) if model is not None else None
         kv_layout = None
         if self.backend.kv_mode == "full":
-            self.geometry = self._probe_geometry()
-            kv_layout = self.geometry.digest().hex()[:16] if self.geometry else "snapshot"
+            self.geometry, self.kv_refusal = self._decide_layout()
+            kv_layout = ("refused" if self.kv_refusal else
+                         self.geometry.digest().hex()[:16] if self.geometry else "snapshot")
             if self.geometry is not None:
                 remember_geometry(self.geometry)   # the int8 codec finds a chunk's K and V rows by it
         self.namespace = kv_namespace(self.backend.kv_fingerprint(), model_sha256=model_sha, kv_layout=kv_layout,
@@ -120,14 +124,39 @@ class CachedEngine:
                                       chunk_size=self.settings.chunk_size)
         self.hasher = make_hasher(self.settings.chunk_size, self.namespace, self.settings.prefer_lmcache_hasher)
         seed = getattr(self.hasher, "seed", b"")
-        if self.backend.kv_mode == "full":
+        if self.backend.kv_mode == "full" and not self.kv_refusal:
             self._kv = ChunkKV(self.store, self.namespace, seed, self.settings.chunk_size, self.geometry)
             self._kv.prefault_scratch = not self.backend.assembles_in_place
-        else:
+        elif self.backend.kv_mode != "full":
             self._index = ShadowIndex(self.store, self.namespace, seed, self.settings.chunk_size)
 
-    def _probe_geometry(self) -> KVGeometry | None:
-        """Learn the engine's KV layout from a tiny real state; None means whole-snapshot fallback."""
+    def _decide_layout(self) -> tuple[KVGeometry | None, str]:
+        """(geometry, refusal): what the model is decides which layout is expected (kv_support); a probe
+        state must then parse as exactly that layout. Whole snapshots remain only for a plain model on a
+        llama-server whose slot files are not on this machine (the bytes cannot be read here)."""
+        self.traits = self.backend.model_traits()
+        if self.traits is None:
+            return None, "the engine did not say what kind of model it runs, so no KV layout can be proven; it runs uncached"
+        support = kv_support(self.traits)
+        if support.refused:
+            log.warning("KV caching refused: %s", support.reason)
+            return None, support.reason
+        if self.backend.kv_by_reference:
+            if support.window:
+                return None, (f"the {self.traits.architecture} model's sliding-window cache cannot be restored from whole "
+                              "snapshots kept on the server (set KVB_LLAMA_SERVER_SLOT_DIR to its slot directory "
+                              "for chunked KV); it runs uncached")
+            return None, ""
+        try:
+            return self._probe_geometry(support.window), ""
+        except LayoutError as exc:
+            reason = (f"the {self.traits.architecture} model's KV state is not the {support.layout} layout "
+                      f"llama.cpp writes for it ({exc}); it runs uncached")
+            log.warning("KV caching refused: %s", reason)
+            return None, reason
+
+    def _probe_geometry(self, window: int) -> KVGeometry:
+        """Learn the engine's KV layout from a tiny real state; LayoutError when it is not the expected one."""
         # at most half the context, so the smallest context the settings allow still starts
         tokens = self.backend.tokenize(PROBE_TEXT)[: max(2, self.settings.ctx_size // 2)]
         prompt = Prompt(text=PROBE_TEXT, tokens=tuple(tokens))
@@ -135,12 +164,9 @@ class CachedEngine:
         for _ in self.backend.generate(prompt, n_predict=1, temperature=0.0, use_native_cache=False, report=report):
             pass
         try:
-            geometry = parse_state(self.backend.save_state().data).geometry
-        except LayoutError as exc:
-            log.warning("KV layout not understood (%s): falling back to whole-sequence snapshots", exc)
-            geometry = None
-        self.backend.reset_native_cache()
-        return geometry
+            return parse_state(self.backend.save_state().data, self.traits.n_layer, window=window).geometry
+        finally:
+            self.backend.reset_native_cache()
 
     # status --------------------------------------------------------------------------------
     def status(self) -> dict:
@@ -158,11 +184,20 @@ class CachedEngine:
             "kv_mode": self.backend.kv_mode,
             "namespace": self.namespace,
             "namespace_short": short_namespace(self.namespace) if self.namespace else "",
-            "kv_layout": self.geometry.summary() if self.geometry else ("whole snapshots" if self.backend.kv_mode == "full" else "none (shadow)"),
+            "kv_layout": self._layout_summary(),
+            "model": self.traits.summary() if self.traits else "",
+            "kv_refusal": self.kv_refusal,
             "started": self.started,
             "store": self.store.stats(),
             "metrics": self.metrics.snapshot(),
         }
+
+    def _layout_summary(self) -> str:
+        if self.backend.kv_mode != "full":
+            return "none (shadow)"
+        if self.kv_refusal:
+            return "refused: uncached"
+        return self.geometry.summary() if self.geometry else "whole snapshots"
 
     # requests ------------------------------------------------------------------------------
     def prepare(self, prompt: str | Sequence[Message]) -> Prompt:
@@ -219,6 +254,10 @@ class CachedEngine:
         # A shadow engine keeps its cache, since its cached-token count is the ground truth we predict.
         if mode == "cold":
             self.backend.reset_native_cache()
+        elif mode == "lmcache" and full and self.kv_refusal:
+            record.add_note(f"KV caching refused: {self.kv_refusal}")
+            self.metrics.inc("kv_refused")
+            self.backend.reset_native_cache()
         elif mode == "lmcache" and full:
             restored = self._restore(tokens, hashes, record)
             if not restored:
@@ -254,7 +293,7 @@ class CachedEngine:
             record.restore_ok = False
             record.add_note(f"restore ineffective: engine reused {report.engine_cached_tokens} of {restored} restored tokens")
             self.metrics.inc("restore_ineffective")
-        if mode == "lmcache":
+        if mode == "lmcache" and not (full and self.kv_refusal):
             self._store_after(tokens, hashes, record)
 
     def _restore(self, tokens: list[int], hashes: list[bytes], record: RequestRecord) -> int:
@@ -314,7 +353,13 @@ class CachedEngine:
         t = time.perf_counter()
         try:
             if self.backend.kv_mode == "full":
-                record.stored_objects = self._kv.store_prompt(self.backend.save_state(), tokens, hashes)
+                before = self._kv.incomplete
+                record.stored_objects = self._kv.store_prompt(self.backend.save_state(), tokens, hashes,
+                                                              capture=self.backend.capture_window)
+                if self._kv.incomplete > before:
+                    record.add_note(f"{self._kv.incomplete - before} object(s) not stored: the engine no longer held "
+                                    "their sliding-window rows")
+                    self.metrics.inc("store_window_incomplete", self._kv.incomplete - before)
             else:
                 record.stored_objects = self._index.record(tokens, hashes)
         except ForeignState as exc:

@@ -25,10 +25,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvbridge.backends.base import SeqState
+from kvbridge.backends.base import SeqState, WindowCapture
 from kvbridge.engine.hashing import tail_key, tokens_digest
-from kvbridge.formats.llama_state import (ChunkView, KVGeometry, LayoutError, assemble_state, assembled_size, decode_chunk, encode_chunk,
-                       parse_state)
+from kvbridge.formats.llama_state import (ChunkView, KVGeometry, LayoutError, ParsedState, assemble_state, assembled_size,
+                                         decode_chunk, encode_chunk, parse_state, parse_window_rows, with_window_rows)
 from kvbridge.store import ObjectMeta, ObjectVanished, StoredObject, TieredStore
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ class ChunkKV:
         # second thread for the copies: numpy releases the GIL while it copies.
         self._scratch: np.ndarray | None = None
         self.prefault_scratch = True   # the engine turns it off when the backend supplies its own buffer
+        self.incomplete = 0   # objects not stored because sliding-window rows were missing (the engine counts them)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvb-assemble")
 
     def close(self) -> None:
@@ -272,11 +273,15 @@ class ChunkKV:
         return plan
 
     # store -------------------------------------------------------------------------------
-    def store_prompt(self, state: SeqState, tokens: Sequence[int], hashes: Sequence[bytes]) -> int:
+    def store_prompt(self, state: SeqState, tokens: Sequence[int], hashes: Sequence[bytes],
+                     capture: Callable[[int], WindowCapture | None] | None = None) -> int:
         """Split the prompt's cells of `state` into chunk and tail objects; put the ones not yet stored.
 
         Raises ForeignState, storing nothing, unless the engine's own token ids for the state begin
         with the prompt's: another client may have used a shared llama-server slot in between.
+        A sliding-window model's state holds the window's rows of its last positions only: `capture`
+        (Backend.capture_window) fetches those of earlier positions, and an object whose rows were
+        not all captured is not stored (counted in self.incomplete).
         """
         n = len(tokens)
         if state.token_ids is None or tuple(state.token_ids[:n]) != tuple(int(t) for t in tokens):
@@ -286,7 +291,7 @@ class ChunkKV:
         if self.geometry is None:
             return self._store_snapshot(state, tokens, hashes)
         try:
-            parsed = parse_state(state.data)
+            parsed = parse_state(state.data, window=self.geometry.window)
         except LayoutError as exc:
             log.warning("saved KV state not understood (%s); not stored", exc)
             return 0
@@ -298,12 +303,19 @@ class ChunkKV:
         # Stored chunks form a leading run (each hash names its whole prefix): one lookup says which
         # are new, and the new objects go to the store in one put_many (one round trip to a server).
         known = self.store.lookup(list(hashes[:n_full]), namespace=self.namespace).n_hit
+        tails = [j for j in range(n_full, max(n_full - TAIL_DEPTH, -1), -1) if j * c < n]
+        need_from = min([known * c] * (known < n_full) + [j * c for j in tails] or [n])
+        parsed = self._with_window(parsed, need_from, capture)
         items = []
         for i in range(known, n_full):
             ids = tokens[i * c:(i + 1) * c]
+            if i * c < parsed.window_start:
+                self.incomplete += 1
+                break   # a later chunk is unreachable without this one
             items.append(self._item(hashes[i], encode_chunk(parsed, i * c, (i + 1) * c, ids), ids, "chunk"))
-        for j in range(n_full, max(n_full - TAIL_DEPTH, -1), -1):
-            if j * c >= n:
+        for j in tails:
+            if j * c < parsed.window_start:
+                self.incomplete += 1
                 continue
             prev = hashes[j - 1] if j else self.seed
             ids = tokens[j * c:n]
@@ -313,14 +325,39 @@ class ChunkKV:
             self._reserve_scratch(assembled_size(self.geometry, n))
         return stored
 
-    def store_tail(self, data, tokens: Sequence[int], start: int, key: bytes) -> bool:
+    def _with_window(self, parsed: ParsedState, need_from: int,
+                     capture: Callable[[int], WindowCapture | None] | None) -> ParsedState:
+        """Extend a sliding-window state's window rows back to position need_from with captures taken at
+        decreasing positions; stops where the engine has no more (after a restore it holds only the
+        restored window), and never guesses a row."""
+        if not self.geometry.window or capture is None:
+            return parsed
+        rows, start = [], parsed.window_start
+        while start > need_from:
+            taken = capture(start)
+            if taken is None:
+                break
+            part = parse_window_rows(taken.data, self.geometry, whole_state=taken.whole_state)
+            part = part.first(taken.trusted_end - part.first_pos)
+            if not part.first_pos < start <= part.first_pos + part.n_cells:
+                break
+            rows.append(part)
+            start = part.first_pos
+        return with_window_rows(parsed, rows)
+
+    def store_tail(self, data, tokens: Sequence[int], start: int, key: bytes,
+                   capture: Callable[[int], WindowCapture | None] | None = None) -> bool:
         """Put the cells tokens[start:] of a sequence's saved state as one tail object under `key`."""
         try:
-            parsed = parse_state(data)
+            parsed = parse_state(data, window=self.geometry.window)
         except LayoutError as exc:
             log.warning("saved KV state not understood (%s); tail not stored", exc)
             return False
         if parsed.geometry != self.geometry or parsed.n_cells < len(tokens):
+            return False
+        parsed = self._with_window(parsed, start, capture)
+        if start < parsed.window_start:
+            self.incomplete += 1
             return False
         ids = tokens[start:]
         result = self.store.put(*self._item(key, encode_chunk(parsed, start, len(tokens), ids), ids, "tail"))

@@ -14,10 +14,18 @@ src/llama-kv-cache.cpp) of `llama_state_seq_get_data` for one sequence:
                 V, transposed:     per layer i32 v_type, u32 v_size_el, u32 n_embd_v_gqa,
                                    then n_embd_v_gqa runs of cell_count * v_size_el bytes
 
+A model with sliding-window attention (Gemma 3) keeps two caches (`llama_kv_cache_iswa`): the
+state is the global layers' cache in the layout above, then the sliding-window layers' cache in the
+same layout, holding only the cells of the last n_swa positions (llama.cpp skips the masked ones).
+Chunks hold the rows of every layer for every cell (the sliding-window rows of earlier positions
+are captured separately: with_window_rows), so a restore at any position can give the window the
+rows it needs; assemble_state writes the window's cells only.
+
 Every cell's K row and V elements are independent of the others, so cells can be sliced by
-position and concatenated again. What is deliberately not handled (and makes parse() raise
-LayoutError, so the engine falls back to whole-sequence snapshots): several streams, cells with
-extra per-cell data (M-RoPE / PLE models), cells shared by several sequences, holes in positions.
+position and concatenated again. What is deliberately not handled (parse raises LayoutError and
+nothing is stored or restored): several streams, cells with extra per-cell data (M-RoPE / PLE
+models), cells shared by several sequences, holes in positions, any layout the model's
+architecture does not announce (kvbridge.formats.architectures decides which is expected).
 """
 from __future__ import annotations
 
@@ -45,7 +53,13 @@ UNQUANTISED_KV_TYPES = frozenset({"f32", "f16", "bf16"})
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """What must be identical for chunks to be assembled into one state (and restored into an engine)."""
+    """What must be identical for chunks to be assembled into one state (and restored into an engine).
+
+    The per-layer tuples run over every layer of every cache, in the order llama.cpp writes them. A
+    model with one plain cache has one section; an iSWA model (Gemma 3: `llama_kv_cache_iswa`) has
+    two, the global layers' cache and then the sliding-window layers' cache, whose state holds only
+    the cells the last `window` positions need (llama.cpp drops the masked ones when it writes).
+    """
 
     v_trans: int
     n_layer: int
@@ -55,30 +69,58 @@ class KVGeometry:
     v_rows: tuple[int, ...]         # bytes per cell per layer (V; for transposed V: el * n_embd)
     v_els: tuple[int, ...]          # transposed V: element size; 0 otherwise
     v_embds: tuple[int, ...]        # transposed V: n_embd_v_gqa; 0 otherwise
+    sections: tuple[int, ...] = ()  # layers per cache in write order; () = one plain cache of n_layer
+    window: int = 0                 # the last section's sliding window (n_swa); 0 = none
 
     @property
     def bytes_per_cell(self) -> int:
         return sum(self.k_rows) + sum(self.v_rows)
 
+    @property
+    def section_layers(self) -> tuple[int, ...]:
+        return self.sections or (self.n_layer,)
+
+    @property
+    def windowed_layers(self) -> range:
+        """Indices of the layers whose cells a state holds only for the last `window` positions."""
+        if not self.window:
+            return range(0)
+        return range(self.n_layer - self.section_layers[-1], self.n_layer)
+
+    def bytes_per_cell_of(self, layers: range | Sequence[int]) -> int:
+        return sum(self.k_rows[i] + self.v_rows[i] for i in layers)
+
     def digest(self) -> bytes:
-        return hashlib.blake2b(repr(self).encode(), digest_size=16).digest()
+        # a plain cache keeps the digest it always had, so stored chunks stay valid
+        plain = (f"KVGeometry(v_trans={self.v_trans!r}, n_layer={self.n_layer!r}, k_types={self.k_types!r}, "
+                 f"k_rows={self.k_rows!r}, v_types={self.v_types!r}, v_rows={self.v_rows!r}, "
+                 f"v_els={self.v_els!r}, v_embds={self.v_embds!r})")
+        text = plain if not self.sections else f"{plain}|sections={self.sections!r}|window={self.window}"
+        return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
     def summary(self) -> str:
         k_types = sorted(set(self.k_types))
         v_types = sorted(set(self.v_types))
+        caches = ""
+        if self.window:
+            caches = f" caches=global:{self.section_layers[0]}+sliding:{self.section_layers[-1]}(window {self.window})"
         return (f"layers={self.n_layer} k_type={k_types} v_type={v_types} v_trans={self.v_trans} "
-                f"bytes/token={self.bytes_per_cell}")
+                f"bytes/token={self.bytes_per_cell}{caches}")
 
 
 @dataclass
 class ParsedState:
-    """A validated single-sequence state with cells ordered by position 0..n-1 (numpy views)."""
+    """A validated single-sequence state with cells ordered by position 0..n-1 (numpy views).
+
+    Windowed layers (iSWA) hold only positions window_start..n-1: their arrays start at window_start.
+    """
 
     geometry: KVGeometry
     seq_id: int
     n_cells: int
     k: list[np.ndarray]   # per layer (n_cells, k_row) uint8
     v: list[np.ndarray]   # per layer: (n_cells, v_row) uint8, or transposed (n_embd, n_cells, el) uint8
+    window_start: int = 0
 
 
 class _Reader:
@@ -102,12 +144,19 @@ class _Reader:
         return arr
 
 
-def parse_state(data: bytes | memoryview, expected_n_layer: int | None = None) -> ParsedState:
-    """Parse and validate `llama_state_seq_get_data` bytes; raise LayoutError on anything unexpected."""
-    r = _Reader(data)
-    magic, seq_id, n_stream = r.unpack("<IiI")
-    if magic != STATE_IO_MAGIC:
-        raise LayoutError(f"unknown sequence-state magic {magic:#x}")
+@dataclass
+class _Cache:
+    """One cache's section of a sequence state: cells ordered by position first_pos..first_pos+n-1."""
+
+    first_pos: int
+    n_cells: int
+    geometry: KVGeometry
+    k: list[np.ndarray]
+    v: list[np.ndarray]
+
+
+def _read_cache(r: _Reader, seq_id: int) -> _Cache:
+    (n_stream,) = r.unpack("<I")
     if n_stream != 1:
         raise LayoutError(f"{n_stream} KV streams; only one is supported")
     (n_cells,) = r.unpack("<I")
@@ -118,15 +167,14 @@ def parse_state(data: bytes | memoryview, expected_n_layer: int | None = None) -
         raise LayoutError("cells with extra data or shared by several sequences")
     positions = meta[:, 0]
     order = np.argsort(positions, kind="stable")
-    if not np.array_equal(positions[order], np.arange(n_cells, dtype=positions.dtype)):
-        raise LayoutError("cell positions are not exactly 0..n-1")
+    first = int(positions[order[0]])
+    if first < 0 or not np.array_equal(positions[order], np.arange(first, first + n_cells, dtype=positions.dtype)):
+        raise LayoutError("cell positions are not one run without holes")
     in_order = bool((order == np.arange(n_cells)).all())
 
     v_trans, n_layer = r.unpack("<II")
     if v_trans not in (0, 1) or n_layer == 0 or n_layer > 4096:
         raise LayoutError(f"implausible header v_trans={v_trans} n_layer={n_layer}")
-    if expected_n_layer is not None and n_layer != expected_n_layer:
-        raise LayoutError(f"{n_layer} layers in state, model has {expected_n_layer}")
     k_types, k_rows, k = [], [], []
     for _ in range(n_layer):
         k_type, k_row = r.unpack("<iQ")
@@ -155,14 +203,134 @@ def parse_state(data: bytes | memoryview, expected_n_layer: int | None = None) -
             v_els.append(0)
             v_embds.append(0)
             v.append(r.array(n_cells * v_row).reshape(n_cells, v_row))
-    if r.off != len(r.buf):
-        raise LayoutError(f"{len(r.buf) - r.off} unexpected trailing bytes in sequence state")
-    if not in_order:  # cells reused after edits: reorder so cell i holds position i
+    if not in_order:  # cells reused after edits: reorder so cell i holds position first + i
         k = [layer[order] for layer in k]
         v = [layer[:, order] if v_trans else layer[order] for layer in v]
     geometry = KVGeometry(v_trans, n_layer, tuple(k_types), tuple(k_rows), tuple(v_types),
                           tuple(v_rows), tuple(v_els), tuple(v_embds))
-    return ParsedState(geometry, seq_id, n_cells, k, v)
+    return _Cache(first, n_cells, geometry, k, v)
+
+
+def _read_header(r: _Reader) -> int:
+    magic, seq_id = r.unpack("<Ii")
+    if magic != STATE_IO_MAGIC:
+        raise LayoutError(f"unknown sequence-state magic {magic:#x}")
+    return seq_id
+
+
+def parse_state(data: bytes | memoryview, expected_n_layer: int | None = None, *, window: int = 0) -> ParsedState:
+    """Parse and validate `llama_state_seq_get_data` bytes; raise LayoutError on anything unexpected.
+
+    window=0: one plain cache is expected. window=n_swa (> 0): the iSWA layout is expected, exactly
+    two caches (global, then sliding-window), the second holding the last positions of the first
+    and no more than `window` of them. What the model is decides which: never the bytes.
+    """
+    r = _Reader(data)
+    seq_id = _read_header(r)
+    base = _read_cache(r, seq_id)
+    if base.first_pos != 0:
+        raise LayoutError("cell positions do not start at 0")
+    caches = [base]
+    if window:
+        if r.off == len(r.buf):
+            raise LayoutError("sliding-window model, but the state holds one cache, not two")
+        swa = _read_cache(r, seq_id)
+        end = swa.first_pos + swa.n_cells
+        if end != base.n_cells or swa.n_cells > window or swa.geometry.v_trans != base.geometry.v_trans:
+            raise LayoutError(f"the sliding-window cache holds positions {swa.first_pos}..{end - 1}, "
+                              f"not the last ones of {base.n_cells} within a window of {window}")
+        caches.append(swa)
+    if r.off != len(r.buf):
+        raise LayoutError(f"{len(r.buf) - r.off} unexpected trailing bytes in sequence state")
+    geometry = _joined(caches, window)
+    if expected_n_layer is not None and geometry.n_layer != expected_n_layer:
+        raise LayoutError(f"{geometry.n_layer} layers in state, model has {expected_n_layer}")
+    k = [layer for cache in caches for layer in cache.k]
+    v = [layer for cache in caches for layer in cache.v]
+    return ParsedState(geometry, seq_id, base.n_cells, k, v, window_start=caches[-1].first_pos)
+
+
+def _joined(caches: list[_Cache], window: int) -> KVGeometry:
+    if len(caches) == 1:
+        return caches[0].geometry
+    gs = [c.geometry for c in caches]
+    return KVGeometry(gs[0].v_trans, sum(g.n_layer for g in gs),
+                      *(sum((getattr(g, name) for g in gs), ()) for name in
+                        ("k_types", "k_rows", "v_types", "v_rows", "v_els", "v_embds")),
+                      sections=tuple(g.n_layer for g in gs), window=window)
+
+
+@dataclass
+class WindowRows:
+    """Sliding-window layers' rows for positions first_pos..first_pos+n_cells-1 (from a sliding-window-only
+    save: `llama_state_seq_get_data_ext` with LLAMA_STATE_SEQ_FLAGS_SWA_ONLY, or a slot file's second cache)."""
+
+    first_pos: int
+    n_cells: int
+    k: list[np.ndarray]
+    v: list[np.ndarray]
+
+    def first(self, n: int) -> "WindowRows":
+        """Only the first n cells (the rest were recomputed and are not to be trusted)."""
+        n = max(0, min(n, self.n_cells))
+        trans = bool(self.v and self.v[0].ndim == 3)
+        return WindowRows(self.first_pos, n, [k[:n] for k in self.k], [v[:, :n] if trans else v[:n] for v in self.v])
+
+
+def parse_window_rows(data: bytes | memoryview, geometry: KVGeometry, *, whole_state: bool = False) -> WindowRows:
+    """The sliding-window cache's rows of a state: a sliding-window-only save, or (whole_state=True) a
+    whole iSWA state whose first cache is skipped. LayoutError unless they match `geometry`."""
+    if not geometry.window:
+        raise LayoutError("the model has no sliding-window cache")
+    r = _Reader(data)
+    seq_id = _read_header(r)
+    if whole_state:
+        _read_cache(r, seq_id)
+    cache = _read_cache(r, seq_id)
+    if r.off != len(r.buf):
+        raise LayoutError(f"{len(r.buf) - r.off} unexpected trailing bytes in sliding-window state")
+    layers = geometry.windowed_layers
+    g = cache.geometry
+    expected = tuple(tuple(getattr(geometry, name)[i] for i in layers)
+                     for name in ("k_types", "k_rows", "v_types", "v_rows", "v_els", "v_embds"))
+    if g.v_trans != geometry.v_trans or (g.k_types, g.k_rows, g.v_types, g.v_rows, g.v_els, g.v_embds) != expected:
+        raise LayoutError("the sliding-window state does not match the engine's sliding-window cache")
+    return WindowRows(cache.first_pos, cache.n_cells, cache.k, cache.v)
+
+
+def with_window_rows(state: ParsedState, rows: Sequence[WindowRows]) -> ParsedState:
+    """`state` with its windowed layers' rows extended back by `rows` (captured at earlier positions),
+    as far as they reach without a hole.
+
+    The result's window_start says how far back the rows now go; nothing is guessed: a position
+    whose rows no capture holds stays out, and encode_chunk refuses a chunk that needs it.
+    """
+    layers = state.geometry.windowed_layers
+    if not layers:
+        return state
+    trans = bool(state.geometry.v_trans)
+    segments: list[tuple[int, int, WindowRows | None]] = [(state.window_start, state.n_cells, None)]
+    start = state.window_start
+    for part in sorted(rows, key=lambda w: -w.first_pos):
+        if part.first_pos < start <= part.first_pos + part.n_cells:
+            segments.insert(0, (part.first_pos, start, part))
+            start = part.first_pos
+    if start == state.window_start:
+        return state
+    k, v = list(state.k), list(state.v)
+    for j, il in enumerate(layers):
+        k_parts, v_parts = [], []
+        for lo, hi, part in segments:
+            if part is None:
+                k_parts.append(state.k[il])
+                v_parts.append(state.v[il])
+            else:
+                a, b = lo - part.first_pos, hi - part.first_pos
+                k_parts.append(part.k[j][a:b])
+                v_parts.append(part.v[j][:, a:b] if trans else part.v[j][a:b])
+        k[il] = np.concatenate(k_parts, axis=0)
+        v[il] = np.concatenate(v_parts, axis=1 if trans else 0)
+    return ParsedState(state.geometry, state.seq_id, state.n_cells, k, v, window_start=start)
 
 
 def encode_chunk(state: ParsedState, start: int, stop: int, token_ids: Sequence[int]) -> bytes:
@@ -171,13 +339,23 @@ def encode_chunk(state: ParsedState, start: int, stop: int, token_ids: Sequence[
     if not 0 <= start < stop <= state.n_cells or len(token_ids) != n:
         raise LayoutError("chunk range and token ids disagree")
     g = state.geometry
+    if g.window and start < state.window_start:
+        raise LayoutError(f"the sliding-window rows of positions {start}..{state.window_start - 1} were not "
+                          "captured; a chunk without them could not be restored exactly")
+    windowed = g.windowed_layers
+    ws = state.window_start
+
+    def cells(il: int) -> tuple[int, int]:
+        return (start - ws, stop - ws) if il in windowed else (start, stop)
+
     parts = [_CHUNK_HEADER.pack(CHUNK_MAGIC, n, n, g.digest()),
              np.asarray(token_ids, dtype="<i4").tobytes()]
-    parts += [layer[start:stop].tobytes() for layer in state.k]
-    if g.v_trans:
-        parts += [layer[:, start:stop].tobytes() for layer in state.v]
-    else:
-        parts += [layer[start:stop].tobytes() for layer in state.v]
+    for il, layer in enumerate(state.k):
+        a, b = cells(il)
+        parts.append(layer[a:b].tobytes())
+    for il, layer in enumerate(state.v):
+        a, b = cells(il)
+        parts.append(layer[:, a:b].tobytes() if g.v_trans else layer[a:b].tobytes())
     return b"".join(parts)
 
 
@@ -216,10 +394,26 @@ def decode_chunk(payload: bytes, geometry: KVGeometry) -> ChunkView:
     return ChunkView(n_cells, ids, k, v)
 
 
+def _section_cells(geometry: KVGeometry, n_cells: int) -> list[tuple[range, int]]:
+    """(layer indices, first cell) of each cache in a restore of n_cells cells: every cell of a plain
+    cache, and for the sliding-window cache the last `window` positions, as llama.cpp writes them."""
+    out, at = [], 0
+    for count in geometry.section_layers:
+        layers = range(at, at + count)
+        first = max(0, n_cells - geometry.window) if geometry.window and at + count == geometry.n_layer else 0
+        out.append((layers, first))
+        at += count
+    return out
+
+
 def assembled_size(geometry: KVGeometry, n_cells: int) -> int:
     """Bytes of a sequence state holding n_cells cells of this geometry."""
     g = geometry
-    return 16 + 12 * n_cells + 8 + sum(12 + n_cells * row for row in g.k_rows) + sum(12 + n_cells * row for row in g.v_rows)
+    size = 8
+    for layers, first in _section_cells(g, n_cells):
+        cells = n_cells - first
+        size += 8 + 12 * cells + 8 + sum(24 + cells * (g.k_rows[i] + g.v_rows[i]) for i in layers)
+    return size
 
 
 def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]], seq_id: int = 0,
@@ -229,7 +423,8 @@ def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]]
     Writes into `out` (a uint8 buffer at least assembled_size() long, reused across restores to avoid
     page faults) or a fresh buffer, and returns a writable memoryview of exactly the state (ctypes can
     point into it: no second copy). `run` executes the per-layer copy jobs, e.g. on two threads
-    (numpy releases the GIL while copying); by default they run here, one after another.
+    (numpy releases the GIL while copying); by default they run here, one after another. A
+    sliding-window cache gets only the cells its window needs at the end (every chunk holds all of them).
     """
     keeps = [keep for _, keep in pieces]
     if not pieces or any(keep < 1 or keep > view.n_cells for view, keep in pieces):
@@ -240,34 +435,11 @@ def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]]
     if out is None or len(out) < size:
         out = np.empty(size, dtype=np.uint8)
     out = out[:size]
-    out[:16] = np.frombuffer(struct.pack("<IiII", STATE_IO_MAGIC, seq_id, 1, n), np.uint8)
-    off = 16
-    meta = out[off: off + 12 * n].view("<i4").reshape(n, 3)
-    meta[:, 0] = np.arange(n, dtype="<i4")
-    meta[:, 1] = 1
-    meta[:, 2] = seq_id
-    off += 12 * n
-    out[off: off + 8] = np.frombuffer(struct.pack("<II", g.v_trans, g.n_layer), np.uint8)
-    off += 8
+    out[:8] = np.frombuffer(struct.pack("<Ii", STATE_IO_MAGIC, seq_id), np.uint8)
+    off = 8
     jobs: list[Callable[[], None]] = []
-    for il, row in enumerate(g.k_rows):
-        out[off: off + 12] = np.frombuffer(struct.pack("<iQ", g.k_types[il], row), np.uint8)
-        off += 12
-        jobs.append(_rows_job(out[off: off + n * row].reshape(n, row), [(v.k[il], keep) for v, keep in pieces]))
-        off += n * row
-    for il, row in enumerate(g.v_rows):
-        if g.v_trans:
-            el, embd = g.v_els[il], g.v_embds[il]
-            out[off: off + 12] = np.frombuffer(struct.pack("<iII", g.v_types[il], el, embd), np.uint8)
-            off += 12
-            # (embd, n*el) 2-D views: each dimension's run is one contiguous block per chunk
-            dst = out[off: off + n * row].reshape(embd, n * el)
-            jobs.append(_runs_job(dst, [(v.v[il].reshape(embd, v.n_cells * el), keep * el) for v, keep in pieces]))
-        else:
-            out[off: off + 12] = np.frombuffer(struct.pack("<iQ", g.v_types[il], row), np.uint8)
-            off += 12
-            jobs.append(_rows_job(out[off: off + n * row].reshape(n, row), [(v.v[il], keep) for v, keep in pieces]))
-        off += n * row
+    for layers, first in _section_cells(g, n):
+        off = _write_section(out, off, g, pieces, layers, first, n, seq_id, jobs)
     assert off == size
     if run is None:
         for job in jobs:
@@ -277,19 +449,65 @@ def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]]
     return memoryview(out)
 
 
-def _rows_job(dst: np.ndarray, sources: list[tuple[np.ndarray, int]]) -> Callable[[], None]:
-    def job() -> None:
-        at = 0
-        for src, keep in sources:
-            dst[at: at + keep] = src[:keep]
-            at += keep
-    return job
+def _write_section(out: np.ndarray, off: int, g: KVGeometry, pieces: Sequence[tuple[ChunkView, int]],
+                   layers: range, first: int, n: int, seq_id: int, jobs: list) -> int:
+    """One cache's cells first..n-1: headers written now, the row copies appended to `jobs`."""
+    cells = n - first
+    out[off: off + 8] = np.frombuffer(struct.pack("<II", 1, cells), np.uint8)
+    off += 8
+    meta = out[off: off + 12 * cells].view("<i4").reshape(cells, 3)
+    meta[:, 0] = np.arange(first, n, dtype="<i4")
+    meta[:, 1] = 1
+    meta[:, 2] = seq_id
+    off += 12 * cells
+    out[off: off + 8] = np.frombuffer(struct.pack("<II", g.v_trans, len(layers)), np.uint8)
+    off += 8
+    spans = _spans(pieces, first)   # (piece index, lo, hi): which cells of which chunk, in order
+    for il in layers:
+        row = g.k_rows[il]
+        out[off: off + 12] = np.frombuffer(struct.pack("<iQ", g.k_types[il], row), np.uint8)
+        off += 12
+        jobs.append(_rows_job(out[off: off + cells * row].reshape(cells, row),
+                              [(pieces[p][0].k[il], lo, hi) for p, lo, hi in spans]))
+        off += cells * row
+    for il in layers:
+        row = g.v_rows[il]
+        if g.v_trans:
+            el, embd = g.v_els[il], g.v_embds[il]
+            out[off: off + 12] = np.frombuffer(struct.pack("<iII", g.v_types[il], el, embd), np.uint8)
+            off += 12
+            # (embd, cells*el) 2-D views: each dimension's run is one contiguous block per chunk
+            dst = out[off: off + cells * row].reshape(embd, cells * el)
+            jobs.append(_rows_job(dst, [(pieces[p][0].v[il].reshape(embd, pieces[p][0].n_cells * el), lo * el, hi * el)
+                                        for p, lo, hi in spans], columns=True))
+        else:
+            out[off: off + 12] = np.frombuffer(struct.pack("<iQ", g.v_types[il], row), np.uint8)
+            off += 12
+            jobs.append(_rows_job(out[off: off + cells * row].reshape(cells, row),
+                                  [(pieces[p][0].v[il], lo, hi) for p, lo, hi in spans]))
+        off += cells * row
+    return off
 
 
-def _runs_job(dst: np.ndarray, sources: list[tuple[np.ndarray, int]]) -> Callable[[], None]:
+def _spans(pieces: Sequence[tuple[ChunkView, int]], first: int) -> list[tuple[int, int, int]]:
+    spans, at = [], 0
+    for p, (_, keep) in enumerate(pieces):
+        lo = max(0, first - at)
+        if lo < keep:
+            spans.append((p, lo, keep))
+        at += keep
+    return spans
+
+
+def _rows_job(dst: np.ndarray, sources: list[tuple[np.ndarray, int, int]], columns: bool = False) -> Callable[[], None]:
+    """Copy src[lo:hi] of each source one after another into dst's rows (or columns)."""
     def job() -> None:
         at = 0
-        for src, width in sources:
-            dst[:, at: at + width] = src[:, :width]
+        for src, lo, hi in sources:
+            width = hi - lo
+            if columns:
+                dst[:, at: at + width] = src[:, lo:hi]
+            else:
+                dst[at: at + width] = src[lo:hi]
             at += width
     return job

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from kvbridge.settings.models import model_name_problem
+
 if TYPE_CHECKING:
     from kvbridge.settings.core import Settings
 
@@ -49,6 +51,9 @@ def url_problem(var: str, url: str) -> str | None:
 def _value_problems(s: Settings) -> list[str]:
     """Checks that hold whatever the engine: numbers in range, URLs well formed."""
     problems = []
+    model_problem = model_name_problem(s.model)
+    if model_problem:
+        problems.append(model_problem)
     rules = (
         (s.chunk_size < 1, f"KVB_CHUNK_SIZE={s.chunk_size} must be at least 1 (LMCache uses 256)"),
         (s.chunk_size >= 1 and s.ctx_size < max(64, s.chunk_size),

@@ -25,11 +25,12 @@ from typing import get_type_hints
 from dotenv import dotenv_values
 
 from kvbridge.settings.checks import settings_problems
+from kvbridge.settings.models import DEFAULT_MODEL, EMBEDDED_MODELS
 from kvbridge.settings.presets import CLOUD_PRESETS, CloudPreset
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_MODEL_PATH = PROJECT_ROOT / "models" / EMBEDDED_MODEL_FILE
+EMBEDDED_MODEL_FILE = EMBEDDED_MODELS[DEFAULT_MODEL].file     # the default embedded model (SmolLM2)
+EMBEDDED_MODEL_PATH = EMBEDDED_MODELS[DEFAULT_MODEL].path
 DEFAULT_ENV_FILE = PROJECT_ROOT / ".env"
 
 # (field name, message) pairs from parsing; kept out of ==, hash and repr.
@@ -41,7 +42,8 @@ class Settings:
     # engine choice (a key or alias from kvbridge.backends' registry)
     engine: str = "llamacpp"
     # llama.cpp (in-process and llama-server)
-    model_path: str = ""              # empty: the embedded SmolLM2 (or the Ollama model's GGUF, see ollama_model)
+    model: str = "smollm2-135m"       # the embedded model (kvbridge.settings.models) when no model_path / Ollama model
+    model_path: str = ""              # empty: the Ollama model's GGUF (ollama_model), else the embedded `model`
     ctx_size: int = 4096
     threads: int = 0                  # 0: os.cpu_count()
     flash_attn: bool = False          # changes the V layout (not transposed) and so the namespace
@@ -182,8 +184,11 @@ class Settings:
         return self.threads or max(1, os.cpu_count() or 1)
 
     def resolved_model_path(self) -> Path:
-        """KVB_MODEL_PATH, else the embedded SmolLM2 (the llamacpp engine may also try the Ollama model)."""
-        return Path(self.model_path).expanduser() if self.model_path else EMBEDDED_MODEL_PATH
+        """KVB_MODEL_PATH, else the embedded model KVB_MODEL names (the llamacpp engine tries the Ollama model
+        in between); an unknown KVB_MODEL falls back to the default here and validate() reports it."""
+        if self.model_path:
+            return Path(self.model_path).expanduser()
+        return EMBEDDED_MODELS.get(self.model, EMBEDDED_MODELS[DEFAULT_MODEL]).path
 
     def cloud_preset(self) -> CloudPreset | None:
         return CLOUD_PRESETS.get(self.cloud_provider.strip().lower())

@@ -31,13 +31,15 @@ import requests
 
 from kvbridge.settings import Settings
 from kvbridge.errors import BadSettings, EngineUnavailable, KVBridgeError, StateTransferError
-from kvbridge.backends.base import Backend, EngineReport, Message, Prompt, Sampling, SeqState
+from kvbridge.backends.base import Backend, EngineReport, Message, Prompt, Sampling, SeqState, WindowCapture
+from kvbridge.backends.model_traits import traits_of_file
+from kvbridge.formats.architectures import ModelTraits
 from kvbridge.backends.chat_template import ChatTemplate
 from kvbridge.backends.llama_server.process import (
     BUILD_SCRIPT, ServerProcess, built_binary, built_build_info, free_port, pinned_llama_cpp_version, port_is_free)
 from kvbridge.backends.llama_server.api import LlamaServerError, fill_report, slot_timing, sse_events
 from kvbridge.backends.llama_server.identity import ServerIdentity, server_identity
-from kvbridge.backends.llamacpp import (cache_type_problems, check_model_file, ggml_type_id, model_file_problems,
+from kvbridge.backends.llamacpp import (cache_type_problems, swa_fingerprint, check_model_file, ggml_type_id, model_file_problems,
                                        model_path_for)
 from kvbridge.backends.registry import EngineSpec, register_engine
 from kvbridge.formats.slot_file import MappedSlotFile, SlotFileError, build_slot_file, read_slot_file, write_in_place
@@ -91,6 +93,7 @@ class LlamaServerBackend(Backend):
         self._restore_name = f"kvb-restore-{uuid.uuid4().hex}.bin"
         self._mapped: MappedSlotFile | None = None   # the restore file while the engine assembles into it
         self._file_tokens: list[int] | None = None  # tokens of the complete state in the restore file
+        self._traits: tuple[Path, ModelTraits] | None = None   # (model file, what llama.cpp says of it)
 
     @property
     def kv_by_reference(self) -> bool:
@@ -136,6 +139,10 @@ class LlamaServerBackend(Backend):
             "--batch-size", "512", "--ubatch-size", "512",
             "--no-webui", "--no-warmup",
         ]
+        if self._traits_of(model).n_swa:
+            # every cell of the sliding-window cache is kept, so earlier window rows can be captured
+            # (capture_window) and the server trims a restored prompt like any other (see Docs/Models.md)
+            args.append("--swa-full")
         for attempt in (1, 2):
             server = ServerProcess(binary, args, "127.0.0.1", chosen_port or free_port())
             server.start()
@@ -356,6 +363,7 @@ class LlamaServerBackend(Backend):
             "cache_type_k": self.settings.cache_type_k.lower(),
             "cache_type_v": self.settings.cache_type_v.lower(),
             "v_trans": "0" if self.settings.flash_attn else "1",
+            **swa_fingerprint(self.model_traits()),
         }
         if self.model_file() is None and self.identity is not None:
             # the model file is not here to be hashed: what the server reports about it identifies it
@@ -365,6 +373,36 @@ class LlamaServerBackend(Backend):
     def model_file(self) -> Path | None:
         """The GGUF the server runs, when it is a file on this machine (its sha256 keys the namespace)."""
         return self.model_path if self.model_path is not None and self.model_path.is_file() else None
+
+    def _traits_of(self, path: Path) -> ModelTraits:
+        if self._traits is None or self._traits[0] != path:
+            self._traits = (path, traits_of_file(path))
+        return self._traits[1]
+
+    def model_traits(self) -> ModelTraits | None:
+        """Read from the GGUF with llama.cpp; None (KV caching refused) when the server's model is not a file here."""
+        model = self.model_file()
+        return self._traits_of(model) if model is not None else None
+
+    def capture_window(self, n_tokens: int) -> WindowCapture | None:
+        """Truncate the slot to its first n_tokens (a one-token request that reuses them: the server
+        re-evaluates the last one) and save it: the slot file's sliding-window cache then holds the window
+        ending there. The re-evaluated position is not trusted (trusted_end = n_tokens - 1)."""
+        context = list(self._context)
+        if self.slot_dir is None or n_tokens < 2 or n_tokens > len(context):
+            return None
+        tokens = context[:n_tokens]
+        body = {"prompt": tokens, "n_predict": 1, "cache_prompt": True, "id_slot": SLOT_ID, "stream": False,
+                "temperature": 0.0, "seed": self._new_task_seed()}
+        try:
+            self._post_json("/completion", body)
+        except LlamaServerError as exc:
+            raise StateTransferError(f"llama-server did not truncate its slot: {exc}") from exc
+        self._context = tokens
+        state = self.save_state()
+        if state.token_ids is None or list(state.token_ids[:n_tokens]) != tokens:
+            return None   # the slot ran another client's task in between: nothing of it is ours
+        return WindowCapture(data=state.data, whole_state=True, trusted_end=n_tokens - 1)
 
     def context_tokens(self) -> list[int]:
         return list(self._context)
@@ -424,10 +462,14 @@ class LlamaServerBackend(Backend):
     def reuse_last_restore(self, tokens: Sequence[int]) -> bool:
         """Restore the restore file again when it starts with `tokens` (document Q&A: every question
         restores the same document prefix), skipping assembly and the file write. Extra tokens at its
-        end are trimmed by the server's own prefix matching on the next request, as after any restore."""
+        end are trimmed by the server's own prefix matching on the next request, as after any restore;
+        not for a sliding-window model, whose file holds the window of its own end only: there the
+        file must hold exactly `tokens`."""
         tokens = [int(t) for t in tokens]
         held = self._file_tokens
         if self.slot_dir is None or held is None or len(held) < len(tokens) or held[: len(tokens)] != tokens:
+            return False
+        if len(held) != len(tokens) and self._traits is not None and self._traits[1].n_swa:
             return False
         self._restore_file(self._restore_name, wanted=len(tokens))
         self._context = list(held)
