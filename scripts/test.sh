@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the whole test suite: set-up (idempotent), build llama-server if needed, then pytest over tests/.
+# Run the whole test suite: set-up (idempotent; every embedded model), build llama-server if needed,
+# then pytest over tests/.
 # Extra arguments go to pytest, e.g. scripts/test.sh -x -q -m "not slow" or scripts/test.sh tests/test_store.py
 set -euo pipefail
 
@@ -7,7 +8,7 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"
 start_s=$SECONDS
 
-"$REPO_ROOT/scripts/setup.sh"
+"$REPO_ROOT/scripts/setup.sh" --model all   # the model matrix's tests run on every embedded model
 "$REPO_ROOT/scripts/build_llama_server.sh"
 # LMCache's own TokenHasher (CPU-only extract) for the hashing parity test; if it cannot be installed
 # the parity test is skipped and says why, the rest of the suite still runs.

@@ -59,6 +59,25 @@ def test_form_shows_each_engines_fields():
     assert len(fields) == len(set(fields))
 
 
+def test_embedded_models_are_offered_by_name_where_model_path_is(state):
+    from kvbridge.settings.models import EMBEDDED_MODELS
+
+    assert h.model_choices() == [(m.label, m.name) for m in EMBEDDED_MODELS.values()]
+    fields = h.form_fields()
+    assert fields.index("model") == fields.index("model_path") - 1   # just above the path that overrides it
+    for spec in engine_specs():
+        assert ("model" in h.fields_for_engine(spec.key)) == ("model_path" in spec.fields)
+    values = {**h.form_values(state.settings), "model": "gemma3-270m"}
+    settings, problems = h.settings_from_form(state.settings, "llamacpp", values)
+    assert problems == [] and settings.model == "gemma3-270m"
+    assert settings.resolved_model_path() == EMBEDDED_MODELS["gemma3-270m"].path
+    own = {**values, "model_path": "/srv/models/own.gguf"}     # KVB_MODEL_PATH still wins
+    assert h.settings_from_form(state.settings, "llamacpp", own)[0].resolved_model_path() == Path(own["model_path"])
+    unknown = h.settings_from_form(state.settings, "llamacpp", {**values, "model": "nosuch"})[1]
+    assert any("KVB_MODEL='nosuch'" in p for p in unknown)
+    assert h.save_settings(state, "llamacpp", values).ok and "KVB_MODEL=gemma3-270m" in state.env_path.read_text()
+
+
 def test_cloud_notice_says_prompts_leave_the_machine():
     assert "leave this machine" in h.engine_notice("cloud")
     assert "leave this machine" not in h.engine_notice("llamacpp")
@@ -117,6 +136,11 @@ def test_page_builds_with_registry_engines_and_kvb_labels(state):
     assert {env_name(f) for f in h.form_fields()} <= labels
     radio = next(b for b in blocks if isinstance(b, gr.Radio) and b.elem_id == "kvb-engine")
     assert [value for _, value in radio.choices] == [key for _, key in h.engine_choices()]
+    from kvbridge.settings.models import EMBEDDED_MODELS
+
+    model = next(b for b in blocks if getattr(b, "elem_id", None) == "kvb-field-model")
+    assert isinstance(model, gr.Dropdown) and model.value == state.settings.model
+    assert [value for _, value in model.choices] == list(EMBEDDED_MODELS)
     assert demo.app_state is state
 
 

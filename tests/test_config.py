@@ -11,7 +11,6 @@ import pytest
 from dotenv import dotenv_values
 
 from kvbridge import config
-from kvbridge.settings import core as settings_core
 from kvbridge.settings import (
     CLOUD_PRESETS, EMBEDDED_MODEL_PATH, SETTING_NAMES, Settings, env_name, format_size,
     parse_size, settings_to_env, update_env_file, url_problem,
@@ -246,9 +245,12 @@ def test_missing_model_file_is_named(tmp_path):
 
 
 def test_missing_embedded_model_says_to_run_setup(tmp_path, monkeypatch):
-    monkeypatch.setattr(settings_core, "EMBEDDED_MODEL_PATH", tmp_path / "absent.gguf")
-    problems = problems_of(Settings())
-    assert any("./scripts/setup.sh" in p and "absent.gguf" in p for p in problems), problems
+    from kvbridge.settings import models
+
+    monkeypatch.setattr(models, "MODELS_DIR", tmp_path / "absent")   # every embedded model's path is under it
+    problems = problems_of(Settings(model="gemma3-270m"))
+    assert any("./scripts/setup.sh --model gemma3-270m" in p and "absent" in p and "KVB_MODEL" in p
+               for p in problems), problems
     # the llamacpp engine can take an Ollama model's GGUF instead
     assert not engine_problems("llamacpp", Settings(ollama_model="llama3.2"))
 

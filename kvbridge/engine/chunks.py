@@ -334,7 +334,9 @@ class ChunkKV:
             return parsed
         rows, start = [], parsed.window_start
         while start > need_from:
-            taken = capture(start)
+            # one position past the rows still missing: an engine that re-evaluates the last position of a
+            # truncated context (llama-server) still hands over exact rows up to `start`
+            taken = capture(start + 1)
             if taken is None:
                 break
             part = parse_window_rows(taken.data, self.geometry, whole_state=taken.whole_state)

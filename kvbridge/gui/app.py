@@ -18,8 +18,8 @@ import gradio as gr
 
 from kvbridge.gui.handlers import (
     AppState, Outcome, connect_engine, disconnect_engine, engine_choices, engine_notice, engine_status,
-    field_type, fields_for_engine, form_fields, form_values, restart_engine, save_settings, selected_engine,
-    COMMON_FIELDS,
+    field_type, fields_for_engine, form_fields, form_values, model_choices, restart_engine, save_settings,
+    selected_engine, COMMON_FIELDS, MODEL_FIELD, MODEL_PATH_FIELD,
 )
 from kvbridge.gui.store_panel import (
     clear_question, clear_tier, store_census, store_markdown, store_stats, store_tier_names,
@@ -298,6 +298,11 @@ def _field_input(name: str, value: Any, visible: bool) -> gr.components.Componen
     """One Settings field as an input labelled with its KVB_ variable."""
     if field_type(name) is bool:
         return gr.Checkbox(bool(value), label=env_name(name), visible=visible, elem_id=f"kvb-field-{name}")
+    if name == MODEL_FIELD:
+        # allow_custom_value: an unknown name from .env stays visible, and validate() names it on Connect
+        return gr.Dropdown(model_choices(), value=str(value), label=env_name(name), visible=visible,
+                           allow_custom_value=True, elem_id=f"kvb-field-{name}",
+                           info=f"Embedded model; {env_name(MODEL_PATH_FIELD)}, when set, is used instead.")
     return gr.Textbox(str(value), label=env_name(name), visible=visible, max_lines=1, elem_id=f"kvb-field-{name}")
 
 

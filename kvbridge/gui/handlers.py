@@ -18,6 +18,7 @@ from typing import Any
 
 from kvbridge.backends.registry import engine_specs, make_backend, resolve_engine
 from kvbridge.settings import PROJECT_ROOT, Settings, env_name, settings_to_env, update_env_file
+from kvbridge.settings.models import EMBEDDED_MODELS
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.errors import KVBridgeError
 from kvbridge.engine.namespace import short_namespace
@@ -27,6 +28,9 @@ log = logging.getLogger(__name__)
 
 # Shown for every engine under "Store and generation", after the engine's own fields.
 COMMON_FIELDS = ("chunk_size", "n_predict", "l1_bytes", "l2_enabled", "l2_dir", "l2_bytes")
+# KVB_MODEL is what an empty KVB_MODEL_PATH falls back to, so the embedded-model choice is shown
+# wherever an engine shows model_path, just above it (one rule here, not one more field per engine).
+MODEL_FIELD, MODEL_PATH_FIELD = "model", "model_path"
 
 
 @dataclass
@@ -73,8 +77,18 @@ def form_fields() -> list[str]:
     """Every Settings field any engine shows, then the common ones, each once, in a stable order."""
     seen: dict[str, None] = {}
     for spec in engine_specs():
-        seen.update(dict.fromkeys(f for f in spec.fields if f not in COMMON_FIELDS))
+        seen.update(dict.fromkeys(f for f in _with_model_choice(spec.fields) if f not in COMMON_FIELDS))
     return [*seen, *COMMON_FIELDS]
+
+
+def _with_model_choice(names: tuple[str, ...]) -> list[str]:
+    """An engine's fields with KVB_MODEL put just before model_path (when the engine shows model_path)."""
+    return [m for f in names for m in ((MODEL_FIELD, f) if f == MODEL_PATH_FIELD else (f,))]
+
+
+def model_choices() -> list[tuple[str, str]]:
+    """(label, KVB_MODEL name) for the embedded-model dropdown: every model in the table, nothing hard-coded."""
+    return [(m.label, m.name) for m in EMBEDDED_MODELS.values()]
 
 
 def selected_engine(settings: Settings) -> str:
@@ -88,7 +102,7 @@ def selected_engine(settings: Settings) -> str:
 def fields_for_engine(engine_key: str) -> set[str]:
     """The form fields visible while `engine_key` is selected."""
     spec = resolve_engine(engine_key)
-    return set(spec.fields) | set(COMMON_FIELDS)
+    return set(_with_model_choice(spec.fields)) | set(COMMON_FIELDS)
 
 
 def field_type(name: str) -> type:
