@@ -4,8 +4,9 @@
   recurrent, hybrid and unproven sliding-window architectures refused (named in the reason).
 - Crafted states: a layout the model does not announce never parses; a chunk missing window rows is
   never written; an engine whose model is refused stores and restores nothing, counted and noted.
-- On Gemma 3 (real model, in-process): the state assembled from stored chunks for a prefix equals,
-  byte for byte, the state of a cold prefill of that prefix (global cache and sliding window).
+- On Gemma 3 (real model, in-process): the state assembled from stored chunks for a prefix, given
+  only the window's cells, equals byte for byte the state llama.cpp writes after a cold prefill of that
+  prefix (global cache and sliding window); the restore itself carries every cell of both caches.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.engine.chunks import ChunkKV
 from kvbridge.engine.hashing import make_hasher
 from kvbridge.formats.architectures import ModelTraits, kv_support
-from kvbridge.formats.llama_state import LayoutError, assemble_state, encode_chunk, parse_state
+from kvbridge.formats.llama_state import LayoutError, assemble_state, assembled_size, encode_chunk, parse_state
 from kvbridge.settings.models import EMBEDDED_MODELS
 from kvbridge.store import TieredStore
 
@@ -136,14 +137,20 @@ def test_restored_state_equals_a_cold_prefill_byte_for_byte(gemma, tmp_path):
     stored = kv.store_prompt(gemma.save_state(), tokens, hasher.chunk_hashes(tokens), capture=gemma.capture_window)
     assert stored == 700 // 64 + 2 and kv.incomplete == 0
     prefix = tokens[:641]
-    plan = kv.plan_restore(prefix + [1, 2, 3], hasher.chunk_hashes(prefix + [1, 2, 3]))
+    plan = kv.find_prefix(prefix + [1, 2, 3], hasher.chunk_hashes(prefix + [1, 2, 3]))
     assert plan.matched_tokens == 641 and plan.chunks_hit == 10
-    restored = bytes(plan.state.data)
+    restored = bytes(assemble_state(geometry, plan.pieces, window_only=True))
+    whole = bytes(kv.assemble(plan).data)      # what a restore hands llama.cpp: every sliding-window cell too
     prefill(gemma, prefix, n_predict=1)           # cold: the context holds exactly the 641-token prefix
     cold = gemma.save_state()
     cold_parsed = parse_state(cold.data, window=512)
     assert cold_parsed.window_start == 641 - 512
     assert restored == bytes(cold.data)
+    # the default restore carries the window's rows for all 641 positions, the ones before the window
+    # being the rows the captures took: the global cache's bytes are the same as in the cold state
+    assert len(whole) == assembled_size(geometry, 641) > len(restored)
+    base = len(restored) - _second_cache_size(cold_parsed)
+    assert whole[:base] == restored[:base]
     kv.close()
     store.close()
 
@@ -175,7 +182,7 @@ def test_without_captured_window_rows_nothing_unprovable_is_stored(gemma, tmp_pa
 
 def test_assembly_writes_only_the_window_cells():
     """A hand-built two-cache geometry: the assembled sliding-window cache holds positions n-window..n-1."""
-    from kvbridge.formats.llama_state import ChunkView, KVGeometry, assembled_size
+    from kvbridge.formats.llama_state import ChunkView, KVGeometry
 
     g = KVGeometry(0, 2, (1, 1), (4, 4), (1, 1), (4, 4), (0, 0), (0, 0), sections=(1, 1), window=3)
     views = []
@@ -183,13 +190,16 @@ def test_assembly_writes_only_the_window_cells():
         ids = np.arange(start, start + 4, dtype="<i4")
         k = [np.full((4, 4), 10 * layer, np.uint8) + ids[:, None].astype(np.uint8) for layer in range(2)]
         views.append((ChunkView(4, ids, k, [arr + 100 for arr in k]), 4 if start == 0 else 2))
-    data = bytes(assemble_state(g, views))
-    assert len(data) == assembled_size(g, 6)
+    data = bytes(assemble_state(g, views, window_only=True))
+    assert len(data) == assembled_size(g, 6, window_only=True)
     parsed = parse_state(data, window=3)
     assert parsed.n_cells == 6 and parsed.window_start == 3
     assert parsed.k[0][:, 0].tolist() == [0, 1, 2, 3, 4, 5]
     assert parsed.k[1][:, 0].tolist() == [13, 14, 15]
     assert parsed.v[1][:, 0].tolist() == [113, 114, 115]
+    # by default every cell of both caches: the layout a cold prefill leaves in a full-size SWA cache
+    whole = parse_state(bytes(assemble_state(g, views)), window=6)
+    assert whole.window_start == 0 and whole.k[1][:, 0].tolist() == [10, 11, 12, 13, 14, 15]
 
 
 class _HybridBackend(LlamaCppBackend):

@@ -161,3 +161,25 @@ def test_restores_through_a_cache_server(make_settings, model):
             warm = lmcache_after_unrelated(engine, prompt)
             assert warm.restore_ok and warm.matched_tokens > 512 + CHUNK
             oracle(engine, prompt, warm)
+
+
+@pytest.mark.slow
+def test_the_scheduler_shares_and_restores_on_every_model(make_settings, model, short_doc):
+    """The scheduler's own llama.cpp context on each model: a shared document is prefilled once
+    (seq_cp on both of Gemma 3's caches) and a new scheduler restores the stored prompt from the store."""
+    from kvbridge.scheduler import Scheduler
+
+    settings = make_settings(model=model, sched_kv_cells=2048, sched_max_running=2, sched_cached_prefixes=2,
+                             n_predict=8, ctx_size=1024)
+    prompt = [{"role": "user", "content": f"Answer from the document.\n\n{short_doc}\n\nQuestion: {QUESTIONS[0]}"}]
+    other = [{"role": "user", "content": f"Answer from the document.\n\n{short_doc}\n\nQuestion: {QUESTIONS[1]}"}]
+    with Scheduler(settings) as scheduler:
+        first = scheduler.submit(prompt).result(timeout=300)
+        shared = scheduler.submit(other).result(timeout=300)
+        assert scheduler.drain(60)
+    assert first.matched_tokens == 0 and first.gen_tokens > 0
+    assert shared.tier == "resident" and shared.matched_tokens >= shared.prompt_tokens - 32
+    with Scheduler(settings) as scheduler:          # a restart: nothing resident, the store has it
+        again = scheduler.submit(prompt).result(timeout=300)
+    assert again.tier in ("L1", "L2") and again.matched_tokens >= again.prompt_tokens - 32
+    assert again.gen_tokens > 0

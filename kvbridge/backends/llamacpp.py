@@ -99,6 +99,20 @@ def check_model_file(path: Path) -> None:
             raise EngineUnavailable(f"Model file {path} is not a GGUF file (KVB_MODEL_PATH).")
 
 
+def llama_cpp_fingerprint(settings: Settings, traits) -> dict[str, str]:
+    """The in-process engine's namespace keys; the scheduler's own context uses the same."""
+    import llama_cpp
+
+    return {
+        "engine_family": "llama.cpp",
+        "llama_cpp_python": llama_cpp.__version__,
+        "cache_type_k": settings.cache_type_k.lower(),
+        "cache_type_v": settings.cache_type_v.lower(),
+        "v_trans": "0" if settings.flash_attn else "1",
+        **swa_fingerprint(traits),
+    }
+
+
 def swa_fingerprint(traits) -> dict[str, str]:
     """The sliding-window cache mode, for the namespace: both llama.cpp engines run sliding-window models
     with the full-size cache (swa_full), and say so identically so they keep sharing chunks. A plain
@@ -225,16 +239,7 @@ class LlamaCppBackend(Backend):
 
     # full KV access ------------------------------------------------------------------------
     def kv_fingerprint(self) -> dict[str, str]:
-        import llama_cpp
-
-        return {
-            "engine_family": "llama.cpp",
-            "llama_cpp_python": llama_cpp.__version__,
-            "cache_type_k": self.settings.cache_type_k.lower(),
-            "cache_type_v": self.settings.cache_type_v.lower(),
-            "v_trans": "0" if self.settings.flash_attn else "1",
-            **swa_fingerprint(self.model_traits()),
-        }
+        return llama_cpp_fingerprint(self.settings, self.model_traits())
 
     def model_file(self) -> Path | None:
         return self.model_path

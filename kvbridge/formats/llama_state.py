@@ -394,51 +394,58 @@ def decode_chunk(payload: bytes, geometry: KVGeometry) -> ChunkView:
     return ChunkView(n_cells, ids, k, v)
 
 
-def _section_cells(geometry: KVGeometry, n_cells: int) -> list[tuple[range, int]]:
-    """(layer indices, first cell) of each cache in a restore of n_cells cells: every cell of a plain
-    cache, and for the sliding-window cache the last `window` positions, as llama.cpp writes them."""
+def _section_cells(geometry: KVGeometry, n_cells: int, window_only: bool) -> list[tuple[range, int]]:
+    """(layer indices, first cell) of each cache in a restore of n_cells cells: every cell, or with
+    window_only, for the sliding-window cache the last `window` positions (what llama.cpp writes)."""
     out, at = [], 0
     for count in geometry.section_layers:
         layers = range(at, at + count)
-        first = max(0, n_cells - geometry.window) if geometry.window and at + count == geometry.n_layer else 0
+        windowed = window_only and geometry.window and at + count == geometry.n_layer
+        first = max(0, n_cells - geometry.window) if windowed else 0
         out.append((layers, first))
         at += count
     return out
 
 
-def assembled_size(geometry: KVGeometry, n_cells: int) -> int:
+def assembled_size(geometry: KVGeometry, n_cells: int, window_only: bool = False) -> int:
     """Bytes of a sequence state holding n_cells cells of this geometry."""
     g = geometry
     size = 8
-    for layers, first in _section_cells(g, n_cells):
+    for layers, first in _section_cells(g, n_cells, window_only):
         cells = n_cells - first
         size += 8 + 12 * cells + 8 + sum(24 + cells * (g.k_rows[i] + g.v_rows[i]) for i in layers)
     return size
 
 
 def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]], seq_id: int = 0,
-                   out: np.ndarray | None = None, run: Callable[[list[Callable[[], None]]], None] | None = None) -> memoryview:
+                   out: np.ndarray | None = None, run: Callable[[list[Callable[[], None]]], None] | None = None,
+                   window_only: bool = False) -> memoryview:
     """Concatenate the first `keep` cells of each chunk into one valid sequence state for `seq_id`.
 
     Writes into `out` (a uint8 buffer at least assembled_size() long, reused across restores to avoid
     page faults) or a fresh buffer, and returns a writable memoryview of exactly the state (ctypes can
     point into it: no second copy). `run` executes the per-layer copy jobs, e.g. on two threads
-    (numpy releases the GIL while copying); by default they run here, one after another. A
-    sliding-window cache gets only the cells its window needs at the end (every chunk holds all of them).
+    (numpy releases the GIL while copying); by default they run here, one after another.
+
+    A sliding-window cache gets every cell too, by default: the context then has the cell layout a
+    cold prefill leaves in a full-size SWA cache (swa_full), and llama.cpp's CPU kernels, whose
+    rounding depends on how many cells attention runs over, answer as after that prefill. Given
+    only the window's cells (window_only, exactly the bytes llama.cpp itself writes), Gemma 3 answered
+    1 of 12 document questions differently from both cold and native reuse (Docs/Research.md §13).
     """
     keeps = [keep for _, keep in pieces]
     if not pieces or any(keep < 1 or keep > view.n_cells for view, keep in pieces):
         raise LayoutError("nothing to assemble, or a keep count outside its chunk")
     n = sum(keeps)
     g = geometry
-    size = assembled_size(g, n)
+    size = assembled_size(g, n, window_only)
     if out is None or len(out) < size:
         out = np.empty(size, dtype=np.uint8)
     out = out[:size]
     out[:8] = np.frombuffer(struct.pack("<Ii", STATE_IO_MAGIC, seq_id), np.uint8)
     off = 8
     jobs: list[Callable[[], None]] = []
-    for layers, first in _section_cells(g, n):
+    for layers, first in _section_cells(g, n, window_only):
         off = _write_section(out, off, g, pieces, layers, first, n, seq_id, jobs)
     assert off == size
     if run is None:

@@ -47,6 +47,7 @@ class LlamaContext:
         params.n_batch = params.n_ubatch = BATCH_TOKENS
         params.n_seq_max = n_seq
         params.kv_unified = True           # one pool of cells for every sequence: the KV budget
+        params.swa_full = True             # a sliding-window model keeps every cell, as the in-process engine does
         params.n_threads = params.n_threads_batch = settings.resolved_threads()
         params.type_k = ggml_type_id(settings.cache_type_k, "KVB_CACHE_TYPE_K")
         params.type_v = ggml_type_id(settings.cache_type_v, "KVB_CACHE_TYPE_V")

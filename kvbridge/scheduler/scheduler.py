@@ -30,12 +30,14 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvbridge.backends.base import Message
-from kvbridge.backends.llamacpp import LlamaCppBackend
+from kvbridge.backends.llamacpp import llama_cpp_fingerprint
+from kvbridge.backends.model_traits import traits_of_model
 from kvbridge.engine.cached_engine import open_store
 from kvbridge.engine.chunks import common_prefix_length
 from kvbridge.engine.namespace import file_sha256, kv_namespace, sha_cache_file
 from kvbridge.engine.records import RequestRecord
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import EngineUnavailable, KVBridgeError
+from kvbridge.formats.architectures import kv_support
 from kvbridge.formats.llama_state import parse_state
 from kvbridge.scheduler.ledger import BlockLedger, Holding, Pressure
 from kvbridge.scheduler.llama_context import BATCH_TOKENS, LlamaContext
@@ -84,10 +86,11 @@ class Scheduler:
         self._free_seqs = list(range(self._ctx.n_seq))
         self.store = store if store is not None else open_store(s)
         self._own_store = store is None
-        geometry = self._probe_geometry()
+        traits = traits_of_model(self._ctx.model)
+        geometry = self._probe_geometry(traits)
         remember_geometry(geometry)
         model_sha = file_sha256(self._ctx.model_path, sha_cache_file(s.l2_dir))
-        self.namespace = kv_namespace(LlamaCppBackend(s).kv_fingerprint(), model_sha256=model_sha,
+        self.namespace = kv_namespace(llama_cpp_fingerprint(s, traits), model_sha256=model_sha,
                                       kv_layout=geometry.digest().hex()[:16],
                                       lossy_codecs=getattr(self.store, "lossy_codecs", []), chunk_size=s.chunk_size)
         self.swap = SwapSpace(self.store, s, self.namespace, geometry)
@@ -104,13 +107,20 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="kvbridge-scheduler", daemon=True)
         self._thread.start()
 
-    def _probe_geometry(self):
-        """The KV layout of this model and cache type, from a tiny real state (as CachedEngine learns it)."""
+    def _probe_geometry(self, traits):
+        """The KV layout of this model and cache type, from a tiny real state (as CachedEngine learns it);
+        a model whose layout KVBridge refuses (kvbridge.formats.architectures) cannot be scheduled."""
+        support = kv_support(traits)
+        if support.refused:
+            self._ctx.close()
+            if self._own_store:
+                self.store.close()
+            raise EngineUnavailable(f"The scheduler cannot run {self._ctx.model_path.name}: {support.reason.split(';')[0]}.")
         seq = self._free_seqs[0]
         tokens = self._ctx.tokenize(PROBE_TEXT)
         if self._ctx.decode([(t, i, seq, i == len(tokens) - 1) for i, t in enumerate(tokens)]) != 0:
             raise KVBridgeError("llama.cpp could not decode the scheduler's probe prompt")
-        geometry = parse_state(self._ctx.save_seq(seq)).geometry
+        geometry = parse_state(self._ctx.save_seq(seq), traits.n_layer, window=support.window).geometry
         self._ctx.seq_rm(seq)
         return geometry
 
