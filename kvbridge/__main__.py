@@ -110,6 +110,10 @@ def cmd_namespace(args) -> int:
         print(f"namespace: {status['namespace']}")
         print(f"short:     {status['namespace_short']}")
         print(f"KV layout: {status['kv_layout']}")
+        if status.get("model"):
+            print(f"model:     {status['model']}")
+        if status.get("kv_refusal"):
+            print(f"refused:   {status['kv_refusal']}")
     return 0
 
 

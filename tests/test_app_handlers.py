@@ -246,6 +246,7 @@ def live_state(tmp_path_factory):
 def test_live_connect_status(live_state):
     status = h.engine_status(live_state)
     assert "FULL" in status and "SmolLM2" in status and "Namespace" in status
+    assert "**Model:** llama, 30 layers, plain KV" in status and "refused" not in status
     assert "input/garden.md" in r.document_choices(live_state)
 
 

@@ -164,22 +164,52 @@ def test_restores_through_a_cache_server(make_settings, model):
 
 
 @pytest.mark.slow
-def test_the_scheduler_shares_and_restores_on_every_model(make_settings, model, short_doc):
+def test_the_scheduler_shares_and_restores_on_every_model(make_settings, model):
     """The scheduler's own llama.cpp context on each model: a shared document is prefilled once
-    (seq_cp on both of Gemma 3's caches) and a new scheduler restores the stored prompt from the store."""
+    (seq_cp on both of Gemma 3's caches) and a new scheduler restores the stored prompt from the store,
+    all of it: the window rows before Gemma's last window were captured through a scratch sequence."""
+    from kvbridge.bench.scenarios import builtin_document
     from kvbridge.scheduler import Scheduler
 
     settings = make_settings(model=model, sched_kv_cells=2048, sched_max_running=2, sched_cached_prefixes=2,
-                             n_predict=8, ctx_size=1024)
-    prompt = [{"role": "user", "content": f"Answer from the document.\n\n{short_doc}\n\nQuestion: {QUESTIONS[0]}"}]
-    other = [{"role": "user", "content": f"Answer from the document.\n\n{short_doc}\n\nQuestion: {QUESTIONS[1]}"}]
+                             n_predict=8, ctx_size=1024, chunk_size=CHUNK)
+    doc = builtin_document()[:2800]
+    prompt = [{"role": "user", "content": f"Answer from the document.\n\n{doc}\n\nQuestion: {QUESTIONS[0]}"}]
+    other = [{"role": "user", "content": f"Answer from the document.\n\n{doc}\n\nQuestion: {QUESTIONS[1]}"}]
     with Scheduler(settings) as scheduler:
         first = scheduler.submit(prompt).result(timeout=300)
         shared = scheduler.submit(other).result(timeout=300)
         assert scheduler.drain(60)
-    assert first.matched_tokens == 0 and first.gen_tokens > 0
+    assert first.matched_tokens == 0 and first.gen_tokens > 0 and first.prompt_tokens > 512 + CHUNK
     assert shared.tier == "resident" and shared.matched_tokens >= shared.prompt_tokens - 32
     with Scheduler(settings) as scheduler:          # a restart: nothing resident, the store has it
         again = scheduler.submit(prompt).result(timeout=300)
-    assert again.tier in ("L1", "L2") and again.matched_tokens >= again.prompt_tokens - 32
+    assert again.tier in ("L1", "L2") and again.matched_tokens >= again.prompt_tokens - CHUNK
     assert again.gen_tokens > 0
+
+
+def test_whole_snapshots_on_an_attached_server_without_its_slot_files(make_settings, model, llama_server_binary):  # noqa: F811
+    """KV kept on the server by name (its slot files are not readable here): SmolLM2 restores whole
+    snapshots and answers as cold; Gemma 3 refuses (a snapshot trimmed to a shorter prefix would lack
+    window rows), runs uncached and says so."""
+    from kvbridge.backends.llama_server import LlamaServerBackend
+
+    settings = make_settings(model=model, chunk_size=CHUNK, ctx_size=2048, n_predict=N_PREDICT, threads=1)
+    own = LlamaServerBackend(settings)
+    own.start()
+    try:
+        attached = settings.replace(llama_server_url=own.base_url)
+        with open_engine(attached, "llama-server") as engine:
+            assert engine.backend.kv_by_reference
+            engine.infer(doc_prompt(engine.doc, QUESTIONS[0]), mode="lmcache", n_predict=N_PREDICT)
+            prompt = doc_prompt(engine.doc, QUESTIONS[1])
+            warm = lmcache_after_unrelated(engine, prompt)
+            if model == "gemma3-270m":
+                assert "sliding-window" in engine.kv_refusal and "KVB_LLAMA_SERVER_SLOT_DIR" in engine.kv_refusal
+                assert warm.matched_tokens == 0 and warm.stored_objects == 0 and "KV caching refused" in warm.notes
+            else:
+                assert engine.geometry is None and engine.kv_refusal == ""
+                assert warm.matched_tokens > 512 + CHUNK and warm.restore_ok
+            oracle(engine, prompt, warm)
+    finally:
+        own.stop()

@@ -259,6 +259,11 @@ def engine_status(state: AppState) -> str:
         left = remaining_budget()
         parts.append("**Token budget:** unlimited" if left is None else f"**Token budget left:** {left:,} tokens")
     line = " · ".join(parts) + f"\n\n<details><summary>namespace fields</summary><code>{engine.namespace}</code></details>"
+    traits = getattr(engine, "traits", None)
+    if backend.kv_mode == "full" and traits is not None:
+        line += f"\n\n**Model:** {traits.summary()} · **KV layout:** {engine.status()['kv_layout']}"
+    if getattr(engine, "kv_refusal", ""):
+        line += f"\n\n**KV caching refused:** {engine.kv_refusal}. Every request runs uncached (`kv_refused`)."
     if backend.kv_mode == "shadow":
         line += ("\n\nSHADOW mode: this engine keeps its KV to itself. KVBridge indexes every prompt and "
                  "predicts reuse; the charts put that next to the cached tokens the engine reports.")

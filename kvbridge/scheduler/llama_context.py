@@ -123,6 +123,24 @@ class LlamaContext:
             raise StateTransferError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
         return memoryview(buf).cast("B")
 
+    def save_window(self, seq: int, scratch: int, end: int) -> memoryview:
+        """A sliding-window model: the window rows of `seq` for the window ending at position end - 1,
+        read through `scratch` (an empty sequence) sharing seq's first `end` positions, so nothing of
+        `seq` changes (its cells keep every row: the SWA cache is full-size)."""
+        llama = self._llama
+        flags = llama.LLAMA_STATE_SEQ_FLAGS_SWA_ONLY
+        self.seq_cp(seq, scratch, end)
+        try:
+            size = llama.llama_state_seq_get_size_ext(self.ctx, scratch, flags)
+            buf = np.empty(size, dtype=np.uint8)
+            written = llama.llama_state_seq_get_data_ext(self.ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                                         size, scratch, flags)
+        finally:
+            self.seq_rm(scratch)
+        if written != size:
+            raise StateTransferError(f"llama_state_seq_get_data_ext wrote {written} of {size} bytes")
+        return memoryview(buf).cast("B")
+
     def load_seq(self, seq: int, data) -> None:
         """Put a saved state into sequence `seq` (which must be empty); StateTransferError when refused."""
         view = memoryview(data).cast("B")

@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from kvbridge.backends.base import Message
+from kvbridge.backends.base import Message, WindowCapture
 from kvbridge.backends.llamacpp import llama_cpp_fingerprint
 from kvbridge.backends.model_traits import traits_of_model
 from kvbridge.engine.cached_engine import open_store
@@ -88,6 +88,7 @@ class Scheduler:
         self._own_store = store is None
         traits = traits_of_model(self._ctx.model)
         geometry = self._probe_geometry(traits)
+        self._geometry = geometry
         remember_geometry(geometry)
         model_sha = file_sha256(self._ctx.model_path, sha_cache_file(s.l2_dir))
         self.namespace = kv_namespace(llama_cpp_fingerprint(s, traits), model_sha256=model_sha,
@@ -450,7 +451,7 @@ class Scheduler:
         kept = request.kv_tokens
         if kept > 0:
             data = self._ctx.save_seq(request.seq)
-            request.swap = self.swap.swap_out(data, request.context[:kept])
+            request.swap = self.swap.swap_out(data, request.context[:kept], self._window_captures(request.seq, data))
         self._free_request(request)
         request.kv_tokens = 0
         request.pending = request.context
@@ -545,7 +546,25 @@ class Scheduler:
     def _store_prompt(self, request: Request) -> None:
         if request.store_pending and request.seq is not None:
             request.store_pending = False
-            self.swap.store_behind(self._ctx.save_seq(request.seq), request.prompt)
+            data = self._ctx.save_seq(request.seq)
+            self.swap.store_behind(data, request.prompt, self._window_captures(request.seq, data))
+
+    def _window_captures(self, seq: int, data) -> Callable[[int], WindowCapture | None] | None:
+        """Sliding-window models: a saved state holds the window rows of its last positions only; the
+        earlier windows are read now, on this thread (llama.cpp's context is not shared), through a
+        free sequence id, for ChunkKV.store_prompt to take later (its capture calls, precomputed:
+        each asks one position past the rows still missing). None: no window, or no free sequence."""
+        window = self._geometry.window
+        if not window or not self._free_seqs:
+            return None
+        start = parse_state(data, window=window).window_start
+        scratch = self._free_seqs[-1]
+        captured: dict[int, WindowCapture] = {}
+        while start > 0:
+            end = start + 1
+            captured[end] = WindowCapture(self._ctx.save_window(seq, scratch, end), whole_state=False, trusted_end=end)
+            start = max(0, end - window)
+        return captured.get
 
     def _emit(self, request: Request, token: int) -> None:
         if self._ctx.is_end(token):

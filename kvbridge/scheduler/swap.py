@@ -20,11 +20,11 @@ import queue
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from blake3 import blake3
 
-from kvbridge.backends.base import SeqState
+from kvbridge.backends.base import SeqState, WindowCapture
 from kvbridge.engine.chunks import ChunkKV, ForeignState
 from kvbridge.engine.hashing import make_hasher, tokens_digest
 from kvbridge.formats.llama_state import KVGeometry
@@ -64,8 +64,9 @@ class SwapSpace:
         return self.hasher.chunk_hashes(tokens)
 
     # -- swap -----------------------------------------------------------------------------------------
-    def swap_out(self, data, tokens: list[int]) -> SwapTicket:
-        """Store a context's KV (chunks, and its tail under a key of its own) and pin the objects."""
+    def swap_out(self, data, tokens: list[int], capture: Callable[[int], WindowCapture | None] | None = None) -> SwapTicket:
+        """Store a context's KV (chunks, and its tail under a key of its own) and pin the objects.
+        `capture`: a sliding-window model's earlier window rows (Scheduler._window_captures)."""
         hashes = self.hashes(tokens)
         c = self.kv.chunk_size
         whole = len(tokens) // c
@@ -76,12 +77,13 @@ class SwapSpace:
         ticket.pins.enter_context(self.store.pinned(list(hashes[:whole]) + [ticket.tail[1]] if ticket.tail else hashes))
         self.drain()   # a queued prompt store of the same chunks lands first, not after us
         try:
-            self.kv.store_prompt(SeqState(data=data, n_tokens=len(tokens), token_ids=tuple(tokens)), tokens, hashes)
+            self.kv.store_prompt(SeqState(data=data, n_tokens=len(tokens), token_ids=tuple(tokens)), tokens, hashes,
+                                 capture=capture)
         except ForeignState as exc:   # cannot happen with our own sequence; recompute rather than trust it
             log.warning("swap-out not stored: %s", exc)
             return ticket
         found = self.store.lookup(hashes[:whole], namespace=self.kv.namespace).n_hit == whole
-        tail = ticket.tail is None or (self.kv.store_tail(data, tokens, whole * c, ticket.tail[1])
+        tail = ticket.tail is None or (self.kv.store_tail(data, tokens, whole * c, ticket.tail[1], capture)
                                        and self.store.contains(ticket.tail[1], namespace=self.kv.namespace))
         ticket.complete = found and tail
         return ticket
@@ -99,11 +101,11 @@ class SwapSpace:
         return plan
 
     # -- prompts --------------------------------------------------------------------------------------
-    def store_behind(self, data, tokens: list[int]) -> bool:
+    def store_behind(self, data, tokens: list[int], capture: Callable[[int], WindowCapture | None] | None = None) -> bool:
         """Queue a prompt's KV (a buffer of its own, out of llama.cpp: LlamaContext.save_seq) for storing;
         False when the queue is full."""
         try:
-            self._jobs.put_nowait((data, list(tokens)))
+            self._jobs.put_nowait((data, list(tokens), capture))
             return True
         except queue.Full:
             self.skipped_writes += 1
@@ -115,9 +117,9 @@ class SwapSpace:
             try:
                 if job is None:
                     return
-                data, tokens = job
+                data, tokens, capture = job
                 self.kv.store_prompt(SeqState(data=data, n_tokens=len(tokens), token_ids=tuple(tokens)), tokens,
-                                     self.hashes(tokens))
+                                     self.hashes(tokens), capture=capture)
             except Exception:   # a failed store costs a later miss, never the scheduler's loop
                 log.exception("storing a prompt's KV failed")
             finally:
