@@ -213,3 +213,51 @@ def test_whole_snapshots_on_an_attached_server_without_its_slot_files(make_setti
             oracle(engine, prompt, warm)
     finally:
         own.stop()
+
+
+@pytest.mark.slow
+def test_the_scheduler_swaps_out_and_back_in_whole_on_every_model(make_settings, model, monkeypatch):
+    """A preempted request on a prompt longer than Gemma 3's window plus a chunk: swap-out stores all of
+    it (window rows captured through a scratch sequence) and the KV after swap-in equals the KV at
+    swap-out, both caches, byte for byte."""
+    import threading
+
+    import numpy as np
+
+    from kvbridge.bench.scenarios import builtin_document
+    from kvbridge.formats.llama_state import parse_state
+    from kvbridge.scheduler import Scheduler
+    from kvbridge.scheduler import scheduler as scheduler_module
+
+    settings = make_settings(model=model, sched_kv_cells=2048, sched_max_running=1, sched_cached_prefixes=0,
+                             n_predict=24, ctx_size=1024, chunk_size=CHUNK)
+    saved: dict[str, bytes] = {}
+    preempt, start = scheduler_module.Scheduler._preempt, scheduler_module.Scheduler._start
+
+    def spying_preempt(self, request, why):
+        saved["out"] = bytes(self._ctx.save_seq(request.seq))
+        preempt(self, request, why)
+
+    def spying_start(self, request, resumed):
+        start(self, request, resumed)
+        if resumed:
+            saved["in"] = bytes(self._ctx.save_seq(request.seq))
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "_preempt", spying_preempt)
+    monkeypatch.setattr(scheduler_module.Scheduler, "_start", spying_start)
+    doc = builtin_document()[:2800]
+    started = threading.Event()
+    with Scheduler(settings) as scheduler:
+        window = scheduler._geometry.window
+        low = scheduler.submit(doc_prompt(doc, QUESTIONS[0]), priority=1, on_token=lambda piece: started.set())
+        assert started.wait(300)
+        urgent = scheduler.submit([{"role": "user", "content": "Say hello in one short sentence."}], priority=9, n_predict=4)
+        urgent.result(timeout=300)
+        low_record = low.result(timeout=300)
+        swap_outs = [e["detail"] for e in scheduler.events() if e["kind"] == "swap-out"]
+    assert low_record.preemptions == 1 and low_record.prompt_tokens > 512 + CHUNK
+    assert swap_outs and "recompute" not in swap_outs[0]          # every chunk and the tail were stored
+    before, after = parse_state(saved["out"], window=window), parse_state(saved["in"], window=window)
+    assert (after.n_cells, after.window_start) == (before.n_cells, before.window_start)
+    for k_a, k_b, v_a, v_b in zip(before.k, after.k, before.v, after.v):
+        assert np.array_equal(k_a, k_b) and np.array_equal(v_a, v_b)
