@@ -17,6 +17,7 @@ import pytest
 import requests
 
 from conftest import needs_model
+from kvbridge.settings.models import EMBEDDED_MODELS
 from process_helpers import clean_env, free_port, start_kvbridge, stop, wait_for
 
 openai = pytest.importorskip("openai", reason="the openai SDK is not installed (requirements.txt)")
@@ -278,3 +279,38 @@ def test_a_key_variable_that_is_empty_stops_the_start_with_its_name(tmp_path):
                           env=clean_env(KVB_L2_DIR=str(tmp_path / "l2"), KVB_SERVE_API_KEY_ENV="SERVE_TEST_KEY"),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "SERVE_TEST_KEY" in done.stderr and "empty or not set" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not EMBEDDED_MODELS["gemma3-270m"].path.is_file(),
+                    reason="Gemma 3 270M missing: ./scripts/setup.sh --model gemma3-270m")
+def test_serve_runs_gemma3_with_its_cache(tmp_path):
+    """KVB_MODEL=gemma3-270m: /v1/models names its GGUF, a repeated document (longer than Gemma's 512-token
+    window) is cached and answered as the first time, and after a restart it comes back from the store.
+    With f16 K/V the shared answer differed from the cold one here: the scheduler's unified cache makes
+    attention run over other sequences' (masked) cells too, and llama.cpp's CPU rounding depends on
+    that layout (Docs/Research.md §11); f32 K/V is how the scheduler's own oracle test runs."""
+    document = DOCUMENT
+    messages = [{"role": "user", "content": f"Document:\n{document}\n\nQuestion: {QUESTION}"}]
+    # f32 K/V, as the scheduler oracle test runs: with f16 llama.cpp rounds differently by cell layout
+    served = Served(tmp_path, "gemma", KVB_MODEL="gemma3-270m", KVB_CACHE_TYPE_K="f32", KVB_CACHE_TYPE_V="f32").start()
+    try:
+        client = served.client()
+        assert [m.id for m in client.models.list().data] == ["gemma-3-270m-q4_k_m"]
+        cold = client.chat.completions.create(model="x", temperature=0, max_tokens=16, messages=messages)
+        warm = client.chat.completions.create(model="x", temperature=0, max_tokens=16, messages=messages)
+        assert cold.usage.prompt_tokens > 512 + 64
+        assert warm.usage.prompt_tokens_details.cached_tokens >= warm.usage.prompt_tokens - 32
+        assert warm.choices[0].message.content == cold.choices[0].message.content
+    finally:
+        assert served.stop() == 0
+    served.start()
+    try:
+        again = served.client().chat.completions.with_raw_response.create(model="x", temperature=0, max_tokens=16,
+                                                                          messages=messages)
+        assert again.headers["X-KVBridge-Tier"] in ("L1", "L2")
+        restored = again.parse()
+        assert restored.usage.prompt_tokens_details.cached_tokens >= restored.usage.prompt_tokens - 64
+        assert restored.choices[0].message.content == cold.choices[0].message.content
+    finally:
+        assert served.stop() == 0
