@@ -261,3 +261,20 @@ def test_the_scheduler_swaps_out_and_back_in_whole_on_every_model(make_settings,
     assert (after.n_cells, after.window_start) == (before.n_cells, before.window_start)
     for k_a, k_b, v_a, v_b in zip(before.k, after.k, before.v, after.v):
         assert np.array_equal(k_a, k_b) and np.array_equal(v_a, v_b)
+
+
+def test_both_engines_share_one_namespace_and_its_chunks(make_settings, model, llama_server_binary):  # noqa: F811
+    """The in-process engine and llama-server fingerprint the model, its layout and (Gemma 3) the
+    sliding-window mode identically, so chunks one stores the other restores, answering as cold."""
+    settings = make_settings(model=model, chunk_size=CHUNK, ctx_size=2048, n_predict=N_PREDICT)
+    with open_engine(settings, "llamacpp") as in_process:
+        in_process.infer(doc_prompt(in_process.doc, QUESTIONS[0]), mode="lmcache", n_predict=N_PREDICT)
+        namespace, doc = in_process.namespace, in_process.doc
+    assert ("swa=full" in namespace) == (model == "gemma3-270m")
+    with open_engine(settings, "llama-server") as server:
+        assert server.namespace == namespace
+        server.doc = doc
+        prompt = doc_prompt(doc, QUESTIONS[2])
+        warm = lmcache_after_unrelated(server, prompt)
+        assert warm.tier == "L2" and warm.matched_tokens > 512 + CHUNK
+        oracle(server, prompt, warm)
