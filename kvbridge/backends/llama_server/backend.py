@@ -462,14 +462,11 @@ class LlamaServerBackend(Backend):
     def reuse_last_restore(self, tokens: Sequence[int]) -> bool:
         """Restore the restore file again when it starts with `tokens` (document Q&A: every question
         restores the same document prefix), skipping assembly and the file write. Extra tokens at its
-        end are trimmed by the server's own prefix matching on the next request, as after any restore;
-        not for a sliding-window model, whose file holds the window of its own end only: there the
-        file must hold exactly `tokens`."""
+        end are trimmed by the server's own prefix matching on the next request, as after any restore
+        (a sliding-window model's file too: it holds every cell of both caches, see assemble_state)."""
         tokens = [int(t) for t in tokens]
         held = self._file_tokens
         if self.slot_dir is None or held is None or len(held) < len(tokens) or held[: len(tokens)] != tokens:
-            return False
-        if len(held) != len(tokens) and self._traits is not None and self._traits[1].n_swa:
             return False
         self._restore_file(self._restore_name, wanted=len(tokens))
         self._context = list(held)
