@@ -93,9 +93,44 @@ def test_a_token_is_required_when_configured_and_never_echoed(settings):
             assert client.ping().server_id == srv.server_id
 
 
-def test_listening_beyond_loopback_without_a_token_is_refused_at_start(settings):
-    with pytest.raises(BadSettings, match="KVB_CACHE_SERVER_TOKEN_ENV"):
-        CacheServer(settings, url=f"tcp://0.0.0.0:{free_port()}", token="")
+@pytest.mark.parametrize("token", ["", "a-shared-secret"])
+def test_listening_beyond_loopback_is_refused_at_start_token_or_not(settings, token):
+    """KV would cross the network in clear: a token authenticates but does not encrypt."""
+    with pytest.raises(BadSettings, match="in clear, with or without a token; bind tcp://127.0.0.1"):
+        CacheServer(settings, url=f"tcp://0.0.0.0:{free_port()}", token=token)
+
+
+def test_by_default_only_this_user_holds_the_token_and_it_is_gone_at_close(settings):
+    from kvbridge.cache_server.auth import token_file
+
+    with running_server(settings) as srv:
+        path = token_file(srv.url)
+        assert srv.token and path.read_text() == srv.token
+        assert oct(path.stat().st_mode & 0o777) == "0o600" and oct(path.parent.stat().st_mode & 0o777) == "0o700"
+        with CacheClient(srv.url, timeout_s=5) as client:      # found without configuration
+            assert client.ping().server_id == srv.server_id
+        with pytest.raises(CacheServerRefused, match="only the OS user who started the server"):
+            CacheClient(srv.url, timeout_s=5, token="guessed")
+    assert not path.exists()
+
+
+def test_a_request_from_another_connection_naming_a_client_is_refused(server):
+    """Identity is the connection that said hello, not the instance id a request carries."""
+    with CacheClient(server.url, timeout_s=5) as owner:
+        owner.store(b"q" * 16, blob_of(10_000), META)
+        owner.flush()
+        found = owner.retrieve(b"q" * 16, "ns")
+        from kvbridge.cache_server.connection import Connection
+
+        impostor = Connection(server.url, owner.instance_id)   # another connection, the owner's id, no hello
+        try:
+            reply, _ = impostor.send(Kind.RELEASE, protocol.Release([found.lease_id])).result(5)
+        finally:
+            impostor.close()
+        assert not reply.success and reply.code == Code.HELLO_REQUIRED
+        assert server.store.pool.stats()["read_leases"] == 1     # the owner's lease is still held
+        assert owner.intact(found)
+        owner.release([found])
 
 
 def test_the_token_comes_from_the_variable_the_setting_names(settings):

@@ -32,6 +32,7 @@ class ClientInfo:
     hostname: str
     label: str
     registered_at: float   # time.time()
+    connection: bytes = b""   # the ROUTER identity of the connection that said hello: the only one it answers
 
 
 @dataclass

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.cache_server import protocol
+from kvbridge.cache_server.auth import client_token
 from kvbridge.cache_server.connection import (CacheServerError, CacheServerRefused, CacheServerUnavailable, Connection,
                                               NotConnected)
 from kvbridge.cache_server.protocol import Code, Kind
@@ -65,7 +66,8 @@ class CacheClient:
         self.timeout_s = timeout_s
         self.use_shm = use_shm
         self.label = label
-        self._token = token
+        self._token = token   # configured; '' -> this user's token file for `url`, read at every hello
+                              # (a restarted server has a new one)
         self._conn = Connection(url, self.instance_id)
         self._closing = threading.Event()
         self._hello_lock = threading.Lock()
@@ -328,7 +330,7 @@ class CacheClient:
                 self._say_hello()
 
     def _say_hello(self) -> None:
-        hello = protocol.Hello(protocol.PROTOCOL_VERSION, self._token, self.priority, os.getpid(),
+        hello = protocol.Hello(protocol.PROTOCOL_VERSION, client_token(self.url, self._token), self.priority, os.getpid(),
                                socket.gethostname(), self.label)
         reply, _ = self._wait(self._send(Kind.HELLO, hello), Kind.HELLO)
         if not reply.success:

@@ -34,7 +34,7 @@ import msgspec
 import zmq
 
 from kvbridge.cache_server import protocol
-from kvbridge.cache_server.auth import check_bind_url, read_token
+from kvbridge.cache_server.auth import check_bind_url, read_token, write_token_file
 from kvbridge.cache_server.calls import Answer, Call, ClientInfo, RequestFailed
 from kvbridge.cache_server.context import ServerContext
 from kvbridge.cache_server.liveness import InstanceClock
@@ -112,8 +112,9 @@ class CacheServer:
 
         self.settings = settings
         self.url = url or settings.cache_server_url
+        check_bind_url(self.url)
         self.token = read_token(settings) if token is None else token
-        check_bind_url(self.url, self.token)
+        self.token_path: Path | None = None   # the generated token's file (owner-only), removed at close
         self.server_id = uuid.uuid4().hex
         self.clients = ClientTable()
         self.metrics = ServerMetrics()
@@ -166,6 +167,8 @@ class CacheServer:
             raise BadSettings(f"the cache server cannot listen on {self.url}: {exc} (another cache server there? "
                               "choose another address with --url or KVB_CACHE_SERVER_URL)") from None
         self._bound = True
+        if not self.token:   # nothing configured: a token only this OS user can read (kvbridge.cache_server.auth)
+            self.token, self.token_path = write_token_file(self.url)
         self.modules.register_zmq_services(self)
         log.info("cache server %s listening on %s (L1 %s, tiers %s)", self.server_id[:8], self.url,
                  self.store.segment.path, ", ".join(self.store.tier_names))
@@ -225,6 +228,8 @@ class CacheServer:
             pool.shutdown(wait=True, cancel_futures=True)
         self.modules.close()
         self.store.close(flush=True)
+        if self.token_path is not None:
+            self.token_path.unlink(missing_ok=True)
         self._router.close(0)
         self._replies.close(0)
         self._wake.close(0)
@@ -271,11 +276,16 @@ class CacheServer:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return self._refuse(identity, rid, Code.BAD_REQUEST, f"malformed {envelope.kind} request: {exc}")
         if envelope.kind == Kind.HELLO:
-            return self._reply(identity, rid, self._hello(envelope.instance_id, body))
+            return self._reply(identity, rid, self._hello(envelope.instance_id, body, identity.bytes))
         client = self.clients.get(envelope.instance_id)
         if client is None:
             return self._refuse(identity, rid, Code.HELLO_REQUIRED,
                                 "this server does not know the client (restarted, or the client was reaped); say hello")
+        if not hmac.compare_digest(client.connection, identity.bytes):
+            # identity is the connection that authenticated, not the id a request carries: another
+            # connection naming this client (to release its leases, say) must say hello with the token
+            return self._refuse(identity, rid, Code.HELLO_REQUIRED,
+                                "this connection has not said hello as that client; say hello")
         self.clients.touch(envelope.instance_id)
         self.modules.touch(envelope.instance_id)
         call = Call(envelope.instance_id, envelope.kind, body, client, [f.buffer for f in parts[1:]])
@@ -375,17 +385,19 @@ class CacheServer:
         except zmq.ZMQError:
             pass
 
-    def _hello(self, instance_id: str, hello: protocol.Hello) -> Answer | tuple:
+    def _hello(self, instance_id: str, hello: protocol.Hello, connection: bytes) -> Answer | tuple:
         if hello.protocol_version != protocol.PROTOCOL_VERSION:
             return (Code.VERSION, f"protocol version mismatch: the client speaks version {hello.protocol_version}, "
                                   f"this server speaks version {protocol.PROTOCOL_VERSION}; use the same KVBridge "
                                   "release on both sides")
         if self.token and not hmac.compare_digest(hello.token.encode(), self.token.encode()):
-            return (Code.UNAUTHORIZED, "the cache server refused the connection: wrong or missing token (set the "
-                                       "variable KVB_CACHE_SERVER_TOKEN_ENV names to the server's shared secret)")
+            return (Code.UNAUTHORIZED, "the cache server refused the connection: wrong or missing token. By default "
+                                       "only the OS user who started the server can use it (its token is in that "
+                                       "user's ~/.cache/kvbridge/run); with a shared secret, set the variable "
+                                       "KVB_CACHE_SERVER_TOKEN_ENV names to it")
         if not instance_id or not 0 <= hello.priority <= 9:
             return (Code.BAD_REQUEST, "hello needs an instance id and a priority from 0 to 9")
-        info = ClientInfo(instance_id, hello.priority, hello.pid, hello.hostname, hello.label, time.time())
+        info = ClientInfo(instance_id, hello.priority, hello.pid, hello.hostname, hello.label, time.time(), connection)
         self.clients.register(info)
         self.modules.touch(instance_id)
         log.info("client %s registered (pid %d on %s, priority %d, %s)", instance_id[:8], hello.pid,
