@@ -471,3 +471,48 @@ def test_a_client_that_closes_says_goodbye_and_its_leases_go(server):
         clients = [c["instance_id"] for c in watcher.status()["management"]["clients"]]
         assert clients == [watcher.instance_id]
         assert server.store.pool.stats()["read_leases"] == 0
+
+
+def test_one_small_request_cannot_make_the_server_build_a_huge_reply(make_settings):
+    """The amplification from the issue: the same multi-MB key thousands of times, from a client without
+    shared memory. Repeated keys are refused, and a reply's bytes are capped by
+    KVB_CACHE_SERVER_MAX_MESSAGE_BYTES before anything is read: the server's memory stays put."""
+    import resource
+
+    settings = make_settings(cache_server_max_message_bytes=16 << 20, l1_bytes=64 << 20)
+    big = blob_of(4 << 20)
+    with running_server(settings) as srv, CacheClient(srv.url, timeout_s=10, use_shm=False) as client:
+        keys = [bytes([i]) * 16 for i in range(8)]
+        for key in keys:
+            assert client.store(key, big, META)[0]
+        client.flush()   # the disk writer's own leases are over
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        reply, _ = client._wait(client._send(Kind.RETRIEVE_MANY, protocol.RetrieveMany([keys[0]] * 4096, "ns", False)),
+                                Kind.RETRIEVE_MANY)
+        assert not reply.success and reply.code == Code.BAD_REQUEST and "more than once" in reply.error
+        with pytest.raises(CacheServerError) as too_big:      # 8 x 4 MiB = 32 MiB > 16 MiB
+            client._call(Kind.RETRIEVE_MANY, protocol.RetrieveMany(keys, "ns", False), protocol.RetrieveManyReply)
+        assert too_big.value.code == Code.TOO_LARGE and "KVB_CACHE_SERVER_MAX_MESSAGE_BYTES" in str(too_big.value)
+        assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 < 64 << 20
+        assert srv.store.pool.stats()["read_leases"] == 0
+        # the client API still takes repeats (asks once) and a request under the cap is answered
+        first, again = client.retrieve_many([keys[1], keys[1]], "ns")
+        assert bytes(first.blob) == big and again is None
+        assert [bytes(r.blob) == big for r in client.retrieve_many(keys[:3], "ns")] == [True] * 3
+
+
+def test_a_starting_server_removes_segments_dead_servers_left(make_settings, tmp_path):
+    from kvbridge.cache_server.shm import Segment
+
+    left = Segment.create(4, 4096, directory=tmp_path)
+    path = left.path
+    left.close()                                    # the file stays, as after a SIGKILL
+    os.rename(path, path.with_name(path.name.replace(f"-{os.getpid()}-", "-999999999-")))
+    stale = path.with_name(path.name.replace(f"-{os.getpid()}-", "-999999999-"))
+    assert stale.exists()
+    server = CacheServer(make_settings(l1_bytes=1 << 20), url=local_url(), segment_dir=str(tmp_path), token="t")
+    try:
+        assert not stale.exists() and server.store.segment.path.exists()
+    finally:
+        server.close()
+    assert not server.store.segment.path.exists()

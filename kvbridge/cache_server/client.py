@@ -129,13 +129,22 @@ class CacheClient:
 
     def retrieve_many(self, keys: list[bytes], namespace: str | None = None,
                       zero_copy: bool = True) -> list[Retrieved | None]:
-        """retrieve() for several keys in one round trip (a restore's chunks and its tail)."""
+        """retrieve() for several keys in one round trip (a restore's chunks and its tail). Each key is
+        asked once (the server refuses repeats); a repeated key's later places are misses (one lease,
+        released once)."""
         segment = self._segment
-        reply, data = self._call(Kind.RETRIEVE_MANY, protocol.RetrieveMany(list(keys), namespace, segment is not None),
+        unique = list(dict.fromkeys(bytes(k) for k in keys))
+        reply, data = self._call(Kind.RETRIEVE_MANY, protocol.RetrieveMany(unique, namespace, segment is not None),
                                  protocol.RetrieveManyReply, with_data=True)
         inline = iter(data)
-        return [self._received(item, next(inline, b"") if item.found and not item.lease_id else b"",
-                               segment, zero_copy) for item in reply.items]
+        found = {key: self._received(item, next(inline, b"") if item.found and not item.lease_id else b"",
+                                     segment, zero_copy) for key, item in zip(unique, reply.items)}
+        seen: set[bytes] = set()
+        answers = []
+        for key in (bytes(k) for k in keys):
+            answers.append(None if key in seen else found[key])
+            seen.add(key)
+        return answers
 
     def _received(self, reply: protocol.RetrieveReply, data, segment: Segment | None,
                   zero_copy: bool) -> Retrieved | None:

@@ -35,6 +35,7 @@ import zmq
 
 from kvbridge.cache_server import protocol
 from kvbridge.cache_server.auth import check_bind_url, read_token, write_token_file
+from kvbridge.cache_server.shm import remove_stale_segments
 from kvbridge.cache_server.calls import Answer, Call, ClientInfo, RequestFailed
 from kvbridge.cache_server.context import ServerContext
 from kvbridge.cache_server.liveness import InstanceClock
@@ -118,6 +119,10 @@ class CacheServer:
         self.server_id = uuid.uuid4().hex
         self.clients = ClientTable()
         self.metrics = ServerMetrics()
+        removed = remove_stale_segments(segment_dir)
+        if removed:
+            log.info("removed %d shared-memory segment(s) left by cache servers that died: %s", len(removed),
+                     ", ".join(str(p) for p in removed))
         self.store = ServerStore(settings, segment_dir=segment_dir)
         port = settings.cache_server_metrics_port if metrics_port is None else metrics_port
         self.context = ServerContext(settings=settings, store=self.store, metrics=self.metrics, clients=self.clients,

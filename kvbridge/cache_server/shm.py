@@ -302,6 +302,19 @@ def stale_segments(directory: Path = DEFAULT_DIRECTORY, prefix: str = DEFAULT_PR
     return stale
 
 
+def remove_stale_segments(directory: Path | str | None = None) -> list[Path]:
+    """Remove this user's segments whose creating server is gone (a SIGKILL leaves its file in
+    /dev/shm, holding its memory); a cache server calls it at start. Returns what it removed."""
+    removed = []
+    for path in stale_segments(Path(directory) if directory is not None else DEFAULT_DIRECTORY):
+        try:
+            path.unlink()
+            removed.append(path)
+        except FileNotFoundError:
+            pass   # another server starting removed it first
+    return removed
+
+
 def contiguous(pages) -> bool:
     """Whether the pages are one run p, p+1, ... (then one slice of the mapping covers them)."""
     return bool(pages) and all(b == a + 1 for a, b in zip(pages, pages[1:]))

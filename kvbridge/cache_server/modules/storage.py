@@ -59,18 +59,37 @@ class StorageModule(DiscoverableModule):
         return Answer(reply, data)
 
     def retrieve_many(self, call: Call) -> Answer:
+        """Several objects in one reply, which is bounded like a request: each key at most once, and the
+        bytes that travel in the reply (objects not lent through shared memory) at most
+        KVB_CACHE_SERVER_MAX_MESSAGE_BYTES, checked before anything is read, so one small request cannot
+        make the server build a reply of many gigabytes."""
         body = call.body
         if len(body.keys) > MAX_KEYS_PER_RETRIEVE:
             raise RequestFailed(Code.BAD_REQUEST, f"retrieve_many takes at most {MAX_KEYS_PER_RETRIEVE} keys")
-        items, frames = [], []
-        for key in body.keys:
-            reply, data = self._retrieve_one(key, body.namespace, body.via_shm, call.instance_id)
-            items.append(reply)
-            frames += data
+        if len(set(body.keys)) != len(body.keys):
+            raise RequestFailed(Code.BAD_REQUEST, f"retrieve_many names {len(body.keys) - len(set(body.keys))} "
+                                                  "key(s) more than once; ask for each key once")
+        limit = self.context.settings.cache_server_max_message_bytes
+        items, frames, leases, inline_bytes = [], [], [], 0
+        try:
+            for key in body.keys:
+                reply, data = self._retrieve_one(key, body.namespace, body.via_shm, call.instance_id,
+                                                 budget=limit - inline_bytes)
+                items.append(reply)
+                frames += data
+                inline_bytes += sum(len(d) for d in data)
+                if reply.lease_id:
+                    leases.append(reply.lease_id)
+        except RequestFailed:
+            if leases:   # nothing of a refused request stays lent
+                self.store.release(leases, call.instance_id)
+            raise
         return Answer(RetrieveManyReply(items), tuple(frames))
 
-    def _retrieve_one(self, key: bytes, namespace, via_shm: bool, client_id: str) -> tuple[RetrieveReply, tuple]:
-        """A lease on shared pages for a client that maps them, else the bytes as a data frame."""
+    def _retrieve_one(self, key: bytes, namespace, via_shm: bool, client_id: str,
+                      budget: int | None = None) -> tuple[RetrieveReply, tuple]:
+        """A lease on shared pages for a client that maps them, else the bytes as a data frame (refused,
+        TOO_LARGE, when they would pass `budget`: what is left of the reply's byte limit)."""
         found = self._bad_key_is_bad_request(lambda: self.store.retrieve(key, namespace, client_id))
         if found is None:
             return RetrieveReply(False), ()
@@ -79,6 +98,12 @@ class StorageModule(DiscoverableModule):
             lease = found.lease
             return RetrieveReply(True, found.tier, meta, found.size, lease.lease_id, list(lease.pages),
                                  lease.generation), ()
+        if budget is not None and found.size > budget:
+            if found.lease is not None:
+                self.store.release([found.lease.lease_id], client_id)
+            limit = self.context.settings.cache_server_max_message_bytes
+            raise RequestFailed(Code.TOO_LARGE, f"the reply would pass KVB_CACHE_SERVER_MAX_MESSAGE_BYTES ({limit} "
+                                                "bytes); ask for fewer objects at a time")
         if found.lease is not None:
             try:
                 blob = self.store.read(found.lease)
