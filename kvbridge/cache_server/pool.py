@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 REFUSALS = ("exists", "too_large", "pressure", "no_space")
 
 
+ORPHAN_PREFIX = "orphan:"   # the owner of a dropped client's write leases while its process may still write
+
+
 class StoreRefused(Exception):
     """prepare_write said no; `reason` is one of REFUSALS (the client skips the store)."""
 
@@ -237,13 +240,41 @@ class PagedPool:
         with self._lock:
             return self._owned(lease_id, client_id).key
 
-    def drop_client(self, client_id: str) -> int:
-        """Release every lease, live or zombie, of a client that is gone; how many there were."""
+    def drop_client(self, client_id: str, may_still_write: bool = False) -> int:
+        """Release every lease, live or zombie, of a client that is gone; how many there were.
+
+        may_still_write: the client was dropped for silence, not because it said goodbye or died, and
+        its process can still write into shared memory (SIGSTOP, a frozen VM, swap). Its write leases
+        then become orphans: their pages stay quarantined, named by no client (its commit is refused),
+        until release_orphans() says the process is dead. Freed at once, they would be handed to
+        another object, and the writer's resumed copy would land in that object's committed pages.
+        """
         with self._lock:
             leases = [lease for lease in self._leases.values() if lease.client_id == client_id]
             for lease in leases:
+                if may_still_write and lease.writing:
+                    if not lease.zombie:
+                        self._make_zombie(lease)
+                    lease.client_id = ORPHAN_PREFIX + client_id
+                    self._counts["orphaned_writes"] += 1
+                else:
+                    self._end_lease(lease)
+            return len(leases)
+
+    def release_orphans(self, client_id: str) -> int:
+        """The dropped client's process is gone: its orphaned writes' pages can be reused."""
+        with self._lock:
+            owner = ORPHAN_PREFIX + client_id
+            leases = [lease for lease in self._leases.values() if lease.client_id == owner]
+            for lease in leases:
                 self._end_lease(lease)
             return len(leases)
+
+    def orphan_owners(self) -> set[str]:
+        """Client ids whose orphaned writes still hold pages."""
+        with self._lock:
+            return {lease.client_id[len(ORPHAN_PREFIX):] for lease in self._leases.values()
+                    if lease.client_id.startswith(ORPHAN_PREFIX)}
 
     def expire_leases(self) -> int:
         """Turn leases older than lease_timeout_s into zombies (the background loop calls this)."""

@@ -286,8 +286,8 @@ class ServerStore:
         if self.pool.level() >= PressureLevel.SOFT:
             self.pool.evict_to_target()
 
-    def drop_client(self, client_id: str) -> int:
-        return self.pool.drop_client(client_id)
+    def drop_client(self, client_id: str, may_still_write: bool = False) -> int:
+        return self.pool.drop_client(client_id, may_still_write)
 
     def clear(self, tier: str) -> None:
         """Empty one tier; objects under a client's live lease stay (a later call clears them).

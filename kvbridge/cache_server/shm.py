@@ -297,7 +297,7 @@ def stale_segments(directory: Path = DEFAULT_DIRECTORY, prefix: str = DEFAULT_PR
                 continue
         except FileNotFoundError:
             continue   # removed meanwhile
-        if not _pid_alive(int(match.group(2))):
+        if not pid_alive(int(match.group(2))):
             stale.append(path)
     return stale
 
@@ -320,7 +320,7 @@ def contiguous(pages) -> bool:
     return bool(pages) and all(b == a + 1 for a, b in zip(pages, pages[1:]))
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -11,12 +11,14 @@ lease released, so a killed engine cannot hold pages forever.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 
 from kvbridge.cache_server.calls import Answer, Call, RequestFailed
 from kvbridge.cache_server.module import DiscoverableModule, ModuleBuildContext
 from kvbridge.cache_server.liveness import InstanceClock
 from kvbridge.cache_server.pool import LeaseNotOwned, StoreRefused, UnknownLease
+from kvbridge.cache_server.shm import pid_alive
 from kvbridge.cache_server.protocol import (Code, CommitManyReply, FlushReply, Kind, PrepareManyReply, PrepareReply,
                                             RetrieveManyReply, RetrieveReply, StoreReply, WireMeta)
 
@@ -32,6 +34,12 @@ class StorageModule(DiscoverableModule):
         super().__init__(context)
         self.store = context.store
         self.instances = InstanceClock()
+        # Writers through shared memory on this host: instance id -> the pid it gave at hello. A client
+        # dropped for silence may still be running (SIGSTOP), so its unfinished writes stay orphaned,
+        # their pages quarantined, until that process is gone (checked every maintenance round).
+        self._writer_pids: dict[str, int] = {}
+        self._orphans: dict[str, int] = {}
+        self._pids_lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._loop = threading.Thread(target=self._maintain, name="kvb-cs-pressure", daemon=True)
@@ -136,6 +144,9 @@ class StorageModule(DiscoverableModule):
             if refused.reason in ("pressure", "no_space"):
                 self._wake.set()
             return PrepareReply(False, refused.reason)
+        if call.client is not None and call.client.hostname == socket.gethostname():
+            with self._pids_lock:
+                self._writer_pids[call.instance_id] = call.client.pid
         return PrepareReply(True, "", lease.lease_id, list(lease.pages), lease.generation)
 
     def commit(self, call: Call) -> Answer:
@@ -195,6 +206,7 @@ class StorageModule(DiscoverableModule):
             if self._stop.is_set():
                 return
             try:
+                self._release_dead_orphans()
                 self.store.maintenance()
             except Exception:   # the loop must outlive a bug in one round: logged
                 log.exception("storage maintenance round failed")
@@ -210,10 +222,27 @@ class StorageModule(DiscoverableModule):
         return len(self.instances)
 
     def drop_instance_state(self, instance_id: str) -> None:
-        released = self.store.drop_client(instance_id)
+        with self._pids_lock:
+            pid = self._writer_pids.pop(instance_id, None)
+        alive = pid is not None and pid_alive(pid)
+        released = self.store.drop_client(instance_id, may_still_write=alive)
         self.instances.forget(instance_id)
+        if alive and instance_id in self.store.pool.orphan_owners():
+            with self._pids_lock:
+                self._orphans[instance_id] = pid
+            log.warning("client %s (pid %d) was dropped while writing and is still running: its unfinished "
+                        "writes' pages stay quarantined until it exits", instance_id[:8], pid)
         if released:
             log.info("released %d lease(s) of dropped client %s", released, instance_id[:8])
+
+    def _release_dead_orphans(self) -> None:
+        with self._pids_lock:
+            dead = [iid for iid, pid in self._orphans.items() if not pid_alive(pid)]
+            for iid in dead:
+                del self._orphans[iid]
+        for iid in dead:
+            freed = self.store.pool.release_orphans(iid)
+            log.info("client %s has exited: %d orphaned write(s) released", iid[:8], freed)
 
     # -- module contract -------------------------------------------------------------------------
     def report_status(self) -> dict:

@@ -1,0 +1,94 @@
+"""A writer dropped for silence while it may still write (SIGSTOP, a frozen VM, swap) must not write
+into another object's pages when it resumes: its unfinished writes' pages stay quarantined until its
+process is gone. Real processes and real signals: a child client prepares a write through shared
+memory, is SIGSTOPped past the reap timeout, another client stores objects meanwhile, then the child
+resumes, copies its bytes into the pages it was given and tries to commit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cache_server_helpers import running_server
+from kvbridge.cache_server.client import CacheClient
+from kvbridge.settings import PROJECT_ROOT
+from kvbridge.store.objects import ObjectMeta
+
+PAGE = 64 << 10
+OBJECT = 8 * PAGE
+META = ObjectMeta(namespace="ns", n_tokens=1, tokens_digest=b"", kind="chunk")
+
+_WRITER = r"""
+import json, sys
+from kvbridge.cache_server import protocol
+from kvbridge.cache_server.client import CacheClient
+from kvbridge.cache_server.protocol import Kind
+from kvbridge.store.objects import ObjectMeta
+url, size = sys.argv[1], int(sys.argv[2])
+client = CacheClient(url, timeout_s=5)
+meta = protocol.WireMeta.of(ObjectMeta(namespace="ns", n_tokens=1, tokens_digest=b"", kind="chunk"))
+prepared = client._call(Kind.STORE_PREPARE, protocol.StorePrepare(b"w" * 16, size, meta), protocol.PrepareReply)
+print(json.dumps({"instance_id": client.instance_id, "pages": list(prepared.pages)}), flush=True)
+sys.stdin.readline()                                   # the test SIGSTOPs us here, then lets us go on
+client._segment.write(list(prepared.pages), b"\xee" * size)   # the copy a paused writer resumes with
+try:
+    reply = client._call(Kind.STORE_COMMIT, protocol.StoreCommit(prepared.lease_id), protocol.StoreReply)
+    print(json.dumps({"commit": "stored" if reply.stored else reply.reason}), flush=True)
+except Exception as exc:
+    print(json.dumps({"commit": f"refused: {exc}"}), flush=True)
+sys.stdin.readline()
+"""
+
+
+def wait_until(check, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(what)
+        time.sleep(0.05)
+
+
+def test_a_paused_writer_dropped_for_silence_cannot_overwrite_another_object(make_settings):
+    settings = make_settings(l1_bytes=48 * PAGE, cache_server_page_bytes=PAGE, cache_server_reap_timeout=1.0,
+                             cache_server_registration_grace=1.0, l2_enabled=False)
+    with running_server(settings) as server:
+        writer = subprocess.Popen([sys.executable, "-c", _WRITER, server.url, str(OBJECT)], cwd=PROJECT_ROOT,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            prepared = json.loads(writer.stdout.readline())
+            os.kill(writer.pid, signal.SIGSTOP)
+            pool = server.store.pool
+            wait_until(lambda: server.clients.get(prepared["instance_id"]) is None, 10,
+                       "the paused writer was not dropped for silence")
+            with CacheClient(server.url, timeout_s=5) as owner:
+                mine = {bytes([i]) * 16: bytes([i]) * OBJECT for i in (1, 2)}
+                for key, blob in mine.items():
+                    assert owner.store(key, blob, META)[0]
+                os.kill(writer.pid, signal.SIGCONT)
+                writer.stdin.write("go\n")
+                writer.stdin.flush()
+                result = json.loads(writer.stdout.readline())
+                assert result["commit"].startswith("refused")          # its lease is no longer its own
+                for key, blob in mine.items():                         # and it wrote into no object of ours
+                    found = owner.retrieve(key, "ns")
+                    assert bytes(found.blob) == blob and owner.intact(found)
+                    owner.release([found])
+                assert prepared["instance_id"] in pool.orphan_owners()
+                assert pool.stats()["quarantined_pages"] == len(prepared["pages"])
+            writer.stdin.write("done\n")
+            writer.stdin.flush()
+            writer.wait(timeout=30)
+            wait_until(lambda: not pool.orphan_owners() and pool.stats()["quarantined_pages"] == 0, 10,
+                       "the exited writer's pages were not released")
+            pool.check_invariants()
+        finally:
+            if writer.poll() is None:
+                os.kill(writer.pid, signal.SIGCONT)
+                writer.kill()
+                writer.wait()
