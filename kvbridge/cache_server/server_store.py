@@ -211,9 +211,16 @@ class ServerStore:
     def _on_evict(self, key: bytes, meta: ObjectMeta, view: memoryview) -> None:
         """Called by the pool before an evicted object's pages are freed: demote it when the tiers below lack it."""
         self._emit("evicted", key, L1_NAME, len(view))
-        if not self.lower.tiers or self.lower.contains(key):
+        if not self.lower.tiers or self._lower_knows(key):
             return
         self._queue_write(key, bytes(view), meta, demotion=True)
+
+    def _lower_knows(self, key: bytes) -> bool:
+        """Whether a tier below already indexes `key`, from the tiers' own indexes only: this runs under
+        the pool lock, often on the server's loop thread (a prepare that evicts), where asking a remote
+        tier (TieredStore.contains discovers through Redis) would stall every client for its timeout
+        when Redis is silent. The writer thread asks the full question before it writes."""
+        return any(tier.contains(key) for tier in self.lower.tiers)
 
     def _queue_write(self, key: bytes, blob: bytes | None, meta: ObjectMeta | None, demotion: bool = False) -> None:
         """blob None: write-through of an L1 object, read from the pool when the writer gets to it."""
