@@ -34,3 +34,45 @@ def test_an_eviction_on_the_loop_thread_does_not_wait_for_a_silent_redis(make_se
             # asking Redis whether it holds the evicted object, under the pool lock, took l3_timeout (4 s)
             assert elapsed < 2.0, f"a store that evicts took {elapsed:.1f} s with Redis silent"
             assert server.store.pool.stats()["evictions"] >= 1
+
+
+def test_a_hung_server_costs_a_client_fewer_timeouts_as_it_stays_hung(make_settings, tmp_path):
+    """A SIGSTOPped server: after each timeout the client fails at once for a back-off that doubles
+    (1, 2, 4 ... 30 s), so a hung server is not paid for with a timeout every second; once it answers
+    again the client is back after at most the back-off it was in."""
+    import os
+    import signal
+
+    from cache_server_helpers import ServerProcess, local_url, server_env
+    from kvbridge.cache_server.connection import CacheServerUnavailable
+
+    settings = make_settings(l1_bytes=8 * PAGE, cache_server_page_bytes=PAGE)
+    url = local_url()
+    server = ServerProcess(server_env(settings), url, log_path=tmp_path / "server.log")
+    try:
+        with CacheClient(url, timeout_s=0.3) as client:
+            assert client.lookup([b"k" * 16], "ns").n_hit == 0
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 6.0
+            failures = 0
+            while time.monotonic() < deadline:
+                try:
+                    client.lookup([b"k" * 16], "ns")
+                except CacheServerUnavailable:
+                    failures += 1
+                time.sleep(0.05)
+            # a fixed 1 s back-off paid a 0.3 s timeout about every 1.3 s: 5 in 6 s; doubling pays 3
+            assert client.counters["timeouts"] <= 3 and failures > 50
+            os.kill(server.proc.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 10.0
+            while True:
+                try:
+                    assert client.lookup([b"k" * 16], "ns").n_hit == 0
+                    break
+                except CacheServerUnavailable:
+                    assert time.monotonic() < deadline, "the client did not come back after the server did"
+                    time.sleep(0.1)
+    finally:
+        if server.proc.poll() is None:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        server.close()

@@ -37,7 +37,9 @@ from kvbridge.store.objects import LookupResult, ObjectMeta
 
 __all__ = ["CacheClient", "CacheServerError", "CacheServerRefused", "CacheServerUnavailable", "Retrieved"]
 log = logging.getLogger("kvbridge.cache_server.client")
-DOWN_BACKOFF_S = 1.0     # after a timeout, calls fail at once for this long before trying again
+DOWN_BACKOFF_S = 1.0     # after a timeout, calls fail at once for this long before trying again,
+DOWN_BACKOFF_MAX_S = 30.0   # doubling after each further timeout up to this (a hung server costs one
+                            # request one timeout per back-off period, not one every second)
 CLOSE_SETTLE_S = 2.0     # close() waits at most this long for answers still due (a store's commit)
 
 
@@ -74,6 +76,7 @@ class CacheClient:
         self._hello: protocol.HelloReply | None = None
         self._segment: Segment | None = None
         self._down_until = 0.0
+        self._backoff_s = DOWN_BACKOFF_S
         self.counters = {"timeouts": 0, "reconnects": 0, "torn_copies": 0, "inline_retrieves": 0, "shm_retrieves": 0}
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kvb-cache-heartbeat", daemon=True)
         try:
@@ -326,7 +329,8 @@ class CacheClient:
     def _mark_down(self, why: str):
         self.counters["timeouts"] += 1
         self._hello = None
-        self._down_until = time.monotonic() + DOWN_BACKOFF_S
+        self._down_until = time.monotonic() + self._backoff_s
+        self._backoff_s = min(self._backoff_s * 2, DOWN_BACKOFF_MAX_S)
         raise CacheServerUnavailable(f"cache server {self.url}: {why}")
 
     def _ensure_hello(self) -> None:
@@ -356,6 +360,7 @@ class CacheClient:
         self._attach(answer)
         self._hello = answer
         self._down_until = 0.0
+        self._backoff_s = DOWN_BACKOFF_S
 
     def _attach(self, answer: protocol.HelloReply) -> None:
         """Map the server's pool when it is on this host (the nonce proves it); else bytes go inline."""
