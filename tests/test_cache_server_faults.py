@@ -76,3 +76,21 @@ def test_a_hung_server_costs_a_client_fewer_timeouts_as_it_stays_hung(make_setti
         if server.proc.poll() is None:
             os.kill(server.proc.pid, signal.SIGCONT)
         server.close()
+
+
+def test_bad_client_arguments_name_themselves(make_settings):
+    """An int instance id (a natural thing to pass) used to surface as 'no answer to hello ... not
+    reachable' while the server logged a malformed request."""
+    import pytest
+
+    with running_server(make_settings(l1_bytes=8 * PAGE, cache_server_page_bytes=PAGE)) as server:
+        for kwargs, named in (({"instance_id": 42}, "instance_id"), ({"instance_id": ""}, "instance_id"),
+                              ({"priority": 12}, "priority"), ({"priority": "5"}, "priority")):
+            started = time.monotonic()
+            with pytest.raises(ValueError, match=named):
+                CacheClient(server.url, timeout_s=5, **kwargs)
+            assert time.monotonic() - started < 1.0       # at once, not after a timeout
+        with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+            CacheClient("localhost:5555")
+        with CacheClient(server.url, instance_id="engine-7", timeout_s=5) as client:
+            assert client.lookup([b"k" * 16], "ns").n_hit == 0

@@ -60,8 +60,15 @@ class Retrieved:
 class CacheClient:
     def __init__(self, url: str, instance_id: str | None = None, priority: int = 5, *, token: str = "",
                  timeout_s: float = 5.0, use_shm: bool = True, label: str = "") -> None:
-        if not 0 <= priority <= 9:
-            raise ValueError(f"priority must be 0 to 9, got {priority}")
+        if not isinstance(priority, int) or not 0 <= priority <= 9:
+            raise ValueError(f"CacheClient(priority=...) must be an int from 0 to 9, got {priority!r}")
+        if instance_id is not None and (not isinstance(instance_id, str) or not 0 < len(instance_id) <= 128):
+            # the wire format takes a string: anything else was a malformed hello the server logged while
+            # the caller saw only "no answer to hello ... not reachable"
+            raise ValueError(f"CacheClient(instance_id=...) must be a string of 1 to 128 characters, got "
+                             f"{type(instance_id).__name__} {instance_id!r}")
+        if not isinstance(url, str) or not url.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"CacheClient(url=...) must be tcp://HOST:PORT or ipc:///path, got {url!r}")
         self.url = url
         self.instance_id = instance_id or uuid.uuid4().hex
         self.priority = priority
