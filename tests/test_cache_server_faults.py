@@ -94,3 +94,26 @@ def test_bad_client_arguments_name_themselves(make_settings):
             CacheClient("localhost:5555")
         with CacheClient(server.url, instance_id="engine-7", timeout_s=5) as client:
             assert client.lookup([b"k" * 16], "ns").n_hit == 0
+
+
+def test_a_shadow_engines_prediction_gives_back_what_the_server_lent(make_settings):
+    """ShadowIndex.predict reads a tail index object through the cache server's shared memory: the read
+    lease is released at once, not left for the lease timeout (every shadow request leaked one)."""
+    from kvbridge.cache_server.remote_store import RemoteStore
+    from kvbridge.engine.chunks import ShadowIndex
+    from kvbridge.engine.hashing import make_hasher
+
+    settings = make_settings(l1_bytes=8 * PAGE, cache_server_page_bytes=PAGE, l2_enabled=False)
+    with running_server(settings) as server:
+        store = RemoteStore(CacheClient(server.url, timeout_s=5), namespace="ns-shadow")
+        hasher = make_hasher(16, "ns-shadow", False)
+        index = ShadowIndex(store, "ns-shadow", hasher.seed, 16)
+        tokens = list(range(1, 41))
+        index.record(tokens, hasher.chunk_hashes(tokens))
+        store.flush()
+        for _ in range(3):
+            k, predicted, tier = index.predict(tokens + [99], hasher.chunk_hashes(tokens + [99]))
+            assert (k, predicted, tier) == (2, 40, "L1")
+        store.lookup([b"z" * 32])    # a round trip after the releases (sent without waiting) lands after them
+        assert server.store.pool.stats()["read_leases"] == 0
+        store.close()

@@ -403,7 +403,8 @@ class ShadowIndex:
         found = self.store.lookup(list(hashes), namespace=self.namespace)
         k = found.n_hit
         tier = found.tiers[-1] if k else "none"
-        obj = self.store.get(tail_key(hashes[k - 1] if k else self.seed), namespace=self.namespace)
+        # a cache server lends the object (a read lease on shared memory): read it, then give it back
+        obj = ChunkKV._owned(self.store.get(tail_key(hashes[k - 1] if k else self.seed), namespace=self.namespace))
         extra = 0
         if obj is not None and obj.meta.kind == "index":
             ids = np.frombuffer(obj.blob, dtype="<u4")
