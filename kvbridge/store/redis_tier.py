@@ -240,32 +240,45 @@ class RedisTier(Tier):
                 self._prober.start()
 
     def _probe_until_up(self) -> None:
-        """Ping at each retry time until the server answers (then requests use it again) or the tier closes."""
+        """Ping at each retry time until the server answers (then requests use it again) or the tier closes.
+
+        It lets go only under the lock _trip starts probers with, and only while the breaker is up: a
+        fault that trips it between this loop seeing it up and letting go (when _trip still saw a prober
+        and started none) is probed here, not left down with nobody probing (L3 skipped for good)."""
         try:
-            while not self._closed and self._breaker.is_down:
-                if self._wake.wait(self._breaker.retry_in()):
-                    return      # closed
-                try:
-                    self._get_client().ping()
-                except AuthenticationError as error:
+            while True:
+                self._probe_while_down()
+                with self._client_lock:
+                    if self._closed or not self._breaker.is_down:
+                        self._prober = None
+                        return
+        except BaseException:
+            with self._client_lock:
+                self._prober = None   # a later fault starts another prober
+            raise
+
+    def _probe_while_down(self) -> None:
+        while not self._closed and self._breaker.is_down:
+            if self._wake.wait(self._breaker.retry_in()):
+                return      # closed
+            try:
+                self._get_client().ping()
+            except AuthenticationError as error:
+                self.counts["auth_errors"] += 1
+                self._breaker.failed(self._auth_message(error))
+            except ResponseError as error:
+                if str(error).startswith(("NOAUTH", "WRONGPASS")):
                     self.counts["auth_errors"] += 1
                     self._breaker.failed(self._auth_message(error))
-                except ResponseError as error:
-                    if str(error).startswith(("NOAUTH", "WRONGPASS")):
-                        self.counts["auth_errors"] += 1
-                        self._breaker.failed(self._auth_message(error))
-                    else:
-                        self._breaker.succeeded()
-                except (redis.TimeoutError, TimeoutError, redis.ConnectionError, RedisClusterException, OSError,
-                        RedisError) as error:
-                    self._breaker.failed(f"{type(error).__name__}: {error}")
-                    if self.cluster:
-                        self._drop_client()
                 else:
                     self._breaker.succeeded()
-        finally:
-            with self._client_lock:
-                self._prober = None
+            except (redis.TimeoutError, TimeoutError, redis.ConnectionError, RedisClusterException, OSError,
+                    RedisError) as error:
+                self._breaker.failed(f"{type(error).__name__}: {error}")
+                if self.cluster:
+                    self._drop_client()
+            else:
+                self._breaker.succeeded()
 
     def _get_client(self) -> Any:
         with self._client_lock:
