@@ -32,6 +32,8 @@ EVENT_STYLE = {   # kind -> (colour, marker symbol)
     "swap-in": ("#16a34a", "triangle-up"),
     "finish": ("#111827", "square"),
     "cancel": ("#9ca3af", "square-open"),
+    "restore-failed": ("#be185d", "star-open"),   # llama.cpp refused a restore: the request recomputes
+    "fail": ("#7f1d1d", "x-open"),                # a step raised: only its requests failed and were freed
 }
 
 

@@ -18,10 +18,15 @@ context or a cached prefix is copied into the new sequence with seq_cp (no recom
 cells), and what no resident sequence has may come from the store (chunks, then the tail). A
 preempted request is swapped out to the store (pinned), swapped back in by restore, and continues
 decoding where it stopped; if the store could not take it, it is recomputed from its tokens.
+
+Faults degrade, counted: a restore llama.cpp refuses is recomputed from the cells the sequence really
+holds (`restore_failed`), and an exception in a step fails only the requests it was changing (their
+futures get it, their sequences and blocks are freed: `faults`, `failed`) while the loop goes on.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -36,7 +41,7 @@ from kvbridge.engine.cached_engine import open_store
 from kvbridge.engine.chunks import common_prefix_length
 from kvbridge.engine.namespace import file_sha256, kv_namespace, sha_cache_file
 from kvbridge.engine.records import RequestRecord
-from kvbridge.errors import EngineUnavailable, KVBridgeError
+from kvbridge.errors import EngineUnavailable, KVBridgeError, StateTransferError
 from kvbridge.formats.architectures import kv_support
 from kvbridge.formats.llama_state import parse_state
 from kvbridge.scheduler.ledger import BlockLedger, Holding, Pressure
@@ -54,7 +59,8 @@ log = logging.getLogger(__name__)
 # newly arrived urgent request wait for the step in flight.
 SHARED_STEP_PREFILL = 128
 PROBE_TEXT = "KVBridge scheduler probe: the KV layout of this model."
-EVENT_KINDS = ("admit", "share", "restore", "evict", "preempt", "swap-out", "swap-in", "finish", "cancel")
+EVENT_KINDS = ("admit", "share", "restore", "restore-failed", "evict", "preempt", "swap-out", "swap-in", "finish",
+               "cancel", "fail")
 
 
 class RequestRefused(KVBridgeError):
@@ -101,6 +107,7 @@ class Scheduler:
         self._prefixes: list[CachedPrefix] = []
         self._ids = iter(range(1, 1 << 62))
         self._counters = collections.Counter()
+        self._involved: list[Request] = []   # the requests the step's operation in progress is changing
         self._events: collections.deque[Event] = collections.deque(maxlen=5000)
         self._started = time.perf_counter()
         self._lock = threading.Condition()
@@ -170,7 +177,8 @@ class Scheduler:
         return cancelled
 
     def snapshot(self) -> dict:
-        """Blocks by owner (shared ones with reference counts), pressure, the three queues, counters."""
+        """Blocks by owner (shared ones with reference counts), pressure, the three queues, the free
+        sequence ids, counters."""
         with self._lock:
             return {
                 "blocks": self.ledger.snapshot(),
@@ -182,9 +190,11 @@ class Scheduler:
                 "swapped": [r.describe() for r in self._swapped],
                 "prefixes": [{"id": p.id, "tokens": len(p.tokens), "holder": p.holder, "label": p.label}
                              for p in self._prefixes],
+                "free_seqs": sorted(self._free_seqs),
                 "counters": {name: self._counters[name] for name in ("hits", "misses", "evictions", "preemptions",
                                                                      "swap_ins", "recomputed", "shared_tokens",
-                                                                     "restored_tokens", "finished", "cancelled")},
+                                                                     "restored_tokens", "restore_failed", "finished",
+                                                                     "cancelled", "faults", "failed")},
             }
 
     def events(self) -> list[dict]:
@@ -246,13 +256,34 @@ class Scheduler:
                     return
             try:
                 self._step()
-            except Exception as exc:   # a bug must fail the requests, never leave their futures hanging
-                log.exception("scheduler step failed")
+            except Exception as exc:   # counted, logged, and on the futures of the requests it involved
+                log.exception("a scheduler step failed")
                 with self._lock:
-                    for request in self._running + self._waiting + self._swapped:
-                        self._fail(request, RequestRefused(f"the scheduler failed: {exc}"))
-                    self._running, self._waiting, self._swapped = [], [], []
-                    self._lock.notify_all()
+                    self._fail_step(exc)
+
+    def _fail_step(self, exc: Exception) -> None:
+        """Fail the requests whose operation the exception interrupted (a batch's, a start's, a
+        preemption's) and free their sequences and blocks, so the loop goes on serving the others. A
+        fault outside every request's operation is one in the policy itself, which would recur each
+        step: then every queued request is failed (and freed) rather than the loop spinning on it."""
+        involved = self._involved or self._running + self._waiting + self._swapped
+        self._involved = []
+        self._counters["faults"] += 1
+        seen: set[int] = set()
+        for request in involved:
+            if request.id not in seen:
+                seen.add(request.id)
+                self._abort(request, exc)
+        self._lock.notify_all()
+
+    @contextlib.contextmanager
+    def _working_on(self, *requests: Request):
+        """Mark the requests an operation is changing: if the step fails inside it, they are the ones
+        left half-changed (a sequence taken, cells decoded but not accounted), so they are the ones failed."""
+        mark = len(self._involved)
+        self._involved.extend(requests)
+        yield
+        del self._involved[mark:]
 
     def _step(self) -> None:
         with self._lock:
@@ -266,21 +297,23 @@ class Scheduler:
                 self._lock.wait(0.02)
             return
         entries = [entry for _, feed in batch for entry in feed]
-        rc = self._ctx.decode(entries)
-        with self._lock:
-            if rc != 0:
-                self._no_room(rc)
-                return
-            self._after_decode(batch)
-            self._lock.notify_all()
+        with self._working_on(*(request for request, _ in batch)):
+            rc = self._ctx.decode(entries)
+            with self._lock:
+                if rc != 0:
+                    self._no_room(rc)
+                    return
+                self._after_decode(batch)
+                self._lock.notify_all()
 
     # -- 1, 2: cancels and pressure -------------------------------------------------------------------
     def _drop_cancelled(self) -> None:
         for queue_ in (self._waiting, self._running, self._swapped):
             for request in [r for r in queue_ if r.future.cancelled()]:
-                queue_.remove(request)
-                self._free_request(request)
-                self._release_swap(request)
+                with self._working_on(request):
+                    queue_.remove(request)
+                    self._free_request(request)
+                    self._release_swap(request)
                 request.state = "done"
                 self._counters["cancelled"] += 1
                 self._event("cancel", request)
@@ -371,65 +404,101 @@ class Scheduler:
 
     def _start(self, request: Request, resumed: bool) -> None:
         """Give the request a sequence holding as much of its context as resident cells or the store have."""
-        request.seq = self._take_seq()
-        request.held = Holding(request.holder)
-        context = request.context
-        source, shared = self._best_source(context)
+        with self._working_on(request):
+            request.seq = self._take_seq()
+            request.held = Holding(request.holder)
+            kv, tier = self._reuse(request, resumed)
+            self._release_swap(request)   # restored (or to be recomputed): the store may evict them again
+            context = request.context
+            if resumed:
+                self._counters["swap_ins"] += 1
+                if kv < len(context) - 1:
+                    self._counters["recomputed"] += 1
+                self._event("swap-in", request, f"{kv} of {len(context)} tokens restored")
+            else:
+                self._counters["hits" if kv else "misses"] += 1
+                request.record.matched_tokens = kv
+                request.record.chunks_hit = kv // self.settings.chunk_size
+                request.record.tier = tier
+                if request.record.restore_ok is None:   # False stays: a restore failed and was recomputed
+                    request.record.restore_ok = True if kv else None
+                self._event("admit", request, f"{len(context)} tokens, {kv} reused ({tier})")
+            request.kv_tokens = kv
+            request.pending = context[kv:]
+            request.state = "running"
+            self._running.append(request)
+
+    def _reuse(self, request: Request, resumed: bool) -> tuple[int, str]:
+        """Fill the request's new sequence with the longest resident run (shared), replaced by the store's
+        copy when that is longer: (tokens the sequence holds, where they came from)."""
+        source, shared = self._best_source(request.context)
         if shared > 0:
-            self._ctx.seq_cp(source.seq, request.seq, shared)
-            request.held = self.ledger.share(source.held, request.holder, shared)
+            self._share(request, source, shared)
             self._counters["shared_tokens"] += shared
             if isinstance(source, CachedPrefix):
                 source.last_used = time.monotonic()
             self._event("share", request, f"{shared} tokens from {source.holder}")
-        kv = shared
-        tier = "resident" if shared else "none"
-        if not (resumed and request.swap is not None and not request.swap.complete):
-            restored, restored_tier, swap_ms = self._restore_beyond(request, shared)
-            if restored > kv:
-                kv, tier = restored, restored_tier
-            if resumed:
-                request.record.swap_in_ms += swap_ms
-        self._release_swap(request)   # restored (or to be recomputed): the store may evict them again
+        if resumed and request.swap is not None and not request.swap.complete:
+            return shared, "resident" if shared else "none"   # the store could not take it at swap-out
+        kv, tier, restore_ms = self._restore_beyond(request, source, shared)
         if resumed:
-            self._counters["swap_ins"] += 1
-            if kv < len(context) - 1:
-                self._counters["recomputed"] += 1
-            self._event("swap-in", request, f"{kv} of {len(context)} tokens restored")
-        else:
-            self._counters["hits" if kv else "misses"] += 1
-            request.record.matched_tokens = kv
-            request.record.chunks_hit = kv // self.settings.chunk_size
-            request.record.tier = tier
-            request.record.restore_ok = True if kv else None
-            self._event("admit", request, f"{len(context)} tokens, {kv} reused ({tier})")
-        request.kv_tokens = kv
-        request.pending = context[kv:]
-        request.state = "running"
-        self._running.append(request)
+            request.record.swap_in_ms += restore_ms
+        return kv, tier
 
-    def _restore_beyond(self, request: Request, shared: int) -> tuple[int, str, float]:
-        """Restore the context's longest stored prefix into the request's sequence when it beats `shared`."""
+    def _restore_beyond(self, request: Request, source, shared: int) -> tuple[int, str, float]:
+        """Restore the context's longest stored prefix into the request's sequence when it beats the
+        `shared` cells from `source`: (tokens the sequence holds then, their tier, ms spent restoring)."""
+        kept = shared, "resident" if shared else "none", 0.0
         enough = shared + self.ledger.block_tokens // 2    # less is not worth replacing the shared cells
         if len(request.context) - 1 <= enough:
-            return 0, "none", 0.0     # the resident run covers all the store could give
+            return kept     # the resident run covers all the store could give
         start = time.perf_counter()
         plan = self.swap.restore(request.context, request.swap, at_least=enough)
         if plan.matched_tokens <= enough or plan.state is None:
-            return 0, "none", 0.0
-        # the store's copy replaces the shared cells: one sequence, one source
-        self._ctx.seq_rm(request.seq)
-        self.ledger.release(request.held)
-        request.held = Holding(request.holder)
+            return kept
+        self._empty(request)   # the store's copy replaces the shared cells: one sequence, one source
         try:
             self._ctx.load_seq(request.seq, plan.state.data)
+            held = self._ctx.seq_len(request.seq)
+            if held != plan.matched_tokens:
+                raise StateTransferError(f"the sequence holds {held} positions after restoring {plan.matched_tokens}")
         except KVBridgeError as exc:
-            log.warning("restore into sequence %d failed (%s); recomputing", request.seq, exc)
-            return 0, "none", 0.0
+            kv = self._recompute_after_failed_restore(request, source, shared, exc)
+            return kv, "resident" if kv else "none", (time.perf_counter() - start) * 1e3
         self.ledger.grow(request.held, plan.matched_tokens, request.holder)
         self._counters["restored_tokens"] += plan.matched_tokens
         self._event("restore", request, f"{plan.matched_tokens} tokens from {plan.tier}")
         return plan.matched_tokens, plan.tier, (time.perf_counter() - start) * 1e3
+
+    def _recompute_after_failed_restore(self, request: Request, source, shared: int, exc: Exception) -> int:
+        """llama.cpp refused the state (no room for its cells near capacity, or a layout it does not
+        take) after the sequence gave up its shared cells for it. Share them again (no new cells, which
+        the cache is short of) and recompute the rest; the count returned is what the sequence really
+        holds, so the next decode continues at cells that are there, not past missing ones."""
+        log.warning("restore into sequence %d failed (%s); recomputing past %d shared tokens", request.seq, exc, shared)
+        self._counters["restore_failed"] += 1
+        request.record.restore_ok = False
+        request.record.add_note(f"restore failed ({exc}); recomputed")
+        self._empty(request)   # whatever a refused load left behind
+        if shared > 0:
+            self._share(request, source, shared)
+        held = self._ctx.seq_len(request.seq)
+        if held != shared:     # the cells are not what the ledger says: recompute all of it
+            self._empty(request)
+            held = 0
+        self._event("restore-failed", request, f"{exc}; {held} tokens kept, {len(request.context) - held} recomputed")
+        return held
+
+    def _share(self, request: Request, source, n_tokens: int) -> None:
+        """The first n_tokens of `source`'s cells join the request's (empty) sequence: seq_cp, no copy."""
+        self._ctx.seq_cp(source.seq, request.seq, n_tokens)
+        request.held = self.ledger.share(source.held, request.holder, n_tokens)
+
+    def _empty(self, request: Request) -> None:
+        """The request's sequence gives up every cell it holds (its sequence id stays with it)."""
+        self._ctx.seq_rm(request.seq)
+        self.ledger.release(request.held)
+        request.held = Holding(request.holder)
 
     def _best_source(self, context: list[int]):
         """The resident sequence (running request or cached prefix) sharing the longest token run with
@@ -446,23 +515,25 @@ class Scheduler:
     # -- preemption ---------------------------------------------------------------------------------
     def _preempt(self, request: Request, why: str) -> None:
         """Swap the request's KV out to the store, free its cells, and queue it to resume later."""
-        start = time.perf_counter()
-        self._running.remove(request)
-        kept = request.kv_tokens
-        if kept > 0:
-            data = self._ctx.save_seq(request.seq)
-            request.swap = self.swap.swap_out(data, request.context[:kept], self._window_captures(request.seq, data))
-        self._free_request(request)
-        request.kv_tokens = 0
-        request.pending = request.context
-        request.state = "swapped"
-        request.record.preemptions += 1
-        request.record.swap_out_ms += (time.perf_counter() - start) * 1e3
-        self._swapped.append(request)
-        self._counters["preemptions"] += 1
-        self._event("preempt", request, why)
-        lost = request.swap is not None and not request.swap.complete
-        self._event("swap-out", request, f"{kept} tokens" + (" (store refused: will recompute)" if lost else ""))
+        with self._working_on(request):
+            start = time.perf_counter()
+            self._running.remove(request)
+            kept = request.kv_tokens
+            if kept > 0:
+                data = self._ctx.save_seq(request.seq)
+                capture = self._window_captures(request.seq, data)
+                request.swap = self.swap.swap_out(data, request.context[:kept], capture)
+            self._free_request(request)
+            request.kv_tokens = 0
+            request.pending = request.context
+            request.state = "swapped"
+            request.record.preemptions += 1
+            request.record.swap_out_ms += (time.perf_counter() - start) * 1e3
+            self._swapped.append(request)
+            self._counters["preemptions"] += 1
+            self._event("preempt", request, why)
+            lost = request.swap is not None and not request.swap.complete
+            self._event("swap-out", request, f"{kept} tokens" + (" (store refused: will recompute)" if lost else ""))
 
     def _no_room(self, rc: int) -> None:
         """llama.cpp found no cells for the batch: preempt or evict, then the next step retries."""
@@ -506,6 +577,9 @@ class Scheduler:
         return batch
 
     def _after_decode(self, batch) -> None:
+        """Account every sequence's new cells first, then sample: a request whose sampling or streaming
+        callback raises fails alone, and the others' accounts are already true."""
+        sampled = []
         logit_index = 0
         for request, entries in batch:
             n = len(entries)
@@ -513,13 +587,16 @@ class Scheduler:
             request.kv_tokens += n
             request.pending = request.pending[n:]
             request.record.prefill_tokens += max(0, min(n, len(request.prompt) - (request.kv_tokens - n)))
-            wants = entries[-1][3]
-            index = logit_index + n - 1
             logit_index += n
-            if not wants:
-                continue
-            token = request.sampler.pick(self._ctx.logits(index))
-            self._on_token(request, token)
+            if entries[-1][3]:
+                sampled.append((request, logit_index - 1))
+        for request, index in sampled:
+            try:
+                self._on_token(request, request.sampler.pick(self._ctx.logits(index)))
+            except Exception as exc:   # its own fault (its on_token raised): counted, logged, on its future
+                log.exception("%s failed after its decode", request.holder)
+                self._counters["faults"] += 1
+                self._abort(request, exc)
 
     def _on_token(self, request: Request, token: int) -> None:
         now = time.perf_counter()
@@ -636,6 +713,18 @@ class Scheduler:
         if request.held is not None:
             self.ledger.release(request.held)
             request.held = None
+
+    def _abort(self, request: Request, error: Exception) -> None:
+        """A request a fault left half-changed: out of its queue, its sequence and blocks freed, the
+        error on its future (counted; one that has its answer already is only freed)."""
+        for queue_ in (self._running, self._waiting, self._swapped):
+            queue_[:] = [r for r in queue_ if r is not request]
+        self._free_request(request)
+        answered = request.future.done()
+        self._fail(request, error)
+        if not answered:
+            self._counters["failed"] += 1
+            self._event("fail", request, f"{type(error).__name__}: {error}")
 
     def _fail(self, request: Request, error: Exception) -> None:
         request.state = "done"

@@ -75,18 +75,28 @@ class SwapSpace:
         if whole * c < len(tokens):
             ticket.tail = (boundary, swap_tail_key(boundary, tokens[whole * c:]))
         ticket.pins.enter_context(self.store.pinned(list(hashes[:whole]) + [ticket.tail[1]] if ticket.tail else hashes))
+        try:
+            self._store_swapped(ticket, data, tokens, hashes, capture)
+        except BaseException:   # the caller never gets the ticket: unpin here, or the objects stay pinned
+            ticket.release()
+            raise
+        return ticket
+
+    def _store_swapped(self, ticket: SwapTicket, data, tokens: list[int], hashes: list[bytes], capture) -> None:
+        """Store the pinned objects and mark the ticket complete when the store really holds all of them."""
+        c = self.kv.chunk_size
+        whole = len(tokens) // c
         self.drain()   # a queued prompt store of the same chunks lands first, not after us
         try:
             self.kv.store_prompt(SeqState(data=data, n_tokens=len(tokens), token_ids=tuple(tokens)), tokens, hashes,
                                  capture=capture)
         except ForeignState as exc:   # cannot happen with our own sequence; recompute rather than trust it
             log.warning("swap-out not stored: %s", exc)
-            return ticket
+            return
         found = self.store.lookup(hashes[:whole], namespace=self.kv.namespace).n_hit == whole
         tail = ticket.tail is None or (self.kv.store_tail(data, tokens, whole * c, ticket.tail[1], capture)
                                        and self.store.contains(ticket.tail[1], namespace=self.kv.namespace))
         ticket.complete = found and tail
-        return ticket
 
     def restore(self, tokens: list[int], ticket: SwapTicket | None = None, at_least: int = 0):
         """The longest stored prefix of `tokens` (at most all but the last), with a swapped-out

@@ -1,0 +1,182 @@
+"""The scheduler under faults, on the real model (issue 21): a restore llama.cpp refuses degrades to
+recomputing, with the request's account of its sequence matching the cells really there, and an
+exception in a step fails only the requests it involved, frees their sequences and blocks, and the
+loop goes on serving. The faults are injected at the llama.cpp door (LlamaContext), so everything
+above it runs as in production.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from conftest import needs_model
+from kvbridge.scheduler import Scheduler
+from kvbridge.scheduler import scheduler as scheduler_module
+from kvbridge.scheduler.llama_context import LlamaContext
+from kvbridge.scheduler.swap import SwapSpace
+from test_scheduler import QUESTIONS, chat, only_cached_blocks_left, solo_greedy
+
+pytestmark = [needs_model, pytest.mark.timeout(300)]
+
+
+def test_a_restore_llama_cpp_refuses_is_recomputed_and_answers_as_cold(make_settings, short_doc, monkeypatch):
+    """A stored prompt is restored over cells the request shared from a cached prefix; llama.cpp refuses
+    the state (here a truncated one: the same refusal as no room for the cells), which left the
+    sequence empty. The request must recompute from what its sequence really holds and answer exactly
+    as the same prompt did cold. f32 K/V and one running sequence, as the oracle test in
+    test_scheduler.py (other sequences in a batch move logits)."""
+    settings = make_settings(cache_type_k="f32", cache_type_v="f32", sched_kv_cells=2048, sched_max_running=1,
+                             sched_cached_prefixes=1, sched_block_tokens=16, n_predict=12, ctx_size=1024)
+    load_seq = LlamaContext.load_seq
+    refusals = {"left": 0}
+
+    def refusing_load_seq(self, seq, data):
+        if refusals["left"] > 0:
+            refusals["left"] -= 1
+            view = memoryview(data).cast("B")
+            data = view[:len(view) * 3 // 4]    # llama.cpp reads past the end and refuses it
+        load_seq(self, seq, data)
+
+    monkeypatch.setattr(LlamaContext, "load_seq", refusing_load_seq)
+    document = chat(short_doc, QUESTIONS[0])
+    with Scheduler(settings) as scheduler:
+        cold = scheduler.submit(document).result(timeout=120)          # alone, nothing to reuse
+        assert scheduler.drain(60)                                     # its prompt is in the store now
+        # a chat on the document's first half becomes the cached prefix (the whole document's is evicted)
+        scheduler.submit(chat(short_doc[:len(short_doc) // 2], "Say hello."), n_predict=2).result(timeout=120)
+        assert scheduler.drain(60)
+        refusals["left"] = 1
+        again = scheduler.submit(document).result(timeout=120)        # shares that half, restores the rest
+        assert scheduler.drain(60)
+        snapshot, events = scheduler.snapshot(), scheduler.events()
+    assert refusals["left"] == 0
+    assert cold.matched_tokens == 0 and cold.gen_tokens > 0
+    assert again.text == cold.text and again.gen_tokens == cold.gen_tokens, (again.text, cold.text)
+    again_id = f"req-{again.request_index}"
+    shares = [e for e in events if e["request"] == again_id and e["kind"] == "share"]
+    assert shares, "the request shared no cells first: a failed restore would have nothing to lose"
+    (failed,) = [e for e in events if e["request"] == again_id and e["kind"] == "restore-failed"]
+    assert not any(e["request"] == again_id and e["kind"] == "restore" for e in events)
+    assert snapshot["counters"]["restore_failed"] == 1
+    assert again.restore_ok is False and "restore failed" in again.notes
+    assert again.tier == "resident" and 0 < again.matched_tokens < again.prompt_tokens * 3 // 4   # the half shared
+    assert again.prefill_tokens == again.prompt_tokens - again.matched_tokens
+    assert only_cached_blocks_left(snapshot)
+
+
+def test_a_refused_swap_in_recomputes_its_generated_tokens_and_answers_as_a_solo_run(make_settings, short_doc,
+                                                                                     monkeypatch):
+    """A preempted request resumes next to a cached prefix that shares half its context; llama.cpp
+    refuses its swapped-out state. It must recompute from the shared half, the rest of its prompt and
+    the tokens it had generated, and answer exactly as the same request alone on an empty context."""
+    settings = make_settings(cache_type_k="f32", cache_type_v="f32", sched_kv_cells=2048, sched_max_running=1,
+                             sched_cached_prefixes=1, sched_block_tokens=16, n_predict=16, ctx_size=1024)
+    load_seq, swap_restore = LlamaContext.load_seq, SwapSpace.restore
+    refusals = {"left": 0, "done": 0}
+
+    def restore_then_refuse(self, tokens, ticket=None, at_least=0):
+        if ticket is not None:        # a swap-in: llama.cpp will refuse what comes back
+            refusals["left"] = 1
+        return swap_restore(self, tokens, ticket, at_least)
+
+    def refusing_load_seq(self, seq, data):
+        if refusals["left"] > 0:
+            refusals["left"] -= 1
+            refusals["done"] += 1
+            view = memoryview(data).cast("B")
+            data = view[:len(view) * 3 // 4]
+        load_seq(self, seq, data)
+
+    monkeypatch.setattr(SwapSpace, "restore", restore_then_refuse)
+    monkeypatch.setattr(LlamaContext, "load_seq", refusing_load_seq)
+    generated: list[int] = []
+    on_token = scheduler_module.Scheduler._on_token
+
+    def spying_on_token(self, request, token):
+        if request.priority == 1:
+            generated.append(token)
+        on_token(self, request, token)
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "_on_token", spying_on_token)
+    document = chat(short_doc, QUESTIONS[0])
+    started = threading.Event()
+    with Scheduler(settings) as scheduler:
+        low = scheduler.submit(document, priority=1, on_token=lambda piece: started.set())
+        assert started.wait(120)
+        # urgent, on the document's first half: it preempts the low one and stays as the cached prefix
+        urgent = scheduler.submit(chat(short_doc[:len(short_doc) // 2], "Say hello."), priority=9, n_predict=4)
+        urgent.result(timeout=120)
+        record = low.result(timeout=120)
+        assert scheduler.drain(60)
+        prompt = scheduler._prompt_tokens(document)
+        snapshot, events = scheduler.snapshot(), scheduler.events()
+    low_id = f"req-{record.request_index}"
+    kinds = [e["kind"] for e in events if e["request"] == low_id]
+    assert refusals["done"] == 1 and record.preemptions == 1
+    assert kinds.index("preempt") < kinds.index("restore-failed") < kinds.index("swap-in") < kinds.index("finish")
+    (swap_in,) = [e["detail"] for e in events if e["request"] == low_id and e["kind"] == "swap-in"]
+    kept, _, total = swap_in.split()[:3]
+    assert 0 < int(kept) < int(total) // 2 + 32, swap_in      # the shared half, not the refused whole
+    counters = snapshot["counters"]
+    assert counters["restore_failed"] == 1 and counters["recomputed"] == 1 and counters["failed"] == 0
+    solo_ctx = LlamaContext(settings, settings.ctx_size, 1)
+    try:
+        solo, _ = solo_greedy(solo_ctx, prompt, len(generated) + 1)
+    finally:
+        solo_ctx.close()
+    assert generated == solo[:len(generated)] and len(generated) == record.gen_tokens
+    assert only_cached_blocks_left(snapshot)
+
+
+def test_a_failing_step_fails_only_its_requests_and_frees_their_sequences(make_settings, monkeypatch):
+    """A decode that raises fails the requests in that batch (their futures get the exception), frees
+    their sequences and blocks, and leaves a waiting request alone; repeated more times than there are
+    sequences, nothing leaks and a new request still finishes. A request whose own streaming callback
+    raises fails alone as well."""
+    settings = make_settings(sched_kv_cells=1024, sched_max_running=1, sched_cached_prefixes=1, sched_block_tokens=16,
+                             n_predict=4, ctx_size=512)
+    decode = LlamaContext.decode
+    faults = {"left": 0, "raised": 0}
+
+    def faulty_decode(self, entries):
+        if faults["left"] > 0:
+            faults["left"] -= 1
+            faults["raised"] += 1
+            raise RuntimeError("injected decode fault")
+        return decode(self, entries)
+
+    def broken_callback(piece):
+        raise ValueError("the client went away")
+
+    monkeypatch.setattr(LlamaContext, "decode", faulty_decode)
+    colour = [{"role": "user", "content": "Name one colour."}]
+    with Scheduler(settings) as scheduler:
+        n_seq = len(scheduler.snapshot()["free_seqs"])
+        # one running slot: the first is in the failing batch, the second waits and is not involved
+        faults["left"] = 1
+        doomed = scheduler.submit(colour)
+        bystander = scheduler.submit([{"role": "user", "content": "Name one animal."}])
+        with pytest.raises(RuntimeError, match="injected decode fault"):
+            doomed.result(timeout=120)
+        assert bystander.result(timeout=120).gen_tokens > 0
+        # more faults than sequences: each failed request's sequence must come back
+        for _ in range(n_seq + 1):
+            faults["left"] = 1
+            with pytest.raises(RuntimeError, match="injected decode fault"):
+                scheduler.submit(colour).result(timeout=120)
+        streamer = scheduler.submit(colour, on_token=broken_callback)
+        after = scheduler.submit([{"role": "user", "content": "Name one fruit."}])
+        with pytest.raises(ValueError, match="the client went away"):
+            streamer.result(timeout=120)
+        assert after.result(timeout=120).gen_tokens > 0
+        assert scheduler.drain(60)
+        snapshot, events = scheduler.snapshot(), scheduler.events()
+    assert faults["raised"] == n_seq + 2
+    counters = snapshot["counters"]
+    assert counters["failed"] == counters["faults"] == n_seq + 3 and counters["finished"] == 2
+    assert sum(1 for e in events if e["kind"] == "fail") == n_seq + 3
+    assert only_cached_blocks_left(snapshot)
+    prefixes = {p["holder"] for p in snapshot["prefixes"]}
+    assert all(set(e["holders"]) <= prefixes for e in snapshot["blocks"]["extents"])   # no request holds a block
+    assert len(snapshot["free_seqs"]) == n_seq - len(snapshot["prefixes"])
