@@ -117,3 +117,26 @@ def test_a_shadow_engines_prediction_gives_back_what_the_server_lent(make_settin
         store.lookup([b"z" * 32])    # a round trip after the releases (sent without waiting) lands after them
         assert server.store.pool.stats()["read_leases"] == 0
         store.close()
+
+
+def test_a_newer_tail_replaces_the_older_one_as_in_the_embedded_store(make_settings, tmp_path):
+    """Tails are filed under their chunk boundary: a newer prompt's tail replaces the older one (in L1
+    and on the server's disk), as the embedded store does; a chunk (content-keyed) is never replaced.
+    The server used to refuse the newer tail as 'exists' while the client counted it stored."""
+    settings = make_settings(l1_bytes=8 * PAGE, cache_server_page_bytes=PAGE, l2_dir=str(tmp_path / "l2"))
+    tail = ObjectMeta(namespace="ns", n_tokens=3, tokens_digest=b"", kind="tail")
+    with running_server(settings) as server, CacheClient(server.url, timeout_s=5) as client:
+        assert client.store(b"t" * 16, b"older tail", tail)[0]
+        client.flush()
+        assert client.store(b"t" * 16, b"the newer tail", tail) == (True, "")
+        assert client.store(b"c" * 16, b"a chunk", META)[0]
+        assert client.store(b"c" * 16, b"a chunk", META) == (True, "exists")     # same key, same content
+        found = client.retrieve(b"t" * 16, "ns")
+        assert bytes(found.blob) == b"the newer tail"
+        client.release([found])
+        client.flush()
+        client.clear("L1")
+        found = client.retrieve(b"t" * 16, "ns")                  # from the server's L2 now
+        assert found.tier == "L2" and bytes(found.blob) == b"the newer tail"
+        client.release([found])
+        server.store.pool.check_invariants()

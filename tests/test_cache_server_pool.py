@@ -252,7 +252,7 @@ def test_a_second_writer_of_the_same_key_keeps_the_first_object(make_pool):
     with pytest.raises(StoreRefused) as refused:
         pool.prepare_write(key("huge"), 9 * PAGE, meta(), "c", 9)
     assert refused.value.reason == "too_large"
-    assert pool.stats()["refused"] == {"exists": 1, "too_large": 1, "pressure": 0, "no_space": 0}
+    assert pool.stats()["refused"] == {"exists": 1, "busy": 0, "too_large": 1, "pressure": 0, "no_space": 0}
     pool.check_invariants()
 
 

@@ -42,7 +42,7 @@ from kvbridge.store.objects import ObjectMeta, check_key
 
 log = logging.getLogger(__name__)
 
-REFUSALS = ("exists", "too_large", "pressure", "no_space")
+REFUSALS = ("exists", "busy", "too_large", "pressure", "no_space")
 
 
 ORPHAN_PREFIX = "orphan:"   # the owner of a dropped client's write leases while its process may still write
@@ -186,7 +186,16 @@ class PagedPool:
         n = pages_needed(size, self.segment.page_bytes)
         with self._lock:
             if key in self._objects:
-                self._refuse("exists", f"{key.hex()[:16]} is already stored")
+                held = self._objects[key]
+                # A chunk's key is its content: the same key is the same bytes. A tail (or a snapshot or an
+                # index) is filed under its chunk boundary and a newer prompt's replaces it, as in the
+                # embedded store; one a reader holds now stays, and the newer store is refused as busy.
+                if meta.kind == "chunk" or held.meta.kind == "chunk":
+                    self._refuse("exists", f"{key.hex()[:16]} is already stored")
+                if held.readers:
+                    self._refuse("busy", f"{key.hex()[:16]} is being read; the newer {meta.kind} is not stored")
+                self._drop_object(key)
+                self._counts["replaced"] += 1
             if n > self._total:
                 self._refuse("too_large", f"{size} bytes need {n} pages; the pool has {self._total}")
             # Cold objects make room first, so a full but unleased pool is never "under pressure".

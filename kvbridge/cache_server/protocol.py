@@ -183,7 +183,7 @@ class StorePrepare(msgspec.Struct):
 
 class PrepareReply(msgspec.Struct):
     accepted: bool
-    reason: str = ""                   # when not accepted: "exists", "too_large", "pressure", "no_space"
+    reason: str = ""                   # when not accepted: "exists", "busy", "too_large", "pressure", "no_space"
     lease_id: int = 0
     pages: list[int] = []
     generation: int = 0

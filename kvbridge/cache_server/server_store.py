@@ -174,10 +174,8 @@ class ServerStore:
             if self._admit(key, blob, meta, client_id, priority, write_through=True):
                 return True, ""
         except StoreRefused as refused:
-            if refused.reason == "exists":
-                return False, "exists"
-            if refused.reason == "pressure":
-                return False, "pressure"
+            if refused.reason in ("exists", "busy", "pressure"):
+                return False, refused.reason
             reason = refused.reason
         else:
             reason = "no_space"
@@ -241,7 +239,7 @@ class ServerStore:
                 if job is None:
                     return
                 key, blob, meta, demotion = job
-                if self.lower.contains(key):
+                if self.lower.contains(key) and not self._replaces(key, meta):
                     continue
                 if blob is None:
                     self._write_through(key)
@@ -252,6 +250,12 @@ class ServerStore:
                 self._count("write_errors")
             finally:
                 self._queue.task_done()
+
+    def _replaces(self, key: bytes, meta: ObjectMeta | None) -> bool:
+        """Whether a copy below must be rewritten although the key is there: not a chunk (content-keyed)
+        but a tail, snapshot or index filed under a chunk boundary, which a newer prompt replaces."""
+        meta = meta if meta is not None else self.pool.meta(key)
+        return meta is not None and meta.kind != "chunk"
 
     def _write_through(self, key: bytes) -> None:
         """Write an L1 object to the tiers below straight from its pages, under a read lease (no copy
