@@ -6,6 +6,7 @@ from kvbridge.cache_server.module import DiscoverableModule, ModuleBuildContext
 from kvbridge.cache_server.protocol import Code, Kind, LookupReply
 
 MAX_HASHES = 65536   # a 16M-token prompt at 256 tokens per chunk; more is a malformed request
+MAX_CHUNK_TOKENS = 1 << 20   # tokens per hash, for the metrics only
 
 
 class LookupModule(DiscoverableModule):
@@ -26,9 +27,13 @@ class LookupModule(DiscoverableModule):
         router.handle(Kind.LOOKUP, self.lookup, affinity=True, owner=self.module_name, fast=True)
 
     def lookup(self, call: Call) -> Answer:
+        """How many leading hashes are stored (and where); chunk_tokens only feeds the token metrics."""
         body = call.body
         if len(body.hashes) > MAX_HASHES:
             raise RequestFailed(Code.BAD_REQUEST, f"a lookup takes at most {MAX_HASHES} hashes, got {len(body.hashes)}")
+        if not 0 <= body.chunk_tokens <= MAX_CHUNK_TOKENS:   # the protocol fuzzer's find: a negative count
+            raise RequestFailed(Code.BAD_REQUEST, f"lookup chunk_tokens must be 0 to {MAX_CHUNK_TOKENS}, "
+                                                  f"got {body.chunk_tokens}")
         try:
             found = self.context.store.lookup(body.hashes, body.namespace)
         except ValueError as exc:   # a key that is not a hash
