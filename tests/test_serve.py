@@ -263,6 +263,10 @@ def test_a_restart_keeps_the_cache_and_sigterm_lets_a_running_request_finish(tmp
     ({"serve_api_key_env": "sk-live key"}, "KVB_SERVE_API_KEY_ENV"),
     ({"serve_max_tokens": 0}, "KVB_SERVE_MAX_TOKENS"),
     ({"serve_cors_origins": "localhost:3000"}, "KVB_SERVE_CORS_ORIGINS"),
+    ({"serve_max_body_bytes": 100}, "KVB_SERVE_MAX_BODY_BYTES"),
+    ({"serve_allowed_hosts": "localhost:8000"}, "KVB_SERVE_ALLOWED_HOSTS"),
+    ({"serve_allowed_hosts": "http://example.com"}, "KVB_SERVE_ALLOWED_HOSTS"),
+    ({"serve_host": "0.0.0.0"}, "KVB_SERVE_API_KEY_ENV"),
 ])
 def test_bad_serve_settings_name_the_variable(make_settings, changes, named):
     problems = make_settings(**changes).validate()

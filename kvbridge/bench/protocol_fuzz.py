@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
             with CacheClient(server.url, timeout_s=10) as client:
                 kept = client.retrieve(b"k" * 16, "ns")
                 intact = kept is not None and bytes(kept.blob) == b"kept" * 1000
+                if kept is not None:
+                    client.release([kept])
+                client.lookup([b"z" * 16])   # a round trip after the release (sent without waiting)
                 pool = client.status()["storage"]["pool"]
             peak = _peak_rss_mb(server.pid)
         finally:

@@ -7,17 +7,21 @@ A response is started only once the request's first event arrives (its first pie
 end, or its error), so a request refused by the engine (a prompt beyond the context, say) gets a
 proper status and OpenAI's error object, and `X-KVBridge-Tier` can say where its KV came from.
 `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens KVBridge restored or shared
-instead of prefilling. A client that disconnects cancels its request (its KV blocks are freed).
+instead of prefilling. A client that disconnects, streaming or not, cancels its request (its KV
+blocks are freed). What a request must pass first (its Host, key, Content-Type and size) is
+kvbridge.serve.guards. The event loop never calls into the engine itself (a swap-out holds the
+scheduler's lock): submits run on worker threads, cancels on threads of their own, and /health and
+/metrics read the state through `LiveState`.
 """
 from __future__ import annotations
 
-import hmac
+import asyncio
 import json
 import logging
-import time
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
@@ -25,7 +29,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.serve.engines import Job, ServeEngine
+from kvbridge.serve.engines import Job, LiveState, ServeEngine
+from kvbridge.serve.guards import BearerAuth, HostCheck, allowed_hosts, error_response, read_json
 from kvbridge.serve.metrics import ServeMetrics
 from kvbridge.serve.protocol import (
     PRIORITY_HEADER, TIER_HEADER, ApiError, Generation, chunk_body, completion_id, parse_generation, parse_priority,
@@ -34,12 +39,13 @@ from kvbridge.serve.protocol import (
 from kvbridge.settings import Settings
 
 log = logging.getLogger(__name__)
-OPEN_PATHS = ("/health",)
 
 
-def build_app(settings: Settings, engine: ServeEngine, api_key: str = "") -> Starlette:
-    """The app; `api_key` empty: no token needed (the caller reads it from KVB_SERVE_API_KEY_ENV)."""
-    metrics = ServeMetrics(engine)
+def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: str | None = None) -> Starlette:
+    """The app; `api_key` empty: no token needed (the caller reads it from KVB_SERVE_API_KEY_ENV);
+    `host`: the address serve listens on (default KVB_SERVE_HOST), a name the Host check lets in."""
+    metrics = ServeMetrics()
+    live_state = LiveState(engine)
 
     async def chat(request: Request) -> Response:
         return await _generate(request, "chat")
@@ -50,38 +56,43 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "") -> Sta
     async def _generate(request: Request, kind: str) -> Response:
         endpoint = "chat" if kind == "chat" else "completions"
         try:
-            gen = parse_generation(await _json_body(request), kind, max_tokens_cap=settings.serve_max_tokens)
             priority = parse_priority(request.headers.get(PRIORITY_HEADER))
-            job = Job(_running_loop())
-            engine.submit(gen, priority, job)
+            body = await read_json(request, settings.serve_max_body_bytes)
+            gen = parse_generation(body, kind, max_tokens_cap=settings.serve_max_tokens)
+            job = Job(asyncio.get_running_loop())
+            await run_in_threadpool(engine.submit, gen, priority, job)   # tokenizing, and the engine's lock
         except ApiError as exc:
             metrics.answered(endpoint, exc.status)
             return error_response(exc)
-        started = time.perf_counter()
-        first = await _first_event(request, job)
-        if first is None:                      # the client left before anything came
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            return await _answer(gen, job, endpoint, gone)
+        finally:
+            gone.cancel()   # a stream's own disconnect listener (Starlette's) takes over from here
+
+    async def _answer(gen: Generation, job: Job, endpoint: str, gone: asyncio.Future) -> Response:
+        first = await _next_event(job, gone)
+        rid = completion_id(gen.kind)
+        if gen.stream and first is not None and first[0] != "error":
+            headers = {TIER_HEADER: _tier(job, first), "Cache-Control": "no-cache"}
+            return StreamingResponse(_stream(gen, job, first, rid, endpoint), media_type="text/event-stream",
+                                     headers=headers)
+        last = first
+        while last is not None and last[0] == "text":   # a whole answer: read past its pieces
+            last = await _next_event(job, gone)
+        if last is None:                       # the client left: the request was cancelled, its blocks freed
             metrics.answered(endpoint, 499)
             return Response(status_code=499)
-        if first[0] == "error":
-            exc = _as_api_error(first[1])
+        if last[0] == "error":
+            exc = _as_api_error(last[1])
             metrics.answered(endpoint, exc.status)
             return error_response(exc)
-        rid = completion_id(kind)
-        if gen.stream:
-            headers = {TIER_HEADER: _tier(job, first), "Cache-Control": "no-cache"}
-            return StreamingResponse(_stream(request, gen, job, first, rid, started, endpoint),
-                                     media_type="text/event-stream", headers=headers)
-        text, record = await _collect(job, first)
-        if record is None:
-            exc = _as_api_error(text)
-            metrics.answered(endpoint, exc.status)
-            return error_response(exc)
+        record = last[1]
         metrics.finished(endpoint, record)
         body = response_body(gen, rid, engine.model_id, record.text, _finish_reason(gen, record), _usage(record))
         return JSONResponse(body, headers={TIER_HEADER: record.tier})
 
-    async def _stream(request: Request, gen: Generation, job: Job, first, rid: str, started: float,
-                      endpoint: str) -> AsyncIterator[bytes]:
+    async def _stream(gen: Generation, job: Job, first, rid: str, endpoint: str) -> AsyncIterator[bytes]:
         event, opened = first, True
         try:
             while True:
@@ -105,7 +116,7 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "") -> Sta
                 event = await job.next_event()
         finally:
             if job.future is not None and not job.future.done():   # the client went away mid-stream
-                job.cancel()
+                job.cancel()                                       # on its own thread: no await here
                 metrics.answered(endpoint, 499)
 
     async def models(request: Request) -> Response:
@@ -114,10 +125,13 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "") -> Sta
              "owned_by": "kvbridge"}]})
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "engine": engine.name, "model": engine.model_id, **engine.state()})
+        state, age_s = await live_state.read()
+        return JSONResponse({"status": "ok", "engine": engine.name, "model": engine.model_id, **state,
+                             "state_age_s": age_s})
 
     async def prometheus(request: Request) -> Response:
-        body, content_type = metrics.render()
+        state, _ = await live_state.read()
+        body, content_type = metrics.render(state)
         return Response(body, media_type=content_type)
 
     async def not_found(request: Request, exc) -> Response:
@@ -133,7 +147,9 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "") -> Sta
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", prometheus, methods=["GET"])]
-    middleware = []
+    # outermost first: a wrong Host is refused before CORS or the key are looked at
+    hosts = allowed_hosts(settings.serve_allowed_hosts, host or settings.serve_host)
+    middleware = [Middleware(HostCheck, allowed=hosts)]
     origins = [o.strip() for o in settings.serve_cors_origins.split(",") if o.strip()]
     if origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
@@ -147,65 +163,22 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "") -> Sta
     return app
 
 
-class BearerAuth:
-    """401 in OpenAI's shape unless `Authorization: Bearer <key>` (compared in constant time)."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app, self._key = app, api_key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
-            await self.app(scope, receive, send)
-            return
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
-            response = error_response(ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
-                                                    "with the key in the variable KVB_SERVE_API_KEY_ENV names",
-                                               code="invalid_api_key", kind="authentication_error"))
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-
-def error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-
 # -- helpers ----------------------------------------------------------------------------------------
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (its body is read: all that can arrive now is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
-async def _first_event(request: Request, job: Job):
-    """The job's first event, or None when the client disconnects first (the job is then cancelled)."""
-    import asyncio
-
+async def _next_event(job: Job, gone: asyncio.Future):
+    """The job's next event, or None when the client disconnected first (the job is then cancelled)."""
     waiter = asyncio.ensure_future(job.next_event())
-    while True:
-        done, _ = await asyncio.wait({waiter}, timeout=0.25)
-        if done:
-            return waiter.result()
-        if await request.is_disconnected():
-            waiter.cancel()
-            job.cancel()
-            return None
-
-
-async def _collect(job: Job, first) -> tuple[Any, Any]:
-    """(text, record) of a finished job, or (error, None)."""
-    event = first
-    while True:
-        kind, value = event
-        if kind == "done":
-            return value.text, value
-        if kind == "error":
-            return value, None
-        event = await job.next_event()
+    done, _ = await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if waiter in done:
+        return waiter.result()
+    waiter.cancel()
+    job.cancel()
+    return None
 
 
 def _as_api_error(exc: Any) -> ApiError:
@@ -243,8 +216,3 @@ def _finish_reason(gen: Generation, record) -> str:
 def _sse(body: dict) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
-
-def _running_loop():
-    import asyncio
-
-    return asyncio.get_running_loop()

@@ -5,12 +5,18 @@ Both hand back a `Job`: the text pieces as they are generated and then the Reque
 into the event loop that waits for them (the engines run on their own threads), and a cancel that
 frees what the request holds. The shadow engines (Ollama, hosted providers) hold no KV of ours to
 serve from and are refused.
+
+The event loop never calls into an engine itself: the scheduler holds its lock across store I/O and
+multi-MB copies (a swap-out), so one such call there would stall every stream and /health. The app
+submits on a worker thread, `Job.cancel` hands the cancel to one, and `LiveState` reads the state
+for /health and /metrics on one, answering the last state read when the engine is busy.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -57,8 +63,35 @@ class Job:
         future.add_done_callback(done)
 
     def cancel(self) -> None:
+        """Cancel on a thread of its own (the engine's cancel may wait for its lock); never blocks the caller."""
         if self._cancel is not None and self.future is not None and not self.future.done():
-            self._cancel(self.future)
+            threading.Thread(target=self._cancel, args=(self.future,), name="kvbridge-serve-cancel",
+                             daemon=True).start()
+
+
+class LiveState:
+    """`engine.state()` for /health and /metrics without the event loop waiting on the engine: read on a
+    worker thread, one read at a time; a read not back within `wait_s` answers the last state read
+    (the numbers are then `age_s` old), so /health answers while a swap holds the scheduler's lock."""
+
+    def __init__(self, engine: "ServeEngine", wait_s: float = 0.5) -> None:
+        self._engine, self._wait_s = engine, wait_s
+        self._last: tuple[dict[str, int], float | None] = ({}, None)   # (state, time.monotonic() it was read)
+        self._reading: asyncio.Future | None = None
+
+    async def read(self) -> tuple[dict[str, int], float | None]:
+        """(state, age_s): age 0 when read now, None when the engine has not answered yet ({} then)."""
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.get_running_loop().run_in_executor(None, self._read_now)
+        done, _ = await asyncio.wait({self._reading}, timeout=self._wait_s)
+        if done:
+            self._reading.result()   # an engine error is the caller's, not a stale answer
+            return self._last[0], 0.0
+        state, read_at = self._last
+        return state, None if read_at is None else round(time.monotonic() - read_at, 3)
+
+    def _read_now(self) -> None:
+        self._last = (self._engine.state(), time.monotonic())
 
 
 class ServeEngine:
@@ -94,15 +127,19 @@ class SchedulerEngine(ServeEngine):
 
         self.scheduler = scheduler if scheduler is not None else Scheduler(settings)
         self._own = scheduler is None
+        # One submit at a time: Scheduler.submit counts the waiting queue, tokenizes, then appends, so
+        # submits racing on worker threads would all pass the KVB_SCHED_MAX_WAITING check.
+        self._submitting = threading.Lock()
 
     def submit(self, gen: Generation, priority: int, job: Job) -> None:
         from kvbridge.scheduler import QueueFull
 
         try:
-            future = self.scheduler.submit(gen.prompt, priority=priority, n_predict=gen.max_tokens,
-                                           temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed,
-                                           stop=gen.stop, on_token=lambda piece: job.push("text", piece),
-                                           label=f"serve {gen.kind}")
+            with self._submitting:
+                future = self.scheduler.submit(gen.prompt, priority=priority, n_predict=gen.max_tokens,
+                                               temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed,
+                                               stop=gen.stop, on_token=lambda piece: job.push("text", piece),
+                                               label=f"serve {gen.kind}")
         except QueueFull as exc:
             raise ApiError(429, str(exc), code="queue_full", kind="rate_limit_error",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None

@@ -8,7 +8,7 @@ TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
 
 class ServeMetrics:
-    def __init__(self, engine) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvbridge_serve_requests", "Requests answered, by endpoint and HTTP status",
@@ -23,7 +23,7 @@ class ServeMetrics:
                             ["tier"], registry=r)
         state = Gauge("kvbridge_serve_engine", "The engine's live state (running, waiting, swapped, free blocks...)",
                       ["field"], registry=r)
-        self._state_gauge, self._engine = state, engine
+        self._state_gauge = state
 
     def answered(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -37,7 +37,8 @@ class ServeMetrics:
             self.ttft.observe(record.ttft_ms / 1e3)
         self.tier.labels(record.tier or "none").inc()
 
-    def render(self) -> tuple[bytes, str]:
-        for name, value in self._engine.state().items():
+    def render(self, engine_state: dict[str, int]) -> tuple[bytes, str]:
+        """The text; `engine_state` is what the app read off the engine (a thread's work, not this one's)."""
+        for name, value in engine_state.items():
             self._state_gauge.labels(name).set(value)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

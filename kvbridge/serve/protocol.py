@@ -190,14 +190,20 @@ def _completion_prompt(body: dict) -> str:
 
 
 def _max_tokens(body: dict, cap: int) -> int:
+    """The request's max_completion_tokens (else max_tokens), at most `cap` (KVB_SERVE_MAX_TOKENS); `cap`
+    when it names neither."""
+    named = []
     for name in ("max_completion_tokens", "max_tokens"):
         value = body.get(name)
         if value is None:
             continue
         if not _is_int(value) or value < 1:
             raise ApiError(400, f"'{name}' must be a whole number of at least 1, got {value!r}", param=name)
-        return int(value)
-    return cap
+        if value > cap:
+            raise ApiError(400, f"'{name}' is {value}, more than this server allows: at most {cap} "
+                                f"(KVB_SERVE_MAX_TOKENS={cap})", param=name)
+        named.append(int(value))
+    return named[0] if named else cap
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:

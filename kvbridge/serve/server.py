@@ -3,11 +3,11 @@
 The ready line `KVBridge serve ready on http://HOST:PORT` is printed once the socket listens (what
 scripts/serve.sh waits for). SIGTERM or SIGINT: stop accepting, let running requests finish for up
 to KVB_SERVE_DRAIN_TIMEOUT seconds, then close the engine (unfinished requests fail, their KV blocks
-freed) and exit 0. `BackgroundServe` runs the same app beside the GUI (`gui --serve`).
+freed) and exit 0. `BackgroundServe` runs the same app beside the GUI (`gui --serve`). Both refuse
+to listen beyond loopback without a key (`run` before the model loads).
 """
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import signal
@@ -20,6 +20,7 @@ from kvbridge.errors import BadSettings
 from kvbridge.serve.app import build_app
 from kvbridge.serve.engines import ServeEngine, make_serve_engine
 from kvbridge.settings import Settings
+from kvbridge.settings.checks import open_serve_problem
 
 log = logging.getLogger(__name__)
 READY = "KVBridge serve ready on http://{host}:{port}"
@@ -62,19 +63,25 @@ class _Server(uvicorn.Server):
         return self.config.port
 
 
+def check_exposure(settings: Settings, host: str) -> None:
+    """Refuse to listen beyond this machine without a key (BadSettings naming both settings). The
+    settings check sees KVB_SERVE_HOST; this sees --host too."""
+    problem = open_serve_problem(host, settings.serve_api_key_env)
+    if problem:
+        raise BadSettings(problem)
+
+
 def run(settings: Settings, host: str | None = None, port: int | None = None, engine_key: str | None = None) -> int:
     host = host or settings.serve_host
     port = settings.serve_port if port is None else port
+    check_exposure(settings, host)
     key = api_key_from(settings)
-    if not _is_loopback(host) and not key:
-        print(f"warning: serving on {host} without a key: anyone who can reach this port can use it "
-              "(set KVB_SERVE_API_KEY_ENV)", file=sys.stderr)
     for sig in (signal.SIGTERM, signal.SIGINT):   # while the model loads: stop at once
         signal.signal(sig, lambda signum, frame: sys.exit(0))
     print(f"loading the {engine_key or settings.serve_engine} engine…", flush=True)
     engine = make_serve_engine(settings, engine_key)
     try:
-        app = build_app(settings, engine, key)
+        app = build_app(settings, engine, key, host)
         server = _Server(_config(app, settings, host, port),
                          on_ready=lambda bound: print(READY.format(host=_url_host(host), port=bound), flush=True))
         # uvicorn drains on SIGTERM/SIGINT, then raises the signal again for the handler it found:
@@ -100,9 +107,11 @@ class BackgroundServe:
                  port: int | None = None) -> None:
         self.host = host or settings.serve_host
         self.port = settings.serve_port if port is None else port
+        check_exposure(settings, self.host)
         ready = threading.Event()
-        self.server = _Server(_config(build_app(settings, engine, api_key_from(settings)), settings, self.host,
-                                      self.port), on_ready=lambda bound: (setattr(self, "port", bound), ready.set()))
+        app = build_app(settings, engine, api_key_from(settings), self.host)
+        self.server = _Server(_config(app, settings, self.host, self.port),
+                              on_ready=lambda bound: (setattr(self, "port", bound), ready.set()))
         self.thread = threading.Thread(target=self.server.run, name="kvbridge-serve", daemon=True)
         self.thread.start()
         if not ready.wait(30) or not self.server.started:
@@ -122,11 +131,3 @@ class BackgroundServe:
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

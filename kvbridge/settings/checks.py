@@ -9,6 +9,8 @@ check returns messages written for a person, naming the KVB_ variable to change,
 """
 from __future__ import annotations
 
+import ipaddress
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -219,6 +221,42 @@ def _resolve_engine_class(name: str) -> tuple[type | None, list[str]]:
 
 
 SERVE_ENGINES = ("scheduler", "llama-server")
+_HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_.-]*[a-z0-9_])?\.?", re.IGNORECASE)
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for localhost and loopback addresses (127.0.0.0/8, ::1): only this machine can connect."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def open_serve_problem(host: str, key_env: str) -> str | None:
+    """A message when serve would listen beyond this machine with no key (anyone reaching the port could use it)."""
+    if not host.strip() or is_loopback_host(host) or key_env:
+        return None
+    return (f"serve would listen on {host} (KVB_SERVE_HOST / --host), beyond this machine, with no key "
+            "(KVB_SERVE_API_KEY_ENV is empty): anyone who can reach that address could use the model. Set "
+            "KVB_SERVE_API_KEY_ENV to the name of a variable holding a token clients must send, or listen on "
+            "this machine only (127.0.0.1)")
+
+
+def host_list(text: str) -> list[str]:
+    """KVB_SERVE_ALLOWED_HOSTS -> its names, lower case, IPv6 addresses without brackets."""
+    return [h.strip().lower().strip("[]") for h in text.split(",") if h.strip()]
+
+
+def _is_host_entry(entry: str) -> bool:
+    if entry == "*" or _HOST_NAME.fullmatch(entry):
+        return True
+    try:
+        ipaddress.ip_address(entry)
+        return True
+    except ValueError:
+        return False
 
 
 def _serve_problems(s: Settings) -> list[str]:
@@ -229,6 +267,11 @@ def _serve_problems(s: Settings) -> list[str]:
         (s.serve_engine not in SERVE_ENGINES,
          f"KVB_SERVE_ENGINE={s.serve_engine!r} is not one serve can run; use {' or '.join(SERVE_ENGINES)}"),
         (s.serve_max_tokens < 1, f"KVB_SERVE_MAX_TOKENS={s.serve_max_tokens} must be at least 1"),
+        (s.serve_max_body_bytes < 1024,
+         f"KVB_SERVE_MAX_BODY_BYTES={s.serve_max_body_bytes} is too small; use at least 1KiB (default 8MiB)"),
+        (not all(_is_host_entry(h) for h in host_list(s.serve_allowed_hosts)),
+         f"KVB_SERVE_ALLOWED_HOSTS={s.serve_allowed_hosts!r}: list host names or addresses without scheme or port, "
+         "comma-separated (like localhost,127.0.0.1,::1), or * for any"),
         (s.serve_drain_timeout < 0, f"KVB_SERVE_DRAIN_TIMEOUT={s.serve_drain_timeout} cannot be negative"),
         (bool(s.serve_api_key_env) and not s.serve_api_key_env.replace("_", "").isalnum(),
          f"KVB_SERVE_API_KEY_ENV={s.serve_api_key_env!r} must be the NAME of an environment variable (like "
@@ -236,4 +279,5 @@ def _serve_problems(s: Settings) -> list[str]:
         (any(not o.startswith(("http://", "https://")) and o != "*" for o in origins),
          f"KVB_SERVE_CORS_ORIGINS={s.serve_cors_origins!r}: list origins like http://localhost:3000, comma-separated"),
     )
-    return [message for failed, message in rules if failed]
+    open_problem = open_serve_problem(s.serve_host, s.serve_api_key_env)
+    return [message for failed, message in rules if failed] + ([open_problem] if open_problem else [])

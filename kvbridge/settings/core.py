@@ -81,7 +81,9 @@ class Settings:
     serve_port: int = 8000
     serve_engine: str = "scheduler"   # scheduler (in-process, many requests at once) or llama-server (queued)
     serve_api_key_env: str = ""       # the NAME of the variable holding the bearer token; never the token
-    serve_max_tokens: int = 1024      # a request's cap when it names no max_tokens
+    serve_max_tokens: int = 1024      # the most a request may ask for (max_tokens), and what it gets naming none
+    serve_max_body_bytes: int = 8 << 20   # a larger request body is refused (413) before it is read
+    serve_allowed_hosts: str = "localhost,127.0.0.1,::1"   # Host header names answered, plus the bound address; *: any
     serve_cors_origins: str = ""      # comma-separated origins browsers may call from; empty: CORS off
     serve_drain_timeout: float = 30.0 # SIGTERM: seconds running requests get to finish
     # the cache server (python -m kvbridge cache-server); KVB_STORE_URL set: engines use it, not an embedded store

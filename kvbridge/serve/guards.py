@@ -1,0 +1,130 @@
+"""What a request must pass before `serve` reads it, each refused in OpenAI's error shape naming the
+setting that decides it:
+
+    the Host header     a name this server answers to (KVB_SERVE_ALLOWED_HOSTS), else 400: a web page
+                        that rebinds its own name to 127.0.0.1 sends that name, so it cannot read answers;
+    the key             `Authorization: Bearer <key>` when KVB_SERVE_API_KEY_ENV names one, else 401;
+    the Content-Type    application/json, else 415: a page's "simple" cross-site form post cannot send it;
+    the body size       at most KVB_SERVE_MAX_BODY_BYTES, else 413, from Content-Length before a byte of
+                        the body is read, and counted as a chunked body arrives.
+
+The first two are ASGI middleware around every route; the last two are how the POST routes read their
+body (`read_json`). `error_response` is where every refusal of `serve` becomes a response.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse
+
+from kvbridge.serve.protocol import ApiError
+from kvbridge.settings import format_size
+from kvbridge.settings.checks import host_list
+
+OPEN_PATHS = ("/health",)
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def allowed_hosts(setting: str, bind_host: str) -> frozenset[str]:
+    """The Host names answered: KVB_SERVE_ALLOWED_HOSTS plus the address serve listens on (a client that
+    reached it by that address named it itself)."""
+    return frozenset([*host_list(setting), *host_list(bind_host)])
+
+
+def host_name(header: str) -> str:
+    """'Example.COM:8000' -> 'example.com', '[::1]:8000' -> '::1' (no port, lower case, no final dot)."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        name = header[1:].partition("]")[0]
+    else:
+        name = header.partition(":")[0]
+    return name.rstrip(".")
+
+
+class HostCheck:
+    """400 unless the Host header names this server (`allowed` holds '*': any)."""
+
+    def __init__(self, app, allowed: frozenset[str]) -> None:
+        self.app, self._allowed = app, allowed
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or "*" in self._allowed:
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+        if host_name(header) not in self._allowed:
+            shown = header or "(none)"
+            response = error_response(ApiError(
+                400, f"this server does not answer to the host name {shown!r}; add the name clients use to "
+                     "KVB_SERVE_ALLOWED_HOSTS (comma-separated) where serve runs",
+                param="Host", code="host_not_allowed"))
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class BearerAuth:
+    """401 unless `Authorization: Bearer <key>` (compared in constant time); /health and preflights stay open."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self._key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+            response = error_response(ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                                                    "with the key in the variable KVB_SERVE_API_KEY_ENV names",
+                                               code="invalid_api_key", kind="authentication_error"))
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    """The body as JSON: 415 unless it is sent as application/json, 413 past `max_bytes`, 400 if malformed."""
+    content_type = request.headers.get("content-type", "")
+    if not _is_json_type(content_type):
+        raise ApiError(415, f"send the body as JSON with 'Content-Type: application/json' (got "
+                            f"{content_type or 'no Content-Type'})", param="Content-Type",
+                       code="unsupported_media_type")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ApiError(499, "the client disconnected while sending the request", code="cancelled") from None
+    try:
+        return json.loads(b"".join(chunks))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+
+
+def _is_json_type(content_type: str) -> bool:
+    """application/json, with at most a UTF-8 charset (JSON is UTF-8: another charset would be misread)."""
+    media, *params = [part.strip().lower() for part in content_type.split(";")]
+    charsets = [p.partition("=")[2].strip('"') for p in params if p.startswith("charset=")]
+    return media == "application/json" and all(c in ("utf-8", "utf8") for c in charsets)
+
+
+def _too_large(max_bytes: int) -> ApiError:
+    # Connection: close: the rest of the body is not read, and the connection cannot carry another request
+    return ApiError(413, f"the request body is larger than KVB_SERVE_MAX_BODY_BYTES={format_size(max_bytes)} allows; "
+                         "send less, or raise the setting where serve runs", code="request_too_large",
+                    headers={"Connection": "close"})
