@@ -180,3 +180,56 @@ def test_a_failing_step_fails_only_its_requests_and_frees_their_sequences(make_s
     prefixes = {p["holder"] for p in snapshot["prefixes"]}
     assert all(set(e["holders"]) <= prefixes for e in snapshot["blocks"]["extents"])   # no request holds a block
     assert len(snapshot["free_seqs"]) == n_seq - len(snapshot["prefixes"])
+
+
+def test_sampling_with_top_p_one_never_asks_for_more_tokens_than_it_kept():
+    """OpenAI's defaults (temperature 1, top_p 1): the cumulative probability can round to just under 1,
+    and the sampler asked numpy for 41 of 40 candidates (a 500 through serve)."""
+    import numpy as np
+
+    from kvbridge.scheduler.requests import Sampler
+
+    sampler = Sampler(1.0, 1.0, seed=3)
+    rng = np.random.default_rng(5)
+    flat = np.zeros(1000, dtype=np.float32)            # 40 equal candidates: cumsum ends at 0.9999999999999999
+    picks = {sampler.pick(flat) for _ in range(50)}
+    assert picks <= set(range(1000))
+    for _ in range(300):
+        assert 0 <= sampler.pick(rng.normal(size=1000).astype(np.float32)) < 1000
+
+
+def test_the_waiting_limit_holds_for_submits_from_many_threads(make_settings, monkeypatch):
+    """Submits from several threads (serve runs them on worker threads) all passed the limit check while
+    their prompts were tokenized, and all joined the queue: KVB_SCHED_MAX_WAITING was no limit."""
+    import threading as th
+    import time as tm
+
+    from kvbridge.scheduler import QueueFull, Scheduler
+
+    settings = make_settings(sched_kv_cells=1024, sched_max_running=1, sched_cached_prefixes=0, sched_max_waiting=2,
+                             n_predict=64, ctx_size=512)
+    with Scheduler(settings) as scheduler:
+        running = scheduler.submit([{"role": "user", "content": "Count slowly from one to fifty."}])
+        tokenize = scheduler._prompt_tokens
+
+        def slow_tokenize(prompt):
+            tm.sleep(0.3)          # every thread is past the first check before any appends
+            return tokenize(prompt)
+
+        monkeypatch.setattr(scheduler, "_prompt_tokens", slow_tokenize)
+        outcomes: list[str] = []
+
+        def submit(i: int) -> None:
+            try:
+                scheduler.submit([{"role": "user", "content": f"Name a colour, {i}."}], n_predict=2)
+                outcomes.append("queued")
+            except QueueFull:
+                outcomes.append("full")
+
+        threads = [th.Thread(target=submit, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert outcomes.count("queued") <= 2 and outcomes.count("full") >= 4, outcomes
+        scheduler.cancel(running)

@@ -38,7 +38,8 @@ class Sampler:
         scaled = logits[top].astype(np.float64) / self.temperature
         probs = np.exp(scaled - scaled.max())
         probs /= probs.sum()
-        keep = int(np.searchsorted(np.cumsum(probs), self.top_p) + 1)
+        # top_p = 1 can land past the end when the cumulative sum rounds to just under 1
+        keep = min(int(np.searchsorted(np.cumsum(probs), self.top_p) + 1), len(probs))
         probs = probs[:keep] / probs[:keep].sum()
         return int(top[self._rng.choice(keep, p=probs)])
 

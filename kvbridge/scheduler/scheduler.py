@@ -165,6 +165,11 @@ class Scheduler:
                           Sampler(temperature, top_p, seed), tuple(stop), on_token, future, record)
         future.record = record   # live: tier and matched_tokens are set at admission (a server's headers read them)
         with self._lock:
+            # checked again where the request joins the queue: submits from several threads all passed
+            # the first check while their prompts were tokenized, and each appended (no limit at all)
+            if len(self._waiting) >= self.settings.sched_max_waiting:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting already (KVB_SCHED_MAX_WAITING="
+                                f"{self.settings.sched_max_waiting}); try again when some have finished")
             self._waiting.append(request)
             self._lock.notify_all()
         return future
