@@ -233,3 +233,32 @@ def test_the_waiting_limit_holds_for_submits_from_many_threads(make_settings, mo
             t.join(30)
         assert outcomes.count("queued") <= 2 and outcomes.count("full") >= 4, outcomes
         scheduler.cancel(running)
+
+
+def test_a_cache_salt_shares_nothing_with_another(make_settings, short_doc):
+    """Tenants: a prompt another salt has resident and stored is a cold prefill under this salt (no cells
+    shared through seq_cp, no stored KV found); the same salt shares as before; answers are the same."""
+    from kvbridge.scheduler import Scheduler
+
+    settings = make_settings(sched_kv_cells=2048, sched_max_running=2, sched_cached_prefixes=2, n_predict=8,
+                             ctx_size=1024)
+    prompt = [{"role": "user", "content": f"Document:\n{short_doc}\n\nQuestion: Who leads the operations team?"}]
+    with Scheduler(settings) as scheduler:
+        alice = scheduler.submit(prompt, cache_salt="tenant:alice").result(timeout=300)
+        bob = scheduler.submit(prompt, cache_salt="tenant:bob").result(timeout=300)
+        alice_again = scheduler.submit(prompt, cache_salt="tenant:alice").result(timeout=300)
+        assert scheduler.drain(60)
+        bad = scheduler.submit(prompt, cache_salt="x" * 300)
+    assert alice.matched_tokens == 0 and bob.matched_tokens == 0 and bob.tier == "none"
+    assert bob.prefill_tokens == bob.prompt_tokens
+    assert alice_again.matched_tokens >= alice_again.prompt_tokens - 32 and alice_again.tier == "resident"
+    assert bob.text == alice.text
+    with Scheduler(settings) as scheduler:      # a restart: only the store remembers, and it keeps them apart
+        carol = scheduler.submit(prompt, cache_salt="tenant:carol").result(timeout=300)
+        bob_again = scheduler.submit(prompt, cache_salt="tenant:bob").result(timeout=300)
+    assert carol.matched_tokens == 0 and carol.tier == "none"
+    assert bob_again.tier in ("L1", "L2") and bob_again.matched_tokens >= bob_again.prompt_tokens - 32
+    import pytest
+
+    with pytest.raises(Exception, match="cache_salt"):
+        bad.result(timeout=5)

@@ -70,6 +70,7 @@ class Request:
     first_token_at: float | None = None
     admitted_at: float | None = None
     swap: SwapTicket | None = None       # what swap-out left in the store (pinned until the request resumes)
+    salt: str = ""                       # cache salt (a tenant's): shares cells and stored KV only with the same
 
     def __post_init__(self) -> None:
         self.pending = list(self.prompt)
@@ -102,6 +103,7 @@ class CachedPrefix:
     held: Holding
     label: str = ""
     last_used: float = field(default_factory=time.monotonic)
+    salt: str = ""                  # the cache salt of the request it came from: shared only with the same
 
     @property
     def holder(self) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -100,7 +101,9 @@ class Scheduler:
         self.namespace = kv_namespace(llama_cpp_fingerprint(s, traits), model_sha256=model_sha,
                                       kv_layout=geometry.digest().hex()[:16],
                                       lossy_codecs=getattr(self.store, "lossy_codecs", []), chunk_size=s.chunk_size)
+        self._geometry_for_swaps = geometry
         self.swap = SwapSpace(self.store, s, self.namespace, geometry)
+        self._swaps: dict[str, SwapSpace] = {"": self.swap}   # one per cache salt, made on first use
         self._running: list[Request] = []
         self._waiting: list[Request] = []
         self._swapped: list[Request] = []
@@ -141,10 +144,17 @@ class Scheduler:
 
     def submit(self, prompt: str | Sequence[Message], *, priority: int = 5, n_predict: int | None = None,
                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
-               on_token: Callable[[str], None] | None = None, label: str = "") -> Future:
+               on_token: Callable[[str], None] | None = None, label: str = "", cache_salt: str = "") -> Future:
         """Queue a request; its Future gives a RequestRecord. Raises QueueFull when too many wait;
-        a request that cannot run (too long, a bad priority) fails on its Future, the others go on."""
+        a request that cannot run (too long, a bad priority) fails on its Future, the others go on.
+
+        cache_salt (a tenant, as vLLM's `cache_salt`): the request shares resident cells only with
+        requests of the same salt, and its stored KV lives under keys seeded by it, so a prompt another
+        salt cached is a cold prefill here (no timing tells one tenant what another asked)."""
         future: Future = Future()
+        if not isinstance(cache_salt, str) or len(cache_salt) > 256:
+            future.set_exception(RequestRefused("cache_salt must be a string of at most 256 characters"))
+            return future
         with self._lock:
             if self._closing:
                 raise RequestRefused("the scheduler is closed")
@@ -162,7 +172,7 @@ class Scheduler:
         record = RequestRecord(mode="lmcache", engine="llamacpp-scheduler", kv_mode="full", label=label,
                                request_index=request_id, prompt_tokens=len(tokens), priority=priority)
         request = Request(request_id, label or f"request {request_id}", int(priority), tokens, n_predict,
-                          Sampler(temperature, top_p, seed), tuple(stop), on_token, future, record)
+                          Sampler(temperature, top_p, seed), tuple(stop), on_token, future, record, salt=cache_salt)
         future.record = record   # live: tier and matched_tokens are set at admission (a server's headers read them)
         with self._lock:
             # checked again where the request joins the queue: submits from several threads all passed
@@ -214,7 +224,8 @@ class Scheduler:
             while self._running or self._waiting or self._swapped:
                 if not self._lock.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() > deadline:
                     return False
-        self.swap.drain()
+        for space in list(self._swaps.values()):
+            space.drain()
         return True
 
     def close(self) -> None:
@@ -226,7 +237,8 @@ class Scheduler:
         self._thread.join(timeout=60)
         for request in self._running + self._waiting + self._swapped:
             self._fail(request, RequestRefused("the scheduler was closed before this request finished"))
-        self.swap.close()
+        for space in list(self._swaps.values()):
+            space.close()
         self._ctx.close()
         if self._own_store:
             self.store.close()
@@ -380,7 +392,7 @@ class Scheduler:
         """A free slot and blocks for the context (a shared prefix costs nothing) plus a decode block each."""
         if len(self._running) >= self.max_running or not self._free_seqs:
             return False
-        _, shared = self._best_source(request.context)
+        _, shared = self._best_source(request.context, request.salt)
         cost = self.ledger.blocks_for(len(request.context) - shared) + len(self._running) + 1
         if not self._running:   # alone it may use the whole budget: never wait for nobody
             return cost <= self.ledger.free_blocks()
@@ -391,10 +403,10 @@ class Scheduler:
         and a block more than any resident sequence holds now): a system prompt many users send at
         once. Waiting costs this request that prefill's time; not waiting would prefill it twice. A
         short common run (a few tokens of chat template) is not worth a wait."""
-        _, shared = self._best_source(request.context)
+        _, shared = self._best_source(request.context, request.salt)
         limit = len(request.context) - 1
         for other in self._running:
-            if other.prefilling:
+            if other.prefilling and other.salt == request.salt:
                 common = _common_prefix(other.prompt, request.context, limit)
                 if 2 * common >= len(request.context) and common >= shared + self.ledger.block_tokens \
                         and other.kv_tokens < common:
@@ -436,7 +448,7 @@ class Scheduler:
     def _reuse(self, request: Request, resumed: bool) -> tuple[int, str]:
         """Fill the request's new sequence with the longest resident run (shared), replaced by the store's
         copy when that is longer: (tokens the sequence holds, where they came from)."""
-        source, shared = self._best_source(request.context)
+        source, shared = self._best_source(request.context, request.salt)
         if shared > 0:
             self._share(request, source, shared)
             self._counters["shared_tokens"] += shared
@@ -458,7 +470,7 @@ class Scheduler:
         if len(request.context) - 1 <= enough:
             return kept     # the resident run covers all the store could give
         start = time.perf_counter()
-        plan = self.swap.restore(request.context, request.swap, at_least=enough)
+        plan = self._swap_for(request.salt).restore(request.context, request.swap, at_least=enough)
         if plan.matched_tokens <= enough or plan.state is None:
             return kept
         self._empty(request)   # the store's copy replaces the shared cells: one sequence, one source
@@ -505,12 +517,15 @@ class Scheduler:
         self.ledger.release(request.held)
         request.held = Holding(request.holder)
 
-    def _best_source(self, context: list[int]):
-        """The resident sequence (running request or cached prefix) sharing the longest token run with
-        `context`, and that length (at most len(context) - 1: the last token is always fed)."""
+    def _best_source(self, context: list[int], salt: str):
+        """The resident sequence (running request or cached prefix) of the same cache salt sharing the
+        longest token run with `context`, and that length (at most len(context) - 1: the last token is
+        always fed)."""
         best, best_len = None, 0
         limit = len(context) - 1
         for source in [*self._running, *self._prefixes]:
+            if source.salt != salt:
+                continue
             tokens = source.context[:source.kv_tokens] if isinstance(source, Request) else source.tokens
             n = _common_prefix(tokens, context, limit)
             if n > best_len:
@@ -527,7 +542,7 @@ class Scheduler:
             if kept > 0:
                 data = self._ctx.save_seq(request.seq)
                 capture = self._window_captures(request.seq, data)
-                request.swap = self.swap.swap_out(data, request.context[:kept], capture)
+                request.swap = self._swap_for(request.salt).swap_out(data, request.context[:kept], capture)
             self._free_request(request)
             request.kv_tokens = 0
             request.pending = request.context
@@ -629,7 +644,7 @@ class Scheduler:
         if request.store_pending and request.seq is not None:
             request.store_pending = False
             data = self._ctx.save_seq(request.seq)
-            self.swap.store_behind(data, request.prompt, self._window_captures(request.seq, data))
+            self._swap_for(request.salt).store_behind(data, request.prompt, self._window_captures(request.seq, data))
 
     def _window_captures(self, seq: int, data) -> Callable[[int], WindowCapture | None] | None:
         """Sliding-window models: a saved state holds the window rows of its last positions only; the
@@ -694,7 +709,7 @@ class Scheduler:
         n = min(len(request.prompt), request.kv_tokens)
         if self.settings.sched_cached_prefixes == 0 or n < self.ledger.block_tokens:
             return
-        if any(_common_prefix(p.tokens, request.prompt, n) >= n for p in self._prefixes):
+        if any(p.salt == request.salt and _common_prefix(p.tokens, request.prompt, n) >= n for p in self._prefixes):
             return   # the same prompt is resident already
         if len(self._prefixes) >= self.settings.sched_cached_prefixes:
             self._evict_prefix(min(self._prefixes, key=lambda p: p.last_used))
@@ -702,11 +717,22 @@ class Scheduler:
             return
         seq = self._take_seq()
         self._ctx.seq_cp(request.seq, seq, n)
-        prefix = CachedPrefix(next(self._ids), seq, request.prompt[:n], Holding(""), f"prompt of {request.label}")
+        prefix = CachedPrefix(next(self._ids), seq, request.prompt[:n], Holding(""), f"prompt of {request.label}",
+                              salt=request.salt)
         prefix.held = self.ledger.share(request.held, prefix.holder, n)
         self._prefixes.append(prefix)
 
     # -- helpers ----------------------------------------------------------------------------------------
+    def _swap_for(self, salt: str) -> SwapSpace:
+        """The store space of a cache salt: its namespace (so its hash seed, so every key) has the salt's
+        digest in it. The salt itself never appears in a namespace, a key or a status."""
+        space = self._swaps.get(salt)
+        if space is None:
+            digest = hashlib.sha256(salt.encode()).hexdigest()[:32]
+            space = self._swaps[salt] = SwapSpace(self.store, self.settings, f"{self.namespace}|cache_salt={digest}",
+                                                  self._geometry_for_swaps)
+        return space
+
     def _take_seq(self) -> int:
         return self._free_seqs.pop(0)
 

@@ -16,6 +16,7 @@ scheduler's lock): submits run on worker threads, cancels on threads of their ow
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from typing import Any, AsyncIterator
@@ -31,6 +32,7 @@ from starlette.routing import Route
 from kvbridge.errors import KVBridgeError
 from kvbridge.serve.engines import Job, LiveState, ServeEngine
 from kvbridge.serve.guards import BearerAuth, HostCheck, allowed_hosts, error_response, read_json
+from kvbridge.serve.tenants import DEFAULT, TenantTable
 from kvbridge.serve.metrics import ServeMetrics
 from kvbridge.serve.protocol import (
     PRIORITY_HEADER, TIER_HEADER, ApiError, Generation, chunk_body, completion_id, parse_generation, parse_priority,
@@ -41,9 +43,13 @@ from kvbridge.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: str | None = None) -> Starlette:
-    """The app; `api_key` empty: no token needed (the caller reads it from KVB_SERVE_API_KEY_ENV);
-    `host`: the address serve listens on (default KVB_SERVE_HOST), a name the Host check lets in."""
+def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: str | None = None,
+              tenants: TenantTable | None = None) -> Starlette:
+    """The app; `tenants` (kvbridge.serve.server.tenants_from) says whose key is whose; `api_key` alone is
+    one tenant's; neither: no token needed and every caller is the tenant `default`. `host`: the
+    address serve listens on (default KVB_SERVE_HOST), a name the Host check lets in."""
+    if tenants is None and api_key:
+        tenants = TenantTable.single(api_key)
     metrics = ServeMetrics()
     live_state = LiveState(engine)
 
@@ -59,6 +65,8 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
             priority = parse_priority(request.headers.get(PRIORITY_HEADER))
             body = await read_json(request, settings.serve_max_body_bytes)
             gen = parse_generation(body, kind, max_tokens_cap=settings.serve_max_tokens)
+            tenant = getattr(request.state, "tenant", DEFAULT)
+            gen = dataclasses.replace(gen, cache_salt=tenant.cache_salt(gen.cache_salt), tenant=tenant.name)
             job = Job(asyncio.get_running_loop())
             await run_in_threadpool(engine.submit, gen, priority, job)   # tokenizing, and the engine's lock
         except ApiError as exc:
@@ -88,7 +96,7 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
             metrics.answered(endpoint, exc.status)
             return error_response(exc)
         record = last[1]
-        metrics.finished(endpoint, record)
+        metrics.finished(endpoint, record, gen.tenant)
         body = response_body(gen, rid, engine.model_id, record.text, _finish_reason(gen, record), _usage(record))
         return JSONResponse(body, headers={TIER_HEADER: record.tier})
 
@@ -106,7 +114,7 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
                     if gen.include_usage:
                         yield _sse(usage_chunk(gen, rid, engine.model_id, _usage(value)))
                     yield b"data: [DONE]\n\n"
-                    metrics.finished(endpoint, value)
+                    metrics.finished(endpoint, value, gen.tenant)
                     return
                 else:   # an error after the stream began: OpenAI's error object as the last event
                     exc = _as_api_error(value)
@@ -155,8 +163,8 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
         middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
                                      allow_headers=["Authorization", "Content-Type", "X-KVBridge-Priority"],
                                      expose_headers=[TIER_HEADER]))
-    if api_key:
-        middleware.append(Middleware(BearerAuth, api_key=api_key))
+    if tenants is not None:
+        middleware.append(Middleware(BearerAuth, tenants=tenants))
     app = Starlette(routes=routes, middleware=middleware, exception_handlers={404: not_found, 405: wrong_method})
     app.state.engine = engine
     app.state.metrics = metrics

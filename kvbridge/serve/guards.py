@@ -13,7 +13,6 @@ body (`read_json`). `error_response` is where every refusal of `serve` becomes a
 """
 from __future__ import annotations
 
-import hmac
 import json
 from typing import Any
 
@@ -23,6 +22,7 @@ from starlette.responses import JSONResponse
 from kvbridge.serve.protocol import ApiError
 from kvbridge.settings import format_size
 from kvbridge.settings.checks import host_list
+from kvbridge.serve.tenants import TenantTable
 
 OPEN_PATHS = ("/health",)
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -71,10 +71,11 @@ class HostCheck:
 
 
 class BearerAuth:
-    """401 unless `Authorization: Bearer <key>` (compared in constant time); /health and preflights stay open."""
+    """401 unless `Authorization: Bearer <key>` names a tenant's key (digests compared in constant time);
+    the tenant goes to request.state.tenant. /health and preflights stay open."""
 
-    def __init__(self, app, api_key: str) -> None:
-        self.app, self._key = app, api_key.encode()
+    def __init__(self, app, tenants: TenantTable) -> None:
+        self.app, self._tenants = app, tenants
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
@@ -82,12 +83,15 @@ class BearerAuth:
             return
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+        tenant = self._tenants.resolve(token.strip()) if scheme.lower() == b"bearer" and token.strip() else None
+        if tenant is None:
             response = error_response(ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
-                                                    "with the key in the variable KVB_SERVE_API_KEY_ENV names",
+                                                    "with the key in the variable KVB_SERVE_API_KEY_ENV names, or "
+                                                    "a tenant's key (KVB_SERVE_TENANTS_FILE)",
                                                code="invalid_api_key", kind="authentication_error"))
             await response(scope, receive, send)
             return
+        scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
 

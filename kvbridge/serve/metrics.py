@@ -21,6 +21,14 @@ class ServeMetrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.tier = Counter("kvbridge_serve_requests_by_tier", "Finished requests by where their reused KV came from",
                             ["tier"], registry=r)
+        # per tenant (LMCache's user-specific usage): requests, prompt tokens, and how many were reused
+        self.tenant_requests = Counter("kvbridge_serve_tenant_requests", "Finished requests by tenant", ["tenant"],
+                                       registry=r)
+        self.tenant_prompt_tokens = Counter("kvbridge_serve_tenant_prompt_tokens", "Prompt tokens by tenant",
+                                            ["tenant"], registry=r)
+        self.tenant_cached_tokens = Counter("kvbridge_serve_tenant_cached_tokens",
+                                            "Prompt tokens reused from the tenant's own (or its group's) cache",
+                                            ["tenant"], registry=r)
         state = Gauge("kvbridge_serve_engine", "The engine's live state (running, waiting, swapped, free blocks...)",
                       ["field"], registry=r)
         self._state_gauge = state
@@ -28,8 +36,11 @@ class ServeMetrics:
     def answered(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
-    def finished(self, endpoint: str, record) -> None:
+    def finished(self, endpoint: str, record, tenant: str = "default") -> None:
         self.answered(endpoint, 200)
+        self.tenant_requests.labels(tenant).inc()
+        self.tenant_prompt_tokens.labels(tenant).inc(record.prompt_tokens)
+        self.tenant_cached_tokens.labels(tenant).inc(record.matched_tokens)
         self.prompt_tokens.inc(record.prompt_tokens)
         self.cached_tokens.inc(record.matched_tokens)
         self.completion_tokens.inc(record.gen_tokens)

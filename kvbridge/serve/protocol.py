@@ -60,6 +60,8 @@ class Generation:
     stream: bool
     include_usage: bool
     model: str
+    cache_salt: str = ""            # the request's own (vLLM's cache_salt); the app adds the tenant's in front
+    tenant: str = "default"
 
 
 def parse_generation(body: Any, kind: str, *, max_tokens_cap: int) -> Generation:
@@ -91,7 +93,14 @@ def parse_generation(body: Any, kind: str, *, max_tokens_cap: int) -> Generation
     model = body.get("model", "")
     if not isinstance(model, str):
         raise ApiError(400, f"'model' must be a string, got {model!r}", param="model")
-    return Generation(kind, prompt, max_tokens, temperature, top_p, _stop(body), seed, stream, include_usage, model)
+    cache_salt = body.get("cache_salt", "")
+    if cache_salt is None:
+        cache_salt = ""
+    if not isinstance(cache_salt, str) or len(cache_salt) > 200:
+        raise ApiError(400, "'cache_salt' must be a string of at most 200 characters: requests share cached KV only "
+                            "with requests of the same salt", param="cache_salt")
+    return Generation(kind, prompt, max_tokens, temperature, top_p, _stop(body), seed, stream, include_usage, model,
+                      cache_salt)
 
 
 def parse_priority(value: str | None) -> int:

@@ -19,6 +19,7 @@ import uvicorn
 from kvbridge.errors import BadSettings
 from kvbridge.serve.app import build_app
 from kvbridge.serve.engines import ServeEngine, make_serve_engine
+from kvbridge.serve.tenants import TenantTable
 from kvbridge.settings import Settings
 from kvbridge.settings.checks import open_serve_problem
 
@@ -63,10 +64,19 @@ class _Server(uvicorn.Server):
         return self.config.port
 
 
+def tenants_from(settings: Settings, environ=os.environ) -> TenantTable | None:
+    """Who may call and as which tenant: the tenants file (plus the single key as `default`), the single
+    key alone, or None (no key asked for: every caller is `default`)."""
+    key = api_key_from(settings, environ)
+    if settings.serve_tenants_file:
+        return TenantTable.load(settings.serve_tenants_file, key)
+    return TenantTable.single(key) if key else None
+
+
 def check_exposure(settings: Settings, host: str) -> None:
     """Refuse to listen beyond this machine without a key (BadSettings naming both settings). The
     settings check sees KVB_SERVE_HOST; this sees --host too."""
-    problem = open_serve_problem(host, settings.serve_api_key_env)
+    problem = open_serve_problem(host, settings.serve_api_key_env, settings.serve_tenants_file)
     if problem:
         raise BadSettings(problem)
 
@@ -75,13 +85,13 @@ def run(settings: Settings, host: str | None = None, port: int | None = None, en
     host = host or settings.serve_host
     port = settings.serve_port if port is None else port
     check_exposure(settings, host)
-    key = api_key_from(settings)
+    tenants = tenants_from(settings)
     for sig in (signal.SIGTERM, signal.SIGINT):   # while the model loads: stop at once
         signal.signal(sig, lambda signum, frame: sys.exit(0))
     print(f"loading the {engine_key or settings.serve_engine} engine…", flush=True)
     engine = make_serve_engine(settings, engine_key)
     try:
-        app = build_app(settings, engine, key, host)
+        app = build_app(settings, engine, host=host, tenants=tenants)
         server = _Server(_config(app, settings, host, port),
                          on_ready=lambda bound: print(READY.format(host=_url_host(host), port=bound), flush=True))
         # uvicorn drains on SIGTERM/SIGINT, then raises the signal again for the handler it found:
@@ -109,7 +119,7 @@ class BackgroundServe:
         self.port = settings.serve_port if port is None else port
         check_exposure(settings, self.host)
         ready = threading.Event()
-        app = build_app(settings, engine, api_key_from(settings), self.host)
+        app = build_app(settings, engine, host=self.host, tenants=tenants_from(settings))
         self.server = _Server(_config(app, settings, self.host, self.port),
                               on_ready=lambda bound: (setattr(self, "port", bound), ready.set()))
         self.thread = threading.Thread(target=self.server.run, name="kvbridge-serve", daemon=True)

@@ -13,6 +13,7 @@ import ipaddress
 import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvbridge.settings.models import model_name_problem
@@ -234,9 +235,9 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def open_serve_problem(host: str, key_env: str) -> str | None:
+def open_serve_problem(host: str, key_env: str, tenants_file: str = "") -> str | None:
     """A message when serve would listen beyond this machine with no key (anyone reaching the port could use it)."""
-    if not host.strip() or is_loopback_host(host) or key_env:
+    if not host.strip() or is_loopback_host(host) or key_env or tenants_file:
         return None
     return (f"serve would listen on {host} (KVB_SERVE_HOST / --host), beyond this machine, with no key "
             "(KVB_SERVE_API_KEY_ENV is empty): anyone who can reach that address could use the model. Set "
@@ -279,5 +280,11 @@ def _serve_problems(s: Settings) -> list[str]:
         (any(not o.startswith(("http://", "https://")) and o != "*" for o in origins),
          f"KVB_SERVE_CORS_ORIGINS={s.serve_cors_origins!r}: list origins like http://localhost:3000, comma-separated"),
     )
-    open_problem = open_serve_problem(s.serve_host, s.serve_api_key_env)
+    open_problem = open_serve_problem(s.serve_host, s.serve_api_key_env, s.serve_tenants_file)
+    if s.serve_tenants_file and not Path(s.serve_tenants_file).expanduser().is_file():
+        rules += ((True, f"KVB_SERVE_TENANTS_FILE={s.serve_tenants_file} is not a file; point it at the tenants' "
+                         "JSON (see Docs/Serve.md) or leave it empty for one tenant"),)
+    if s.serve_tenants_file and s.serve_engine != "scheduler":
+        rules += ((True, f"KVB_SERVE_TENANTS_FILE needs KVB_SERVE_ENGINE=scheduler (the {s.serve_engine} engine "
+                         "cannot keep tenants' caches apart)"),)
     return [message for failed, message in rules if failed] + ([open_problem] if open_problem else [])

@@ -84,6 +84,7 @@ class Settings:
     serve_max_tokens: int = 1024      # the most a request may ask for (max_tokens), and what it gets naming none
     serve_max_body_bytes: int = 8 << 20   # a larger request body is refused (413) before it is read
     serve_allowed_hosts: str = "localhost,127.0.0.1,::1"   # Host header names answered, plus the bound address; *: any
+    serve_tenants_file: str = ""      # JSON of tenants: name, key_sha256 (never the key), cache_group; empty: one tenant
     serve_cors_origins: str = ""      # comma-separated origins browsers may call from; empty: CORS off
     serve_drain_timeout: float = 30.0 # SIGTERM: seconds running requests get to finish
     # the cache server (python -m kvbridge cache-server); KVB_STORE_URL set: engines use it, not an embedded store
@@ -220,7 +221,7 @@ def setting_fields() -> list[dataclasses.Field]:
 SETTING_NAMES = [f.name for f in setting_fields()]
 SIZE_FIELDS = tuple(n for n in SETTING_NAMES if n.endswith("_bytes"))
 PATH_FIELDS = ("model_path", "l2_dir", "input_dir", "output_dir", "llama_server_bin", "llama_server_slot_dir",
-               "ollama_models")
+               "ollama_models", "serve_tenants_file")
 _FIELD_TYPES = get_type_hints(Settings)
 
 # ---------------------------------------------------------------------------------------------
