@@ -45,10 +45,11 @@ def find_redis_server(binary: str | None = None) -> str:
 class PrivateRedis:
     """redis-server on 127.0.0.1:<free port>, answering PING; `url` is what KVB_L3_URL would be."""
 
-    def __init__(self, directory: Path, binary: str | None = None, maxmemory: str = MAXMEMORY) -> None:
+    def __init__(self, directory: Path, binary: str | None = None, maxmemory: str = MAXMEMORY,
+                 port: int | None = None) -> None:
         self.directory = directory
         self.log_path = directory / "redis.log"
-        self.port = _free_port()
+        self.port = port or _free_port()   # a port of its own, or the one a restart comes back on
         self.url = f"redis://127.0.0.1:{self.port}/0"
         command = [find_redis_server(binary), "--port", str(self.port), "--bind", "127.0.0.1",
                    "--save", "", "--appendonly", "no", "--dir", str(directory), "--logfile", str(self.log_path),

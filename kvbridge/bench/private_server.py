@@ -35,9 +35,9 @@ class PrivateCacheServer:
     caller's settings pointed at it (store_url).
     """
 
-    def __init__(self, settings: Settings, directory: Path) -> None:
+    def __init__(self, settings: Settings, directory: Path, url: str | None = None) -> None:
         self.log_path = directory / "cache-server.log"
-        self.url = f"tcp://127.0.0.1:{_free_port()}"
+        self.url = url or f"tcp://127.0.0.1:{_free_port()}"   # a restart comes back on the same address
         server_settings = settings.replace(l2_dir=str(directory / "l2"), store_url="")
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVB_")}
         env.update(settings_to_env(server_settings))

@@ -1,0 +1,28 @@
+"""The fault-injection soak (kvbridge.bench.fault_soak), bounded for CI: two engine processes on the
+embedded model asking questions through a real cache server with L3 on a real Redis, while the driver
+SIGSTOPs and SIGKILLs the engines and the cache server, pauses and kills Redis and fills the
+shared-memory pool. What a user checks: no answer differs from its cold answer, every engine answers
+again after the last fault, and nothing (lease, pending page, segment of a dead server) is left.
+`python -m kvbridge.bench.fault_soak --seconds 300` is the longer run (Docs/Research.md §14).
+"""
+from __future__ import annotations
+
+import pytest
+
+from conftest import needs_model
+from kvbridge.bench.fault_soak import soak
+from tests.redis_helpers import needs_redis
+
+
+@needs_model
+@needs_redis
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_faults_never_give_a_wrong_answer_and_everything_comes_back(make_settings):
+    report = soak(seconds=45, n_clients=2, seed=3, interval_s=4.0, settings=make_settings())
+    print(report.table())
+    assert sum(report.faults.values()) >= 5
+    assert report.answers >= 20 and report.restored > 0
+    assert report.wrong == 0, report.table()
+    assert report.clients_back, report.table()
+    assert report.leftovers == [], report.table()
