@@ -1,5 +1,6 @@
-"""The fault-injection soak (kvbridge.bench.fault_soak), bounded for CI: two engine processes on the
-embedded model asking questions through a real cache server with L3 on a real Redis, while the driver
+"""The fault-injection soak (kvbridge.bench.fault_soak), bounded for CI: two engine processes and a
+`serve` process on the embedded model asking questions through a real cache server with L3 on a real
+Redis, while the driver
 SIGSTOPs and SIGKILLs the engines and the cache server, pauses and kills Redis and fills the
 shared-memory pool. What a user checks: no answer differs from its cold answer, every engine answers
 again after the last fault, and nothing (lease, pending page, segment of a dead server) is left.
@@ -24,5 +25,6 @@ def test_faults_never_give_a_wrong_answer_and_everything_comes_back(make_setting
     assert sum(report.faults.values()) >= 5
     assert report.answers >= 20 and report.restored > 0
     assert report.wrong == 0, report.table()
+    assert report.serve_answers >= 5 and report.serve_wrong == 0, report.table()   # through serve, f32, one running
     assert report.clients_back, report.table()
     assert report.leftovers == [], report.table()

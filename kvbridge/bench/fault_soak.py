@@ -40,6 +40,9 @@ class SoakReport:
     seconds: float = 0.0
     answers: int = 0
     wrong: int = 0
+    serve_answers: int = 0                            # through serve (HTTP, the scheduler on the cache server)
+    serve_wrong: int = 0
+    serve_failed: int = 0
     failed: int = 0                                   # requests that ended in an error (a KVBridge error)
     restored: int = 0                                 # answers that reused stored KV (matched > 0)
     faults: collections.Counter = field(default_factory=collections.Counter)
@@ -50,6 +53,8 @@ class SoakReport:
     def table(self) -> str:
         rows = [f"| answers (restored from the store) | {self.answers} ({self.restored}) |",
                 f"| wrong answers | **{self.wrong}** |", f"| failed requests | {self.failed} |",
+                f"| serve requests answered (wrong, failed) | {self.serve_answers} "
+                f"(**{self.serve_wrong}**, {self.serve_failed}) |",
                 f"| every client answering after the last fault | {'yes' if self.clients_back else 'NO'} |",
                 f"| leases, pending pages, segments left | {', '.join(self.leftovers) or 'none'} |"]
         for kind in FAULTS:
@@ -82,6 +87,84 @@ def client_main(args) -> int:
     return 0
 
 
+# -- serve, asked through HTTP --------------------------------------------------------------------------
+class _ServeAsker:
+    """`python -m kvbridge serve` on the same cache server (its scheduler swaps and restores through it),
+    run as its answers are proven equal to solo runs (f32 K/V, one running sequence: llama.cpp on CPU is
+    not batch-invariant), asked from a thread. Each question's cold answer comes first, with a
+    cache_salt of its own (a salt shares nothing: a real cold prefill)."""
+
+    def __init__(self, directory: Path, env: dict) -> None:
+        import threading
+
+        self.log = directory / "serve.log"
+        env = dict(env, KVB_CACHE_TYPE_K="f32", KVB_CACHE_TYPE_V="f32", KVB_SCHED_MAX_RUNNING="1",
+                   KVB_SERVE_MAX_TOKENS="12")
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "serve", "--port", "0"], env=env,
+                                         cwd=PROJECT_ROOT,
+                                         stdout=log, stderr=subprocess.STDOUT)
+        self.url = ""
+        self.answers: list[tuple[float, bool, str]] = []   # (time, equal to cold, error)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="soak-serve", daemon=True)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.url:
+            text = self.log.read_text(errors="replace")
+            if "KVBridge serve ready on " in text:
+                self.url = text.split("KVBridge serve ready on ", 1)[1].split()[0]
+            elif self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the soak's serve did not start; its log ends: {text[-1500:]}")
+            else:
+                time.sleep(0.3)
+        self._thread.start()
+
+    def _ask(self, question: str, salt: str = "") -> str:
+        import requests
+
+        from kvbridge.bench.scenarios import builtin_document
+
+        body = {"model": "x", "temperature": 0, "max_tokens": 12, "messages": [
+            {"role": "user", "content": f"Document:\n{builtin_document()[:1200]}\n\nQuestion: {question}"}]}
+        if salt:
+            body["cache_salt"] = salt
+        reply = requests.post(self.url + "/v1/chat/completions", json=body, timeout=120)
+        reply.raise_for_status()
+        return reply.json()["choices"][0]["message"]["content"]
+
+    def _run(self) -> None:
+        import requests
+
+        cold = {}
+        for i, q in enumerate(QUESTIONS):
+            while q not in cold and not self._stop.is_set():
+                try:
+                    cold[q] = self._ask(q, salt=f"cold-{i}-{time.time()}")
+                except requests.RequestException:
+                    time.sleep(1)
+        rng = random.Random(5)
+        while not self._stop.is_set():
+            q = rng.choice(QUESTIONS)
+            try:
+                self.answers.append((time.time(), self._ask(q) == cold[q], ""))
+            except requests.RequestException as exc:
+                self.answers.append((time.time(), False, str(exc)[:200]))
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=150)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
 # -- the driver -----------------------------------------------------------------------------------------
 class _Client:
     def __init__(self, index: int, directory: Path, env: dict, seed: int) -> None:
@@ -103,7 +186,7 @@ class _Client:
 
 
 def soak(seconds: float, n_clients: int = 2, seed: int = 1, interval_s: float = 5.0,
-         settings: Settings | None = None) -> SoakReport:
+         settings: Settings | None = None, with_serve: bool = True) -> SoakReport:
     from kvbridge.bench.private_redis import PrivateRedis
     from kvbridge.bench.private_server import PrivateCacheServer
     from kvbridge.cache_server.client import CacheClient
@@ -126,10 +209,13 @@ def soak(seconds: float, n_clients: int = 2, seed: int = 1, interval_s: float = 
         env.update(settings_to_env(base.replace(store_url=server.url)))
         env["PYTHONPATH"] = str(PROJECT_ROOT)
         clients = [_Client(i, directory, env, seed) for i in range(n_clients)]
+        asker = _ServeAsker(directory, env) if with_serve else None
         started = time.monotonic()
         fault_log: list[tuple[float, str, int | None]] = []   # (time.time() it ended, kind, client index)
         try:
             _wait_ready(clients, timeout_s=300)
+            if asker is not None:
+                asker.wait_ready(timeout_s=300)
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:
                 time.sleep(rng.uniform(0.5, 1.5) * interval_s)
@@ -178,6 +264,12 @@ def soak(seconds: float, n_clients: int = 2, seed: int = 1, interval_s: float = 
             back_by = time.monotonic() + RECOVERY_S
             while time.monotonic() < back_by and not all(_answered_since(c, last_fault) for c in clients):
                 time.sleep(0.5)
+            if asker is not None:
+                back_by = time.monotonic() + RECOVERY_S
+                while time.monotonic() < back_by and not any(t > last_fault and not e for t, _, e in asker.answers):
+                    time.sleep(0.5)
+                asker.stop()
+                _read_serve(asker, last_fault, report)
             (directory / "stop").touch()
             for client in clients:
                 client.signal(signal.SIGCONT)
@@ -198,6 +290,8 @@ def soak(seconds: float, n_clients: int = 2, seed: int = 1, interval_s: float = 
             except (CacheServerUnavailable, CacheServerError) as exc:
                 report.leftovers.append(f"the cache server did not answer at the end: {exc}")
         finally:
+            if asker is not None:
+                asker.stop()
             (directory / "stop").touch()
             for client in clients:
                 client.signal(signal.SIGCONT)
@@ -208,6 +302,17 @@ def soak(seconds: float, n_clients: int = 2, seed: int = 1, interval_s: float = 
         if stale:
             report.leftovers.append(f"{len(stale)} shared-memory segment(s) of dead servers")
     return report
+
+
+def _read_serve(asker: _ServeAsker, last_fault: float, report: SoakReport) -> None:
+    for _, ok, error in asker.answers:
+        report.serve_answers += 1
+        if error:
+            report.serve_failed += 1
+        elif not ok:
+            report.serve_wrong += 1
+    if not any(t > last_fault and not e for t, _, e in asker.answers):
+        report.clients_back = False
 
 
 def _answered_since(client: _Client, since: float) -> bool:
@@ -275,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     report = soak(args.seconds, args.clients, args.seed, args.interval)
     print(f"fault soak, {args.clients} engine processes, seed {args.seed}, {report.seconds:.0f} s:")
     print(report.table())
-    return 0 if report.wrong == 0 and report.clients_back and not report.leftovers else 1
+    return 0 if report.wrong == 0 and report.serve_wrong == 0 and report.clients_back and not report.leftovers else 1
 
 
 if __name__ == "__main__":
