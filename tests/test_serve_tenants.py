@@ -105,3 +105,16 @@ def test_the_digest_command():
     done = subprocess.run([sys.executable, "-m", "kvbridge.serve.tenants", "digest"], input="key-of-bob\n",
                           capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == key_digest("key-of-bob")
+
+
+def test_the_tenant_benchmark_runs_and_shows_the_isolation(make_settings):
+    """kvbridge.bench.tenant_bench with one small document: bob's request reuses nothing of alice's,
+    alice's second and carol's (her group) reuse the document."""
+    from kvbridge.bench.tenant_bench import format_report, run_tenant_bench
+
+    result = run_tenant_bench(make_settings(serve_max_tokens=16), documents=1, doc_chars=1500)
+    assert result["bob (other tenant)"]["cached_tokens"] == [0]
+    prompt = result["alice cold"]["prompt_tokens"][0]
+    assert result["alice warm"]["cached_tokens"][0] >= prompt - 32
+    assert result["carol (alice's group)"]["cached_tokens"][0] >= prompt - 32
+    assert "bob (other tenant)" in format_report(result)
