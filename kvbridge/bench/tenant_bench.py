@@ -9,6 +9,7 @@ figures go to Docs/Research.md §14. Tests run it with one small document (tests
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import sys
@@ -18,10 +19,15 @@ from pathlib import Path
 
 from kvbridge.bench.scenarios import builtin_document
 from kvbridge.bench.serve_bench import OurServe
-from kvbridge.serve.tenants import key_digest
 from kvbridge.settings import Settings
 
 KEYS = {"alice": "bench-key-alice", "bob": "bench-key-bob", "carol": "bench-key-carol"}
+def key_digest(key: str) -> str:
+    """What the tenants file holds for a key (kvbridge.serve.tenants does the same; the bench layer runs
+    serve as a process and does not import it)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
 ORDER = ("alice cold", "alice warm", "bob (other tenant)", "carol (alice's group)")
 
 
