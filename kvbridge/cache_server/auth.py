@@ -13,7 +13,6 @@ network in clear (no encryption is implemented yet), so such a bind is refused, 
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import os
 import secrets
 import stat
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from kvbridge.errors import BadSettings
 from kvbridge.settings import Settings
+from kvbridge.settings.checks import is_loopback_host
 
 
 def check_bind_url(url: str, token: str = "") -> None:
@@ -31,20 +31,11 @@ def check_bind_url(url: str, token: str = "") -> None:
     if scheme != "tcp":
         raise BadSettings(f"--url {url!r}: the cache server listens on tcp://HOST:PORT or ipc:///path")
     host = rest.rpartition(":")[0].strip("[]")
-    if not _is_loopback(host):
+    if not is_loopback_host(host):
         raise BadSettings(
             f"refusing to listen on {url}: beyond this machine every host that can reach it would see the KV "
             "(prompts) in clear, with or without a token; bind tcp://127.0.0.1:PORT or ipc:///path, and reach "
             "it from other hosts through an encrypted tunnel (ssh -L) if you must")
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def read_token(settings: Settings, environ=None) -> str:

@@ -19,7 +19,8 @@ state is the global layers' cache in the layout above, then the sliding-window l
 same layout, holding only the cells of the last n_swa positions (llama.cpp skips the masked ones).
 Chunks hold the rows of every layer for every cell (the sliding-window rows of earlier positions
 are captured separately: with_window_rows), so a restore at any position can give the window the
-rows it needs; assemble_state writes the window's cells only.
+rows it needs; assemble_state writes every cell of both caches (the layout a cold prefill leaves in
+a full-size sliding-window cache), or with window_only exactly the cells llama.cpp itself writes.
 
 Every cell's K row and V elements are independent of the others, so cells can be sliced by
 position and concatenated again. What is deliberately not handled (parse raises LayoutError and
@@ -86,9 +87,6 @@ class KVGeometry:
         if not self.window:
             return range(0)
         return range(self.n_layer - self.section_layers[-1], self.n_layer)
-
-    def bytes_per_cell_of(self, layers: range | Sequence[int]) -> int:
-        return sum(self.k_rows[i] + self.v_rows[i] for i in layers)
 
     def digest(self) -> bytes:
         # a plain cache keeps the digest it always had, so stored chunks stay valid

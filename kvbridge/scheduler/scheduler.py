@@ -101,7 +101,6 @@ class Scheduler:
         self.namespace = kv_namespace(llama_cpp_fingerprint(s, traits), model_sha256=model_sha,
                                       kv_layout=geometry.digest().hex()[:16],
                                       lossy_codecs=getattr(self.store, "lossy_codecs", []), chunk_size=s.chunk_size)
-        self._geometry_for_swaps = geometry
         self.swap = SwapSpace(self.store, s, self.namespace, geometry)
         self._swaps: dict[str, SwapSpace] = {"": self.swap}   # one per cache salt, made on first use
         self._running: list[Request] = []
@@ -730,7 +729,7 @@ class Scheduler:
         if space is None:
             digest = hashlib.sha256(salt.encode()).hexdigest()[:32]
             space = self._swaps[salt] = SwapSpace(self.store, self.settings, f"{self.namespace}|cache_salt={digest}",
-                                                  self._geometry_for_swaps)
+                                                  self._geometry)
         return space
 
     def _take_seq(self) -> int:
