@@ -81,6 +81,16 @@ def test_status_has_each_module_under_its_name_and_the_module_graph(server):
     assert [c["instance_id"] for c in status["management"]["clients"]] == [client.instance_id]
 
 
+def test_status_shows_another_clients_id_only_cut_short(server):
+    """An id is what a lease is released by: a client sees its own in full, another's as 8 characters."""
+    with CacheClient(server.url, timeout_s=5, label="first") as first, \
+            CacheClient(server.url, timeout_s=5, label="second") as second:
+        first.ping()
+        rows = {row["label"]: row["instance_id"] for row in second.status()["management"]["clients"]}
+    assert rows["second"] == second.instance_id
+    assert rows["first"] == first.instance_id[:8] + "…" and first.instance_id not in str(rows)
+
+
 def test_a_token_is_required_when_configured_and_never_echoed(settings):
     with running_server(settings, token="s3cret-value") as srv:
         with pytest.raises(CacheServerRefused) as refused:

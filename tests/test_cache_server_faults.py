@@ -140,3 +140,28 @@ def test_a_newer_tail_replaces_the_older_one_as_in_the_embedded_store(make_setti
         assert found.tier == "L2" and bytes(found.blob) == b"the newer tail"
         client.release([found])
         server.store.pool.check_invariants()
+
+
+def test_one_bad_lease_id_in_a_commit_does_not_strand_the_good_ones(make_settings):
+    """store_commit_many with an unknown id first: the reply names the bad id, and the good leases after
+    it are committed, not left to the lease timeout (then quarantined)."""
+    import pytest
+
+    from kvbridge.cache_server import protocol
+    from kvbridge.cache_server.client import CacheServerError
+    from kvbridge.cache_server.protocol import Kind
+
+    settings = make_settings(l1_bytes=8 * PAGE, cache_server_page_bytes=PAGE)
+    with running_server(settings) as server, CacheClient(server.url, timeout_s=5) as client:
+        client.ping()
+        keys = [b"a" * 16, b"b" * 16]
+        prepared = client._call(Kind.STORE_PREPARE_MANY, protocol.StorePrepareMany(
+            [protocol.StorePrepare(key, PAGE, protocol.WireMeta.of(META)) for key in keys]),
+            protocol.PrepareManyReply).items
+        for key, answer in zip(keys, prepared):
+            client._segment.write(list(answer.pages), key[:1] * PAGE)
+        with pytest.raises(CacheServerError, match="lease"):
+            client._call(Kind.STORE_COMMIT_MANY, protocol.StoreCommitMany([2**40] + [a.lease_id for a in prepared]),
+                         protocol.CommitManyReply)
+        assert client.lookup(keys, "ns").n_hit == 2
+        assert server.store.pool.stats()["pending_pages"] == 0

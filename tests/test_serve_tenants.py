@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import requests
@@ -16,7 +17,6 @@ import requests
 from conftest import needs_model
 from kvbridge.serve.tenants import key_digest
 from kvbridge.settings import PROJECT_ROOT
-from process_helpers import wait_for
 from test_serve import DOCUMENT, Served, doc_messages
 
 openai = pytest.importorskip("openai", reason="the openai SDK is not installed (requirements.txt)")
@@ -75,6 +75,18 @@ def test_each_tenant_reuses_only_its_own_cache_or_its_groups(served):
     assert 'kvbridge_serve_tenant_requests_total{tenant="alice"} 3.0' in metrics
     assert 'kvbridge_serve_tenant_cached_tokens_total{tenant="carol"}' in metrics
 
+    def bytes_held(tenant: str) -> float:   # the prompts' KV is stored behind the answers: wait for it
+        text = requests.get(served.url + "/metrics", timeout=10,
+                            headers={"Authorization": f"Bearer {KEYS['alice']}"}).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(f'kvbridge_serve_tenant_bytes_held{{tenant="{tenant}"'))
+
+    deadline = time.monotonic() + 60
+    while not (bytes_held("bob") > 0 and bytes_held("alice") > bytes_held("bob")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert 0 < bytes_held("bob") < bytes_held("alice")   # alice's salted request is stored apart, also hers
+    assert bytes_held("carol") > 0        # her group's (alice's) cache, shown for her too
+
 
 def test_keys_that_are_no_tenants_are_refused(served):
     for key in ("", "not-a-key", KEYS["alice"] + "x"):
@@ -118,3 +130,21 @@ def test_the_tenant_benchmark_runs_and_shows_the_isolation(make_settings):
     assert result["alice warm"]["cached_tokens"][0] >= prompt - 32
     assert result["carol (alice's group)"]["cached_tokens"][0] >= prompt - 32
     assert "bob (other tenant)" in format_report(result)
+
+
+def test_the_labs_tenant_table_shows_each_tenants_usage():
+    """What `gui --serve` shows under the lab's queues: ServeMetrics.tenant_usage, per tenant."""
+    from kvbridge.engine.records import RequestRecord
+    from kvbridge.gui.lab import tenants_markdown
+    from kvbridge.serve.metrics import ServeMetrics
+
+    metrics = ServeMetrics()
+    metrics.finished("chat", RequestRecord("scheduler", prompt_tokens=900, matched_tokens=0), "alice", "group:alice")
+    metrics.finished("chat", RequestRecord("scheduler", prompt_tokens=900, matched_tokens=896), "alice", "group:alice")
+    metrics.finished("chat", RequestRecord("scheduler", prompt_tokens=900, matched_tokens=0), "bob", "group:bob")
+    usage = metrics.tenant_usage({"group:alice": {"L1": 3 << 20, "L2": 3 << 20}, "group:bob": {"L1": 1 << 20}})
+    assert usage["alice"] == {"requests": 2, "prompt_tokens": 1800, "cached_tokens": 896,
+                              "bytes_held": {"L1": 3 << 20, "L2": 3 << 20}}
+    assert usage["bob"]["bytes_held"] == {"L1": 1 << 20}
+    table = tenants_markdown(usage)
+    assert "| alice | 2 | 1800 | 896 | L1 3.0 MiB, L2 3.0 MiB |" in table and "| bob | 1 | 900 | 0 | L1 1.0 MiB |" in table

@@ -391,7 +391,7 @@ def _start_serving(settings: Settings, lab: LabSession):
     except BaseException:
         engine.close()
         raise
-    lab.attach(engine.scheduler)
+    lab.attach(engine.scheduler, usage=lambda: endpoint.metrics.tenant_usage(engine.bytes_held()))
     print(f"KVBridge serve ready on {endpoint.url} (beside the GUI)", flush=True)
     return endpoint, engine
 

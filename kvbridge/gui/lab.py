@@ -17,10 +17,11 @@ import time
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from kvbridge.bench.scheduler_workloads import WORKLOADS, LabDefaults, TimedRequest, Workload, get_workload
 from kvbridge.errors import KVBridgeError
+from kvbridge.gui.charts import format_bytes
 from kvbridge.gui.handlers import Outcome, failure_message
 from kvbridge.gui.lab_charts import block_map_figure, pressure_figure, timeline_figure
 from kvbridge.gui.server_panel import cell, level_badge
@@ -67,12 +68,14 @@ class LabSession:
         self.run: LabRun | None = None
         self._own = False
         self._lock = threading.Lock()
+        self.usage: Callable[[], dict[str, dict]] | None = None   # a serving front's per-tenant usage
 
-    def attach(self, scheduler) -> None:
-        """Watch (and run workloads on) a scheduler that someone else owns and closes."""
+    def attach(self, scheduler, usage: Callable[[], dict[str, dict]] | None = None) -> None:
+        """Watch (and run workloads on) a scheduler that someone else owns and closes; `usage`: the serve
+        endpoint's per-tenant usage (ServeMetrics.tenant_usage), shown under the queues."""
         with self._lock:
             self._close_own()
-            self.scheduler, self._own = scheduler, False
+            self.scheduler, self._own, self.usage = scheduler, False, usage
 
     def close(self) -> None:
         run = self.run
@@ -245,7 +248,8 @@ def lab_view(lab: LabSession) -> LabView:
     running = (run is not None and run.active) or lab.attached   # a served scheduler is watched all along
     return LabView(
         message=_run_message(run, snapshot, lab.attached),
-        status=status_markdown(snapshot) if snapshot else "No scheduler yet: choose a scenario and press **Run**.",
+        status=(status_markdown(snapshot) + tenants_markdown(lab.usage() if lab.usage else {})) if snapshot
+        else "No scheduler yet: choose a scenario and press **Run**.",
         block_map=block_map_figure(snapshot),
         pressure=pressure_figure(snapshot),
         timeline=timeline_figure(events),
@@ -275,6 +279,17 @@ def status_markdown(snapshot: dict) -> str:
         lines.append(f"| {name} ({len(entries)}) | {text or '—'} |")
     prefixes = ", ".join(f"{cell(p['label'] or p['holder'])} ({p['tokens']} tokens)" for p in snapshot["prefixes"])
     lines.append(f"| cached prefixes ({len(snapshot['prefixes'])}) | {prefixes or '—'} |")
+    return "\n".join(lines)
+
+
+def tenants_markdown(usage: dict[str, dict]) -> str:
+    """The serve endpoint's usage per tenant (LMCache's user-specific usage), below the queues."""
+    if not usage:
+        return ""
+    lines = ["", "", "| tenant (serve) | requests | prompt tokens | cached tokens | KV bytes held |", "|---|---|---|---|---|"]
+    for tenant, u in usage.items():
+        held = ", ".join(f"{tier} {format_bytes(size)}" for tier, size in u["bytes_held"].items()) or "—"
+        lines.append(f"| {cell(tenant)} | {u['requests']} | {u['prompt_tokens']} | {u['cached_tokens']} | {held} |")
     return "\n".join(lines)
 
 

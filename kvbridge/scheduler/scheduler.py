@@ -732,6 +732,16 @@ class Scheduler:
                                                   self._geometry)
         return space
 
+    def bytes_held(self) -> dict[str, dict[str, int]] | None:
+        """{cache salt: {tier: bytes}} the store holds under each salt this scheduler has used (the salt
+        "" shares its namespace with CachedEngine's); None when the store cannot tell (a cache server's
+        objects are counted there). Reads the store's indexes, not the scheduler's lock."""
+        by_namespace = getattr(self.store, "bytes_by_namespace", None)
+        if by_namespace is None:
+            return None
+        held = by_namespace()
+        return {salt: dict(held.get(space.kv.namespace, {})) for salt, space in list(self._swaps.items())}
+
     def _take_seq(self) -> int:
         return self._free_seqs.pop(0)
 

@@ -96,7 +96,7 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
             metrics.answered(endpoint, exc.status)
             return error_response(exc)
         record = last[1]
-        metrics.finished(endpoint, record, gen.tenant)
+        metrics.finished(endpoint, record, gen.tenant, gen.cache_salt)
         body = response_body(gen, rid, engine.model_id, record.text, _finish_reason(gen, record), _usage(record))
         return JSONResponse(body, headers={TIER_HEADER: record.tier})
 
@@ -114,7 +114,7 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
                     if gen.include_usage:
                         yield _sse(usage_chunk(gen, rid, engine.model_id, _usage(value)))
                     yield b"data: [DONE]\n\n"
-                    metrics.finished(endpoint, value, gen.tenant)
+                    metrics.finished(endpoint, value, gen.tenant, gen.cache_salt)
                     return
                 else:   # an error after the stream began: OpenAI's error object as the last event
                     exc = _as_api_error(value)
@@ -139,7 +139,7 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
 
     async def prometheus(request: Request) -> Response:
         state, _ = await live_state.read()
-        body, content_type = metrics.render(state)
+        body, content_type = metrics.render(state, live_state.held)
         return Response(body, media_type=content_type)
 
     async def not_found(request: Request, exc) -> Response:

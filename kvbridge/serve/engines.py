@@ -78,6 +78,7 @@ class LiveState:
         self._engine, self._wait_s = engine, wait_s
         self._last: tuple[dict[str, int], float | None] = ({}, None)   # (state, time.monotonic() it was read)
         self._reading: asyncio.Future | None = None
+        self.held: dict[str, dict[str, int]] | None = None   # engine.bytes_held() at the last read
 
     async def read(self) -> tuple[dict[str, int], float | None]:
         """(state, age_s): age 0 when read now, None when the engine has not answered yet ({} then)."""
@@ -91,6 +92,7 @@ class LiveState:
         return state, None if read_at is None else round(time.monotonic() - read_at, 3)
 
     def _read_now(self) -> None:
+        self.held = self._engine.bytes_held()
         self._last = (self._engine.state(), time.monotonic())
 
 
@@ -111,6 +113,10 @@ class ServeEngine:
 
     def state(self) -> dict[str, int]:
         return {}
+
+    def bytes_held(self) -> dict[str, dict[str, int]] | None:
+        """{cache salt: {tier: bytes}} of KV stored per salt; None when the engine cannot tell."""
+        return None
 
     def close(self) -> None:
         pass
@@ -151,6 +157,9 @@ class SchedulerEngine(ServeEngine):
         return {"running": len(snapshot["running"]), "waiting": len(snapshot["waiting"]),
                 "swapped": len(snapshot["swapped"]), "free_blocks": snapshot["blocks"]["free"],
                 "total_blocks": snapshot["blocks"]["total"], "preemptions": snapshot["counters"]["preemptions"]}
+
+    def bytes_held(self) -> dict[str, dict[str, int]] | None:
+        return self.scheduler.bytes_held()
 
     def close(self) -> None:
         if self._own:

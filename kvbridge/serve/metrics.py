@@ -29,6 +29,11 @@ class ServeMetrics:
         self.tenant_cached_tokens = Counter("kvbridge_serve_tenant_cached_tokens",
                                             "Prompt tokens reused from the tenant's own (or its group's) cache",
                                             ["tenant"], registry=r)
+        self.tenant_bytes_held = Gauge("kvbridge_serve_tenant_bytes_held",
+                                       "Bytes of KV the store holds in the tenant's cache, by tier (a cache "
+                                       "group's is shown for each member)", ["tenant", "tier"], registry=r)
+        self._salts: dict[str, set[str]] = {}   # tenant -> the cache salts its requests ran under
+        self._totals: dict[str, dict[str, int]] = {}   # tenant -> the counters above, readable
         state = Gauge("kvbridge_serve_engine", "The engine's live state (running, waiting, swapped, free blocks...)",
                       ["field"], registry=r)
         self._state_gauge = state
@@ -36,8 +41,13 @@ class ServeMetrics:
     def answered(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
-    def finished(self, endpoint: str, record, tenant: str = "default") -> None:
+    def finished(self, endpoint: str, record, tenant: str = "default", cache_salt: str = "") -> None:
         self.answered(endpoint, 200)
+        self._salts.setdefault(tenant, set()).add(cache_salt)
+        totals = self._totals.setdefault(tenant, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0})
+        totals["requests"] += 1
+        totals["prompt_tokens"] += record.prompt_tokens
+        totals["cached_tokens"] += record.matched_tokens
         self.tenant_requests.labels(tenant).inc()
         self.tenant_prompt_tokens.labels(tenant).inc(record.prompt_tokens)
         self.tenant_cached_tokens.labels(tenant).inc(record.matched_tokens)
@@ -48,8 +58,25 @@ class ServeMetrics:
             self.ttft.observe(record.ttft_ms / 1e3)
         self.tier.labels(record.tier or "none").inc()
 
-    def render(self, engine_state: dict[str, int]) -> tuple[bytes, str]:
-        """The text; `engine_state` is what the app read off the engine (a thread's work, not this one's)."""
+    def render(self, engine_state: dict[str, int],
+               held: dict[str, dict[str, int]] | None = None) -> tuple[bytes, str]:
+        """The text; `engine_state` and `held` (engine.bytes_held(): {cache salt: {tier: bytes}}) are what
+        the app read off the engine (a thread's work, not this one's)."""
         for name, value in engine_state.items():
             self._state_gauge.labels(name).set(value)
+        for tenant, usage in self.tenant_usage(held).items():
+            for tier, size in usage["bytes_held"].items():
+                self.tenant_bytes_held.labels(tenant, tier).set(size)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def tenant_usage(self, held: dict[str, dict[str, int]] | None = None) -> dict[str, dict]:
+        """{tenant: {requests, prompt_tokens, cached_tokens, bytes_held: {tier: bytes}}} for every tenant
+        that finished a request (the GUI's serve panel and /metrics)."""
+        usage = {}
+        for tenant, salts in sorted(self._salts.items()):
+            by_tier: dict[str, int] = {}
+            for salt in salts:
+                for tier, size in ((held or {}).get(salt) or {}).items():
+                    by_tier[tier] = by_tier.get(tier, 0) + size
+            usage[tenant] = {**self._totals[tenant], "bytes_held": by_tier}
+        return usage

@@ -120,6 +120,7 @@ class BackgroundServe:
         check_exposure(settings, self.host)
         ready = threading.Event()
         app = build_app(settings, engine, host=self.host, tenants=tenants_from(settings))
+        self.metrics = app.state.metrics   # the GUI's lab shows its per-tenant usage
         self.server = _Server(_config(app, settings, self.host, self.port),
                               on_ready=lambda bound: (setattr(self, "port", bound), ready.set()))
         self.thread = threading.Thread(target=self.server.run, name="kvbridge-serve", daemon=True)

@@ -512,6 +512,15 @@ class TieredStore:
                     level.policy.clear()
                     self._doomed[level.tier.name].clear()
 
+    def bytes_by_namespace(self) -> dict[str, dict[str, int]]:
+        """{namespace: {tier name: bytes}} of every object the tiers hold (a remote tier: those this process
+        knows of). The per-tenant "bytes held" of serve's /metrics."""
+        held: dict[str, dict[str, int]] = {}
+        for tier in self.tiers:
+            for namespace, size in tier.bytes_by_namespace().items():
+                held.setdefault(namespace, {})[tier.name] = size
+        return held
+
     def stats(self) -> dict:
         """Plain numbers for the GUI and CLI: per tier, then hit/miss/fault counters."""
         with self._lock:

@@ -72,6 +72,15 @@ class Tier(ABC):
     def clear(self, keep: Collection[bytes] = ()) -> None:
         """Remove every object except those in `keep` (the store keeps pinned objects this way)."""
 
+    def bytes_by_namespace(self) -> dict[str, int]:
+        """Bytes of the objects this tier holds (as far as this process knows), by their namespace."""
+        held: dict[str, int] = {}
+        for key in self.keys():
+            meta, size = self.meta(key), self.size(key)
+            if meta is not None and size is not None:
+                held[meta.namespace] = held.get(meta.namespace, 0) + size
+        return held
+
     def discover(self, key: bytes) -> int | None:
         """Index an object another process stored since we started; its size, or None.
 

@@ -62,13 +62,17 @@ class ManagementModule(DiscoverableModule):
         return Answer(None)
 
     def status(self, call: Call) -> Answer:
-        """Each module's report_status() under its module_name, plus the server's own facts under "server"."""
+        """Each module's report_status() under its module_name, plus the server's own facts under "server".
+        Other clients appear by label, pid, priority and idle time, their ids cut to 8 characters."""
         modules = self.context.modules
         status = modules.status()
         status["server"] = {"server_id": self.context.server_id, "url": self.context.url,
                             "uptime_s": round(time.time() - self._started, 1), "modules": modules.describe(),
                             "tier_names": self.context.store.tier_names,
                             "metrics_port": self.context.metrics_port}
+        for row in (status.get(self.module_name) or {}).get("clients", []):
+            if row["instance_id"] != call.instance_id:   # another client's id is its lease handle: never in full
+                row["instance_id"] = row["instance_id"][:8] + "…"
         return Answer(status)
 
     # -- the reaper ------------------------------------------------------------------------------

@@ -154,8 +154,18 @@ class StorageModule(DiscoverableModule):
         return Answer(StoreReply(stored, "" if stored else "revoked"))
 
     def commit_many(self, call: Call) -> Answer:
-        return Answer(CommitManyReply([self._lease_call(lambda: self.store.commit(lease_id, call.instance_id))
-                                       for lease_id in call.body.lease_ids]))
+        """Every lease of the list is committed (or refused) in turn; a bad id among them is the reply's
+        error, after the others are done, so no good lease waits for the lease timeout."""
+        results, refusal = [], None
+        for lease_id in call.body.lease_ids:
+            try:
+                results.append(self._lease_call(lambda: self.store.commit(lease_id, call.instance_id)))
+            except RequestFailed as exc:
+                refusal = refusal or exc
+                results.append(False)
+        if refusal is not None:
+            raise refusal
+        return Answer(CommitManyReply(results))
 
     def store_inline(self, call: Call) -> Answer:
         if len(call.data) != 1:
