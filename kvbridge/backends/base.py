@@ -41,6 +41,8 @@ class EngineReport:
     engine_prefill_tokens: int | None = None  # tokens the engine says it evaluated
     prompt_tokens: int | None = None          # the engine's own prompt-token count
     completion_tokens: int | None = None
+    prefill_ms: float | None = None           # the engine's time evaluating the prompt tokens (kvbridge.engine.stages)
+    first_token_ms: float | None = None       # from the end of that prefill to the first piece; None: the caller's rest
     notes: list[str] = field(default_factory=list)
 
 

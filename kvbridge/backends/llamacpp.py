@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -157,6 +158,23 @@ class LlamaCppBackend(Backend):
             raise EngineUnavailable(f"llama.cpp could not load {path} (KVB_MODEL_PATH): {exc}") from exc
         self.model_path = path
         self._template = None
+        self._time_evals(self.llm)
+
+    def _time_evals(self, llm) -> None:
+        """Llama.generate evaluates the prompt through Llama.eval: timed here, it is the record's prefill
+        stage, and the time from its end to the first piece the first-token stage."""
+        evaluate = llm.eval
+        self._eval_ms, self._eval_end = 0.0, 0.0
+
+        def timed_eval(tokens):
+            started = time.perf_counter()
+            try:
+                return evaluate(tokens)
+            finally:
+                self._eval_end = time.perf_counter()
+                self._eval_ms += (self._eval_end - started) * 1000
+
+        llm.eval = timed_eval
 
     def stop(self) -> None:
         if self.llm is not None:
@@ -205,12 +223,18 @@ class LlamaCppBackend(Backend):
         decoder = Utf8Decoder()
         produced = 0
         sampling = Sampling.for_temperature(temperature)
+        self._eval_ms = 0.0
         for token in llm.generate(tokens, temp=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                                   min_p=sampling.min_p, repeat_penalty=sampling.repeat_penalty, reset=True):
+            if report.prefill_ms is None:
+                report.prefill_ms = self._eval_ms
             if llama_cpp.llama_vocab_is_eog(vocab, token):
                 break
             produced += 1
-            yield decoder.feed(llm.detokenize([token], special=False))
+            piece = decoder.feed(llm.detokenize([token], special=False))
+            if report.first_token_ms is None:
+                report.first_token_ms = (time.perf_counter() - self._eval_end) * 1000
+            yield piece
             if produced >= n_predict:
                 break
         tail = decoder.flush()

@@ -29,6 +29,7 @@ from kvbridge.store.serde import remember_geometry
 from kvbridge.engine.metrics import Metrics
 from kvbridge.engine.namespace import file_sha256, kv_namespace, sha_cache_file, short_namespace
 from kvbridge.engine.records import MODES, RequestRecord
+from kvbridge.engine.stages import StageTimer
 from kvbridge.store import TieredStore
 from kvbridge.store.objects import StoreFault
 
@@ -237,7 +238,9 @@ class CachedEngine:
         said = prompt.strip() if isinstance(prompt, str) else any(str(m.get("content") or "").strip() for m in prompt)
         if not said:
             raise EmptyPrompt("The prompt is empty: type a question or pick a scenario; there is nothing to answer.")
-        p = self.prepare(prompt)
+        timer = StageTimer()
+        with timer.stage("tokenize"):
+            p = self.prepare(prompt)
         tokens = list(p.tokens)
         record.prompt_tokens = len(tokens)
         if not tokens:
@@ -245,7 +248,8 @@ class CachedEngine:
         record.approx = p.approx_tokens
         if p.approx_tokens:
             record.add_note("approx: token figures from an approximate tokenizer")
-        hashes = self.hasher.chunk_hashes(tokens)
+        with timer.stage("hash"):
+            hashes = self.hasher.chunk_hashes(tokens)
         record.chunks_total = len(hashes)
         full = self.backend.kv_mode == "full"
         restored = 0
@@ -253,33 +257,39 @@ class CachedEngine:
         # (a restore replaces whatever the context held, so only a miss needs the explicit drop).
         # A shadow engine keeps its cache, since its cached-token count is the ground truth we predict.
         if mode == "cold":
-            self.backend.reset_native_cache()
+            with timer.stage("reset"):
+                self.backend.reset_native_cache()
         elif mode == "lmcache" and full and self.kv_refusal:
             record.add_note(f"KV caching refused: {self.kv_refusal}")
             self.metrics.inc("kv_refused")
-            self.backend.reset_native_cache()
-        elif mode == "lmcache" and full:
-            restored = self._restore(tokens, hashes, record)
-            if not restored:
+            with timer.stage("reset"):
                 self.backend.reset_native_cache()
+        elif mode == "lmcache" and full:
+            restored = self._restore(tokens, hashes, record, timer)
+            if not restored:
+                with timer.stage("reset"):
+                    self.backend.reset_native_cache()
         elif mode == "lmcache":
-            t = time.perf_counter()
-            record.chunks_hit, record.predicted_reuse_tokens, record.tier = self._index.predict(tokens, hashes)
+            with timer.stage("lookup"):
+                record.chunks_hit, record.predicted_reuse_tokens, record.tier = self._index.predict(tokens, hashes)
             record.matched_tokens = record.predicted_reuse_tokens
-            record.lookup_ms = (time.perf_counter() - t) * 1000
         report = EngineReport()
         pieces: list[str] = []
         first = True
+        engine_started = time.perf_counter()
         for piece in self.backend.generate(p, n_predict=n_predict, temperature=temperature,
                                            use_native_cache=(mode != "cold"), report=report):
             if first:
                 record.ttft_ms = (time.perf_counter() - t0) * 1000
+                engine_ms = (time.perf_counter() - engine_started) * 1000
                 first = False
             pieces.append(piece)
             if on_text is not None and piece:
                 on_text(piece)
         if first:   # nothing generated: TTFT is when the engine finished
             record.ttft_ms = (time.perf_counter() - t0) * 1000
+            engine_ms = (time.perf_counter() - engine_started) * 1000
+        self._record_stages(record, timer, report, engine_ms)
         record.text = "".join(pieces)
         record.gen_tokens = report.completion_tokens if report.completion_tokens is not None else len(pieces)
         record.engine_cached_tokens = report.engine_cached_tokens
@@ -296,42 +306,46 @@ class CachedEngine:
         if mode == "lmcache" and not (full and self.kv_refusal):
             self._store_after(tokens, hashes, record)
 
-    def _restore(self, tokens: list[int], hashes: list[bytes], record: RequestRecord) -> int:
-        """lookup_ms: find and confirm the stored prefix; restore_ms: assemble it and load it into the engine."""
-        t = time.perf_counter()
+    def _restore(self, tokens: list[int], hashes: list[bytes], record: RequestRecord, timer: StageTimer) -> int:
+        """Find and confirm the stored prefix (lookup, fetch), assemble it and hand it to the engine."""
         try:
-            plan = self._kv.find_prefix(tokens, hashes)
+            plan = self._kv.find_prefix(tokens, hashes, timer=timer)
         except (LayoutError, StoreFault) as exc:   # storage faults degrade to a miss
             log.warning("lookup failed, recomputing: %s", exc, exc_info=True)
             record.add_note(f"lookup failed ({exc}); recomputed")
             self.metrics.inc("lookup_failed")
             plan = None
-        record.lookup_ms = (time.perf_counter() - t) * 1000
         if plan is None:
             return 0
         for note in plan.notes:
             record.add_note(note)
+        record.store_calls = plan.store_calls
+        record.fetch_bytes = sum(plan.fetched.values())
+        record.fetch_tiers = " ".join(f"{tier}={size}" for tier, size in plan.fetched.items())
         if not plan.matched_tokens:
             plan.release()
             return 0
-        t = time.perf_counter()
         try:
             if self.backend.reuse_last_restore(plan.tokens):
                 plan.release()
                 record.add_note("restore file reused: the engine's restore file already held this prefix, loaded again without rebuilding it")
             else:
-                state = self._kv.assemble(plan, buffer_for=self.backend.state_buffer)
-                self.backend.restore_state(state, plan.tokens)
+                with timer.stage("assemble"):
+                    state = self._kv.assemble(plan, buffer_for=self.backend.state_buffer)
+                with timer.stage("handoff"):
+                    self.backend.restore_state(state, plan.tokens)
         except (LayoutError, StoreFault, StateTransferError) as exc:
             log.warning("restore failed, recomputing the prompt: %s", exc)
             record.add_note(f"restore failed ({exc}); recomputed")
             record.restore_ok = False
             self.metrics.inc("restore_failed")
-            self.backend.reset_native_cache()
+            with timer.stage("reset"):
+                self.backend.reset_native_cache()
             return 0
         finally:
             plan.release()
-        held = self.backend.held_tokens()
+        with timer.stage("handoff"):
+            held = self.backend.held_tokens()
         expected = len(plan.tokens)
         if held is not None and held != expected:
             # The engine's own account of its context disagrees with what we restored: never generate on it.
@@ -339,14 +353,26 @@ class CachedEngine:
             record.add_note(f"restore ineffective: the engine holds {held} positions after restoring {expected} tokens; recomputed")
             record.restore_ok = False
             self.metrics.inc("restore_ineffective")
-            self.backend.reset_native_cache()
+            with timer.stage("reset"):
+                self.backend.reset_native_cache()
             return 0
-        record.restore_ms = (time.perf_counter() - t) * 1000
         record.restore_ok = True
         record.chunks_hit = plan.chunks_hit
         record.matched_tokens = plan.matched_tokens
         record.tier = plan.tier
         return plan.matched_tokens
+
+    @staticmethod
+    def _record_stages(record: RequestRecord, timer: StageTimer, report: EngineReport, engine_ms: float) -> None:
+        """The stages into the record: ours as timed, the engine's as it reported them (an engine that
+        reports no prefill time is all prefill; one that reports no first-token time gets the rest)."""
+        prefill = report.prefill_ms if report.prefill_ms is not None else engine_ms
+        first_token = report.first_token_ms if report.first_token_ms is not None else max(0.0, engine_ms - prefill)
+        timer.add("prefill", prefill)
+        timer.add("first_token", first_token)
+        for stage, ms in timer.ms.items():
+            setattr(record, f"{stage}_ms", ms)
+        record.restore_ms = record.assemble_ms + record.handoff_ms
 
     def _store_after(self, tokens: list[int], hashes: list[bytes], record: RequestRecord) -> None:
         """After generation: keep the prompt's cells as chunk and tail objects (full) or index it (shadow)."""

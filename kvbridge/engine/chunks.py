@@ -27,6 +27,7 @@ import numpy as np
 
 from kvbridge.backends.base import SeqState, WindowCapture
 from kvbridge.engine.hashing import tail_key, tokens_digest
+from kvbridge.engine.stages import StageTimer
 from kvbridge.formats.llama_state import (ChunkView, KVGeometry, LayoutError, ParsedState, assemble_state, assembled_size,
                                          decode_chunk, encode_chunk, parse_state, parse_window_rows, with_window_rows)
 from kvbridge.store import ObjectMeta, ObjectVanished, StoredObject, TieredStore
@@ -55,12 +56,19 @@ class RestorePlan:
     notes: list[str] = field(default_factory=list)
     borrowed: list = field(default_factory=list)  # objects whose blob views memory on loan (release them)
     lossy: set[str] = field(default_factory=set)   # lossy codecs the restored KV passed through (ObjectMeta.lossy)
+    fetched: dict[str, int] = field(default_factory=dict)   # bytes read per tier (objects used or not)
+    store_calls: int = 0                                      # lookup and fetch calls on the store
 
     def release(self) -> None:
         """Return every loaned blob (a cache server's shared-memory lease); idempotent."""
         borrowed, self.borrowed = self.borrowed, []
         for obj in borrowed:
             obj.release()
+
+
+def _count_fetched(plan: RestorePlan, obj) -> None:
+    if obj is not None:
+        plan.fetched[obj.tier] = plan.fetched.get(obj.tier, 0) + len(obj.blob)
 
 
 def _run_all(jobs) -> None:
@@ -124,40 +132,53 @@ class ChunkKV:
         return plan
 
     def find_prefix(self, tokens: Sequence[int], hashes: Sequence[bytes],
-                    tail_override: tuple[bytes, bytes] | None = None) -> RestorePlan:
+                    tail_override: tuple[bytes, bytes] | None = None, timer: StageTimer | None = None) -> RestorePlan:
         """Fetch and confirm the longest stored prefix of `tokens` (at most len-1: the last token is recomputed).
 
         Objects a remote store lends (shared-memory views) are kept in plan.borrowed: the caller
         calls plan.release() once the plan is assembled or abandoned. `tail_override` (boundary, key):
         the tail after that boundary (a chunk hash or the seed) is read from `key` instead of
         tail_key(boundary) (a swapped-out sequence's own tail, which no other prompt overwrites).
+        `timer` gets the lookup and the fetch (with the confirmation) as two stages.
         """
+        timer = timer or StageTimer()
         limit = len(tokens) - 1
         if limit < 1:
             return RestorePlan()
         if self.geometry is None:
-            return self._plan_snapshot(tokens, hashes, limit)
+            with timer.stage("fetch"):
+                return self._plan_snapshot(tokens, hashes, limit)
         plan = RestorePlan()
         try:
-            self._find_chunks(plan, tokens, hashes, limit, tail_override)
+            self._find_chunks(plan, tokens, hashes, limit, tail_override, timer)
         except BaseException:
             plan.release()
             raise
         return plan
 
     def _find_chunks(self, plan: RestorePlan, tokens: Sequence[int], hashes: Sequence[bytes], limit: int,
-                     tail_override: tuple[bytes, bytes] | None) -> None:
+                     tail_override: tuple[bytes, bytes] | None, timer: StageTimer) -> None:
         """Lookup, then the hit chunks and the tail after them in one get_many (one round trip to a
         cache server); a chunk that fails its check ends the prefix, and the tail at that boundary
         is fetched on its own."""
         c = self.chunk_size
-        found = self.store.lookup(list(hashes), namespace=self.namespace)
-        wanted = min(found.n_hit, limit // c)
+        with timer.stage("lookup"):
+            found = self.store.lookup(list(hashes), namespace=self.namespace)
+        plan.store_calls += 1
+        with timer.stage("fetch"):
+            self._fetch_chunks(plan, tokens, hashes, limit, tail_override, min(found.n_hit, limit // c))
+
+    def _fetch_chunks(self, plan: RestorePlan, tokens: Sequence[int], hashes: Sequence[bytes], limit: int,
+                      tail_override: tuple[bytes, bytes] | None, wanted: int) -> None:
+        c = self.chunk_size
         boundary_key = dict([tail_override]) if tail_override else {}
         at = hashes[wanted - 1] if wanted else self.seed
         tail_at = boundary_key.get(at) or tail_key(at)
         fetched = [self._borrow(plan, obj)
                    for obj in self.store.get_many(list(hashes[:wanted]) + [tail_at], namespace=self.namespace)]
+        plan.store_calls += 1
+        for obj in fetched:
+            _count_fetched(plan, obj)
         for i, obj in enumerate(fetched[:wanted]):
             view = self._confirmed(obj, tokens[i * c:(i + 1) * c], plan)
             if view is None:
@@ -173,6 +194,8 @@ class ChunkKV:
         else:
             prev = hashes[plan.chunks_hit - 1] if plan.chunks_hit else self.seed
             obj = self._borrow(plan, self.store.get(boundary_key.get(prev) or tail_key(prev), namespace=self.namespace))
+            plan.store_calls += 1
+            _count_fetched(plan, obj)
         if obj is not None and obj.meta.kind == "tail":
             view = self._decoded(obj.blob, plan)
             if view is not None:

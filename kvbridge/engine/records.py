@@ -19,8 +19,8 @@ class RequestRecord:
     chunks_hit: int = 0
     matched_tokens: int = 0           # tokens whose KV came from our store (full) or would (shadow: predicted)
     tier: str = "none"                # "L1", "L2", "L3" or "none": the slowest tier any restored object came from
-    lookup_ms: float = 0.0
-    restore_ms: float = 0.0
+    lookup_ms: float = 0.0            # asking the store which chunks it holds (the stages: kvbridge.engine.stages)
+    restore_ms: float = 0.0           # assemble + handoff: the restored KV into the engine
     prefill_tokens: int = 0           # tokens actually computed
     ttft_ms: float = 0.0
     total_ms: float = 0.0
@@ -34,6 +34,18 @@ class RequestRecord:
     approx: bool = False              # token figures come from an approximate tokenizer
     error: str = ""
     notes: str = ""
+    # the path to the first token, stage by stage (kvbridge.engine.stages; they add up to ttft_ms)
+    tokenize_ms: float = 0.0
+    hash_ms: float = 0.0
+    fetch_ms: float = 0.0             # reading the hit objects and confirming their token ids
+    assemble_ms: float = 0.0
+    handoff_ms: float = 0.0           # the assembled state into the engine (set_data / slot restore)
+    reset_ms: float = 0.0             # the engine's own cache dropped (cold, or a miss)
+    prefill_ms: float = 0.0           # the engine evaluating the prompt tokens not restored
+    first_token_ms: float = 0.0       # from the end of the prefill to the first piece of text
+    fetch_bytes: int = 0              # bytes read from the store for the restore
+    fetch_tiers: str = ""             # those bytes by tier, "L1=48234496 L3=1048576"
+    store_calls: int = 0              # store calls of lookup and fetch (each a round trip to a cache server)
     # the scheduler (kvbridge.scheduler): many requests on one context
     priority: int = 5                 # 0-9, higher is more urgent
     queue_ms: float = 0.0             # from submission to admission

@@ -61,6 +61,8 @@ def fill_report(report: EngineReport, final: dict, n_prompt: int) -> None:
     report.prompt_tokens = n_prompt
     if "predicted_n" in timings:
         report.completion_tokens = int(timings["predicted_n"])
+    if "prompt_ms" in timings:
+        report.prefill_ms = float(timings["prompt_ms"])   # the server's own; the first token is the caller's rest
 
 
 def slot_timing(result: dict, key: str) -> float | None:
