@@ -284,7 +284,7 @@ def cmd_bench(args) -> int:
 
 def _bench_run(args, settings: Settings, modes: list[str], lengths) -> int:
     from kvbridge.bench.long_context import format_rows, length_rows
-    from kvbridge.bench.report import format_summary, format_table, summarize
+    from kvbridge.bench.report import format_stages, format_summary, format_table, summarize
     from kvbridge.bench.runner import empty_faster_tiers, run_scenario
     from kvbridge.gui.charts import run_figures
     from kvbridge.gui.export import export_run
@@ -307,6 +307,7 @@ def _bench_run(args, settings: Settings, modes: list[str], lengths) -> int:
         print(format_table(records))
         summary = summarize(records)
         print(format_summary(summary))
+        print(format_stages(summary))
         rows = length_rows(records)
         if rows:
             print(format_rows(rows))

@@ -100,6 +100,19 @@ def test_shadow_figure_only_for_shadow_engines(run_records):
     assert list(fig.data[1].text) == ["", "not reported"]
 
 
+def test_stages_figure_stacks_each_warm_request_by_stage():
+    warm = [rec("native", 1, 60, prefill_ms=50, first_token_ms=1, tokenize_ms=1),
+            rec("lmcache", 1, 75, "L1", matched_tokens=384, prefill_ms=50, first_token_ms=1, tokenize_ms=1,
+                lookup_ms=2, fetch_ms=6, assemble_ms=8, handoff_ms=5),
+            rec("cold", 1, 900, prefill_ms=899)]
+    fig = charts.stages_figure(warm)
+    traces = {t.name: list(t.y) for t in fig.data}
+    assert fig.layout.barmode == "stack" and list(fig.data[0].x) == ["#1 native", "#1 lmcache"]   # no cold bar
+    assert traces["suffix prefill"] == [50, 50] and traces["assemble"] == [0, 8] and traces["hand to engine"] == [0, 5]
+    assert traces["other"] == [8, 2]     # what no stage accounts for
+    assert "reset cache" not in traces   # a stage no request spent time in gets no legend entry
+
+
 def test_empty_records_give_hint_figures():
     for name, fig in charts.run_figures([]).items():
         assert fig.layout.annotations[0].text == charts.EMPTY_HINT, name

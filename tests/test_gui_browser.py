@@ -178,6 +178,10 @@ def drive_the_page(page, server) -> None:
     expect(speedup).to_contain_text("×")
     expect(page.locator("#kvb-plot-hits .barlayer .trace")).to_have_count(3)
     expect(page.locator("#kvb-plot-store .barlayer .trace")).to_have_count(1)
+    stages = page.locator("#kvb-plot-stages")   # a stacked bar per warm request, native's beside lmcache's
+    expect(stages.locator(".legendtext").first).to_be_visible()
+    legend = [t.strip() for t in stages.locator(".legendtext").all_text_contents()]
+    assert {"tokenize", "suffix prefill", "first token"} <= set(legend)
 
     # Export: CSV, JSON and the HTML report land in KVB_OUTPUT_DIR.
     page.click("#kvb-export")

@@ -57,7 +57,8 @@ def doc_qa_from_l3(engine, n_requests: int | None = None, document: str | None =
     return {"records": records, "summary": summary, "requests": len(lmcache), "answers_equal": len(equal),
             "warm_requests": len(warm), "warm_tiers": dict(Counter(r.tier for r in warm)),
             "warm_restored_tokens": sorted({r.matched_tokens for r in warm}),
-            "warm_lookup_ms": [r.lookup_ms for r in warm], "warm_restore_ms": [r.restore_ms for r in warm],
+            "warm_lookup_ms": [r.lookup_ms for r in warm], "warm_fetch_ms": [r.fetch_ms for r in warm],
+            "warm_restore_ms": [r.restore_ms for r in warm],
             "cold_mean_ttft_ms": summary.get("cold", {}).get("mean_ttft_ms"),
             "lmcache_mean_ttft_ms": lm.get("mean_ttft_ms"), "lmcache_warm_median_ttft_ms": lm.get("median_warm_ttft_ms"),
             "mean_speedup": lm.get("mean_speedup_vs_cold"), "warm_median_speedup": lm.get("median_warm_speedup_vs_cold"),
@@ -241,7 +242,8 @@ def format_bench_l3(result: dict) -> str:
                   f"  mean speedup vs cold   {_ratio(d['mean_speedup'], MEAN_TARGET, below=False)}",
                   f"  warm median speedup    {_ratio(d['warm_median_speedup'], WARM_TARGET, below=False)}",
                   f"  warm hits {d['warm_requests']}/{d['requests']} from tiers {d['warm_tiers']}, restored tokens "
-                  f"{d['warm_restored_tokens']}; lookup {_span(d['warm_lookup_ms'])} ms, restore "
+                  f"{d['warm_restored_tokens']}; lookup {_span(d['warm_lookup_ms'])} ms, fetch "
+                  f"{_span(d['warm_fetch_ms'])} ms, restore "
                   f"{_span(d['warm_restore_ms'])} ms",
                   f"  oracle: {d['answers_equal']}/{d['requests']} lmcache answers equal the cold answers token "
                   f"for token{'' if not d['errors'] else '; errors: ' + '; '.join(d['errors'])}",

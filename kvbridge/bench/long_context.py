@@ -248,7 +248,7 @@ def length_rows(records: Sequence[RequestRecord]) -> list[LengthRow]:
             lmcache_hits=len(hits),
             restored_tokens=int(_median([r.matched_tokens for r in hits]) or 0),
             restored_bytes=int(_median([r.restored_bytes for r in copies]) or 0),
-            restore_ms=_median([r.lookup_ms + r.restore_ms for r in hits]),
+            restore_ms=_median([r.lookup_ms + r.fetch_ms + r.restore_ms for r in hits]),
             plain_copy_ms=_median([r.plain_copy_ms for r in copies]),
             lmcache_matches_cold=(oracle[0].text == cold[0].text) if oracle and cold else None,
         ))

@@ -148,6 +148,7 @@ def _results_panel(ui: SimpleNamespace) -> None:
     with gr.Row():
         ui.ttft_plot = gr.Plot(show_label=False, elem_id="kvb-plot-ttft")
         ui.hits_plot = gr.Plot(show_label=False, elem_id="kvb-plot-hits")
+    ui.stages_plot = gr.Plot(show_label=False, elem_id="kvb-plot-stages")
     ui.shadow_plot = gr.Plot(show_label=False, visible=False, elem_id="kvb-plot-shadow")
     ui.table = gr.Dataframe(records_table([]), label="Requests", interactive=False, wrap=False, max_height=420,
                             elem_id="kvb-results-table")
@@ -206,7 +207,7 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
     store_outputs = [ui.store_md, ui.store_plot, ui.tier_choice, ui.server_box, ui.server_md, ui.page_map_plot,
                      ui.events_md]
     results_outputs = [ui.status, ui.run_msg, ui.summary, ui.speedup_plot, ui.summary_plot, ui.ttft_plot,
-                       ui.hits_plot, ui.shadow_plot, ui.table, *store_outputs]
+                       ui.hits_plot, ui.stages_plot, ui.shadow_plot, ui.table, *store_outputs]
 
     def store_values(choose_first_tier: bool = False) -> list[Any]:
         census = store_census(state)   # before stats(), as in _store_panel
@@ -220,7 +221,7 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
         figs = view.figures
         shadow = gr.update(value=figs.get("shadow"), visible=view.has_shadow)
         return [engine_status(state), _message(view), view.summary, figs["speedup"], figs["ttft_summary"],
-                figs["ttft_per_request"], figs["hits"], shadow, view.table, *store_values()]
+                figs["ttft_per_request"], figs["hits"], figs["stages"], shadow, view.table, *store_values()]
 
     # engine
     def on_engine_change(key: str) -> list[Any]:

@@ -149,6 +149,39 @@ def ttft_per_request_figure(records: Sequence[RequestRecord]) -> go.Figure:
                         yaxis={"title": "TTFT (ms)", "type": "log"})
 
 
+STAGE_COLORS = {"tokenize": "#64748b", "hash": "#94a3b8", "lookup": "#f59e0b", "fetch": "#d97706",
+                "assemble": "#8b5cf6", "handoff": "#db2777", "reset": "#cbd5e1", "prefill": "#2563eb",
+                "first_token": "#10b981"}
+STAGES_SHOWN = 40   # the latest requests; a cold prefill's bar would flatten the warm ones, so cold is left out
+
+
+def stages_figure(records: Sequence[RequestRecord]) -> go.Figure:
+    """Where each request's time to the first token went, a stacked bar per request and mode side by
+    side (native's bar is the floor a restore is measured against); cold requests are left out."""
+    from kvbridge.engine.stages import STAGE_LABELS, STAGES, stages_gap_ms, stages_of
+
+    title = "Time to first token by stage (ms), warm modes side by side"
+    done = sorted((r for r in records if not r.error and r.mode != "cold"),
+                  key=lambda r: (r.request_index, ordered_modes(records).index(r.mode)))[-STAGES_SHOWN:]
+    if not done:
+        return _empty(title, "Run native or lmcache to see where the time to the first token goes."
+                      if any(not r.error for r in records) else EMPTY_HINT)
+    names = [f"#{r.request_index} {r.mode}" for r in done]
+    fig = go.Figure()
+    for stage in STAGES:
+        values = [stages_of(r)[stage] for r in done]
+        if not any(v >= 0.05 for v in values):
+            continue
+        fig.add_trace(go.Bar(x=names, y=values, name=STAGE_LABELS[stage], marker={"color": STAGE_COLORS[stage]},
+                             hovertemplate=f"%{{x}}<br>{STAGE_LABELS[stage]} %{{y:.1f}} ms<extra></extra>"))
+    gaps = [max(0.0, stages_gap_ms(r)) for r in done]
+    if any(g >= 0.05 for g in gaps):
+        fig.add_trace(go.Bar(x=names, y=gaps, name="other", marker={"color": "#e2e8f0"},
+                             hovertemplate="%{x}<br>not in a stage %{y:.1f} ms<extra></extra>"))
+    return _base_layout(fig, title, barmode="stack", xaxis={"title": "request", "type": "category"},
+                        yaxis={"title": "ms"})
+
+
 def speedup_figure(records: Sequence[RequestRecord]) -> go.Figure:
     """The headline: how many times faster than cold each mode reached the first token."""
     title = "Speedup vs cold: how many times faster to the first token"
@@ -398,6 +431,7 @@ def run_figures(records: Sequence[RequestRecord], store_stats: dict | None = Non
     figures |= {
         "speedup": speedup_figure(records),
         "ttft_per_request": ttft_per_request_figure(records),
+        "stages": stages_figure(records),
         "ttft_summary": ttft_summary_figure(records),
         "hits": hits_figure(records, list((store_stats or {}).get("tiers", {}))),   # the store's tier order
     }
