@@ -22,6 +22,9 @@ COMMANDS = {
     "bench-cache-server": "a private cache server: a store call against a memory copy, memory above the pool, idle CPU",
     "bench-l3": "L3 on Redis (KVB_L3_URL, else a private redis-server): doc Q&A served from L3, a restore against "
                 "plain GETs, lookup round trips, L3 stopped, and the KV codecs",
+    "bench-floor": "warm restores against their floor (native + one copy) on every path (in-process, llama-server, "
+                   "cache server, L3 on a private Redis, a 7.6k-token context) and both embedded models, with the "
+                   "time of each stage; JSON to output/",
     "bench-scheduler": "the scheduler against llama-server (same cells, -np, --kv-unified) on a priority burst and "
                        "a shared system prompt, and swapping a ~2k-token sequence out and back in against "
                        "recomputing it; JSON to output/",
@@ -237,6 +240,20 @@ def cmd_bench_l3(args) -> int:
     return 1 if result.get("doc_qa", {}).get("errors") else 0
 
 
+def cmd_bench_floor(args) -> int:
+    from kvbridge.bench.floor_bench import PATHS, format_floor, run_floor_bench
+    from kvbridge.bench.report import write_result_json
+
+    settings = _settings(args)
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()] if args.paths else list(PATHS)
+    models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+    result = run_floor_bench(settings, paths=paths, models=models, runs=args.runs, n_requests=args.requests,
+                             long_tokens=args.long_tokens)
+    print(format_floor(result))
+    print(f"wrote {write_result_json(result, settings.output_dir, 'floor')}")
+    return 1 if any(row["errors"] for row in result["table"]) else 0
+
+
 def _progress(done: int, total: int, what: str) -> None:
     width = 30
     filled = int(width * done / max(total, 1))
@@ -397,6 +414,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--tokens", type=int, default=2048, help="prefix length of the restore row (default 2048)")
             p.add_argument("--quality-questions", dest="quality_questions", type=int, default=12,
                            help="doc-qa questions for int8's quality (each one cold prefill; 0: skip)")
+        if name == "bench-floor":
+            p.add_argument("--paths", help="comma-separated: in-process, llama-server, cache-server, l3, long-context "
+                                           "(default all)")
+            p.add_argument("--models", help="comma-separated embedded models (default: every one; see KVB_MODEL)")
+            p.add_argument("--runs", type=int, default=3, help="times the whole set runs; medians of the runs (default 3)")
+            p.add_argument("--requests", type=int, default=None, help="doc-qa questions per path (default 12)")
+            p.add_argument("--long-tokens", dest="long_tokens", type=int, default=7600,
+                           help="long-context prompt length in tokens (default 7600)")
         if name == "bench-scheduler":
             p.add_argument("--parts", default="swap,burst,shared",
                            help="comma-separated: swap, burst, shared (default all three); burst and shared start "

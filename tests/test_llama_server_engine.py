@@ -170,3 +170,19 @@ def test_reused_restore_file_gives_the_cold_answer_for_another_question(settings
         assert 0 < second_hit.matched_tokens < second_hit.prompt_tokens
         assert second_hit.engine_cached_tokens >= second_hit.matched_tokens
         assert second_hit.text == cold.text
+
+
+def test_stages_add_up_to_ttft_through_llama_server(settings):
+    """Through llama-server the prefill is the server's own `timings.prompt_ms`; the slot file written
+    and restored is the handoff; the stages add up to the TTFT within max(5 ms, 5 %)."""
+    from kvbridge.engine.stages import stages_gap_ms
+
+    with engine_on("llama-server", settings) as engine:
+        cold = engine.infer(QUESTION, mode="cold")
+        engine.infer(QUESTION, mode="lmcache")
+        hit = engine.infer(QUESTION, mode="lmcache")
+    assert hit.restore_ok and hit.text == cold.text
+    for record in (cold, hit):
+        assert abs(stages_gap_ms(record)) <= max(5.0, 0.05 * record.ttft_ms), record
+    assert 0 < hit.prefill_ms < cold.prefill_ms and hit.handoff_ms > 0 and hit.assemble_ms > 0
+    assert hit.fetch_bytes > 0 and hit.fetch_tiers.startswith("L1=")
