@@ -248,7 +248,7 @@ def cmd_bench_floor(args) -> int:
     paths = [p.strip() for p in args.paths.split(",") if p.strip()] if args.paths else list(PATHS)
     models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
     result = run_floor_bench(settings, paths=paths, models=models, runs=args.runs, n_requests=args.requests,
-                             long_tokens=args.long_tokens)
+                             long_tokens=args.long_tokens, profile=args.profile)
     print(format_floor(result))
     print(f"wrote {write_result_json(result, settings.output_dir, 'floor')}")
     return 1 if any(row["errors"] for row in result["table"]) else 0
@@ -422,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--requests", type=int, default=None, help="doc-qa questions per path (default 12)")
             p.add_argument("--long-tokens", dest="long_tokens", type=int, default=7600,
                            help="long-context prompt length in tokens (default 7600)")
+            p.add_argument("--profile", action="store_true",
+                           help="also run one warm lmcache request per path under cProfile and print its top functions")
         if name == "bench-scheduler":
             p.add_argument("--parts", default="swap,burst,shared",
                            help="comma-separated: swap, burst, shared (default all three); burst and shared start "

@@ -45,12 +45,12 @@ def check_records(records: dict) -> None:
     for record in records.values():
         assert_stages_add_up(record)
     cold, hit = records["cold"], records["hit"]
-    assert cold.prefill_ms > 0.5 * cold.ttft_ms and cold.lookup_ms == 0 and cold.reset_ms >= 0
+    assert cold.prefill_ms > 0 and cold.lookup_ms == 0 and cold.fetch_ms == 0 and cold.reset_ms > 0
     assert hit.matched_tokens > 0 and hit.restore_ok
     for stage in ("tokenize", "hash", "lookup", "fetch", "assemble", "handoff", "prefill", "first_token"):
         assert getattr(hit, f"{stage}_ms") > 0, f"the warm hit has no {stage} time"
     assert hit.restore_ms == pytest.approx(hit.assemble_ms + hit.handoff_ms)
-    assert hit.prefill_ms < cold.prefill_ms / 3            # only the suffix was prefilled
+    assert hit.prefill_tokens < cold.prefill_tokens / 3    # only the suffix was prefilled
     assert hit.fetch_bytes > 0 and hit.fetch_tiers.startswith("L1=") and hit.store_calls >= 2
     assert records["miss"].fetch_bytes == 0
 
@@ -84,3 +84,23 @@ def test_the_stage_fields_are_in_every_export():
     assert set(STAGE_FIELDS) <= set(RECORD_FIELDS)
     assert {"fetch_bytes", "fetch_tiers", "store_calls"} <= set(RECORD_FIELDS)
     assert len(STAGES) == len(STAGE_FIELDS)
+
+
+def test_a_hot_prefix_is_restored_from_the_state_already_assembled(make_settings):
+    """Two questions on one document: the second restore finds the same prefix's state still assembled
+    in the scratch buffer and hands it to the engine without assembling again (one copy, not two); the
+    answers equal cold. Another document is assembled afresh."""
+    settings = make_settings(chunk_size=64, n_predict=6)
+    with CachedEngine(settings, make_backend("llama.cpp", settings), TieredStore.from_settings(settings)) as engine:
+        engine.infer(ask(QUESTIONS[0]), mode="lmcache")                 # a miss: stores the document
+        first = engine.infer(ask(QUESTIONS[1]), mode="lmcache")         # assembled from the chunks
+        second = engine.infer(ask(QUESTIONS[0]), mode="lmcache")        # the same document prefix: hot
+        cold = engine.infer(ask(QUESTIONS[0]), mode="cold")
+        assert engine._kv.hot_hits == 1 and engine.metrics.count("hot_restores") == 1
+        assert first.matched_tokens == second.matched_tokens and second.restore_ok
+        assert second.text == cold.text
+        other = [{"role": "user", "content": DOCUMENT.replace("blue", "red") + "\n\nWhich shelf holds 30 boxes?"}]
+        engine.infer(other, mode="lmcache")
+        again = engine.infer(other, mode="lmcache")
+        assert again.matched_tokens > 0 and engine._kv.hot_hits == 1   # not the hot state of the first document
+        assert again.text == engine.infer(other, mode="cold").text

@@ -62,6 +62,7 @@ class PathResult:
     answers_equal: int = 0
     answers_compared: int = 0
     stages: dict = field(default_factory=dict)   # {"native": {stage: ms}, "lmcache": {stage: ms}}
+    profile: str = ""                    # one more warm lmcache request under cProfile (--profile)
     error: str = ""
 
     @property
@@ -154,8 +155,32 @@ def path_engine(path: str, settings: Settings, workdir: Path) -> Iterator:
         raise BadSettings(f"unknown path {path!r}; paths are {', '.join(PATHS)}")
 
 
+def profile_request(engine, messages, before=None, top: int = 14, sort: str = "tottime") -> str:
+    """One warm lmcache request under the standard profiler: the functions that took the most time
+    of their own, with the record's stages above them."""
+    import cProfile
+    import io
+    import pstats
+
+    if before is not None:
+        before("lmcache")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    record = engine.infer(list(messages), mode="lmcache", n_predict=1)   # the way to the first token, and the store
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats(sort).print_stats(top)
+    stages = ", ".join(f"{stage} {ms:.1f}" for stage, ms in stages_of(record).items() if ms >= 0.05)
+    lines = [line for line in out.getvalue().splitlines() if line.strip()]
+    start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
+    return (f"TTFT {record.ttft_ms:.1f} ms, restored {record.matched_tokens} tokens from {record.tier}: {stages}\n"
+            + "\n".join(lines[start:]))
+
+
 def run_path(path: str, settings: Settings, model: str, run: int, workdir: Path, cold_texts: dict[int, str],
-             n_requests: int | None, long_tokens: int, say: Say, document: str | None = None) -> PathResult:
+             n_requests: int | None, long_tokens: int, say: Say, document: str | None = None,
+             profile: bool = False) -> PathResult:
     """One path on one model; fills cold_texts (the oracle) when it is empty and the path is doc-qa."""
     from kvbridge.bench.long_context import run_long_context, settings_for
 
@@ -172,13 +197,24 @@ def run_path(path: str, settings: Settings, model: str, run: int, workdir: Path,
                               engine.geometry, {})
             result.answers_compared = min(1, len(oracle))
             result.answers_equal = sum(1 for r in oracle[:1] if r.text == cold.get(r.request_index))
+            if profile:
+                from kvbridge.bench.long_context import build_prompts
+
+                prompts = build_prompts(engine, [long_tokens], 2, engine.settings.n_predict)
+                result.profile = profile_request(engine, next(iter(prompts.values()))[1])
             return result
         modes = ["native", "lmcache"] + ([] if cold_texts else ["cold"])
         records = list(run_scenario(engine, "doc-qa", modes, n_requests=n_requests, document=document,
                                     progress=_progress(say, path), before_request=before))
         if not cold_texts:
             cold_texts.update({r.request_index: r.text for r in records if r.mode == "cold" and not r.error})
-        return summarise_records(result, records, engine.geometry, cold_texts)
+        summarise_records(result, records, engine.geometry, cold_texts)
+        if profile:
+            from kvbridge.bench.scenarios import build_requests
+
+            last = [r for r in build_requests("doc-qa", n_requests, document) if r.action != "restart"][-1]
+            result.profile = profile_request(engine, last.messages, before)
+        return result
 
 
 def _progress(say: Say, path: str):
@@ -190,7 +226,7 @@ def _progress(say: Say, path: str):
 
 def run_floor_bench(settings: Settings, paths: Sequence[str] = PATHS, models: Sequence[str] | None = None,
                     runs: int = 3, n_requests: int | None = None, long_tokens: int = LONG_CONTEXT_TOKENS,
-                    document: str | None = None, say: Say = print) -> dict:
+                    document: str | None = None, profile: bool = False, say: Say = print) -> dict:
     """Every path on every model, `runs` times; {"results": [PathResult dicts], "table": [median rows]}."""
     unknown = [p for p in paths if p not in PATHS]
     if unknown:
@@ -211,7 +247,7 @@ def run_floor_bench(settings: Settings, paths: Sequence[str] = PATHS, models: Se
                     workdir.mkdir(parents=True)
                     try:
                         results.append(run_path(path, model_settings, model, run, workdir, cold_texts, n_requests,
-                                                long_tokens, say, document))
+                                                long_tokens, say, document, profile and run == 1))
                     except Exception as exc:   # one path's failure is a row, not the end of the run
                         results.append(PathResult(path, model, run, error=f"{type(exc).__name__}: {exc}"))
     return {"results": [r.to_dict() for r in results], "table": median_rows(results)}
@@ -238,6 +274,7 @@ def median_rows(results: Sequence[PathResult]) -> list[dict]:
             "restored_bytes": int(_median([r.restored_bytes for r in ok]) or 0),
             "answers_equal": sum(r.answers_equal for r in ok), "answers_compared": sum(r.answers_compared for r in ok),
             "stages": stages, "errors": [r.error for r in mine if r.error],
+            "profile": next((r.profile for r in mine if r.profile), ""),
         })
     return rows
 
@@ -267,4 +304,8 @@ def format_floor(result: dict) -> str:
             parts = [f"{stage} {lm[stage]:.1f}" + (f" [{nat[stage]:.1f}]" if nat.get(stage) else "")
                      for stage in STAGES if lm[stage] >= 0.05 or nat.get(stage, 0) >= 0.05]
             lines.append(f"  {row['model']:14} {row['path']:13} " + ", ".join(parts))
+    for row in result["table"]:
+        if row.get("profile"):
+            lines += ["", f"profile of one warm lmcache request, {row['model']} {row['path']} (cProfile, by own time):",
+                      *("  " + line for line in row["profile"].splitlines())]
     return "\n".join(lines)

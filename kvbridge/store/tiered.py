@@ -420,6 +420,11 @@ class TieredStore:
             elif self._put_into(index, key, blob, meta):
                 self._count("demotions")
 
+    def quiet(self):
+        """A context in which the write-behind queue starts no new write (CachedEngine holds it around a
+        request, so an L3 copy or an L2 promotion never competes with a prefill for a core)."""
+        return self._behind.hold()
+
     @contextmanager
     def pinned(self, keys: Iterable[bytes]) -> Iterator[None]:
         """Keep these objects from being evicted (from any tier) while the block runs."""
