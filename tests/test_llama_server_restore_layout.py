@@ -48,7 +48,7 @@ SHORT = [{"role": "user", "content": "List three colours of the rainbow."}]
 _HEADER = re.compile(r"find_slot: stream\[0\], n = *(\d+), used = *(\d+), head = *(\d+), size = *(\d+)")
 _RESTORE = re.compile(r"state_read_meta: cell_count = (\d+), dest_seq_id = (\d+)")
 _MAP_LINE = re.compile(r"^([.0-9M]+)(?: \*)?$")
-_EMPTY_DEBUG_LINE = re.compile(r"^[\d.]* *D *$")   # the log prefix of a message that starts with a newline
+_MAP_LOOKAHEAD = 200   # lines after a find_slot header in which its cell map is looked for
 
 
 @dataclasses.dataclass
@@ -77,14 +77,13 @@ def kv_log(text: str) -> tuple[list[SlotSearch], list[tuple[int, int]]]:
             continue
         n, used, head, size = (int(g) for g in header.groups())
         cells = ""
-        for follow in lines[i + 1:]:
-            if len(cells) >= size:
+        # the map follows as its own message; the server's other threads may log lines in between
+        for follow in lines[i + 1: i + 1 + _MAP_LOOKAHEAD]:
+            if len(cells) >= size or _HEADER.search(follow):
                 break
             match = _MAP_LINE.match(follow.strip())
             if match:
                 cells += match.group(1)
-            elif not (follow.strip() == "" or _EMPTY_DEBUG_LINE.match(follow.strip())):
-                break
         if len(cells) == size:
             searches.append(SlotSearch(i, n, used, head, cells))
     return searches, restores
