@@ -98,7 +98,10 @@ def test_a_hot_prefix_is_restored_from_the_state_already_assembled(make_settings
         cold = engine.infer(ask(QUESTIONS[0]), mode="cold")
         assert engine._kv.hot_hits == 1 and engine.metrics.count("hot_restores") == 1
         assert first.matched_tokens == second.matched_tokens and second.restore_ok
-        assert second.text == cold.text
+        assert second.text == cold.text and second.fetch_bytes < first.fetch_bytes / 2   # the tail only, no chunk
+        repeat = engine.infer(ask(QUESTIONS[0]), mode="lmcache")   # the store now reaches further than the hot state
+        assert repeat.matched_tokens == repeat.prompt_tokens - 1 > second.matched_tokens and repeat.prefill_tokens == 1
+        assert engine._kv.hot_hits == 1 and repeat.text == cold.text
         other = [{"role": "user", "content": DOCUMENT.replace("blue", "red") + "\n\nWhich shelf holds 30 boxes?"}]
         engine.infer(other, mode="lmcache")
         again = engine.infer(other, mode="lmcache")

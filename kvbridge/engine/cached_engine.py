@@ -329,7 +329,9 @@ class CachedEngine:
             plan.release()
             return 0
         try:
-            if self.backend.reuse_last_restore(plan.tokens):
+            with timer.stage("handoff"):   # loading the previous restore file again is the whole handoff
+                reused = self.backend.reuse_last_restore(plan.tokens)
+            if reused:
                 plan.release()
                 record.add_note("restore file reused: the engine's restore file already held this prefix, loaded again without rebuilding it")
             else:

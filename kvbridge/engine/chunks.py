@@ -57,6 +57,7 @@ class RestorePlan:
     borrowed: list = field(default_factory=list)  # objects whose blob views memory on loan (release them)
     lossy: set[str] = field(default_factory=set)   # lossy codecs the restored KV passed through (ObjectMeta.lossy)
     fetched: dict[str, int] = field(default_factory=dict)   # bytes read per tier (objects used or not)
+    hot: bool = False   # the state is the one already assembled in the scratch buffer (ChunkKV._hot_plan)
     store_calls: int = 0                                      # lookup and fetch calls on the store
 
     def release(self) -> None:
@@ -99,6 +100,8 @@ class ChunkKV:
         # second thread for the copies: numpy releases the GIL while it copies.
         self._scratch: np.ndarray | None = None
         self._scratch_holds: bytes | None = None   # tokens_digest of the state the scratch holds whole, if any
+        self._scratch_tokens: np.ndarray | None = None   # and those tokens
+        self._scratch_lossy: set[str] = set()
         self.hot_hits = 0   # restores served from the state already assembled in the scratch buffer
         self.prefault_scratch = True   # the engine turns it off when the backend supplies its own buffer
         self.incomplete = 0   # objects not stored because sliding-window rows were missing (the engine counts them)
@@ -167,8 +170,42 @@ class ChunkKV:
         with timer.stage("lookup"):
             found = self.store.lookup(list(hashes), namespace=self.namespace)
         plan.store_calls += 1
+        wanted = min(found.n_hit, limit // c)
         with timer.stage("fetch"):
-            self._fetch_chunks(plan, tokens, hashes, limit, tail_override, min(found.n_hit, limit // c))
+            boundary_key = dict([tail_override]) if tail_override else {}
+            at = hashes[wanted - 1] if wanted else self.seed
+            if not self._hot_plan(plan, tokens, limit, wanted, boundary_key.get(at) or tail_key(at), found.tiers):
+                self._fetch_chunks(plan, tokens, hashes, limit, tail_override, wanted)
+
+    def _hot_plan(self, plan: RestorePlan, tokens: Sequence[int], limit: int, wanted: int, tail_at: bytes,
+                  tiers: Sequence[str]) -> bool:
+        """True when the state already assembled in the scratch buffer is the restore: its tokens begin the
+        prompt, cover the stored chunk run and reach at least as far as the stored tail after it. Only that
+        tail is read then (to learn how far the store reaches), no chunk, and nothing is assembled."""
+        hot, c = self._scratch_tokens, self.chunk_size
+        if (self._scratch_holds is None or hot is None or not wanted * c <= len(hot) <= limit
+                or common_prefix_length(hot, tokens) < len(hot)):
+            return False
+        obj = self._borrow(plan, self.store.get(tail_at, namespace=self.namespace))
+        plan.store_calls += 1
+        _count_fetched(plan, obj)
+        reach = wanted * c
+        if obj is not None and obj.meta.kind == "tail":
+            view = self._decoded(obj.blob, plan)
+            if view is not None:
+                reach += max(0, min(common_prefix_length(view.token_ids, tokens[reach:]), limit - reach))
+        if reach > len(hot):
+            return False   # the store holds more of this prompt: the ordinary restore
+        plan.hot = True
+        plan.tokens = [int(t) for t in hot]
+        plan.matched_tokens = len(hot)
+        plan.chunks_hit = wanted
+        for tier in list(tiers[:wanted]) + ([obj.tier] if obj is not None else []):
+            plan.tier = self.store.slower(plan.tier, tier)
+        plan.lossy = set(self._scratch_lossy)
+        if plan.lossy:
+            plan.notes.append(f"restored from lossy {'+'.join(sorted(plan.lossy))} KV: output may differ from cold")
+        return True
 
     def _fetch_chunks(self, plan: RestorePlan, tokens: Sequence[int], hashes: Sequence[bytes], limit: int,
                       tail_override: tuple[bytes, bytes] | None, wanted: int) -> None:
@@ -222,12 +259,17 @@ class ChunkKV:
         size = assembled_size(self.geometry, n)
         out = buffer_for(size, plan.tokens) if buffer_for is not None else None
         identity = tokens_digest(plan.tokens)
-        if out is None and self._scratch is not None and self._scratch_holds == identity:
+        if out is None and self._scratch is not None and (plan.hot or self._scratch_holds == identity):
             # the scratch buffer holds this very state from the last assembly: the same tokens under the same
             # namespace are the same KV, so a warm restore of a hot prefix is the engine's one copy, not two
             plan.release()
             self.hot_hits += 1
             plan.state = SeqState(data=memoryview(self._scratch)[:size], n_tokens=n)
+            return plan.state
+        if plan.hot:   # the engine wants the state in a buffer of its own this time: one copy into it
+            np.copyto(out[:size], self._scratch[:size])
+            plan.release()
+            plan.state = SeqState(data=out[:size], n_tokens=n)
             return plan.state
         if out is None:
             if self._scratch is None or len(self._scratch) < size:
@@ -242,7 +284,8 @@ class ChunkKV:
             raise ObjectVanished(f"{len(torn)} object(s) changed in shared memory while they were copied "
                                  "(a lease expired); nothing of this restore is used")
         if out is self._scratch:
-            self._scratch_holds = identity
+            self._scratch_holds, self._scratch_tokens = identity, np.asarray(plan.tokens, dtype=np.int64)
+            self._scratch_lossy = set(plan.lossy)
         plan.state = SeqState(data=data, n_tokens=n)
         return plan.state
 
