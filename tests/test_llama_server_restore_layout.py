@@ -31,6 +31,7 @@ from kvbridge.backends.llama_server.backend import LlamaServerBackend
 from kvbridge.backends.llama_server.process import (ServerProcess, built_binary, free_port,
                                                     pinned_llama_cpp_version)
 from kvbridge.settings import EMBEDDED_MODEL_PATH, Settings
+from test_llama_server import prompt_for
 
 BINARY = built_binary(pinned_llama_cpp_version())
 
@@ -130,11 +131,6 @@ def backend(tmp_path, kv_debug):
     b.start()
     yield b
     b.stop()
-
-
-def prompt_for(backend, messages) -> Prompt:
-    text = backend.render(messages)
-    return Prompt(text=text, tokens=tuple(backend.tokenize(text)), messages=tuple(messages))
 
 
 def run(backend, prompt: Prompt, native: bool) -> tuple[str, EngineReport]:

@@ -55,6 +55,7 @@ def bench_restore_through_server(engine, remote_store, prompt_tokens: int = 2048
     remote_kv = ChunkKV(remote_store, engine.namespace, getattr(engine.hasher, "seed", b""), engine.settings.chunk_size,
                         engine.geometry)
     remote_kv.prefault_scratch = local_kv.prefault_scratch
+    local_kv.hot_restores = remote_kv.hot_restores = False   # both paths read and assemble every time
     try:
         remote_kv.store_prompt(backend.save_state(), tokens, hashes)   # the same cells, now on the server too
         paths = {"embedded": local_kv, "server_shm": remote_kv}
@@ -76,6 +77,7 @@ def bench_restore_through_server(engine, remote_store, prompt_tokens: int = 2048
             if i >= 0:
                 times["memcpy"].append(copy_ms)
     finally:
+        local_kv.hot_restores = True
         remote_kv.close()
     ms = {name: float(np.median(values)) for name, values in times.items()}
     local, (server_tokens, server_tier) = plans["embedded"], plans["server_shm"]

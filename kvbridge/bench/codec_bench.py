@@ -35,8 +35,10 @@ MB = 1e6
 def _kv(engine, store):
     from kvbridge.engine.chunks import ChunkKV
 
-    return ChunkKV(store, engine.namespace, getattr(engine.hasher, "seed", b""), engine.settings.chunk_size,
-                   engine.geometry)
+    kv = ChunkKV(store, engine.namespace, getattr(engine.hasher, "seed", b""), engine.settings.chunk_size,
+                 engine.geometry)
+    kv.hot_restores = False   # each restore reads and decodes its objects: that is what the codecs are timed on
+    return kv
 
 
 def doc_qa_objects(engine, messages) -> tuple[list[int], list[bytes], list[tuple]]:

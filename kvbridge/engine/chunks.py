@@ -103,6 +103,7 @@ class ChunkKV:
         self._scratch_tokens: np.ndarray | None = None   # and those tokens
         self._scratch_lossy: set[str] = set()
         self.hot_hits = 0   # restores served from the state already assembled in the scratch buffer
+        self.hot_restores = True   # False: every restore reads and assembles its objects (the transport benches)
         self.prefault_scratch = True   # the engine turns it off when the backend supplies its own buffer
         self.incomplete = 0   # objects not stored because sliding-window rows were missing (the engine counts them)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvb-assemble")
@@ -183,7 +184,7 @@ class ChunkKV:
         prompt, cover the stored chunk run and reach at least as far as the stored tail after it. Only that
         tail is read then (to learn how far the store reaches), no chunk, and nothing is assembled."""
         hot, c = self._scratch_tokens, self.chunk_size
-        if (self._scratch_holds is None or hot is None or not wanted * c <= len(hot) <= limit
+        if (not self.hot_restores or self._scratch_holds is None or hot is None or not wanted * c <= len(hot) <= limit
                 or common_prefix_length(hot, tokens) < len(hot)):
             return False
         obj = self._borrow(plan, self.store.get(tail_at, namespace=self.namespace))
@@ -259,7 +260,8 @@ class ChunkKV:
         size = assembled_size(self.geometry, n)
         out = buffer_for(size, plan.tokens) if buffer_for is not None else None
         identity = tokens_digest(plan.tokens)
-        if out is None and self._scratch is not None and (plan.hot or self._scratch_holds == identity):
+        if out is None and self._scratch is not None and (plan.hot or (self.hot_restores
+                                                                         and self._scratch_holds == identity)):
             # the scratch buffer holds this very state from the last assembly: the same tokens under the same
             # namespace are the same KV, so a warm restore of a hot prefix is the engine's one copy, not two
             plan.release()
