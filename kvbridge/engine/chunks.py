@@ -195,8 +195,8 @@ class ChunkKV:
             view = self._decoded(obj.blob, plan)
             if view is not None:
                 reach += max(0, min(common_prefix_length(view.token_ids, tokens[reach:]), limit - reach))
-        if reach > len(hot):
-            return False   # the store holds more of this prompt: the ordinary restore
+        if reach > len(hot) or reach == 0:
+            return False   # the store holds more of this prompt (or none of it: a miss stays a miss)
         plan.hot = True
         plan.tokens = [int(t) for t in hot]
         plan.matched_tokens = len(hot)
