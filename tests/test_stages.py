@@ -102,6 +102,10 @@ def test_a_hot_prefix_is_restored_from_the_state_already_assembled(make_settings
         repeat = engine.infer(ask(QUESTIONS[0]), mode="lmcache")   # the store now reaches further than the hot state
         assert repeat.matched_tokens == repeat.prompt_tokens - 1 > second.matched_tokens and repeat.prefill_tokens == 1
         assert engine._kv.hot_hits == 1 and repeat.text == cold.text
+        for tier in engine.store.tier_names:     # the user empties the store: a miss, whatever is in memory
+            engine.store.clear(tier)
+        emptied = engine.infer(ask(QUESTIONS[0]), mode="lmcache")
+        assert emptied.matched_tokens == 0 and emptied.tier == "none" and engine._kv.hot_hits == 1
         other = [{"role": "user", "content": DOCUMENT.replace("blue", "red") + "\n\nWhich shelf holds 30 boxes?"}]
         engine.infer(other, mode="lmcache")
         again = engine.infer(other, mode="lmcache")
