@@ -82,6 +82,7 @@ def test_a_priority_burst_preempts_a_low_chat_and_everyone_finishes(lab):
     assert by_label["doc chat 1"][1] == 0 and by_label["doc chat 1"][6] >= 1   # priority, preemptions
     assert all(by_label[f"urgent {i}"][6] == 0 for i in (1, 2))
     assert "finished" in final.message and "preemptions" in final.message
+    assert "restore failed 0" in final.status and "failed 0" in final.status   # the fault counters are shown too
     # while it ran, the page saw requests holding blocks, and a gauge with the watermarks
     live = [v for v in views if v.running and "running (0)" not in v.status and "Pressure" in v.status]
     assert live, "no view showed a running request"

@@ -267,7 +267,7 @@ def status_markdown(snapshot: dict) -> str:
         f"({free_pct:.0f}%, {blocks['block_tokens']} cells each) · shared extents {len(blocks['shared'])}",
         "**Counters** " + " · ".join(f"{name.replace('_', ' ')} {counters[name]}" for name in
                                      ("hits", "misses", "shared_tokens", "evictions", "preemptions", "swap_ins",
-                                      "finished", "cancelled")),
+                                      "restore_failed", "finished", "cancelled", "failed")),
         "",
         "| queue | requests |",
         "|---|---|",
