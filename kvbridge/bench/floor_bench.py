@@ -32,7 +32,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from kvbridge.bench.report import is_warm, plain_copy_ms
+from kvbridge.bench.report import fmt, is_warm, median_or_none, plain_copy_ms, ratio
 from kvbridge.bench.runner import empty_faster_tiers, run_scenario
 from kvbridge.engine.records import RequestRecord
 from kvbridge.engine.stages import STAGES, stages_of
@@ -67,7 +67,7 @@ class PathResult:
 
     @property
     def ratio(self) -> float | None:
-        return _ratio(self.lmcache_ms, self.native_ms)
+        return ratio(self.lmcache_ms, self.native_ms)
 
     @property
     def floor_ms(self) -> float | None:
@@ -75,34 +75,25 @@ class PathResult:
 
     @property
     def restore_vs_copy(self) -> float | None:
-        return _ratio(self.restore_ms, self.copy_ms)
+        return ratio(self.restore_ms, self.copy_ms)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "ratio": self.ratio, "floor_ms": self.floor_ms, "restore_vs_copy": self.restore_vs_copy}
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else a / b
-
-
-def _median(values: Sequence[float]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def summarise_records(result: PathResult, records: Sequence[RequestRecord], geometry, cold_texts: dict[int, str],
-                      warm_of: Callable[[RequestRecord], bool] = is_warm) -> PathResult:
+def summarise_records(result: PathResult, records: Sequence[RequestRecord], geometry,
+                      cold_texts: dict[int, str]) -> PathResult:
     """Fill `result` from one path's records: warm medians, restore, the copy it is held to, stages, oracle."""
     from kvbridge.formats.llama_state import assembled_size
 
     done = [r for r in records if not r.error]
-    native = [r for r in done if r.mode == "native" and warm_of(r)]
+    native = [r for r in done if r.mode == "native" and is_warm(r)]
     hits = [r for r in done if r.mode == "lmcache" and r.matched_tokens and r.restore_ok]
     result.requests = sum(1 for r in records if r.mode == "lmcache")
     result.hits = len(hits)
-    result.native_ms = _median([r.ttft_ms for r in native])
-    result.lmcache_ms = _median([r.ttft_ms for r in hits])
-    result.restore_ms = _median([r.lookup_ms + r.fetch_ms + r.assemble_ms + r.handoff_ms for r in hits])
+    result.native_ms = median_or_none([r.ttft_ms for r in native])
+    result.lmcache_ms = median_or_none([r.ttft_ms for r in hits])
+    result.restore_ms = median_or_none([r.lookup_ms + r.fetch_ms + r.assemble_ms + r.handoff_ms for r in hits])
     if hits and geometry is not None:
         result.restored_bytes = int(statistics.median(assembled_size(geometry, r.matched_tokens) for r in hits))
         result.copy_ms = plain_copy_ms(np.ones(result.restored_bytes, dtype=np.uint8))
@@ -182,7 +173,8 @@ def run_path(path: str, settings: Settings, model: str, run: int, workdir: Path,
              n_requests: int | None, long_tokens: int, say: Say, document: str | None = None,
              profile: bool = False) -> PathResult:
     """One path on one model; fills cold_texts (the oracle) when it is empty and the path is doc-qa."""
-    from kvbridge.bench.long_context import run_long_context, settings_for
+    from kvbridge.bench.long_context import (DEFAULT_WARM_REPEATS, build_prompts, length_rows, run_long_context,
+                                             settings_for)
 
     result = PathResult(path, model, run)
     if path == "long-context":
@@ -191,16 +183,11 @@ def run_path(path: str, settings: Settings, model: str, run: int, workdir: Path,
         if path == "long-context":
             records = list(run_long_context(engine, ["native", "lmcache", "cold"], lengths=[long_tokens],
                                             progress=_progress(say, path)))
-            cold = {r.request_index: r.text for r in records if r.mode == "cold"}
-            oracle = [r for r in records if r.mode == "lmcache" and getattr(r, "question", 0) == 1]
-            summarise_records(result, [r for r in records if getattr(r, "phase", "") != "fill"],
-                              engine.geometry, {})
-            result.answers_compared = min(1, len(oracle))
-            result.answers_equal = sum(1 for r in oracle[:1] if r.text == cold.get(r.request_index))
-            if profile:
-                from kvbridge.bench.long_context import build_prompts
-
-                prompts = build_prompts(engine, [long_tokens], 2, engine.settings.n_predict)
+            summarise_records(result, [r for r in records if r.phase != "fill"], engine.geometry, {})
+            matches = length_rows(records)[0].lmcache_matches_cold   # lmcache's answer to question 1 = cold's
+            result.answers_compared, result.answers_equal = int(matches is not None), int(bool(matches))
+            if profile:   # question 1 of the run's own prompts
+                prompts = build_prompts(engine, [long_tokens], DEFAULT_WARM_REPEATS + 1, engine.settings.n_predict)
                 result.profile = profile_request(engine, next(iter(prompts.values()))[1])
             return result
         modes = ["native", "lmcache"] + ([] if cold_texts else ["cold"])
@@ -267,20 +254,16 @@ def median_rows(results: Sequence[PathResult]) -> list[dict]:
                 stages[mode] = {stage: statistics.median(s[stage] for s in per_run) for stage in STAGES}
         rows.append({
             "model": model, "path": path, "runs": len(mine), "ok_runs": len(ok),
-            "native_ms": _median([r.native_ms for r in ok]), "lmcache_ms": _median([r.lmcache_ms for r in ok]),
-            "ratio": _median([r.ratio for r in ok]), "target": TARGETS[path],
-            "floor_ms": _median([r.floor_ms for r in ok]), "restore_ms": _median([r.restore_ms for r in ok]),
-            "copy_ms": _median([r.copy_ms for r in ok]), "restore_vs_copy": _median([r.restore_vs_copy for r in ok]),
-            "restored_bytes": int(_median([r.restored_bytes for r in ok]) or 0),
+            "native_ms": median_or_none([r.native_ms for r in ok]), "lmcache_ms": median_or_none([r.lmcache_ms for r in ok]),
+            "ratio": median_or_none([r.ratio for r in ok]), "target": TARGETS[path],
+            "floor_ms": median_or_none([r.floor_ms for r in ok]), "restore_ms": median_or_none([r.restore_ms for r in ok]),
+            "copy_ms": median_or_none([r.copy_ms for r in ok]), "restore_vs_copy": median_or_none([r.restore_vs_copy for r in ok]),
+            "restored_bytes": int(median_or_none([r.restored_bytes for r in ok]) or 0),
             "answers_equal": sum(r.answers_equal for r in ok), "answers_compared": sum(r.answers_compared for r in ok),
             "stages": stages, "errors": [r.error for r in mine if r.error],
             "profile": next((r.profile for r in mine if r.profile), ""),
         })
     return rows
-
-
-def _fmt(value, spec: str = ".1f") -> str:
-    return "-" if value is None else f"{value:{spec}}"
 
 
 def format_floor(result: dict) -> str:
@@ -290,10 +273,10 @@ def format_floor(result: dict) -> str:
              "-" * len(head)]
     for row in result["table"]:
         met = "" if row["ratio"] is None else (" ok" if row["ratio"] <= row["target"] else " NO")
-        lines.append(f"{row['model']:14} {row['path']:13} {_fmt(row['native_ms']):>8} {_fmt(row['lmcache_ms']):>8} "
-                     f"{_fmt(row['ratio'], '.2f'):>8} {row['target']:>6.2f}{met:3} {_fmt(row['floor_ms']):>5} "
-                     f"{_fmt(_ratio(row['lmcache_ms'], row['floor_ms']), '.2f'):>7} {_fmt(row['restore_ms']):>8} "
-                     f"{_fmt(row['copy_ms']):>7} {_fmt(row['restore_vs_copy'], '.2f'):>6} "
+        lines.append(f"{row['model']:14} {row['path']:13} {fmt(row['native_ms']):>8} {fmt(row['lmcache_ms']):>8} "
+                     f"{fmt(row['ratio'], '.2f'):>8} {row['target']:>6.2f}{met:3} {fmt(row['floor_ms']):>5} "
+                     f"{fmt(ratio(row['lmcache_ms'], row['floor_ms']), '.2f'):>7} {fmt(row['restore_ms']):>8} "
+                     f"{fmt(row['copy_ms']):>7} {fmt(row['restore_vs_copy'], '.2f'):>6} "
                      f"{row['restored_bytes'] / 1e6:>6.1f} {row['answers_equal']:>4}/{row['answers_compared']:<3}")
         for error in row["errors"][:2]:
             lines.append(f"    error: {error[:150]}")

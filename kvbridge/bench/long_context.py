@@ -19,7 +19,6 @@ Left out on purpose: repeated cold runs (an 8k cold prefill costs over a minute 
 """
 from __future__ import annotations
 
-import statistics
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from kvbridge.bench.report import is_warm, plain_copy_ms
+from kvbridge.bench.report import fmt, is_warm, median_or_none, plain_copy_ms, ratio
 from kvbridge.engine.records import RequestRecord
 from kvbridge.errors import BadSettings
 from kvbridge.formats.llama_state import assembled_size
@@ -86,33 +85,25 @@ class LengthRow:
 
     @property
     def lmcache_vs_native(self) -> float | None:
-        return _ratio(self.lmcache_warm_ttft_ms, self.native_warm_ttft_ms)
+        return ratio(self.lmcache_warm_ttft_ms, self.native_warm_ttft_ms)
 
     @property
     def native_speedup(self) -> float | None:
-        return _ratio(self.cold_ttft_ms, self.native_warm_ttft_ms)
+        return ratio(self.cold_ttft_ms, self.native_warm_ttft_ms)
 
     @property
     def lmcache_speedup(self) -> float | None:
-        return _ratio(self.cold_ttft_ms, self.lmcache_warm_ttft_ms)
+        return ratio(self.cold_ttft_ms, self.lmcache_warm_ttft_ms)
 
     @property
     def restore_vs_copy(self) -> float | None:
-        return _ratio(self.restore_ms, self.plain_copy_ms)
+        return ratio(self.restore_ms, self.plain_copy_ms)
 
     def to_dict(self) -> dict:
         row = asdict(self)
         row.update(lmcache_vs_native=self.lmcache_vs_native, native_speedup=self.native_speedup,
                    lmcache_speedup=self.lmcache_speedup, restore_vs_copy=self.restore_vs_copy)
         return row
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _median(values: Sequence[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 # -- settings and prompts -----------------------------------------------------------------
@@ -241,22 +232,18 @@ def length_rows(records: Sequence[RequestRecord]) -> list[LengthRow]:
         rows.append(LengthRow(
             target_tokens=target,
             prompt_tokens=prompt_tokens,
-            cold_ttft_ms=_median([r.ttft_ms for r in cold]),
-            native_warm_ttft_ms=_median([r.ttft_ms for r in native]),
-            lmcache_warm_ttft_ms=_median([r.ttft_ms for r in hits]),
+            cold_ttft_ms=median_or_none([r.ttft_ms for r in cold]),
+            native_warm_ttft_ms=median_or_none([r.ttft_ms for r in native]),
+            lmcache_warm_ttft_ms=median_or_none([r.ttft_ms for r in hits]),
             warm_requests=max(len(lmcache), len([r for r in at if r.phase == "warm" and r.mode == "native"])),
             lmcache_hits=len(hits),
-            restored_tokens=int(_median([r.matched_tokens for r in hits]) or 0),
-            restored_bytes=int(_median([r.restored_bytes for r in copies]) or 0),
-            restore_ms=_median([r.lookup_ms + r.fetch_ms + r.restore_ms for r in hits]),
-            plain_copy_ms=_median([r.plain_copy_ms for r in copies]),
+            restored_tokens=int(median_or_none([r.matched_tokens for r in hits]) or 0),
+            restored_bytes=int(median_or_none([r.restored_bytes for r in copies]) or 0),
+            restore_ms=median_or_none([r.lookup_ms + r.fetch_ms + r.restore_ms for r in hits]),
+            plain_copy_ms=median_or_none([r.plain_copy_ms for r in copies]),
             lmcache_matches_cold=(oracle[0].text == cold[0].text) if oracle and cold else None,
         ))
     return rows
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def format_rows(rows: Sequence[LengthRow]) -> str:
@@ -270,9 +257,9 @@ def format_rows(rows: Sequence[LengthRow]) -> str:
     for r in rows:
         oracle = {True: "lmcache == cold", False: "DIFFERS", None: "-"}[r.lmcache_matches_cold]
         lines.append(
-            f"{r.prompt_tokens:>6} {_fmt(r.cold_ttft_ms, ',.0f'):>9} {_fmt(r.native_warm_ttft_ms, '.1f'):>9} "
-            f"{_fmt(r.lmcache_warm_ttft_ms, '.1f'):>10} {_fmt(r.lmcache_vs_native, '.2f'):>6} "
-            f"{_fmt(r.native_speedup, '.0f'):>8} {_fmt(r.lmcache_speedup, '.0f'):>7} "
+            f"{r.prompt_tokens:>6} {fmt(r.cold_ttft_ms, ',.0f'):>9} {fmt(r.native_warm_ttft_ms, '.1f'):>9} "
+            f"{fmt(r.lmcache_warm_ttft_ms, '.1f'):>10} {fmt(r.lmcache_vs_native, '.2f'):>6} "
+            f"{fmt(r.native_speedup, '.0f'):>8} {fmt(r.lmcache_speedup, '.0f'):>7} "
             f"{r.lmcache_hits:>2}/{r.warm_requests:<2} {r.restored_tokens:>8} {r.restored_bytes / 1e6:>6.1f} "
-            f"{_fmt(r.restore_ms, '.1f'):>10} {_fmt(r.plain_copy_ms, '.1f'):>7} {_fmt(r.restore_vs_copy, '.2f'):>8}  {oracle}")
+            f"{fmt(r.restore_ms, '.1f'):>10} {fmt(r.plain_copy_ms, '.1f'):>7} {fmt(r.restore_vs_copy, '.2f'):>8}  {oracle}")
     return "\n".join(lines)

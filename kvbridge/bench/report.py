@@ -69,8 +69,19 @@ def summarize(records: Sequence[RequestRecord]) -> dict:
     return out
 
 
-def _fmt(value, spec: str = ".1f", suffix: str = "") -> str:
+def fmt(value, spec: str = ".1f", suffix: str = "") -> str:
+    """A figure for a text table; "-" where there is none."""
     return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def median_or_none(values) -> float | None:
+    """The median of the values that are there (None left out); None when there are none."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def format_table(records: Sequence[RequestRecord]) -> str:
@@ -81,7 +92,7 @@ def format_table(records: Sequence[RequestRecord]) -> str:
         tail = r.error or r.notes or r.text.strip().replace("\n", " ")
         lines.append(f"{r.mode:8} {r.request_index:>3} {r.prompt_tokens:>6} {r.matched_tokens:>6} {r.tier:4} "
                      f"{r.prefill_tokens:>7} {r.lookup_ms:>7.1f} {r.restore_ms:>8.1f} {r.ttft_ms:>9.1f} "
-                     f"{_fmt(r.engine_cached_tokens, 'd'):>10} {r.store_ms:>8.1f}  {tail[:60]}")
+                     f"{fmt(r.engine_cached_tokens, 'd'):>10} {r.store_ms:>8.1f}  {tail[:60]}")
     return "\n".join(lines)
 
 
@@ -89,11 +100,11 @@ def format_summary(summary: dict) -> str:
     lines = ["", "summary (TTFT):"]
     for mode, s in summary.items():
         line = (f"  {mode:8} mean {s['mean_ttft_ms']:9.1f} ms  median {s['median_ttft_ms']:9.1f} ms  "
-                f"warm median {_fmt(s['median_warm_ttft_ms'], '.1f', ' ms'):>10}  "
+                f"warm median {fmt(s['median_warm_ttft_ms'], '.1f', ' ms'):>10}  "
                 f"hits {s['warm_requests']}/{s['requests']}  tiers {s['tiers']}")
         if "mean_speedup_vs_cold" in s and mode != "cold":
-            line += (f"\n           speedup vs cold: mean {_fmt(s['mean_speedup_vs_cold'], '.1f', 'x')}, "
-                     f"warm median {_fmt(s['median_warm_speedup_vs_cold'], '.1f', 'x')}")
+            line += (f"\n           speedup vs cold: mean {fmt(s['mean_speedup_vs_cold'], '.1f', 'x')}, "
+                     f"warm median {fmt(s['median_warm_speedup_vs_cold'], '.1f', 'x')}")
         if "warm_vs_native" in s:
             line += f"; warm median vs native {s['warm_vs_native']:.2f}x"
         if "prediction_agreement" in s:

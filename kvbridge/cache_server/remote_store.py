@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterable, Iterator
 
 from kvbridge.cache_server.client import CacheClient, CacheServerError, CacheServerUnavailable
@@ -135,6 +135,10 @@ class RemoteStore:
                 self._counts["put_failures"] += 1
                 self._counts[f"refused_{reason or 'unknown'}"] += 1
         return [stored for stored, _ in results]
+
+    def quiet(self):
+        """TieredStore.quiet()'s place: nothing here writes behind a request (the server's own threads do)."""
+        return nullcontext()
 
     @contextmanager
     def pinned(self, keys: Iterable[bytes]) -> Iterator[None]:

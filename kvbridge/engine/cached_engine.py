@@ -13,7 +13,6 @@ The backend's `kv_mode` is checked here and nowhere else.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -226,9 +225,8 @@ class CachedEngine:
             if not self.started:
                 self.start()
             t0 = time.perf_counter()
-            quiet = getattr(self.store, "quiet", contextlib.nullcontext)
             try:
-                with quiet():   # the store's writes behind earlier requests wait until this one is answered
+                with self.store.quiet():   # the store's writes behind earlier requests wait until this one is answered
                     self._run(prompt, mode, n_predict, temperature, record, t0, on_text)
             except KVBridgeError as exc:
                 record.error = str(exc)
@@ -335,10 +333,9 @@ class CachedEngine:
                 plan.release()
                 record.add_note("restore file reused: the engine's restore file already held this prefix, loaded again without rebuilding it")
             else:
-                hot = self._kv.hot_hits
                 with timer.stage("assemble"):
                     state = self._kv.assemble(plan, buffer_for=self.backend.state_buffer)
-                if self._kv.hot_hits > hot:
+                if plan.hot:
                     self.metrics.inc("hot_restores")   # the state was assembled already: one copy, not two
                 with timer.stage("handoff"):
                     self.backend.restore_state(state, plan.tokens)

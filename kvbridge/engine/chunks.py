@@ -99,8 +99,7 @@ class ChunkKV:
         # One reusable assembly buffer (a fresh 40 MB buffer per restore costs page faults), and a
         # second thread for the copies: numpy releases the GIL while it copies.
         self._scratch: np.ndarray | None = None
-        self._scratch_holds: bytes | None = None   # tokens_digest of the state the scratch holds whole, if any
-        self._scratch_tokens: np.ndarray | None = None   # and those tokens
+        self._scratch_tokens: np.ndarray | None = None   # the tokens whose whole state the scratch holds, if any
         self._scratch_lossy: set[str] = set()
         self.hot_hits = 0   # restores served from the state already assembled in the scratch buffer
         self.hot_restores = True   # False: every restore reads and assembles its objects (the transport benches)
@@ -172,11 +171,12 @@ class ChunkKV:
             found = self.store.lookup(list(hashes), namespace=self.namespace)
         plan.store_calls += 1
         wanted = min(found.n_hit, limit // c)
+        boundary_key = dict([tail_override]) if tail_override else {}
+        at = hashes[wanted - 1] if wanted else self.seed
+        tail_at = boundary_key.get(at) or tail_key(at)
         with timer.stage("fetch"):
-            boundary_key = dict([tail_override]) if tail_override else {}
-            at = hashes[wanted - 1] if wanted else self.seed
-            if not self._hot_plan(plan, tokens, limit, wanted, boundary_key.get(at) or tail_key(at), found.tiers):
-                self._fetch_chunks(plan, tokens, hashes, limit, tail_override, wanted)
+            if not self._hot_plan(plan, tokens, limit, wanted, tail_at, found.tiers):
+                self._fetch_chunks(plan, tokens, hashes, limit, boundary_key, wanted, tail_at)
 
     def _hot_plan(self, plan: RestorePlan, tokens: Sequence[int], limit: int, wanted: int, tail_at: bytes,
                   tiers: Sequence[str]) -> bool:
@@ -184,17 +184,14 @@ class ChunkKV:
         prompt, cover the stored chunk run and reach at least as far as the stored tail after it. Only that
         tail is read then (to learn how far the store reaches), no chunk, and nothing is assembled."""
         hot, c = self._scratch_tokens, self.chunk_size
-        if (not self.hot_restores or self._scratch_holds is None or hot is None or not wanted * c <= len(hot) <= limit
+        if (not self.hot_restores or hot is None or not wanted * c <= len(hot) <= limit
                 or common_prefix_length(hot, tokens) < len(hot)):
             return False
         obj = self._borrow(plan, self.store.get(tail_at, namespace=self.namespace))
         plan.store_calls += 1
         _count_fetched(plan, obj)
-        reach = wanted * c
-        if obj is not None and obj.meta.kind == "tail":
-            view = self._decoded(obj.blob, plan)
-            if view is not None:
-                reach += max(0, min(common_prefix_length(view.token_ids, tokens[reach:]), limit - reach))
+        _, keep = self._tail_keep(obj, tokens, wanted * c, limit, plan)
+        reach = wanted * c + keep
         if reach > len(hot) or reach == 0:
             return False   # the store holds more of this prompt (or none of it: a miss stays a miss)
         plan.hot = True
@@ -209,11 +206,8 @@ class ChunkKV:
         return True
 
     def _fetch_chunks(self, plan: RestorePlan, tokens: Sequence[int], hashes: Sequence[bytes], limit: int,
-                      tail_override: tuple[bytes, bytes] | None, wanted: int) -> None:
+                      boundary_key: dict[bytes, bytes], wanted: int, tail_at: bytes) -> None:
         c = self.chunk_size
-        boundary_key = dict([tail_override]) if tail_override else {}
-        at = hashes[wanted - 1] if wanted else self.seed
-        tail_at = boundary_key.get(at) or tail_key(at)
         fetched = [self._borrow(plan, obj)
                    for obj in self.store.get_many(list(hashes[:wanted]) + [tail_at], namespace=self.namespace)]
         plan.store_calls += 1
@@ -236,15 +230,12 @@ class ChunkKV:
             obj = self._borrow(plan, self.store.get(boundary_key.get(prev) or tail_key(prev), namespace=self.namespace))
             plan.store_calls += 1
             _count_fetched(plan, obj)
-        if obj is not None and obj.meta.kind == "tail":
-            view = self._decoded(obj.blob, plan)
-            if view is not None:
-                keep = min(common_prefix_length(view.token_ids, tokens[start:]), limit - start)
-                if keep > 0:
-                    plan.pieces.append((view, keep))
-                    plan.blobs.append(obj.blob)
-                    plan.tier = self.store.slower(plan.tier, obj.tier)
-                    plan.lossy |= {obj.meta.lossy} - {""}
+        view, keep = self._tail_keep(obj, tokens, start, limit, plan)
+        if keep > 0:
+            plan.pieces.append((view, keep))
+            plan.blobs.append(obj.blob)
+            plan.tier = self.store.slower(plan.tier, obj.tier)
+            plan.lossy |= {obj.meta.lossy} - {""}
         n = sum(keep for _, keep in plan.pieces)
         plan.tokens = list(tokens[:n])
         plan.matched_tokens = n
@@ -259,25 +250,23 @@ class ChunkKV:
         n = plan.matched_tokens
         size = assembled_size(self.geometry, n)
         out = buffer_for(size, plan.tokens) if buffer_for is not None else None
-        identity = tokens_digest(plan.tokens)
-        if out is None and self._scratch is not None and (plan.hot or (self.hot_restores
-                                                                         and self._scratch_holds == identity)):
+        if plan.hot:
             # the scratch buffer holds this very state from the last assembly: the same tokens under the same
             # namespace are the same KV, so a warm restore of a hot prefix is the engine's one copy, not two
+            # (one more when the engine wants it in a buffer of its own)
             plan.release()
             self.hot_hits += 1
-            plan.state = SeqState(data=memoryview(self._scratch)[:size], n_tokens=n)
-            return plan.state
-        if plan.hot:   # the engine wants the state in a buffer of its own this time: one copy into it
-            np.copyto(out[:size], self._scratch[:size])
-            plan.release()
-            plan.state = SeqState(data=out[:size], n_tokens=n)
+            if out is None:
+                plan.state = SeqState(data=memoryview(self._scratch)[:size], n_tokens=n)
+            else:
+                np.copyto(out[:size], self._scratch[:size])
+                plan.state = SeqState(data=out[:size], n_tokens=n)
             return plan.state
         if out is None:
             if self._scratch is None or len(self._scratch) < size:
                 self._scratch = np.empty(size, dtype=np.uint8)
             out = self._scratch
-        self._scratch_holds = None   # written over from here on
+        self._scratch_tokens = None   # written over from here on
         # the state lives in `out`: valid until the next assemble (one request at a time)
         data = assemble_state(self.geometry, plan.pieces, out=out, run=self._run_jobs)
         torn = [obj for obj in plan.borrowed if obj.intact is not None and not obj.intact()]
@@ -286,10 +275,19 @@ class ChunkKV:
             raise ObjectVanished(f"{len(torn)} object(s) changed in shared memory while they were copied "
                                  "(a lease expired); nothing of this restore is used")
         if out is self._scratch:
-            self._scratch_holds, self._scratch_tokens = identity, np.asarray(plan.tokens, dtype=np.int64)
-            self._scratch_lossy = set(plan.lossy)
+            self._scratch_tokens, self._scratch_lossy = np.asarray(plan.tokens, dtype=np.int64), set(plan.lossy)
         plan.state = SeqState(data=data, n_tokens=n)
         return plan.state
+
+    def _tail_keep(self, obj, tokens: Sequence[int], start: int, limit: int,
+                   plan: RestorePlan) -> tuple[ChunkView | None, int]:
+        """A fetched tail object (or None) and how many of its cells continue the prompt from `start`."""
+        if obj is None or obj.meta.kind != "tail":
+            return None, 0
+        view = self._decoded(obj.blob, plan)
+        if view is None:
+            return None, 0
+        return view, max(0, min(common_prefix_length(view.token_ids, tokens[start:]), limit - start))
 
     @staticmethod
     def _borrow(plan: RestorePlan, obj):
@@ -452,7 +450,7 @@ class ChunkKV:
         if self._scratch is None or len(self._scratch) < size:
             grown = np.empty(size, dtype=np.uint8)
             grown.fill(0)
-            if self._scratch is not None and self._scratch_holds is not None:
+            if self._scratch is not None and self._scratch_tokens is not None:
                 grown[:len(self._scratch)] = self._scratch   # the hot state moves along (off the TTFT path)
             self._scratch = grown
 
