@@ -40,13 +40,23 @@ cmake_flags=("${cmake_flags[@]:1}")
 install_dir="$REPO_ROOT/.llama-server/$version"
 binary="$install_dir/bin/llama-server"
 flags_file="$install_dir/cmake-flags.txt"   # the build's variant and flags, as server-args printed them
+patches_file="$install_dir/patches.txt"     # the patch set the binary was built with (its stamp)
+
+# KVBridge's patches to llama.cpp (patches/llama.cpp/*.patch, each says what it changes and why),
+# applied in name order to a copy of the source. Their digest joins the build stamp and the build's
+# commit (so /props' build_info, part of every namespace, names the patched build).
+patch_files=("$REPO_ROOT"/patches/llama.cpp/*.patch)
+[[ -e "${patch_files[0]}" ]] || patch_files=()
+patch_id="$(cat /dev/null "${patch_files[@]}" | sha256sum | cut -c1-8)"
+patches_stamp="patches=$patch_id $(for f in "${patch_files[@]}"; do printf '%s ' "$(basename "$f")"; done)"
 
 if [[ $force -eq 0 && -x "$binary" ]] && "$binary" --version >"$install_dir/version.txt" 2>&1; then
-    if [[ "$(cat "$flags_file" 2>/dev/null || true)" == "$recorded" ]]; then
-        echo "llama-server $version already built as '$variant': $binary"
+    if [[ "$(cat "$flags_file" 2>/dev/null || true)" == "$recorded" \
+          && "$(cat "$patches_file" 2>/dev/null || true)" == "$patches_stamp" ]]; then
+        echo "llama-server $version already built as '$variant' with patches $patch_id: $binary"
         exit 0
     fi
-    echo "llama-server $version was built with other flags than llama-cpp-python's '$variant' build; rebuilding"
+    echo "llama-server $version was built with other flags than llama-cpp-python's '$variant' build, or other patches; rebuilding"
 fi
 
 for tool in cmake g++; do
@@ -62,8 +72,35 @@ trap 'rm -rf "$work_dir"' EXIT
 echo "building llama-server $version as '$variant' (${cmake_flags[*]}), about 5 minutes on 2 cores (longer when the CPUs are busy)…"
 start_s=$SECONDS
 
-# The pinned sdist, downloaded once and unpacked under build/ (git-ignored).
-source_dir="$("${variants[@]}" source)" || exit 1
+# The pinned sdist, downloaded once and unpacked under build/ (git-ignored), is never modified:
+# the patches go to a copy, so llama-cpp-python's builds from the same sdist stay upstream's.
+pristine_dir="$("${variants[@]}" source)" || exit 1
+upstream_number="$(git -C "$pristine_dir" rev-list --count HEAD 2>/dev/null || echo 0)"
+upstream_commit="$(git -C "$pristine_dir" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+source_dir="$work_dir/llama.cpp"
+cp -a "$pristine_dir" "$source_dir"
+rm -f "$source_dir/.git"   # a link into the sdist's git metadata; the build's commit is passed below
+for patch_file in "${patch_files[@]}"; do
+    if ! patch -d "$source_dir" -p1 --forward --batch --dry-run --quiet <"$patch_file" >/dev/null; then
+        echo "build_llama_server.sh: $(basename "$patch_file") does not apply to llama.cpp $upstream_commit;" \
+             "update it for this llama-cpp-python version (patches/llama.cpp/)" >&2
+        exit 1
+    fi
+    patch -d "$source_dir" -p1 --forward --batch --quiet <"$patch_file"
+    # verify: every line the patch adds is now in the source
+    while IFS= read -r added; do
+        file="$(sed -n 's|^+++ b/\([^[:space:]]*\).*|\1|p' "$patch_file" | head -n1)"
+        if ! grep -qF -- "$added" "$source_dir/$file"; then
+            echo "build_llama_server.sh: $(basename "$patch_file") applied but '$added' is not in $file" >&2
+            exit 1
+        fi
+    done < <(sed -n 's/^+\([^+].*KVBridge.*\)$/\1/p' "$patch_file")
+    echo "applied $(basename "$patch_file")"
+done
+build_commit="$upstream_commit"
+if [[ ${#patch_files[@]} -gt 0 ]]; then
+    build_commit="$upstream_commit.kvb-$patch_id"
+fi
 
 generator=()
 if command -v ninja >/dev/null 2>&1; then
@@ -86,6 +123,8 @@ cmake -S "$source_dir" -B "$work_dir/build" "${generator[@]}" \
     -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF \
+    -DLLAMA_BUILD_NUMBER="$upstream_number" \
+    -DLLAMA_BUILD_COMMIT="$build_commit" \
     "${cmake_flags[@]}" \
     >"$work_dir/cmake-configure.log" 2>&1 || {
     tail -n 30 "$work_dir/cmake-configure.log" >&2
@@ -113,7 +152,7 @@ echo "smoke decode of llama-server '$variant' on a loopback port…"
 # Install atomically: a half-copied binary must never look like a finished build. The flags file
 # is written last, so an interrupted install is rebuilt next time.
 mkdir -p "$install_dir/bin"
-rm -f "$flags_file"
+rm -f "$flags_file" "$patches_file"
 cp "$built" "$install_dir/bin/llama-server.tmp"
 mv -f "$install_dir/bin/llama-server.tmp" "$binary"
 "$binary" --version >"$install_dir/version.txt" 2>&1 || {
@@ -122,5 +161,6 @@ mv -f "$install_dir/bin/llama-server.tmp" "$binary"
     exit 1
 }
 
+printf '%s\n' "$patches_stamp" >"$patches_file"
 printf '%s\n' "$recorded" >"$flags_file"
 echo "llama-server $version built as '$variant' in $((SECONDS - start_s)) s: $binary"

@@ -315,7 +315,7 @@ def test_a_killed_owners_leftovers_are_removed_at_the_next_start(settings):
 
     dead = subprocess.Popen(["true"])
     dead.wait()  # a PID that no longer exists
-    parent = Path(scratch_dir() or tempfile.gettempdir())
+    parent = Path(scratch_dir())
     stale = parent / f"{WORK_DIR_PREFIX}{dead.pid}-test"
     (stale / "slots").mkdir(parents=True)
     (stale / "slots" / "kvb-restore-left.bin").write_bytes(b"x" * 1024)

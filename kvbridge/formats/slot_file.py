@@ -167,6 +167,9 @@ def write_in_place(path: Path, parts: Sequence[bytes | memoryview]) -> int:
     return size
 
 
+_ZEROS = memoryview(bytes(4 << 20))   # what MappedSlotFile grows its file with
+
+
 class MappedSlotFile:
     """One slot file kept mapped in memory, so the engine assembles each restore's KV state straight into it.
 
@@ -199,11 +202,22 @@ class MappedSlotFile:
         size = self.head - _IO_HEADER.size + state_size
         if self._map is None or len(self._map) < size:
             self._unmap()
-            os.ftruncate(self._fd, size + size // 4)   # mmap wants the file that long; room to grow
+            self._extend(size + size // 4)   # mmap wants the file that long; room to grow
             self._map = mmap.mmap(self._fd, size + size // 4)
-        os.ftruncate(self._fd, size)   # the exact size llama.cpp expects; pages past EOF are never touched
+        if os.fstat(self._fd).st_size < size:
+            self._extend(size)
+        else:
+            os.ftruncate(self._fd, size)   # the exact size llama.cpp expects; pages past EOF are never touched
         self.state = np.frombuffer(self._map, dtype=np.uint8, count=state_size, offset=self.head - _IO_HEADER.size)
         return self.state
+
+    def _extend(self, size: int) -> None:
+        """Grow the file by writing zeros, not by ftruncate: pages made by write() sit in large folios
+        of the page cache (ext4, xfs), pages made by faults in a mapping in 4 KiB ones, and the server
+        maps the whole file at each restore: ~0.2 ms for 37 MB against ~2.5 ms (Docs/Research.md §15)."""
+        end = os.fstat(self._fd).st_size
+        while end < size:
+            end += os.pwrite(self._fd, _ZEROS[: min(len(_ZEROS), size - end)], end)
 
     def holds(self, data: bytes | memoryview) -> bool:
         """True when `data` is the state buffer this file handed out last."""

@@ -53,7 +53,7 @@ def built_build_info(version: str) -> str:
         text = run.stdout + run.stderr
     else:
         return ""
-    match = re.search(r"build (\d+), commit (\w+)", text)
+    match = re.search(r"build (\d+), commit ([\w.-]+)", text)
     return f"b{match.group(1)}-{match.group(2)}" if match else ""
 
 
@@ -79,15 +79,21 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         return True
 
 
-def scratch_dir(min_free: int = 1 << 30) -> str | None:
-    """/dev/shm when it is a roomy tmpfs: slot files (tens of MB per request) then never touch the disk."""
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return None
-    if st.f_bavail * st.f_frsize >= min_free and os.access("/dev/shm", os.W_OK):
-        return "/dev/shm"
-    return None  # the system temp directory
+def scratch_dir() -> str:
+    """Where a llama-server's private folder (slot files, log) goes: the system temp directory.
+
+    Not /dev/shm, although slot files there never reach a disk: tmpfs keeps a file in 4 KiB pages
+    (huge pages for shared memory are off unless an administrator turns them on), and a slot restore
+    maps the whole file (patches/llama.cpp), so a 40 MB restore spent ~4.5 ms of its ~7 ms making
+    and tearing down page-table entries. In a disk filesystem's page cache a file written with
+    write() sits in large folios (ext4 on Linux 6.x, xfs) and the same restore takes 2.7 ms, the cost
+    of one copy (Docs/Research.md §15). A save file is read and deleted within its request, before
+    the kernel writes anything back; the one restore file per engine is written back in the background.
+    """
+    return tempfile.gettempdir()
+
+
+OLD_SCRATCH_DIRS = ("/dev/shm",)   # where earlier versions put their folders (cleaned up at start too)
 
 
 def remove_stale_work_dirs(parent: Path) -> None:
@@ -118,7 +124,9 @@ class ServerProcess:
         self.host = host
         self.port = port
         scratch = scratch_dir()
-        remove_stale_work_dirs(Path(scratch or tempfile.gettempdir()))
+        for parent in (scratch, *OLD_SCRATCH_DIRS):
+            if os.path.isdir(parent):
+                remove_stale_work_dirs(Path(parent))
         # the owner's PID in the name lets a later start remove what a killed KVBridge left behind
         self.work_dir = Path(tempfile.mkdtemp(prefix=f"{WORK_DIR_PREFIX}{os.getpid()}-", dir=scratch))
         self.slot_dir = self.work_dir / "slots"
