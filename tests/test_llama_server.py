@@ -13,7 +13,6 @@ import signal
 import socket
 import struct
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
