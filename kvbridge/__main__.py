@@ -376,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--chunk-size", dest="chunk_size", type=int, help="tokens per chunk (default: KVB_CHUNK_SIZE)")
         if name == "bench":
             p.add_argument("--scenario", default="doc-qa", help="scenario key (see `scenarios`); default doc-qa")
-            p.add_argument("--modes", default="cold,native,lmcache", help="comma-separated modes; default all three")
+            p.add_argument("--modes", default="cold,native,lmcache", help="comma-separated modes (cold, native, lmcache, blend); default the first three")
             p.add_argument("--requests", type=int, default=None, help="number of requests (default: the scenario's)")
             p.add_argument("--repeats", dest="requests", type=int,
                            help="long-context: warm requests per length and mode (the same as --requests; default 3)")

@@ -30,8 +30,12 @@ ALLOWED = {
     # and keeps KV in the engine's object format through the store
     "kvbridge.scheduler": {"kvbridge.errors", "kvbridge.settings", "kvbridge.formats", "kvbridge.store",
                            "kvbridge.backends", "kvbridge.engine"},
+    # blend mode drives llama.cpp's batch API (backends.llama_context) on the engine's prompts and keys
+    "kvbridge.blend": {"kvbridge.errors", "kvbridge.settings", "kvbridge.formats", "kvbridge.store",
+                       "kvbridge.backends", "kvbridge.engine"},
     "kvbridge.bench": {"kvbridge.errors", "kvbridge.settings", "kvbridge.engine", "kvbridge.store",
-                       "kvbridge.backends", "kvbridge.formats", "kvbridge.cache_server", "kvbridge.scheduler"},
+                       "kvbridge.backends", "kvbridge.formats", "kvbridge.cache_server", "kvbridge.scheduler",
+                       "kvbridge.blend"},
     # the OpenAI-compatible endpoint is a front on the scheduler or CachedEngine
     "kvbridge.serve": {"kvbridge.errors", "kvbridge.settings", "kvbridge.engine", "kvbridge.scheduler",
                        "kvbridge.backends"},

@@ -170,7 +170,7 @@ def test_a_request_needing_most_of_the_budget_still_runs_when_it_is_alone(make_s
 def solo_greedy(ctx, tokens: list[int], n_predict: int) -> tuple[list[int], list[float]]:
     """The request alone on an empty context, greedy: its tokens and, per step, the gap between the
     two best logits (the issue's near-tie rule reads it at the first differing token)."""
-    from kvbridge.scheduler.llama_context import BATCH_TOKENS
+    from kvbridge.backends.llama_context import BATCH_TOKENS
 
     ctx.seq_rm(0)
     for start in range(0, len(tokens), BATCH_TOKENS):
@@ -198,7 +198,7 @@ def test_greedy_answers_equal_solo_cold_runs_across_sharing_eviction_and_preempt
     sequence at a time: with f16 K/V, or other sequences' tokens in the same batch, llama.cpp's CPU
     kernels move logits by far more than 1e-3 (Research.md §11), which no scheduler can undo."""
     from kvbridge import CachedEngine, make_backend
-    from kvbridge.scheduler.llama_context import LlamaContext
+    from kvbridge.backends.llama_context import LlamaContext
 
     settings = make_settings(cache_type_k="f32", cache_type_v="f32", sched_kv_cells=2048, sched_max_running=1,
                              sched_cached_prefixes=1, n_predict=16, ctx_size=1024)

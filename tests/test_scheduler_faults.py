@@ -13,7 +13,7 @@ import pytest
 from conftest import needs_model
 from kvbridge.scheduler import Scheduler
 from kvbridge.scheduler import scheduler as scheduler_module
-from kvbridge.scheduler.llama_context import LlamaContext
+from kvbridge.backends.llama_context import LlamaContext
 from kvbridge.scheduler.swap import SwapSpace
 from test_scheduler import QUESTIONS, chat, only_cached_blocks_left, solo_greedy
 
@@ -187,7 +187,7 @@ def test_sampling_with_top_p_one_never_asks_for_more_tokens_than_it_kept():
     and the sampler asked numpy for 41 of 40 candidates (a 500 through serve)."""
     import numpy as np
 
-    from kvbridge.scheduler.requests import Sampler
+    from kvbridge.backends.llama_context import Sampler
 
     sampler = Sampler(1.0, 1.0, seed=3)
     rng = np.random.default_rng(5)

@@ -31,6 +31,8 @@ class Prompt:
     tokens: tuple[int, ...]
     messages: tuple[Message, ...] | None = None
     approx_tokens: bool = False       # token ids come from an approximate tokenizer
+    segments: tuple[int, ...] = ()    # where each segment (instruction, passages, question) starts in tokens;
+                                      # () when the text held no blend separator (kvbridge.engine.segments)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 what else shares its batch?
 
 `python -m kvbridge.bench.layout_probe` decodes the same document question greedily on one
-scheduler context (kvbridge.scheduler.llama_context) and prints whether the answers agree and how
+scheduler context (kvbridge.backends.llama_context) and prints whether the answers agree and how
 far the logits move against decoding it alone:
 
 - alone: the prompt in one sequence, cells 0..n-1 (the layout a solo cold run has);
@@ -28,7 +28,7 @@ SHARED = 312
 
 
 def main() -> None:
-    from kvbridge.scheduler.llama_context import LlamaContext
+    from kvbridge.backends.llama_context import LlamaContext
 
     ctx = LlamaContext(Settings.from_env().replace(l2_enabled=False), 1024, 4)
     doc = builtin_document()

@@ -50,6 +50,12 @@ def summarize(records: Sequence[RequestRecord]) -> dict:
             pairs = [cold_by_index[r.request_index] / r.ttft_ms for r in by_mode[mode]
                      if r.request_index in cold_by_index and r.ttft_ms > 0 and is_warm(r)]
             s["median_warm_speedup_vs_cold"] = statistics.median(pairs) if pairs else None
+        # the oracle: the same answer as cold to the same request (blend is approximate by design)
+        cold_text = {r.request_index: r.text for r in by_mode["cold"]}
+        for mode, rs in by_mode.items():
+            compared = [r.text == cold_text[r.request_index] for r in rs if r.request_index in cold_text]
+            if mode != "cold" and compared:
+                out[mode]["answers_equal_cold"] = {"equal": sum(compared), "compared": len(compared)}
     shadow = [r for r in by_mode.get("lmcache", []) if r.predicted_reuse_tokens is not None
               and r.engine_cached_tokens is not None]
     if shadow and "lmcache" in out:
@@ -105,6 +111,9 @@ def format_summary(summary: dict) -> str:
         if "mean_speedup_vs_cold" in s and mode != "cold":
             line += (f"\n           speedup vs cold: mean {fmt(s['mean_speedup_vs_cold'], '.1f', 'x')}, "
                      f"warm median {fmt(s['median_warm_speedup_vs_cold'], '.1f', 'x')}")
+        if "answers_equal_cold" in s:
+            a = s["answers_equal_cold"]
+            line += f"\n           answers = cold: {a['equal']}/{a['compared']}"
         if "warm_vs_native" in s:
             line += f"; warm median vs native {s['warm_vs_native']:.2f}x"
         if "prediction_agreement" in s:

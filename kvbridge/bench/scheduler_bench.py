@@ -1,7 +1,7 @@
 """What a preemption costs: swapping a sequence out to the store and back in, against recomputing it.
 
 `python -m kvbridge bench-scheduler` prefills a ~2k-token sequence on the scheduler's own context
-(kvbridge.scheduler.llama_context) and, per repeat, times interleaved in one run:
+(kvbridge.backends.llama_context) and, per repeat, times interleaved in one run:
 
 - swap: save the sequence's KV (llama_state_seq_get_data), store it as chunk and tail objects
   (SwapSpace.swap_out, the path a preemption takes), free its cells, restore it into an empty
@@ -25,7 +25,7 @@ from kvbridge.settings import Settings
 
 def bench_swap_vs_recompute(settings: Settings, prompt_tokens: int = 2048, repeats: int = 5) -> dict:
     from kvbridge.scheduler import Scheduler
-    from kvbridge.scheduler.llama_context import BATCH_TOKENS
+    from kvbridge.backends.llama_context import BATCH_TOKENS
 
     settings = settings.replace(sched_kv_cells=max(settings.sched_kv_cells, 2 * prompt_tokens + 256),
                                 ctx_size=max(settings.ctx_size, prompt_tokens + 64))

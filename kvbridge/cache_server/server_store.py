@@ -27,6 +27,7 @@ from kvbridge.cache_server.pool import PagedPool, PressureLevel, ReadLease, Stor
 from kvbridge.cache_server.shm import Segment
 from kvbridge.settings import Settings
 from kvbridge.store import LookupResult, ObjectMeta, TieredStore
+from kvbridge.store.behind import run_in_background
 from kvbridge.store.objects import check_key
 
 log = logging.getLogger("kvbridge.cache_server")
@@ -233,6 +234,7 @@ class ServerStore:
                         key.hex()[:16])
 
     def _write_loop(self) -> None:
+        run_in_background()   # clients' prefills first: a disk write that began before one must not slow it
         while True:
             job = self._queue.get()
             try:

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 from kvbridge.backends.base import Backend, EngineReport, Message, Prompt
 from kvbridge.settings import Settings
 from kvbridge.errors import BadSettings, EmptyPrompt, KVBridgeError, StateTransferError
+from kvbridge.engine.segments import tokenize_segments
 from kvbridge.engine.hashing import make_hasher
 from kvbridge.engine.chunks import ChunkKV, ForeignState, ShadowIndex
 from kvbridge.formats.architectures import ModelTraits, kv_support
@@ -62,6 +63,7 @@ class CachedEngine:
         self.hasher = None
         self._kv: ChunkKV | None = None
         self._index: ShadowIndex | None = None
+        self._blend = None   # kvbridge.blend.runner.BlendRunner, made by the first blend request
         self._lock = threading.RLock()   # one request at a time per engine
         self.started = False
 
@@ -85,6 +87,9 @@ class CachedEngine:
         self.stop()
         if self._kv is not None:
             self._kv.close()
+        if self._blend is not None:
+            self._blend.close()
+            self._blend = None
         self.store.close()
 
     def __enter__(self) -> "CachedEngine":
@@ -208,8 +213,14 @@ class CachedEngine:
         else:
             messages = tuple(dict(m) for m in prompt)
             text = self.backend.render(messages)
-        tokens = self.backend.tokenize(text)
         approx = bool(getattr(self.backend, "approx_tokens", False))
+        # a prompt cut by the blend separator is tokenized segment by segment in every mode, so cold,
+        # lmcache and blend run the same ids (kvbridge.engine.segments); the separator never reaches the model
+        segmented = tokenize_segments(text, self.settings.blend_separator, self.backend.tokenize)
+        if segmented is not None:
+            return Prompt(text=segmented.text, tokens=segmented.tokens, messages=messages, approx_tokens=approx,
+                          segments=segmented.starts)
+        tokens = self.backend.tokenize(text)
         return Prompt(text=text, tokens=tuple(tokens), messages=messages, approx_tokens=approx)
 
     def infer(self, prompt: str | Sequence[Message], mode: str = "lmcache", n_predict: int | None = None,
@@ -249,6 +260,12 @@ class CachedEngine:
         record.approx = p.approx_tokens
         if p.approx_tokens:
             record.add_note("approx: token figures from an approximate tokenizer")
+        if mode == "blend":
+            if len(p.segments) >= 3:
+                return self._run_blend(p, n_predict, temperature, record, t0, timer, on_text)
+            mode = record.mode = "lmcache"
+            record.add_note(f"blend: no passages between the instruction and the question (cut the prompt with "
+                            f"KVB_BLEND_SEPARATOR {self.settings.blend_separator!r}); ran as lmcache")
         with timer.stage("hash"):
             hashes = self.hasher.chunk_hashes(tokens)
         record.chunks_total = len(hashes)
@@ -306,6 +323,48 @@ class CachedEngine:
             self.metrics.inc("restore_ineffective")
         if mode == "lmcache" and not (full and self.kv_refusal):
             self._store_after(tokens, hashes, record)
+
+    def _blend_runner(self):
+        """The blend runner of this engine, made on first use (a second llama.cpp context of the same model)."""
+        from kvbridge.blend.runner import BlendRunner
+
+        if self.backend.key != "llamacpp":
+            raise BadSettings(f"blend mode runs on the in-process engine (KVB_ENGINE=llamacpp), not on {self.backend.key}; "
+                              "through serve, send X-KVBridge-Blend: on to the scheduler")
+        if self.kv_refusal:
+            raise BadSettings(f"blend mode needs exact KV access, and this model's is refused: {self.kv_refusal}")
+        if self._blend is None:
+            self._blend = BlendRunner(self.settings, self.store, self.namespace)
+        return self._blend
+
+    def _run_blend(self, p: Prompt, n_predict: int, temperature: float, record: RequestRecord, t0: float,
+                   timer: StageTimer, on_text) -> None:
+        runner = self._blend_runner()
+        recompute = self.settings.blend_recompute_tokens
+        result = runner.run(p.tokens, p.segments, recompute=recompute, n_predict=n_predict,
+                            temperature=temperature, on_text=on_text, t0=t0)
+        record.ttft_ms = result.ttft_ms
+        record.text = result.text
+        record.gen_tokens = len(result.tokens)
+        record.matched_tokens = result.reused_tokens
+        record.prefill_tokens = result.recomputed_tokens
+        record.tier = result.tier
+        record.fetch_bytes = result.fetch_bytes
+        record.stored_objects = result.stored_segments
+        record.tokenize_ms = timer.ms["tokenize"]
+        record.hash_ms = timer.ms["hash"]
+        record.fetch_ms, record.assemble_ms = result.fetch_ms, result.assemble_ms
+        record.handoff_ms, record.prefill_ms = result.handoff_ms, result.prefill_ms
+        record.lookup_ms = 0.0
+        record.restore_ms = result.assemble_ms + result.handoff_ms
+        record.first_token_ms = max(0.0, result.ttft_ms - record.tokenize_ms - record.hash_ms - result.fetch_ms
+                                    - result.assemble_ms - result.handoff_ms - result.prefill_ms)
+        passages = len(p.segments) - 2
+        record.add_note(f"blend: {result.reused_segments} of {passages + 1} segments reused (instruction and "
+                        f"{passages} passages), {result.recomputed_tokens} prompt tokens recomputed "
+                        f"({recompute} per reused passage), {result.stored_segments} stored")
+        for note in result.notes:
+            record.add_note(note)
 
     def _restore(self, tokens: list[int], hashes: list[bytes], record: RequestRecord, timer: StageTimer) -> int:
         """Find and confirm the stored prefix (lookup, fetch), assemble it and hand it to the engine."""

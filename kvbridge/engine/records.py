@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-MODES = ("cold", "native", "lmcache")
+MODES = ("cold", "native", "lmcache", "blend")
+DEFAULT_MODES = ("cold", "native", "lmcache")   # blend is approximate by design: run only when chosen
 
 
 @dataclass

@@ -417,7 +417,7 @@ def assembled_size(geometry: KVGeometry, n_cells: int, window_only: bool = False
 
 def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]], seq_id: int = 0,
                    out: np.ndarray | None = None, run: Callable[[list[Callable[[], None]]], None] | None = None,
-                   window_only: bool = False) -> memoryview:
+                   window_only: bool = False, first_pos: int = 0) -> memoryview:
     """Concatenate the first `keep` cells of each chunk into one valid sequence state for `seq_id`.
 
     Writes into `out` (a uint8 buffer at least assembled_size() long, reused across restores to avoid
@@ -430,6 +430,9 @@ def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]]
     rounding depends on how many cells attention runs over, answer as after that prefill. Given
     only the window's cells (window_only, exactly the bytes llama.cpp itself writes), Gemma 3 answered
     1 of 12 document questions differently from both cold and native reuse (Docs/Research.md §13).
+
+    first_pos: the position of the first cell (blend mode restores a passage where it was computed,
+    after its instruction, into a scratch sequence, then shifts it; kvbridge.blend.runner).
     """
     keeps = [keep for _, keep in pieces]
     if not pieces or any(keep < 1 or keep > view.n_cells for view, keep in pieces):
@@ -444,7 +447,7 @@ def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]]
     off = 8
     jobs: list[Callable[[], None]] = []
     for layers, first in _section_cells(g, n, window_only):
-        off = _write_section(out, off, g, pieces, layers, first, n, seq_id, jobs)
+        off = _write_section(out, off, g, pieces, layers, first, n, seq_id, jobs, first_pos)
     assert off == size
     if run is None:
         for job in jobs:
@@ -455,13 +458,13 @@ def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]]
 
 
 def _write_section(out: np.ndarray, off: int, g: KVGeometry, pieces: Sequence[tuple[ChunkView, int]],
-                   layers: range, first: int, n: int, seq_id: int, jobs: list) -> int:
+                   layers: range, first: int, n: int, seq_id: int, jobs: list, first_pos: int = 0) -> int:
     """One cache's cells first..n-1: headers written now, the row copies appended to `jobs`."""
     cells = n - first
     out[off: off + 8] = np.frombuffer(struct.pack("<II", 1, cells), np.uint8)
     off += 8
     meta = out[off: off + 12 * cells].view("<i4").reshape(cells, 3)
-    meta[:, 0] = np.arange(first, n, dtype="<i4")
+    meta[:, 0] = np.arange(first + first_pos, n + first_pos, dtype="<i4")
     meta[:, 1] = 1
     meta[:, 2] = seq_id
     off += 12 * cells

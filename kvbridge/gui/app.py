@@ -34,7 +34,7 @@ from kvbridge.gui.lab_tab import build_lab_tab
 from kvbridge.gui.server_panel import ServerView, server_view
 from kvbridge.settings import Settings, env_name
 from kvbridge.errors import KVBridgeError
-from kvbridge.engine.records import MODES
+from kvbridge.engine.records import DEFAULT_MODES, MODES
 from kvbridge.bench.scenarios import get_scenario
 
 __all__ = ["AppState", "build_app", "launch_app", "main"]
@@ -53,7 +53,8 @@ APP_CSS = """
 .kvb-level-ok {background: #16a34a} .kvb-level-soft {background: #ca8a04}
 .kvb-level-hard {background: #ea580c} .kvb-level-critical {background: #dc2626}
 """
-MODE_HELP = "cold: no reuse (baseline) · native: the engine's own prefix cache · lmcache: restored from KVBridge's store"
+MODE_HELP = ("cold: no reuse (baseline) · native: the engine's own prefix cache · lmcache: restored from KVBridge's "
+             "store · blend: stored passages reused at any position (approximate; prompts cut by KVB_BLEND_SEPARATOR)")
 
 
 def _message(outcome: Outcome | ResultsView) -> str:
@@ -123,7 +124,7 @@ def _scenario_panel(ui: SimpleNamespace, state: AppState) -> None:
     first = scenarios[0][1] if scenarios else None
     ui.scenario = gr.Dropdown(scenarios, value=first, label="Scenario", elem_id="kvb-scenario")
     ui.description = gr.Markdown(scenario_description(first) if first else "")
-    ui.modes = gr.CheckboxGroup(list(MODES), value=list(MODES), label="Modes to run", info=MODE_HELP,
+    ui.modes = gr.CheckboxGroup(list(MODES), value=list(DEFAULT_MODES), label="Modes to run", info=MODE_HELP,
                                 elem_id="kvb-modes")
     with gr.Row():
         ui.n_requests = gr.Number(value=_default_requests(first), precision=0, minimum=1, label="Requests per mode",

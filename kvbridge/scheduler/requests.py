@@ -1,4 +1,4 @@
-"""What the scheduler keeps per request and per cached prefix, and the per-request sampler.
+"""What the scheduler keeps per request and per cached prefix.
 
 A request's context is its prompt followed by what it generated; the KV of context[:kv_tokens] sits
 in its llama.cpp sequence, and `pending` (context[kv_tokens:]) is what the next batches feed: the
@@ -10,39 +10,13 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
-import numpy as np
-
+from kvbridge.backends.llama_context import Sampler
 from kvbridge.backends.llamacpp import Utf8Decoder
 from kvbridge.engine.records import RequestRecord
 from kvbridge.scheduler.ledger import Holding
 from kvbridge.scheduler.swap import SwapTicket
-
-TOP_K = 40    # llama.cpp's usual top-k when sampling at a temperature (kvbridge.backends.base.Sampling)
-
-
-class Sampler:
-    """Greedy at temperature 0, else top-k 40 then top-p (nucleus) sampling from a seeded generator."""
-
-    def __init__(self, temperature: float, top_p: float, seed: int | None) -> None:
-        self.temperature = float(temperature)
-        self.top_p = float(top_p)
-        self._rng = np.random.default_rng(seed)
-
-    def pick(self, logits: np.ndarray) -> int:
-        if self.temperature <= 0:
-            return int(np.argmax(logits))
-        top = np.argpartition(logits, -TOP_K)[-TOP_K:]
-        top = top[np.argsort(logits[top])[::-1]]
-        scaled = logits[top].astype(np.float64) / self.temperature
-        probs = np.exp(scaled - scaled.max())
-        probs /= probs.sum()
-        # top_p = 1 can land past the end when the cumulative sum rounds to just under 1
-        keep = min(int(np.searchsorted(np.cumsum(probs), self.top_p) + 1), len(probs))
-        probs = probs[:keep] / probs[:keep].sum()
-        return int(top[self._rng.choice(keep, p=probs)])
-
 
 @dataclass
 class Request:
@@ -71,6 +45,11 @@ class Request:
     admitted_at: float | None = None
     swap: SwapTicket | None = None       # what swap-out left in the store (pinned until the request resumes)
     salt: str = ""                       # cache salt (a tenant's): shares cells and stored KV only with the same
+    segments: tuple[int, ...] = ()       # where instruction, passages, question start (kvbridge.engine.segments)
+    blend: bool = False                  # place stored passages at any position (approximate KV: never shared,
+                                         # swapped or stored as exact chunks)
+    blend_placement: Any = None          # kvbridge.blend.runner.Placement: what to store after the answer
+    blend_result: Any = None             # kvbridge.blend.runner.BlendResult of the placement
 
     def __post_init__(self) -> None:
         self.pending = list(self.prompt)

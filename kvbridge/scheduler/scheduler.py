@@ -38,6 +38,7 @@ from typing import Callable, Sequence
 from kvbridge.backends.base import Message, WindowCapture
 from kvbridge.backends.llamacpp import llama_cpp_fingerprint
 from kvbridge.backends.model_traits import traits_of_model
+from kvbridge.engine.segments import tokenize_segments
 from kvbridge.engine.cached_engine import open_store
 from kvbridge.engine.chunks import common_prefix_length
 from kvbridge.engine.namespace import file_sha256, kv_namespace, sha_cache_file
@@ -46,8 +47,8 @@ from kvbridge.errors import EngineUnavailable, KVBridgeError, StateTransferError
 from kvbridge.formats.architectures import kv_support
 from kvbridge.formats.llama_state import parse_state
 from kvbridge.scheduler.ledger import BlockLedger, Holding, Pressure
-from kvbridge.scheduler.llama_context import BATCH_TOKENS, LlamaContext
-from kvbridge.scheduler.requests import CachedPrefix, Request, Sampler
+from kvbridge.backends.llama_context import BATCH_TOKENS, LlamaContext, Sampler
+from kvbridge.scheduler.requests import CachedPrefix, Request
 from kvbridge.scheduler.swap import SwapSpace
 from kvbridge.settings import Settings
 from kvbridge.store.serde import remember_geometry
@@ -103,6 +104,7 @@ class Scheduler:
                                       lossy_codecs=getattr(self.store, "lossy_codecs", []), chunk_size=s.chunk_size)
         self.swap = SwapSpace(self.store, s, self.namespace, geometry)
         self._swaps: dict[str, SwapSpace] = {"": self.swap}   # one per cache salt, made on first use
+        self._blenders: dict = {}   # kvbridge.blend.runner.BlendRunner per cache salt, made by the first blend request
         self._running: list[Request] = []
         self._waiting: list[Request] = []
         self._swapped: list[Request] = []
@@ -143,9 +145,15 @@ class Scheduler:
 
     def submit(self, prompt: str | Sequence[Message], *, priority: int = 5, n_predict: int | None = None,
                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
-               on_token: Callable[[str], None] | None = None, label: str = "", cache_salt: str = "") -> Future:
+               on_token: Callable[[str], None] | None = None, label: str = "", cache_salt: str = "",
+               blend: bool = False) -> Future:
         """Queue a request; its Future gives a RequestRecord. Raises QueueFull when too many wait;
         a request that cannot run (too long, a bad priority) fails on its Future, the others go on.
+
+        blend: reuse stored passages wherever they stand (kvbridge.blend; the prompt cut by
+        KVB_BLEND_SEPARATOR). The placement runs at admission on the loop's thread, the question's
+        prefill and the generation in the shared batches; passages not stored yet are stored after
+        the answer. A prompt without passages runs as usual and its record says so.
 
         cache_salt (a tenant, as vLLM's `cache_salt`): the request shares resident cells only with
         requests of the same salt, and its stored KV lives under keys seeded by it, so a prompt another
@@ -163,15 +171,23 @@ class Scheduler:
             request_id = next(self._ids)
         try:
             tokens = self._prompt_tokens(prompt)
+            segments = getattr(tokens, "segments", ())
             self._check_request(tokens, priority, n_predict)
-        except (RequestRefused, ValueError, TypeError) as exc:
+            if blend and len(segments) >= 3:
+                self._blender_for(cache_salt)   # a model that cannot blend is refused here, on this request
+        except (RequestRefused, ValueError, TypeError, KVBridgeError) as exc:
             future.set_exception(exc if isinstance(exc, RequestRefused) else RequestRefused(str(exc)))
             return future
         n_predict = self.settings.n_predict if n_predict is None else int(n_predict)
-        record = RequestRecord(mode="lmcache", engine="llamacpp-scheduler", kv_mode="full", label=label,
-                               request_index=request_id, prompt_tokens=len(tokens), priority=priority)
+        blending = bool(blend) and len(segments) >= 3
+        record = RequestRecord(mode="blend" if blending else "lmcache", engine="llamacpp-scheduler", kv_mode="full",
+                               label=label, request_index=request_id, prompt_tokens=len(tokens), priority=priority)
+        if blend and not blending:
+            record.add_note(f"blend: no passages between the instruction and the question (cut the prompt with "
+                            f"KVB_BLEND_SEPARATOR {self.settings.blend_separator!r}); ran as lmcache")
         request = Request(request_id, label or f"request {request_id}", int(priority), tokens, n_predict,
-                          Sampler(temperature, top_p, seed), tuple(stop), on_token, future, record, salt=cache_salt)
+                          Sampler(temperature, top_p, seed), tuple(stop), on_token, future, record, salt=cache_salt,
+                          segments=segments, blend=blending)
         future.record = record   # live: tier and matched_tokens are set at admission (a server's headers read them)
         with self._lock:
             # checked again where the request joins the queue: submits from several threads all passed
@@ -244,13 +260,29 @@ class Scheduler:
 
     # -- checks ---------------------------------------------------------------------------------------
     def _prompt_tokens(self, prompt) -> list[int]:
+        """Token ids (a PromptTokens list: with the segment starts); a prompt cut by the blend separator
+        is tokenized segment by segment whether or not it asks for blending, as CachedEngine.prepare does."""
         if isinstance(prompt, str):
             text = prompt
         else:
             text = self._ctx.render(tuple(dict(m) for m in prompt))
         if not text:
             raise RequestRefused("the prompt is empty")
-        return self._ctx.tokenize(text)
+        segmented = tokenize_segments(text, self.settings.blend_separator, self._ctx.tokenize)
+        if segmented is not None:
+            return PromptTokens(segmented.tokens, segmented.starts)
+        return PromptTokens(self._ctx.tokenize(text))
+
+    def _blender_for(self, salt: str):
+        """The blend runner of a cache salt (its passages live under that salt's namespace), on this context."""
+        from kvbridge.blend.runner import BlendRunner
+
+        runner = self._blenders.get(salt)
+        if runner is None:
+            runner = BlendRunner(self.settings, self.store, self._swap_for(salt).kv.namespace, context=self._ctx,
+                                 geometry=self._geometry)
+            self._blenders[salt] = runner
+        return runner
 
     def _check_request(self, tokens: list[int], priority, n_predict) -> None:
         if not isinstance(priority, int) or not 0 <= priority <= 9:
@@ -423,7 +455,10 @@ class Scheduler:
         with self._working_on(request):
             request.seq = self._take_seq()
             request.held = Holding(request.holder)
-            kv, tier = self._reuse(request, resumed)
+            if request.blend and not resumed:
+                kv, tier = self._blend_place(request)
+            else:
+                kv, tier = self._reuse(request, resumed)
             self._release_swap(request)   # restored (or to be recomputed): the store may evict them again
             context = request.context
             if resumed:
@@ -433,7 +468,8 @@ class Scheduler:
                 self._event("swap-in", request, f"{kv} of {len(context)} tokens restored")
             else:
                 self._counters["hits" if kv else "misses"] += 1
-                request.record.matched_tokens = kv
+                if not request.blend:   # a blend request's positions held include the tokens it recomputed
+                    request.record.matched_tokens = kv
                 request.record.chunks_hit = kv // self.settings.chunk_size
                 request.record.tier = tier
                 if request.record.restore_ok is None:   # False stays: a restore failed and was recomputed
@@ -460,6 +496,64 @@ class Scheduler:
         if resumed:
             request.record.swap_in_ms += restore_ms
         return kv, tier
+
+    def _blend_place(self, request: Request) -> tuple[int, str]:
+        """Blend: stored instruction and passages placed into the request's sequence, each passage's first
+        tokens decoded in context (kvbridge.blend.runner); (positions held, slowest tier). Needs a free
+        sequence for a moment; without one, or when llama.cpp has no room, it computes everything."""
+        from kvbridge.blend.runner import BlendResult
+
+        if not self._free_seqs:
+            request.record.add_note("blend: no free sequence to place passages through; computed in full")
+            return 0, "none"
+        scratch = self._free_seqs.pop()
+        runner = self._blender_for(request.salt)
+        result = BlendResult()
+        try:
+            placement = runner.place(request.prompt, request.segments, self.settings.blend_recompute_tokens, result,
+                                     answer=request.seq, scratch=scratch)
+        except KVBridgeError as exc:
+            self._ctx.seq_rm(request.seq)
+            self._counters["restore_failed"] += 1
+            request.record.restore_ok = False
+            request.record.add_note(f"blend placement failed ({exc}); computed in full")
+            return 0, "none"
+        finally:
+            self._ctx.seq_rm(scratch)
+            self._free_seqs.append(scratch)
+        kv = placement.kv_tokens
+        if kv:
+            self.ledger.grow(request.held, kv, request.holder)
+        request.blend_placement, request.blend_result = placement, result
+        record = request.record
+        record.prefill_tokens += result.recomputed_tokens - len(placement.pending)   # decoded while placing
+        record.fetch_bytes, record.fetch_ms = result.fetch_bytes, result.fetch_ms
+        record.assemble_ms, record.handoff_ms = result.assemble_ms, result.handoff_ms
+        record.restore_ms = result.assemble_ms + result.handoff_ms
+        passages = len(request.segments) - 2
+        record.add_note(f"blend: {result.reused_segments} of {passages + 1} segments reused (instruction and "
+                        f"{passages} passages), {result.recomputed_tokens} prompt tokens recomputed "
+                        f"({self.settings.blend_recompute_tokens} per reused passage)")
+        self._counters["blend_reused_tokens"] += result.reused_tokens
+        request.record.matched_tokens = result.reused_tokens
+        return kv, result.tier if result.reused_tokens else "none"
+
+    def _store_blend(self, request: Request) -> None:
+        """After a blend answer: the passages it computed, each from its own prefill after the instruction."""
+        placement = request.blend_placement
+        if placement is None or not placement.missing or request.seq is None or not self._free_seqs:
+            return
+        scratch = self._free_seqs.pop()
+        try:
+            self._blender_for(request.salt).store_missing(request.prompt, placement, request.blend_result,
+                                                          answer=request.seq, scratch=scratch)
+            request.record.stored_objects = request.blend_result.stored_segments
+        except KVBridgeError as exc:
+            log.warning("storing blend passages of %s failed: %s", request.holder, exc)
+        finally:
+            self._ctx.seq_rm(scratch)
+            self._free_seqs.append(scratch)
+            request.blend_placement = None
 
     def _restore_beyond(self, request: Request, source, shared: int) -> tuple[int, str, float]:
         """Restore the context's longest stored prefix into the request's sequence when it beats the
@@ -523,7 +617,7 @@ class Scheduler:
         best, best_len = None, 0
         limit = len(context) - 1
         for source in [*self._running, *self._prefixes]:
-            if source.salt != salt:
+            if source.salt != salt or getattr(source, "blend", False):   # blended cells are not exact KV
                 continue
             tokens = source.context[:source.kv_tokens] if isinstance(source, Request) else source.tokens
             n = _common_prefix(tokens, context, limit)
@@ -538,7 +632,11 @@ class Scheduler:
             start = time.perf_counter()
             self._running.remove(request)
             kept = request.kv_tokens
-            if kept > 0:
+            if request.blend:
+                # blended KV is not what the exact store may hold: resumed, it is recomputed exactly
+                request.blend = False
+                request.record.add_note("blend: preempted; resumed by computing the context exactly")
+            elif kept > 0:
                 data = self._ctx.save_seq(request.seq)
                 capture = self._window_captures(request.seq, data)
                 request.swap = self._swap_for(request.salt).swap_out(data, request.context[:kept], capture)
@@ -634,6 +732,8 @@ class Scheduler:
         few tokens (a new question after a shared document). That tail would cost a copy of the whole
         sequence's state (tens of MB) and a tail object of up to a chunk to save recomputing a few
         tokens, and on a 2-core machine it competes with the next request's prefill."""
+        if request.blend:
+            return False   # blended KV never becomes exact chunks (its passages are stored by _store_blend)
         reused, n = request.record.matched_tokens, len(request.prompt)
         new_tokens = n - reused
         c = self.settings.chunk_size
@@ -700,13 +800,15 @@ class Scheduler:
         if not request.future.cancelled():
             request.future.set_result(record)   # first: what follows is housekeeping, not the answer's time
         self._store_prompt(request)
+        if request.blend:
+            self._store_blend(request)
         self._keep_prefix(request)
         self._free_request(request)
 
     def _keep_prefix(self, request: Request) -> None:
         """Keep the finished prompt resident (its cells shared, not copied) for later prompts to share."""
         n = min(len(request.prompt), request.kv_tokens)
-        if self.settings.sched_cached_prefixes == 0 or n < self.ledger.block_tokens:
+        if self.settings.sched_cached_prefixes == 0 or n < self.ledger.block_tokens or request.blend:
             return
         if any(p.salt == request.salt and _common_prefix(p.tokens, request.prompt, n) >= n for p in self._prefixes):
             return   # the same prompt is resident already
@@ -780,6 +882,14 @@ class Scheduler:
 
     def _event(self, kind: str, who: Request | CachedPrefix, detail: str = "") -> None:
         self._events.append(Event(time.perf_counter() - self._started, kind, who.holder, detail, who.label))
+
+
+class PromptTokens(list):
+    """A prompt's token ids, and where its segments start when it was cut by the blend separator."""
+
+    def __init__(self, tokens, segments: tuple[int, ...] = ()) -> None:
+        super().__init__(int(t) for t in tokens)
+        self.segments = tuple(segments)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:

@@ -35,8 +35,8 @@ from kvbridge.serve.guards import BearerAuth, HostCheck, allowed_hosts, error_re
 from kvbridge.serve.tenants import DEFAULT, TenantTable
 from kvbridge.serve.metrics import ServeMetrics
 from kvbridge.serve.protocol import (
-    PRIORITY_HEADER, TIER_HEADER, ApiError, Generation, chunk_body, completion_id, parse_generation, parse_priority,
-    response_body, usage, usage_chunk,
+    BLEND_HEADER, PRIORITY_HEADER, TIER_HEADER, ApiError, Generation, chunk_body, completion_id, parse_blend,
+    parse_generation, parse_priority, response_body, usage, usage_chunk,
 )
 from kvbridge.settings import Settings
 
@@ -63,10 +63,12 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
         endpoint = "chat" if kind == "chat" else "completions"
         try:
             priority = parse_priority(request.headers.get(PRIORITY_HEADER))
+            blend = parse_blend(request.headers.get(BLEND_HEADER))
             body = await read_json(request, settings.serve_max_body_bytes)
             gen = parse_generation(body, kind, max_tokens_cap=settings.serve_max_tokens)
             tenant = getattr(request.state, "tenant", DEFAULT)
-            gen = dataclasses.replace(gen, cache_salt=tenant.cache_salt(gen.cache_salt), tenant=tenant.name)
+            gen = dataclasses.replace(gen, cache_salt=tenant.cache_salt(gen.cache_salt), tenant=tenant.name,
+                                      blend=blend)
             job = Job(asyncio.get_running_loop())
             await run_in_threadpool(engine.submit, gen, priority, job)   # tokenizing, and the engine's lock
         except ApiError as exc:
@@ -161,7 +163,7 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
     origins = [o.strip() for o in settings.serve_cors_origins.split(",") if o.strip()]
     if origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
-                                     allow_headers=["Authorization", "Content-Type", "X-KVBridge-Priority"],
+                                     allow_headers=["Authorization", "Content-Type", "X-KVBridge-Priority", "X-KVBridge-Blend"],
                                      expose_headers=[TIER_HEADER]))
     if tenants is not None:
         middleware.append(Middleware(BearerAuth, tenants=tenants))

@@ -145,7 +145,8 @@ class SchedulerEngine(ServeEngine):
                 future = self.scheduler.submit(gen.prompt, priority=priority, n_predict=gen.max_tokens,
                                                temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed,
                                                stop=gen.stop, on_token=lambda piece: job.push("text", piece),
-                                               label=f"serve {gen.kind} ({gen.tenant})", cache_salt=gen.cache_salt)
+                                               label=f"serve {gen.kind} ({gen.tenant})", cache_salt=gen.cache_salt,
+                                               blend=gen.blend)
         except QueueFull as exc:
             raise ApiError(429, str(exc), code="queue_full", kind="rate_limit_error",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -188,6 +189,9 @@ class LlamaServerEngine(ServeEngine):
             raise ApiError(400, "'cache_salt' (and tenants, KVB_SERVE_TENANTS_FILE) need the scheduler engine "
                                 "(KVB_SERVE_ENGINE=scheduler): llama-server's own cache would share KV across them",
                            param="cache_salt")
+        if gen.blend:
+            raise ApiError(400, "X-KVBridge-Blend: on needs the scheduler engine (KVB_SERVE_ENGINE=scheduler): "
+                                "blend mode runs on llama.cpp in-process", param="X-KVBridge-Blend")
         if gen.top_p != 1.0:
             raise ApiError(400, "'top_p' is not supported with the llama-server engine (KVB_SERVE_ENGINE); "
                                 "use the scheduler engine or leave top_p at 1", param="top_p")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PRIORITY_HEADER = "x-kvbridge-priority"
+BLEND_HEADER = "x-kvbridge-blend"   # on: reuse stored passages at any position (kvbridge.blend); absent: off
 TIER_HEADER = "X-KVBridge-Tier"
 DEFAULT_PRIORITY = 5
 # Fields that would change what a client gets back and that serve cannot do: refused by name.
@@ -62,6 +63,7 @@ class Generation:
     model: str
     cache_salt: str = ""            # the request's own (vLLM's cache_salt); the app adds the tenant's in front
     tenant: str = "default"
+    blend: bool = False             # X-KVBridge-Blend: on
 
 
 def parse_generation(body: Any, kind: str, *, max_tokens_cap: int) -> Generation:
@@ -114,6 +116,16 @@ def parse_priority(value: str | None) -> int:
         raise ApiError(400, f"the X-KVBridge-Priority header must be 0 to 9 (higher is more urgent), got {value!r}",
                        param="X-KVBridge-Priority")
     return priority
+
+
+def parse_blend(value: str | None) -> bool:
+    """X-KVBridge-Blend: on or off (any case, spaces around ignored); absent is off."""
+    if value is None:
+        return False
+    word = value.strip().lower()
+    if word in ("on", "off"):
+        return word == "on"
+    raise ApiError(400, f"the X-KVBridge-Blend header must be 'on' or 'off', got {value!r}", param="X-KVBridge-Blend")
 
 
 # -- responses ----------------------------------------------------------------------------------

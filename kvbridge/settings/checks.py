@@ -59,6 +59,10 @@ def _value_problems(s: Settings) -> list[str]:
         problems.append(model_problem)
     rules = (
         (s.chunk_size < 1, f"KVB_CHUNK_SIZE={s.chunk_size} must be at least 1 (LMCache uses 256)"),
+        (not s.blend_separator.strip(),
+         "KVB_BLEND_SEPARATOR is empty; blend mode cuts prompts at it (default [KVB_SEP])"),
+        (s.blend_recompute_tokens < 0,
+         f"KVB_BLEND_RECOMPUTE_TOKENS={s.blend_recompute_tokens} cannot be negative (0: only shift stored passages)"),
         (s.chunk_size >= 1 and s.ctx_size < max(64, s.chunk_size),
          f"KVB_CTX_SIZE={s.ctx_size} is too small: it must be at least 64 "
          f"and at least KVB_CHUNK_SIZE ({s.chunk_size})"),

@@ -67,6 +67,9 @@ class Settings:
     l3_write_queue: int = 64          # objects waiting to be written to L3 behind the request
     zstd_level: int = 3               # the zstd codec's level (1 fast .. 19 small)
     prefer_lmcache_hasher: bool = False
+    # blend mode (kvbridge.blend): retrieved passages reused wherever they stand in the prompt
+    blend_separator: str = "[KVB_SEP]"   # cuts a prompt into instruction, passages, question (in every mode)
+    blend_recompute_tokens: int = 16     # first tokens of each reused passage recomputed in context (Research §16)
     # the scheduler (kvbridge.scheduler): many requests on one llama.cpp context
     sched_kv_cells: int = 8192        # the unified KV cache: the KV budget of every request together
     sched_max_running: int = 4        # sequences decoding at once

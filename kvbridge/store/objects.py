@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 MAX_KEY_BYTES = 64
-KINDS = ("chunk", "tail", "snapshot", "index")  # index: shadow engines keep token ids only
+KINDS = ("chunk", "tail", "snapshot", "index", "passage")  # index: shadow engines keep token ids only;
+#                                                             passage: blend mode (kvbridge.blend.passages)
 TIER_NONE = "none"   # the tier name shown for a miss
 
 

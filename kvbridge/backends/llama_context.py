@@ -1,6 +1,6 @@
 """One llama.cpp context whose unified KV cache several sequences share, driven by the low-level API.
 
-The scheduler's only door to llama.cpp: a batch carries tokens of several sequences (each with its
+The door to llama.cpp of the scheduler and of blend mode (kvbridge.blend), and their sampler: a batch carries tokens of several sequences (each with its
 position, its sequence id and whether its logits are wanted), and the sequence operations
 `seq_cp` (share cells), `seq_rm` (free them), `seq_pos_max` and the per-sequence state copy used
 for swap. Tokenizing and the chat template come from a vocab-only `llama_cpp.Llama` (no weights),
@@ -24,6 +24,29 @@ from kvbridge.errors import EngineUnavailable, StateTransferError
 from kvbridge.settings import Settings
 
 BATCH_TOKENS = 512     # tokens per llama_decode call (prefill chunks share it with decode steps)
+TOP_K = 40    # llama.cpp's usual top-k when sampling at a temperature (kvbridge.backends.base.Sampling)
+
+
+class Sampler:
+    """Greedy at temperature 0, else top-k 40 then top-p (nucleus) sampling from a seeded generator."""
+
+    def __init__(self, temperature: float, top_p: float, seed: int | None) -> None:
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self._rng = np.random.default_rng(seed)
+
+    def pick(self, logits: np.ndarray) -> int:
+        if self.temperature <= 0:
+            return int(np.argmax(logits))
+        top = np.argpartition(logits, -TOP_K)[-TOP_K:]
+        top = top[np.argsort(logits[top])[::-1]]
+        scaled = logits[top].astype(np.float64) / self.temperature
+        probs = np.exp(scaled - scaled.max())
+        probs /= probs.sum()
+        # top_p = 1 can land past the end when the cumulative sum rounds to just under 1
+        keep = min(int(np.searchsorted(np.cumsum(probs), self.top_p) + 1), len(probs))
+        probs = probs[:keep] / probs[:keep].sum()
+        return int(top[self._rng.choice(keep, p=probs)])
 
 
 class LlamaContext:
@@ -104,6 +127,18 @@ class LlamaContext:
     def seq_cp(self, src: int, dst: int, n_tokens: int) -> None:
         """Share positions [0, n_tokens) of `src` with `dst` (one set of cells, two sequences)."""
         self._llama.llama_memory_seq_cp(self.memory, src, dst, 0, n_tokens)
+
+    def seq_cp_range(self, src: int, dst: int, start: int, stop: int) -> None:
+        """Share positions [start, stop) of `src` with `dst` (blend mode places a passage's cells this way)."""
+        self._llama.llama_memory_seq_cp(self.memory, src, dst, start, stop)
+
+    def seq_add(self, seq: int, start: int, stop: int, delta: int) -> None:
+        """Move positions [start, stop) of `seq` by `delta`; llama.cpp re-rotates their K at the next decode."""
+        self._llama.llama_memory_seq_add(self.memory, seq, start, stop, delta)
+
+    def can_shift(self) -> bool:
+        """Whether llama.cpp can move cells to other positions in this context (llama_memory_can_shift)."""
+        return bool(self._llama.llama_memory_can_shift(self.memory))
 
     def seq_rm(self, seq: int, start: int = -1, stop: int = -1) -> None:
         self._llama.llama_memory_seq_rm(self.memory, seq, start, stop)

@@ -1,0 +1,200 @@
+"""Blend quality and cost: the curve over recomputed tokens per passage, 2 to 8 passages, and what a shift costs.
+
+    python -m kvbridge.bench.blend_bench                       # 2,4,6,8 passages x 0,4,8,16,32 recomputed, 12 prompts
+    python -m kvbridge.bench.blend_bench --passages 4 --recompute 0,16 --prompts 6
+
+Place in the flow: the RAG corpus (kvbridge.bench.rag) -> a warm-up that stores every passage ->
+per prompt, in one context (the blend runner's, so both sides share every rounding): **cold** (every
+token computed: the reference) and **blend** at each recompute count -> per row: TTFT, identical
+greedy answers, same first token, and the divergence of the first token's distribution from cold's
+(KL(cold || blend) and top-1 agreement). 0 recomputed tokens is a pure position shift, what
+llama-server's --cache-reuse does.
+
+The restore cost (4 passages, nothing recomputed): placing the stored segments of a prompt (fetch,
+assemble, set_data, shift, share) plus the question's decode, whose first step applies the K shift,
+against an exact prefix restore of the same cells (one object: fetch, assemble, set_data) plus the
+same decode; the question's decode after the exact restore is taken off both, so the ratio is
+restore against restore, the shift counted where llama.cpp does it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from kvbridge.bench.rag import DEFAULT_SEED, build_prompts, load_corpus, warmup_prompts
+from kvbridge.bench.report import write_result_json
+from kvbridge.blend.runner import ANSWER
+from kvbridge.formats.llama_state import assemble_state, decode_chunk, encode_chunk, parse_state
+from kvbridge.settings import Settings
+from kvbridge.store.objects import ObjectMeta
+
+
+@dataclass
+class CurveRow:
+    passages: int
+    recompute: int
+    prompts: int
+    cold_ttft_ms: float
+    blend_ttft_ms: float
+    speedup: float
+    identical: float          # fraction of greedy answers equal to cold's, token for token
+    same_first_token: float
+    mean_kl: float            # KL(cold || blend) of the first generated token's distribution, nats
+    median_kl: float
+    reused_tokens: float      # mean per prompt
+
+
+def kl_divergence(cold_logits: np.ndarray, blend_logits: np.ndarray) -> float:
+    """KL(p_cold || p_blend) in nats, from logits (log-softmax in float64)."""
+    def log_softmax(x: np.ndarray) -> np.ndarray:
+        x = x.astype(np.float64)
+        x = x - x.max()
+        return x - np.log(np.exp(x).sum())
+
+    lp, lq = log_softmax(cold_logits), log_softmax(blend_logits)
+    return float(np.sum(np.exp(lp) * (lp - lq)))
+
+
+def measure_curve(engine, passages: list[int], recompute: list[int], n_prompts: int, n_predict: int,
+                  seed: int = DEFAULT_SEED, progress=print) -> list[CurveRow]:
+    runner = engine._blend_runner()
+    corpus = load_corpus()
+    sep = engine.settings.blend_separator
+    rows: list[CurveRow] = []
+    for n_passages in passages:
+        for prompt in warmup_prompts(corpus, sep, n_passages, seed):
+            p = engine.prepare(prompt.messages)
+            runner.run(p.tokens, p.segments, recompute=0, n_predict=1, reuse=False, store=True)
+        per_r: dict[int, list] = {r: [] for r in recompute}
+        colds = []
+        for index, prompt in enumerate(build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages,
+                                                     seed=seed)):
+            p = engine.prepare(prompt.messages)
+            cold = runner.run(p.tokens, p.segments, recompute=0, n_predict=n_predict, reuse=False, store=False)
+            colds.append(cold.ttft_ms)
+            for r in recompute:
+                b = runner.run(p.tokens, p.segments, recompute=r, n_predict=n_predict, store=False)
+                per_r[r].append((b.ttft_ms, b.tokens == cold.tokens,
+                                 bool(b.tokens[:1] == cold.tokens[:1]),
+                                 kl_divergence(cold.first_logits, b.first_logits), b.reused_tokens))
+            progress(f"  {n_passages} passages: prompt {index + 1}/{n_prompts}")
+        for r, results in per_r.items():
+            ttft = statistics.fmean(x[0] for x in results)
+            kls = [x[3] for x in results]
+            rows.append(CurveRow(n_passages, r, len(results), statistics.fmean(colds), ttft,
+                                 statistics.fmean(colds) / ttft if ttft else 0.0,
+                                 sum(x[1] for x in results) / len(results), sum(x[2] for x in results) / len(results),
+                                 statistics.fmean(kls), statistics.median(kls),
+                                 statistics.fmean(x[4] for x in results)))
+    return rows
+
+
+def measure_restore_cost(engine, n_prompts: int, seed: int = DEFAULT_SEED, n_passages: int = 4) -> dict:
+    """Blended placement (recompute 0) against an exact prefix restore of the same cells, both + the question."""
+    runner, ctx, store = engine._blend_runner(), engine._blend_runner().ctx, engine.store
+    corpus = load_corpus()
+    sep = engine.settings.blend_separator
+    for prompt in warmup_prompts(corpus, sep, n_passages, seed):
+        p = engine.prepare(prompt.messages)
+        runner.run(p.tokens, p.segments, recompute=0, n_predict=1, reuse=False, store=True)
+    blend_ms, exact_ms, n_bytes = [], [], []
+    for prompt in build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages, seed=seed):
+        p = engine.prepare(prompt.messages)
+        q_start = p.segments[-1]
+        question = list(p.tokens[q_start:])
+        # the exact prefix of the same cells, as lmcache would restore it: one stored object
+        runner.run(p.tokens, p.segments, recompute=0, n_predict=1, reuse=False, store=False)
+        parsed = parse_state(ctx.save_seq(ANSWER))
+        payload = encode_chunk(parsed, 0, q_start, list(p.tokens[:q_start]))
+        key = b"blend-bench-exact-" + bytes(8)
+        store.put(key, payload, ObjectMeta(namespace="blend-bench", n_tokens=q_start, tokens_digest=b"x" * 16))
+        n_bytes.append(len(payload))
+        for _ in range(3):
+            ctx.seq_rm(ANSWER)
+            t = time.perf_counter()
+            obj = store.get(key, namespace="blend-bench")
+            view = decode_chunk(obj.blob, runner.geometry)
+            ctx.load_seq(ANSWER, assemble_state(runner.geometry, [(view, q_start)], seq_id=ANSWER))
+            restored = time.perf_counter()
+            runner._decode(ANSWER, question, q_start, want_logits=True)
+            done = time.perf_counter()
+            exact_ms.append(((restored - t) * 1000, (done - restored) * 1000))
+            b = runner.run(p.tokens, p.segments, recompute=0, n_predict=1, store=False)
+            blend_ms.append(b.fetch_ms + b.assemble_ms + b.handoff_ms + b.prefill_ms)
+    question_ms = statistics.median(x[1] for x in exact_ms)
+    exact_restore = statistics.median(x[0] for x in exact_ms)
+    blend_restore = statistics.median(blend_ms) - question_ms
+    return {"passages": n_passages, "prompts": n_prompts, "exact_restore_ms": exact_restore,
+            "blend_restore_ms": blend_restore, "question_decode_ms": question_ms,
+            "ratio": blend_restore / exact_restore if exact_restore else None,
+            "restored_mb": statistics.median(n_bytes) / 1e6}
+
+
+def format_curve(rows: list[CurveRow]) -> str:
+    head = (f"{'passages':>8} {'recompute':>9} {'cold ms':>8} {'blend ms':>8} {'speedup':>7} {'same answer':>11} "
+            f"{'same 1st':>8} {'mean KL':>8} {'median KL':>9} {'reused':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.passages:>8} {r.recompute:>9} {r.cold_ttft_ms:>8.1f} {r.blend_ttft_ms:>8.1f} "
+                     f"{r.speedup:>6.1f}x {r.identical:>10.0%} {r.same_first_token:>8.0%} {r.mean_kl:>8.4f} "
+                     f"{r.median_kl:>9.4f} {r.reused_tokens:>6.0f}")
+    return "\n".join(lines)
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--{what} takes comma-separated whole numbers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise SystemExit(f"--{what} needs at least one number, none negative")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvbridge.bench.blend_bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--passages", default="2,4,6,8", help="passages per prompt, comma-separated")
+    parser.add_argument("--recompute", default="0,4,8,16,32", help="recomputed tokens per passage, comma-separated")
+    parser.add_argument("--prompts", type=int, default=12, help="measured prompts per passage count")
+    parser.add_argument("--n-predict", type=int, default=16, help="greedy tokens per answer")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument("--no-restore-cost", action="store_true", help="skip the restore-cost measurement")
+    args = parser.parse_args(argv)
+    passages, recompute = _ints(args.passages, "passages"), _ints(args.recompute, "recompute")
+    from kvbridge.backends.llamacpp import LlamaCppBackend
+    from kvbridge.engine.cached_engine import CachedEngine
+
+    base = Settings.from_env()
+    problems = base.validate()
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="kvb-blend-bench-") as l2:
+        settings = base.replace(ctx_size=max(base.ctx_size, 4096), l2_dir=l2)
+        with CachedEngine(settings, LlamaCppBackend(settings)) as engine:
+            print(f"blend bench: {engine.backend.describe()}, {args.prompts} prompts per row", flush=True)
+            rows = measure_curve(engine, passages, recompute, args.prompts, args.n_predict, args.seed)
+            print(format_curve(rows))
+            cost = None if args.no_restore_cost else measure_restore_cost(engine, min(args.prompts, 6), args.seed)
+            if cost:
+                print(f"\nrestore cost, {cost['passages']} passages, nothing recomputed: blended "
+                      f"{cost['blend_restore_ms']:.1f} ms against an exact prefix restore of the same cells "
+                      f"{cost['exact_restore_ms']:.1f} ms ({cost['restored_mb']:.1f} MB): {cost['ratio']:.2f}x "
+                      f"(question decode {cost['question_decode_ms']:.1f} ms taken off both)")
+    result = {"command": "blend-bench", "settings": {"passages": passages, "recompute": recompute,
+                                                     "prompts": args.prompts, "n_predict": args.n_predict},
+              "curve": [asdict(r) for r in rows], "restore_cost": cost}
+    path = write_result_json(result, base.output_dir, "blend")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,145 @@
+"""RAG with shuffled passages: the scenario where a prefix cache stops helping and blend mode should not.
+
+Place in the flow: `bench --scenario rag` (or the GUI's scenario list) -> run_scenario -> **run_rag**
+-> CachedEngine.infer per request (cold, lmcache, blend) -> the bench's table and summary, whose
+"answers = cold" column is the agreement of each mode with the cold answer to the same prompt.
+
+The corpus (kvbridge/data/rag_corpus.json, written for the project) is an operations handbook of an
+invented mountain railway cut into 16 passages of ~250 tokens, and 24 questions whose answer sits in
+exactly one passage. A prompt is the instruction (system message), then `passages` passages - the
+one holding the answer and others drawn at random - in a random order, then the question: cut by
+the engine's blend separator, so every mode runs the same token ids and each passage keeps its ids
+wherever it stands.
+
+Order of a run: a warm-up in which every passage is seen once (prompts of `passages` passages each,
+run in lmcache and in blend mode, so both the exact store and the passage store have seen them),
+then each mode over the same measured prompts. A measured prompt shares with the warm-up and with
+the others at most the instruction and, by chance, its first passage: what a prefix cache can
+reuse. Seeded: the same seed gives the same prompts.
+"""
+from __future__ import annotations
+
+import json
+import random
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from kvbridge.engine.records import RequestRecord
+from kvbridge.errors import BadSettings
+
+CORPUS_PATH = Path(__file__).resolve().parents[1] / "data" / "rag_corpus.json"
+CORPUS_SCHEMA = "kvbridge-rag-corpus"
+DEFAULT_PROMPTS = 12
+DEFAULT_PASSAGES = 4
+DEFAULT_SEED = 23
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class RagPrompt:
+    messages: tuple[dict, ...]
+    label: str
+    question_id: str
+    passage_ids: tuple[str, ...]   # in the prompt's order
+    answer: str
+
+
+def load_corpus(path: Path = CORPUS_PATH) -> dict:
+    """The corpus, checked: schema and version, passages and questions that refer to them."""
+    try:
+        corpus = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BadSettings(f"cannot read the RAG corpus {path}: {exc}") from exc
+    if not isinstance(corpus, dict) or corpus.get("schema") != CORPUS_SCHEMA or corpus.get("version") != 1:
+        raise BadSettings(f"{path} is not a version-1 {CORPUS_SCHEMA} file")
+    ids = {p["id"] for p in corpus["passages"]}
+    unknown = [q["id"] for q in corpus["questions"] if q["passage"] not in ids]
+    if unknown:
+        raise BadSettings(f"{path}: questions {', '.join(unknown)} name passages that are not in the corpus")
+    return corpus
+
+
+def rag_messages(corpus: dict, passage_ids: Sequence[str], question: str, separator: str) -> tuple[dict, ...]:
+    """System: the instruction. User: each passage, then the question, each after the separator."""
+    by_id = {p["id"]: p for p in corpus["passages"]}
+    parts = [f"{by_id[pid]['title']}. {by_id[pid]['text']}\n\n" for pid in passage_ids]
+    user = separator + separator.join(parts) + separator + f"Question: {question}"
+    return ({"role": "system", "content": corpus["instruction"]}, {"role": "user", "content": user})
+
+
+def build_prompts(corpus: dict, separator: str, *, n_prompts: int = DEFAULT_PROMPTS,
+                  n_passages: int = DEFAULT_PASSAGES, seed: int = DEFAULT_SEED) -> list[RagPrompt]:
+    """Measured prompts: question i with its passage and n_passages - 1 others, shuffled."""
+    passages = [p["id"] for p in corpus["passages"]]
+    if not 1 <= n_passages <= len(passages):
+        raise BadSettings(f"a RAG prompt holds 1 to {len(passages)} passages, not {n_passages}")
+    if n_prompts < 1:
+        raise BadSettings(f"The number of requests must be at least 1, got {n_prompts}.")
+    rng = random.Random(seed)
+    questions = corpus["questions"]
+    prompts = []
+    for i in range(n_prompts):
+        q = questions[i % len(questions)]
+        others = rng.sample([p for p in passages if p != q["passage"]], n_passages - 1)
+        chosen = others + [q["passage"]]
+        rng.shuffle(chosen)
+        prompts.append(RagPrompt(rag_messages(corpus, chosen, q["question"], separator),
+                                 f"{q['id']}: {q['question']}", q["id"], tuple(chosen), q["answer"]))
+    return prompts
+
+
+def warmup_prompts(corpus: dict, separator: str, n_passages: int = DEFAULT_PASSAGES,
+                   seed: int = DEFAULT_SEED) -> list[RagPrompt]:
+    """Prompts that together hold every passage once (the last one topped up from the start)."""
+    passages = [p["id"] for p in corpus["passages"]]
+    order = passages[:]
+    random.Random(seed + 1).shuffle(order)
+    question = corpus["questions"][0]
+    out = []
+    for lo in range(0, len(order), n_passages):
+        group = order[lo: lo + n_passages]
+        group += [p for p in order if p not in group][: n_passages - len(group)]
+        out.append(RagPrompt(rag_messages(corpus, group, question["question"], separator),
+                             f"warm-up {lo // n_passages + 1}", question["id"], tuple(group), question["answer"]))
+    return out
+
+
+def run_rag(engine, modes: Sequence[str], *, n_prompts: int | None = None, n_passages: int = DEFAULT_PASSAGES,
+            seed: int = DEFAULT_SEED, n_predict: int | None = None, progress: ProgressFn | None = None,
+            stop_event: threading.Event | None = None) -> Iterator[RequestRecord]:
+    """Warm up (not yielded), then every mode over the same prompts; records carry scenario "rag"."""
+    corpus = load_corpus()
+    separator = engine.settings.blend_separator
+    prompts = build_prompts(corpus, separator, n_prompts=n_prompts or DEFAULT_PROMPTS, n_passages=n_passages,
+                            seed=seed)
+    warm = warmup_prompts(corpus, separator, n_passages, seed)
+    warm_modes = [m for m in ("lmcache", "blend") if m in modes]
+    total = len(warm) * len(warm_modes) + len(prompts) * len(modes)
+    done = 0
+    engine.start()
+    for mode in warm_modes:
+        for prompt in warm:
+            if stop_event is not None and stop_event.is_set():
+                return
+            if progress is not None:
+                progress(done, total, f"{mode}: {prompt.label}")
+            record = engine.infer(prompt.messages, mode, n_predict, scenario="rag", label=prompt.label)
+            if record.error:
+                yield record   # a blend refusal or a broken engine: the run says so instead of hiding it
+                return
+            done += 1
+    for mode in modes:
+        engine.reset_native_cache()
+        for index, prompt in enumerate(prompts, start=1):
+            if stop_event is not None and stop_event.is_set():
+                return
+            if progress is not None:
+                progress(done, total, f"{mode}: {prompt.label}")
+            yield engine.infer(prompt.messages, mode, n_predict, scenario="rag", label=prompt.label,
+                               request_index=index)
+            done += 1
+    if progress is not None:
+        progress(total, total, "done")

@@ -1,0 +1,329 @@
+"""BlendRunner: one prompt of instruction + passages + question, with each stored passage's KV reused
+wherever it now stands, and the few tokens that recover cross-attention recomputed in context.
+
+Place in the flow: CachedEngine.infer(mode="blend") / Scheduler.submit(blend=True) -> prepare
+(segments) -> **BlendRunner.run**: restore the instruction, then left to right for each passage:
+decode its first `recompute` tokens in context, place the rest of its stored cells (restored into a
+scratch sequence where they were computed, moved with llama_memory_seq_add, which re-rotates K,
+shared into the answer's sequence); a passage not stored yet is prefilled in place; then the question
+and generation -> after the answer: **store** the passages (and the instruction) not stored yet, each
+from its own prefill of instruction + passage in the scratch sequence.
+
+Why left to right: llama.cpp accepts a sequence's new tokens only at the position after its last
+cell (llama-batch.cpp: "the sequence positions remain consecutive"), so the recomputed tokens of a
+passage are decoded before that passage's stored cells are placed after them. Each recompute sees
+the instruction and every passage before it (stored or recomputed), as in EPIC/LegoLink's
+"recompute the first tokens of each passage"; the later tokens of a passage keep the KV they had
+after the instruction alone. That is lossy by design: the namespace carries `blend=`, the record's
+mode is `blend` and its notes say what was reused and recomputed.
+
+A model whose cache cannot move cells (llama_memory_can_shift false) is refused, and so, for now, is
+a sliding-window model: its stored passages would need the window rows of every position.
+Two sequences: 0 holds the answer's context, 1 is the scratch sequence. One thread at a time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvbridge.backends.llama_context import BATCH_TOKENS, LlamaContext, Sampler
+from kvbridge.backends.llamacpp import Utf8Decoder
+from kvbridge.blend.passages import (FoundPassage, blend_namespace, check_passage, instruction_key, passage_key,
+                                     passage_meta)
+from kvbridge.errors import KVBridgeError, StateTransferError
+from kvbridge.formats.llama_state import KVGeometry, LayoutError, assemble_state, encode_chunk, parse_state
+from kvbridge.settings import Settings
+
+ANSWER, SCRATCH = 0, 1
+PROBE = " ".join(["Blend layout probe."] * 4)
+
+
+class BlendRefused(KVBridgeError):
+    """This model or engine cannot run blend mode; the message says why, for a person."""
+
+
+@dataclass
+class BlendResult:
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    first_logits: np.ndarray | None = None   # the distribution of the first generated token
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    reused_segments: int = 0      # passages (and the instruction) placed from the store
+    stored_segments: int = 0      # stored after the answer
+    recomputed_tokens: int = 0    # prompt tokens decoded for this answer
+    reused_tokens: int = 0        # prompt tokens whose KV came from the store
+    fetch_ms: float = 0.0         # reading stored segments and checking them
+    assemble_ms: float = 0.0      # building each segment's sequence state
+    handoff_ms: float = 0.0       # into llama.cpp: set_data, drop the recomputed cells, shift, share
+    prefill_ms: float = 0.0       # decoding the prompt tokens not reused
+    fetch_bytes: int = 0
+    tier: str = "none"
+    notes: list[str] = field(default_factory=list)
+
+
+class BlendRunner:
+    def __init__(self, settings: Settings, store, namespace: str, *, n_cells: int | None = None,
+                 context: LlamaContext | None = None, geometry: KVGeometry | None = None) -> None:
+        """Own context (two sequences, `n_cells` cells), or a shared one (the scheduler's) with its geometry."""
+        self.settings = settings
+        self.store = store
+        self.namespace = blend_namespace(namespace)
+        self.ctx = context if context is not None else LlamaContext(settings, n_cells or settings.ctx_size, 2)
+        self._own_context = context is None
+        self._scratch: np.ndarray | None = None
+        try:
+            self._refuse_unshiftable()
+            self.geometry = geometry if geometry is not None else self._probe()
+        except KVBridgeError:
+            self.close()
+            raise
+
+    def _refuse_unshiftable(self) -> None:
+        from kvbridge.backends.model_traits import traits_of_model
+
+        traits = traits_of_model(self.ctx.model)
+        name = self.ctx.model_path.name
+        if traits is not None and traits.n_swa:
+            raise BlendRefused(f"blend mode does not run {name} yet: its sliding-window cache would need the window "
+                               "rows of every stored passage; use cold, native or lmcache with this model")
+        if not self.ctx.can_shift():
+            raise BlendRefused(f"blend mode needs llama.cpp to move cached tokens to new positions, and {name}'s "
+                               "KV cache cannot (llama_memory_can_shift is false); use lmcache with this model")
+
+    def _probe(self) -> KVGeometry:
+        name = self.ctx.model_path.name
+        tokens = self.ctx.tokenize(PROBE)
+        self.ctx.seq_rm(SCRATCH)
+        self._decode(SCRATCH, tokens, 0, want_logits=False)
+        try:
+            return parse_state(self.ctx.save_seq(SCRATCH)).geometry
+        except LayoutError as exc:
+            raise BlendRefused(f"blend mode does not understand {name}'s KV layout: {exc}") from exc
+        finally:
+            self.ctx.seq_rm(SCRATCH)
+
+    def close(self) -> None:
+        if self._own_context:
+            self.ctx.close()
+
+    # -- the answer ---------------------------------------------------------------------------------
+    def run(self, tokens: Sequence[int], starts: Sequence[int], *, recompute: int, n_predict: int,
+            temperature: float = 0.0, seed: int | None = None, reuse: bool = True, store: bool = True,
+            on_text: Callable[[str], None] | None = None, t0: float | None = None) -> BlendResult:
+        """Answer `tokens` (segments beginning at `starts`: instruction, passages, question).
+
+        reuse=False computes every token (the cold reference in this same context); store=False keeps
+        the store as it is (the quality curve runs one prompt at several recompute counts)."""
+        t0 = time.perf_counter() if t0 is None else t0
+        tokens = [int(t) for t in tokens]
+        if len(tokens) + n_predict > self.ctx.n_cells:
+            raise KVBridgeError(f"The prompt ({len(tokens)} tokens) plus {n_predict} new tokens does not fit the "
+                                f"blend context of {self.ctx.n_cells} tokens (KVB_CTX_SIZE).")
+        result = BlendResult()
+        self.ctx.seq_rm(ANSWER)
+        placement = self.place(tokens, starts, recompute, result, reuse=reuse)
+        t = time.perf_counter()
+        logits = self._decode(ANSWER, placement.pending, placement.kv_tokens, want_logits=True)
+        result.prefill_ms += (time.perf_counter() - t) * 1000
+        result.first_logits = logits
+        self._generate(result, logits, len(tokens), n_predict, temperature, seed, on_text, t0)
+        result.total_ms = (time.perf_counter() - t0) * 1000
+        if store:
+            self.store_missing(tokens, placement, result)
+        return result
+
+    def place(self, tokens: list[int], starts: Sequence[int], recompute: int, result: BlendResult, *,
+              answer: int = ANSWER, scratch: int = SCRATCH, reuse: bool = True) -> "Placement":
+        """Fill the empty sequence `answer` left to right: the stored instruction, then for each passage its
+        first `recompute` tokens decoded in context and its stored cells placed after them. What is left
+        to decode (passages not stored, after the last one placed, and the question) is returned."""
+        spans = list(zip(starts, list(starts[1:]) + [len(tokens)]))
+        instruction = tokens[spans[0][0]:spans[0][1]]
+        self.ctx.seq_rm(scratch)
+        pending: list[int] = []      # tokens to decode at positions pending_at.. before the next placement
+        pending_at = 0
+        missing: list[tuple[int, int]] = []    # segments prefilled here, stored after the answer
+        if reuse and self._place_instruction(instruction, result, answer):
+            pending_at = len(instruction)
+        else:
+            pending = list(instruction)
+            missing.append(spans[0])
+        for start, end in spans[1:-1]:
+            passage = tokens[start:end]
+            found = self._fetch(passage, instruction, result) if reuse and recompute < len(passage) else None
+            if found is None:
+                pending += passage
+                missing.append((start, end))
+                continue
+            pending += passage[:recompute]
+            self._flush(pending, pending_at, result, answer)
+            pending, pending_at = [], end
+            self._place(found, len(instruction), start, recompute, result, answer, scratch)
+            result.reused_tokens += len(passage) - recompute
+            result.reused_segments += 1
+        pending += tokens[spans[-1][0]:]
+        result.recomputed_tokens = len(tokens) - result.reused_tokens
+        return Placement(pending_at, pending, instruction, missing)
+
+    def _flush(self, pending: list[int], at: int, result: BlendResult, answer: int) -> None:
+        if pending:
+            t = time.perf_counter()
+            self._decode(answer, pending, at, want_logits=False)
+            result.prefill_ms += (time.perf_counter() - t) * 1000
+
+    def _decode(self, seq: int, tokens: Sequence[int], at: int, *, want_logits: bool) -> np.ndarray | None:
+        """Decode tokens at positions at.. of `seq`; the logits of the last one when asked."""
+        for lo in range(0, len(tokens), BATCH_TOKENS):
+            piece = tokens[lo: lo + BATCH_TOKENS]
+            last = lo + len(piece) == len(tokens)
+            entries = [(t, at + lo + i, seq, want_logits and last and i == len(piece) - 1) for i, t in enumerate(piece)]
+            code = self.ctx.decode(entries)
+            if code != 0:
+                raise StateTransferError(f"llama_decode returned {code} for {len(piece)} tokens of blend sequence {seq} "
+                                         f"(no room in the context of {self.ctx.n_cells} cells?)")
+        return self.ctx.logits((len(tokens) - 1) % BATCH_TOKENS) if want_logits else None
+
+    def _generate(self, result: BlendResult, logits: np.ndarray, at: int, n_predict: int, temperature: float,
+                  seed: int | None, on_text, t0: float) -> None:
+        sampler = Sampler(temperature, 0.95, seed)
+        decoder = Utf8Decoder()
+        pieces: list[str] = []
+        for step in range(n_predict):
+            token = sampler.pick(logits)
+            if self.ctx.is_end(token):
+                break
+            if step == 0:
+                result.ttft_ms = (time.perf_counter() - t0) * 1000
+            result.tokens.append(token)
+            piece = decoder.feed(self.ctx.piece(token))
+            pieces.append(piece)
+            if on_text is not None and piece:
+                on_text(piece)
+            if step + 1 < n_predict:
+                logits = self._decode(ANSWER, [token], at + step, want_logits=True)
+        tail = decoder.flush()
+        if tail:
+            pieces.append(tail)
+            if on_text is not None:
+                on_text(tail)
+        if not result.tokens:
+            result.ttft_ms = (time.perf_counter() - t0) * 1000
+        result.text = "".join(pieces)
+
+    # -- stored segments ----------------------------------------------------------------------------
+    def _get(self, key: bytes, tokens: Sequence[int], result: BlendResult) -> FoundPassage | None:
+        t = time.perf_counter()
+        try:
+            return self._get_checked(key, tokens, result)
+        finally:
+            result.fetch_ms += (time.perf_counter() - t) * 1000
+
+    def _get_checked(self, key: bytes, tokens: Sequence[int], result: BlendResult) -> FoundPassage | None:
+        obj = self.store.get(key, namespace=self.namespace)
+        if obj is None:
+            return None
+        try:
+            found = check_passage(obj, self.namespace, tokens, self.geometry)
+            if found is not None and obj.intact is not None:
+                # a borrowed blob (cache server): keep a private copy, the lease ends below
+                found = check_passage(type(obj)(blob=bytes(obj.blob), meta=obj.meta, tier=obj.tier),
+                                      self.namespace, tokens, self.geometry) if obj.intact() else None
+        finally:
+            if obj.release is not None:
+                obj.release()
+        if found is not None:
+            result.fetch_bytes += found.n_bytes
+            result.tier = found.tier if result.tier == "none" else self.store.slower(result.tier, found.tier)
+        return found
+
+    def _fetch(self, passage: Sequence[int], instruction: Sequence[int], result: BlendResult) -> FoundPassage | None:
+        return self._get(passage_key(self.namespace, instruction, passage), passage, result)
+
+    def _place_instruction(self, instruction: Sequence[int], result: BlendResult, answer: int) -> bool:
+        found = self._get(instruction_key(self.namespace, instruction), instruction, result)
+        if found is None:
+            return False
+        t = time.perf_counter()
+        state = assemble_state(self.geometry, [(found.view, found.view.n_cells)], seq_id=answer,
+                               out=self._scratch_for(found.view.n_cells))
+        t1 = time.perf_counter()
+        self.ctx.load_seq(answer, state)
+        result.assemble_ms += (t1 - t) * 1000
+        result.handoff_ms += (time.perf_counter() - t1) * 1000
+        result.reused_segments += 1
+        result.reused_tokens += len(instruction)
+        return True
+
+    def _scratch_for(self, n_cells: int) -> np.ndarray:
+        from kvbridge.formats.llama_state import assembled_size
+
+        size = assembled_size(self.geometry, n_cells)
+        if self._scratch is None or len(self._scratch) < size:
+            self._scratch = np.empty(max(size, 2 * len(self._scratch) if self._scratch is not None else size), np.uint8)
+        return self._scratch
+
+    def _place(self, found: FoundPassage, computed_at: int, start: int, keep_from: int, result: BlendResult,
+               answer: int, scratch: int) -> None:
+        """The passage's cells from keep_from on, computed at positions computed_at.., to positions start+keep_from.."""
+        ctx, n = self.ctx, found.view.n_cells
+        t = time.perf_counter()
+        state = assemble_state(self.geometry, [(found.view, n)], seq_id=scratch, out=self._scratch_for(n),
+                               first_pos=computed_at)
+        t1 = time.perf_counter()
+        result.assemble_ms += (t1 - t) * 1000
+        ctx.load_seq(scratch, state)
+        if keep_from:
+            ctx.seq_rm(scratch, computed_at, computed_at + keep_from)
+        delta = start - computed_at
+        if delta:
+            ctx.seq_add(scratch, computed_at, computed_at + n, delta)
+        ctx.seq_cp_range(scratch, answer, start + keep_from, start + n)
+        ctx.seq_rm(scratch)
+        result.handoff_ms += (time.perf_counter() - t1) * 1000
+
+    def store_missing(self, tokens: list[int], placement: "Placement", result: BlendResult, *,
+                      answer: int = ANSWER, scratch: int = SCRATCH) -> None:
+        """Each segment prefilled for this answer, stored from its own prefill after the instruction
+        (off the TTFT path): the instruction's cells are shared from `answer`, the passage decoded after
+        them in `scratch`, and the passage's cells cut from that state."""
+        ctx, instruction = self.ctx, placement.instruction
+        n_instr = len(instruction)
+        for start, end in placement.missing:
+            is_instruction = start == 0
+            segment = tokens[start:end]
+            if is_instruction:
+                key = instruction_key(self.namespace, instruction)
+            else:
+                key = passage_key(self.namespace, instruction, segment)
+            if self.store.contains(key, namespace=self.namespace):
+                continue   # stored by an earlier prompt, or twice in this one
+            ctx.seq_rm(scratch)
+            ctx.seq_cp_range(answer, scratch, 0, n_instr)
+            try:
+                if not is_instruction:
+                    self._decode(scratch, segment, n_instr, want_logits=False)
+                parsed = parse_state(ctx.save_seq(scratch))
+                lo = 0 if is_instruction else n_instr
+                payload = encode_chunk(parsed, lo, lo + len(segment), segment)
+            except (LayoutError, StateTransferError) as exc:
+                result.notes.append(f"blend: a segment was not stored ({exc})")
+                continue
+            finally:
+                ctx.seq_rm(scratch)
+            what = "instruction" if is_instruction else "passage"
+            if self.store.put(key, payload, passage_meta(self.namespace, segment, f"blend {what}")):
+                result.stored_segments += 1
+
+
+@dataclass
+class Placement:
+    """Where BlendRunner.place left a sequence: positions 0..kv_tokens-1 hold KV, `pending` comes next."""
+
+    kv_tokens: int
+    pending: list[int]
+    instruction: list[int]
+    missing: list[tuple[int, int]]   # segments (start, end) computed for this answer, to store after it

@@ -1,0 +1,183 @@
+"""Blend mode on the real model (kvbridge.blend): segments, the position shift, reuse, and refusals.
+
+The position shift is checked against llama.cpp itself: a passage prefilled after its instruction
+and then moved by delta positions (llama_memory_seq_add, which re-rotates K) is compared with the
+same tokens prefilled at positions delta.. from the start. V is never touched by a shift, so the
+moved V bytes are the stored ones exactly; K is compared within a stated tolerance (f16 K rotated
+twice against rotated once: a few units in the last place), and V of the prefill at delta within
+another (its deeper layers saw attention scores computed at other absolute positions).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import needs_model
+from kvbridge.blend.passages import PASSAGE_KIND, blend_namespace, passage_key
+from kvbridge.blend.runner import ANSWER, SCRATCH, BlendRunner
+from kvbridge.engine.segments import tokenize_segments
+from kvbridge.bench.rag import build_prompts, load_corpus, rag_messages
+from kvbridge.engine.cached_engine import CachedEngine
+from kvbridge.formats.llama_state import parse_state
+from kvbridge.backends.llamacpp import LlamaCppBackend
+from kvbridge.settings.models import EMBEDDED_MODELS
+
+SEP = "[KVB_SEP]"
+K_TOLERANCE = 2e-2      # |K shifted - K prefilled at delta|, f16 values of order 1-10
+V_TOLERANCE = 5e-2
+
+
+def fake_tokenize(text: str) -> list[int]:
+    return [1] + [ord(c) for c in text]   # a BOS, then one id per character
+
+
+def test_segments_keep_one_bos_and_drop_the_separator():
+    seg = tokenize_segments(f"ab{SEP}cd{SEP}{SEP}e", SEP, fake_tokenize)
+    assert seg.tokens == (1, ord("a"), ord("b"), ord("c"), ord("d"), ord("e"))
+    assert seg.starts == (0, 3, 5)        # the empty segment between two separators is dropped
+    assert seg.text == "abcde" and seg.n_passages == 1
+    assert tokenize_segments("no separator here", SEP, fake_tokenize) is None
+
+
+@pytest.fixture
+def engine(make_settings):
+    settings = make_settings(ctx_size=4096, n_predict=8, blend_recompute_tokens=8)
+    with CachedEngine(settings, LlamaCppBackend(settings)) as e:
+        yield e
+
+
+def rag(engine, passage_ids, question="What is the steepest gradient on the line?"):
+    return rag_messages(load_corpus(), passage_ids, question, engine.settings.blend_separator)
+
+
+pytestmark = [needs_model, pytest.mark.timeout(600)]
+
+
+def test_every_mode_runs_the_same_tokens_and_the_model_never_sees_the_separator(engine):
+    prompt = engine.prepare(rag(engine, ["p01", "p02"]))
+    assert SEP not in prompt.text and len(prompt.segments) == 4   # instruction, 2 passages, question
+    whole = engine.backend.tokenize(prompt.text)
+    # each segment tokenized alone: a passage has the same ids wherever it stands
+    other = engine.prepare(rag(engine, ["p02", "p01"]))
+    p01 = prompt.tokens[prompt.segments[1]:prompt.segments[2]]
+    assert other.tokens[other.segments[2]:other.segments[3]] == p01
+    assert abs(len(whole) - len(prompt.tokens)) <= 4
+
+
+def test_a_shifted_passage_matches_a_prefill_at_the_new_position(engine):
+    runner = engine._blend_runner()
+    ctx = runner.ctx
+    seg = engine.prepare(rag(engine, ["p03"]))
+    instruction = list(seg.tokens[: seg.segments[1]])
+    passage = list(seg.tokens[seg.segments[1]: seg.segments[2]])
+    n_i, n_p, delta = len(instruction), len(passage), 300
+
+    ctx.seq_rm(ANSWER)
+    ctx.seq_rm(SCRATCH)
+    runner._decode(SCRATCH, instruction + passage, 0, want_logits=False)
+    stored = parse_state(ctx.save_seq(SCRATCH))
+    ctx.seq_rm(SCRATCH)
+    # the same tokens prefilled from position delta on
+    runner._decode(SCRATCH, instruction + passage, delta, want_logits=False)
+    at_delta = parse_state(ctx.save_seq(SCRATCH))
+    ctx.seq_rm(SCRATCH)
+    # the stored cells moved by delta; one decode elsewhere makes llama.cpp apply the K shift
+    ctx.load_seq(SCRATCH, _state_of(stored))
+    ctx.seq_add(SCRATCH, 0, n_i + n_p, delta)
+    runner._decode(ANSWER, instruction[:1], 0, want_logits=False)
+    moved_bytes = ctx.save_seq(SCRATCH)
+    ctx.seq_rm(SCRATCH)
+    ctx.seq_rm(ANSWER)
+    moved = parse_state(_rebased(moved_bytes, delta))
+
+    g = stored.geometry
+    assert g.v_trans and all(t == 1 for t in g.k_types)   # f16 K and V, V transposed (the default)
+    for layer in range(g.n_layer):
+        assert np.array_equal(moved.v[layer], stored.v[layer]), f"layer {layer}: a shift changed V"
+        k_moved = moved.k[layer].view(np.float16).astype(np.float32)
+        k_prefill = at_delta.k[layer].view(np.float16).astype(np.float32)
+        k_stored = stored.k[layer].view(np.float16).astype(np.float32)
+        assert np.max(np.abs(k_moved - k_prefill)) < K_TOLERANCE + 1e-3 * np.max(np.abs(k_prefill)), layer
+        if layer > 0:   # layer 0's K does not depend on other tokens: the rotation is what moved
+            assert np.max(np.abs(k_stored - k_prefill)) > 10 * K_TOLERANCE, f"layer {layer}: K did not move"
+        v_prefill = at_delta.v[layer].view(np.float16).astype(np.float32)
+        assert np.max(np.abs(moved.v[layer].view(np.float16).astype(np.float32) - v_prefill)) < V_TOLERANCE + \
+            2e-3 * np.max(np.abs(v_prefill)), layer
+
+
+def _state_of(parsed):
+    from kvbridge.formats.llama_state import assemble_state, decode_chunk, encode_chunk
+
+    payload = encode_chunk(parsed, 0, parsed.n_cells, [0] * parsed.n_cells)
+    view = decode_chunk(payload, parsed.geometry)
+    return assemble_state(parsed.geometry, [(view, view.n_cells)], seq_id=SCRATCH)
+
+
+def _rebased(data, delta):
+    """The moved state with positions from 0 again (parse_state wants a prefix state)."""
+    buf = bytearray(bytes(data))
+    n_cells = int.from_bytes(buf[12:16], "little")
+    meta = np.frombuffer(buf, dtype="<i4", count=3 * n_cells, offset=16).reshape(n_cells, 3).copy()
+    meta[:, 0] -= delta
+    buf[16: 16 + 12 * n_cells] = meta.tobytes()
+    return bytes(buf)
+
+
+def test_blend_reuses_passages_anywhere_and_stores_them_apart_from_exact_chunks(engine):
+    first = engine.infer(rag(engine, ["p02", "p05", "p09"]), "blend")
+    assert not first.error and first.mode == "blend"
+    assert "0 of 4 segments reused" in first.notes and first.stored_objects == 4   # instruction + 3 passages
+    assert first.matched_tokens == 0 and first.text
+
+    shuffled = engine.infer(rag(engine, ["p09", "p02", "p05"]), "blend")
+    assert "4 of 4 segments reused" in shuffled.notes and shuffled.tier == "L1"
+    assert shuffled.matched_tokens > 0.8 * shuffled.prompt_tokens and shuffled.stored_objects == 0
+    assert shuffled.prefill_tokens == shuffled.prompt_tokens - shuffled.matched_tokens
+
+    # the blend objects sit in their own namespace, as passages: an exact lookup never reaches them
+    instruction = first_prompt = engine.prepare(rag(engine, ["p02", "p05", "p09"]))
+    p05 = list(first_prompt.tokens[first_prompt.segments[2]:first_prompt.segments[3]])
+    key = passage_key(blend_namespace(engine.namespace), list(instruction.tokens[: instruction.segments[1]]), p05)
+    stored = engine.store.get(key, namespace=blend_namespace(engine.namespace))
+    assert stored is not None and stored.meta.kind == PASSAGE_KIND
+    assert engine.store.get(key, namespace=engine.namespace) is None
+    exact = engine.infer(rag(engine, ["p09", "p02", "p05"]), "lmcache")
+    assert exact.matched_tokens == 0 and exact.tier == "none"
+
+
+def test_one_passage_where_it_was_computed_answers_exactly_as_cold(engine):
+    """Instruction + passage at the position it was stored at, nothing recomputed: the placed KV is the
+    cold prefill's, so the greedy answer equals the cold answer in the same context token for token."""
+    runner = engine._blend_runner()
+    prompt = engine.prepare(rag(engine, ["p04"], "Who is the chief engineer?"))
+    cold = runner.run(prompt.tokens, prompt.segments, recompute=0, n_predict=10, reuse=False, store=True)
+    warm = runner.run(prompt.tokens, prompt.segments, recompute=0, n_predict=10, store=False)
+    assert warm.reused_segments == 2 and warm.recomputed_tokens == len(prompt.tokens) - prompt.segments[2]
+    assert warm.tokens == cold.tokens
+    assert int(np.argmax(warm.first_logits)) == int(np.argmax(cold.first_logits))
+
+
+def test_a_prompt_without_passages_runs_as_lmcache_and_says_so(engine):
+    record = engine.infer([{"role": "user", "content": "What is a rack railway?"}], "blend")
+    assert record.mode == "lmcache" and "ran as lmcache" in record.notes and not record.error
+
+
+def test_a_sliding_window_model_is_refused_with_a_message(make_settings):
+    gemma = EMBEDDED_MODELS["gemma3-270m"]
+    if not gemma.path.is_file():
+        pytest.skip(f"{gemma.path} missing: run ./scripts/setup.sh (it fetches every embedded model)")
+    settings = make_settings(model="gemma3-270m", ctx_size=2048, n_predict=4)
+    with CachedEngine(settings, LlamaCppBackend(settings)) as engine:
+        record = engine.infer(rag(engine, ["p01", "p02"]), "blend")
+    assert "blend mode does not run" in record.error and "sliding-window" in record.error
+
+
+def test_rag_prompts_are_seeded_and_hold_the_answering_passage():
+    corpus = load_corpus()
+    a = build_prompts(corpus, SEP, n_prompts=6, n_passages=4, seed=5)
+    b = build_prompts(corpus, SEP, n_prompts=6, n_passages=4, seed=5)
+    assert a == b
+    gold = {q["id"]: q["passage"] for q in corpus["questions"]}
+    for prompt in a:
+        assert len(set(prompt.passage_ids)) == 4 and gold[prompt.question_id] in prompt.passage_ids
+        assert prompt.messages[1]["content"].count(SEP) == 5
