@@ -2,10 +2,12 @@
 
 The position shift is checked against llama.cpp itself: a passage prefilled after its instruction
 and then moved by delta positions (llama_memory_seq_add, which re-rotates K) is compared with the
-same tokens prefilled at positions delta.. from the start. V is never touched by a shift, so the
-moved V bytes are the stored ones exactly; K is compared within a stated tolerance (f16 K rotated
-twice against rotated once: a few units in the last place), and V of the prefill at delta within
-another (its deeper layers saw attention scores computed at other absolute positions).
+same tokens prefilled at positions delta.. from the start. V is never touched by a shift: the moved
+V bytes are the stored ones exactly, in every layer. In layer 0, where K and V depend only on the
+token and its position, the moved K equals the prefill's within two f16 steps and V byte for byte.
+Deeper layers of the prefill at delta also carry the float rounding of attention computed at other
+absolute positions (a prefill at delta = 1 differs as much as one at 300), so there the comparison
+is a relative rms bound, stated below with what was measured.
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ from kvbridge.backends.llamacpp import LlamaCppBackend
 from kvbridge.settings.models import EMBEDDED_MODELS
 
 SEP = "[KVB_SEP]"
-K_TOLERANCE = 2e-2      # |K shifted - K prefilled at delta|, f16 values of order 1-10
-V_TOLERANCE = 5e-2
+K0_TOLERANCE = 1.6e-2   # layer 0, |K shifted - K prefilled at delta|: two f16 steps at |K| of 8-16
+K_REL_RMS = 0.03        # every layer, rms(K shifted - K prefilled at delta) / rms(K): measured 0.02 % - 1.5 %
+V_REL_RMS = 0.08        # every layer, the same for V (V itself is never touched by a shift): measured up to 4.2 %
 
 
 def fake_tokenize(text: str) -> list[int]:
@@ -79,7 +82,7 @@ def test_a_shifted_passage_matches_a_prefill_at_the_new_position(engine):
     ctx.seq_rm(SCRATCH)
     # the same tokens prefilled from position delta on
     runner._decode(SCRATCH, instruction + passage, delta, want_logits=False)
-    at_delta = parse_state(ctx.save_seq(SCRATCH))
+    at_delta = parse_state(_rebased(ctx.save_seq(SCRATCH), delta))
     ctx.seq_rm(SCRATCH)
     # the stored cells moved by delta; one decode elsewhere makes llama.cpp apply the K shift
     ctx.load_seq(SCRATCH, _state_of(stored))
@@ -92,17 +95,24 @@ def test_a_shifted_passage_matches_a_prefill_at_the_new_position(engine):
 
     g = stored.geometry
     assert g.v_trans and all(t == 1 for t in g.k_types)   # f16 K and V, V transposed (the default)
+
+    def f32(rows):
+        return rows.view(np.float16).astype(np.float32)
+
+    def rel_rms(a, b):
+        return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
+
+    # layer 0: K and V depend on the token and its position only, so the shift must reproduce the
+    # prefill at delta up to f16 rounding of the rotation, and V exactly
+    assert np.max(np.abs(f32(moved.k[0]) - f32(at_delta.k[0]))) <= K0_TOLERANCE
+    assert np.array_equal(moved.v[0], at_delta.v[0])
     for layer in range(g.n_layer):
         assert np.array_equal(moved.v[layer], stored.v[layer]), f"layer {layer}: a shift changed V"
-        k_moved = moved.k[layer].view(np.float16).astype(np.float32)
-        k_prefill = at_delta.k[layer].view(np.float16).astype(np.float32)
-        k_stored = stored.k[layer].view(np.float16).astype(np.float32)
-        assert np.max(np.abs(k_moved - k_prefill)) < K_TOLERANCE + 1e-3 * np.max(np.abs(k_prefill)), layer
-        if layer > 0:   # layer 0's K does not depend on other tokens: the rotation is what moved
-            assert np.max(np.abs(k_stored - k_prefill)) > 10 * K_TOLERANCE, f"layer {layer}: K did not move"
-        v_prefill = at_delta.v[layer].view(np.float16).astype(np.float32)
-        assert np.max(np.abs(moved.v[layer].view(np.float16).astype(np.float32) - v_prefill)) < V_TOLERANCE + \
-            2e-3 * np.max(np.abs(v_prefill)), layer
+        k_moved, k_prefill, k_stored = f32(moved.k[layer]), f32(at_delta.k[layer]), f32(stored.k[layer])
+        assert rel_rms(k_stored, k_prefill) > 0.5, f"layer {layer}: K did not move"   # rotated by 300 positions
+        # deeper layers also carry the rounding of attention computed at other absolute positions
+        assert rel_rms(k_moved, k_prefill) < K_REL_RMS, layer
+        assert rel_rms(f32(moved.v[layer]), f32(at_delta.v[layer])) < V_REL_RMS, layer
 
 
 def _state_of(parsed):

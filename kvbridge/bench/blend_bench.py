@@ -5,7 +5,8 @@
 
 Place in the flow: the RAG corpus (kvbridge.bench.rag) -> a warm-up that stores every passage ->
 per prompt, in one context (the blend runner's, so both sides share every rounding): **cold** (every
-token computed: the reference) and **blend** at each recompute count -> per row: TTFT, identical
+token computed: the reference) and **blend** at each recompute count, recomputing each passage's
+last tokens (end) or its first (start) -> per row: TTFT, identical
 greedy answers, same first token, and the divergence of the first token's distribution from cold's
 (KL(cold || blend) and top-1 agreement). 0 recomputed tokens is a pure position shift, what
 llama-server's --cache-reuse does.
@@ -40,6 +41,7 @@ from kvbridge.store.objects import ObjectMeta
 class CurveRow:
     passages: int
     recompute: int
+    at: str                   # which tokens of each passage were recomputed: end or start
     prompts: int
     cold_ttft_ms: float
     blend_ttft_ms: float
@@ -63,7 +65,7 @@ def kl_divergence(cold_logits: np.ndarray, blend_logits: np.ndarray) -> float:
 
 
 def measure_curve(engine, passages: list[int], recompute: list[int], n_prompts: int, n_predict: int,
-                  seed: int = DEFAULT_SEED, progress=print) -> list[CurveRow]:
+                  seed: int = DEFAULT_SEED, progress=print, at: tuple[str, ...] = ("end", "start")) -> list[CurveRow]:
     runner = engine._blend_runner()
     corpus = load_corpus()
     sep = engine.settings.blend_separator
@@ -72,23 +74,24 @@ def measure_curve(engine, passages: list[int], recompute: list[int], n_prompts: 
         for prompt in warmup_prompts(corpus, sep, n_passages, seed):
             p = engine.prepare(prompt.messages)
             runner.run(p.tokens, p.segments, recompute=0, n_predict=1, reuse=False, store=True)
-        per_r: dict[int, list] = {r: [] for r in recompute}
+        variants = [(r, where) for where in at for r in recompute if r or where == at[0]]   # 0 is one variant
+        per_r: dict[tuple[int, str], list] = {v: [] for v in variants}
         colds = []
         for index, prompt in enumerate(build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages,
                                                      seed=seed)):
             p = engine.prepare(prompt.messages)
             cold = runner.run(p.tokens, p.segments, recompute=0, n_predict=n_predict, reuse=False, store=False)
             colds.append(cold.ttft_ms)
-            for r in recompute:
-                b = runner.run(p.tokens, p.segments, recompute=r, n_predict=n_predict, store=False)
-                per_r[r].append((b.ttft_ms, b.tokens == cold.tokens,
+            for r, where in variants:
+                b = runner.run(p.tokens, p.segments, recompute=r, n_predict=n_predict, store=False, recompute_at=where)
+                per_r[(r, where)].append((b.ttft_ms, b.tokens == cold.tokens,
                                  bool(b.tokens[:1] == cold.tokens[:1]),
                                  kl_divergence(cold.first_logits, b.first_logits), b.reused_tokens))
             progress(f"  {n_passages} passages: prompt {index + 1}/{n_prompts}")
-        for r, results in per_r.items():
+        for (r, where), results in per_r.items():
             ttft = statistics.fmean(x[0] for x in results)
             kls = [x[3] for x in results]
-            rows.append(CurveRow(n_passages, r, len(results), statistics.fmean(colds), ttft,
+            rows.append(CurveRow(n_passages, r, where if r else "-", len(results), statistics.fmean(colds), ttft,
                                  statistics.fmean(colds) / ttft if ttft else 0.0,
                                  sum(x[1] for x in results) / len(results), sum(x[2] for x in results) / len(results),
                                  statistics.fmean(kls), statistics.median(kls),
@@ -138,11 +141,11 @@ def measure_restore_cost(engine, n_prompts: int, seed: int = DEFAULT_SEED, n_pas
 
 
 def format_curve(rows: list[CurveRow]) -> str:
-    head = (f"{'passages':>8} {'recompute':>9} {'cold ms':>8} {'blend ms':>8} {'speedup':>7} {'same answer':>11} "
+    head = (f"{'passages':>8} {'recompute':>9} {'at':>5} {'cold ms':>8} {'blend ms':>8} {'speedup':>7} {'same answer':>11} "
             f"{'same 1st':>8} {'mean KL':>8} {'median KL':>9} {'reused':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.passages:>8} {r.recompute:>9} {r.cold_ttft_ms:>8.1f} {r.blend_ttft_ms:>8.1f} "
+        lines.append(f"{r.passages:>8} {r.recompute:>9} {r.at:>5} {r.cold_ttft_ms:>8.1f} {r.blend_ttft_ms:>8.1f} "
                      f"{r.speedup:>6.1f}x {r.identical:>10.0%} {r.same_first_token:>8.0%} {r.mean_kl:>8.4f} "
                      f"{r.median_kl:>9.4f} {r.reused_tokens:>6.0f}")
     return "\n".join(lines)
@@ -163,11 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passages", default="2,4,6,8", help="passages per prompt, comma-separated")
     parser.add_argument("--recompute", default="0,4,8,16,32", help="recomputed tokens per passage, comma-separated")
     parser.add_argument("--prompts", type=int, default=12, help="measured prompts per passage count")
+    parser.add_argument("--at", default="end,start", help="which tokens of each passage are recomputed: end, start or both")
     parser.add_argument("--n-predict", type=int, default=16, help="greedy tokens per answer")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--no-restore-cost", action="store_true", help="skip the restore-cost measurement")
     args = parser.parse_args(argv)
     passages, recompute = _ints(args.passages, "passages"), _ints(args.recompute, "recompute")
+    at = tuple(a.strip() for a in args.at.split(",") if a.strip())
+    if not at or any(a not in ("end", "start") for a in at):
+        raise SystemExit(f"--at takes end, start or both (comma-separated), got {args.at!r}")
     from kvbridge.backends.llamacpp import LlamaCppBackend
     from kvbridge.engine.cached_engine import CachedEngine
 
@@ -180,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = base.replace(ctx_size=max(base.ctx_size, 4096), l2_dir=l2)
         with CachedEngine(settings, LlamaCppBackend(settings)) as engine:
             print(f"blend bench: {engine.backend.describe()}, {args.prompts} prompts per row", flush=True)
-            rows = measure_curve(engine, passages, recompute, args.prompts, args.n_predict, args.seed)
+            rows = measure_curve(engine, passages, recompute, args.prompts, args.n_predict, args.seed, at=at)
             print(format_curve(rows))
             cost = None if args.no_restore_cost else measure_restore_cost(engine, min(args.prompts, 6), args.seed)
             if cost:
@@ -188,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{cost['blend_restore_ms']:.1f} ms against an exact prefix restore of the same cells "
                       f"{cost['exact_restore_ms']:.1f} ms ({cost['restored_mb']:.1f} MB): {cost['ratio']:.2f}x "
                       f"(question decode {cost['question_decode_ms']:.1f} ms taken off both)")
-    result = {"command": "blend-bench", "settings": {"passages": passages, "recompute": recompute,
+    result = {"command": "blend-bench", "settings": {"passages": passages, "recompute": recompute, "at": at,
                                                      "prompts": args.prompts, "n_predict": args.n_predict},
               "curve": [asdict(r) for r in rows], "restore_cost": cost}
     path = write_result_json(result, base.output_dir, "blend")

@@ -1,21 +1,25 @@
 """BlendRunner: one prompt of instruction + passages + question, with each stored passage's KV reused
-wherever it now stands, and the few tokens that recover cross-attention recomputed in context.
+wherever it now stands, and a few tokens of each recomputed in context to recover cross-attention.
 
 Place in the flow: CachedEngine.infer(mode="blend") / Scheduler.submit(blend=True) -> prepare
-(segments) -> **BlendRunner.run**: restore the instruction, then left to right for each passage:
-decode its first `recompute` tokens in context, place the rest of its stored cells (restored into a
-scratch sequence where they were computed, moved with llama_memory_seq_add, which re-rotates K,
-shared into the answer's sequence); a passage not stored yet is prefilled in place; then the question
-and generation -> after the answer: **store** the passages (and the instruction) not stored yet, each
-from its own prefill of instruction + passage in the scratch sequence.
+(segments) -> **BlendRunner.place**: restore the instruction, then left to right for each passage:
+its stored cells (restored into a scratch sequence where they were computed, moved with
+llama_memory_seq_add, which re-rotates K, shared into the answer's sequence) and `recompute` of its
+tokens decoded in context, its last ones (the default, KVB_BLEND_RECOMPUTE_AT=end) or its first; a
+passage not stored yet is prefilled in place -> the question and generation -> after the answer:
+**store_missing**: the passages (and the instruction) not stored yet, each from its own prefill of
+instruction + passage in the scratch sequence.
 
 Why left to right: llama.cpp accepts a sequence's new tokens only at the position after its last
-cell (llama-batch.cpp: "the sequence positions remain consecutive"), so the recomputed tokens of a
-passage are decoded before that passage's stored cells are placed after them. Each recompute sees
-the instruction and every passage before it (stored or recomputed), as in EPIC/LegoLink's
-"recompute the first tokens of each passage"; the later tokens of a passage keep the KV they had
-after the instruction alone. That is lossy by design: the namespace carries `blend=`, the record's
-mode is `blend` and its notes say what was reused and recomputed.
+cell (llama-batch.cpp: "the sequence positions remain consecutive"), so every decode of recomputed
+tokens comes right after the cells before it are in place. Each recomputed token sees the
+instruction and every passage before it (stored or recomputed); the other tokens of a passage keep
+the KV they had after the instruction alone. EPIC/LegoLink recompute each chunk's first tokens,
+which matter there because their chunks are computed alone (the first tokens become attention
+sinks); ours are computed after the instruction, and recomputing each passage's last tokens, which
+lead into what follows, halved the divergence from cold here (Docs/Research.md §16). That is lossy
+by design: the namespace carries `blend=`, the record's mode is `blend` and its notes say what was
+reused and recomputed.
 
 A model whose cache cannot move cells (llama_memory_can_shift false) is refused, and so, for now, is
 a sliding-window model: its stored passages would need the window rows of every position.
@@ -38,6 +42,7 @@ from kvbridge.formats.llama_state import KVGeometry, LayoutError, assemble_state
 from kvbridge.settings import Settings
 
 ANSWER, SCRATCH = 0, 1
+RECOMPUTE_AT = ("end", "start")   # which tokens of a reused passage are recomputed (KVB_BLEND_RECOMPUTE_AT)
 PROBE = " ".join(["Blend layout probe."] * 4)
 
 
@@ -113,7 +118,8 @@ class BlendRunner:
     # -- the answer ---------------------------------------------------------------------------------
     def run(self, tokens: Sequence[int], starts: Sequence[int], *, recompute: int, n_predict: int,
             temperature: float = 0.0, seed: int | None = None, reuse: bool = True, store: bool = True,
-            on_text: Callable[[str], None] | None = None, t0: float | None = None) -> BlendResult:
+            on_text: Callable[[str], None] | None = None, t0: float | None = None,
+            recompute_at: str = "end") -> BlendResult:
         """Answer `tokens` (segments beginning at `starts`: instruction, passages, question).
 
         reuse=False computes every token (the cold reference in this same context); store=False keeps
@@ -125,7 +131,7 @@ class BlendRunner:
                                 f"blend context of {self.ctx.n_cells} tokens (KVB_CTX_SIZE).")
         result = BlendResult()
         self.ctx.seq_rm(ANSWER)
-        placement = self.place(tokens, starts, recompute, result, reuse=reuse)
+        placement = self.place(tokens, starts, recompute, result, reuse=reuse, recompute_at=recompute_at)
         t = time.perf_counter()
         logits = self._decode(ANSWER, placement.pending, placement.kv_tokens, want_logits=True)
         result.prefill_ms += (time.perf_counter() - t) * 1000
@@ -137,10 +143,15 @@ class BlendRunner:
         return result
 
     def place(self, tokens: list[int], starts: Sequence[int], recompute: int, result: BlendResult, *,
-              answer: int = ANSWER, scratch: int = SCRATCH, reuse: bool = True) -> "Placement":
+              answer: int = ANSWER, scratch: int = SCRATCH, reuse: bool = True,
+              recompute_at: str = "end") -> "Placement":
         """Fill the empty sequence `answer` left to right: the stored instruction, then for each passage its
-        first `recompute` tokens decoded in context and its stored cells placed after them. What is left
-        to decode (passages not stored, after the last one placed, and the question) is returned."""
+        stored cells and `recompute` of its tokens decoded in context: its last ones ("end": they lead into
+        the next segment) or its first ones ("start": EPIC's choice for chunks computed alone). What is
+        left to decode (passages not stored, after the last one placed, and the question) is returned."""
+        if recompute_at not in RECOMPUTE_AT:
+            raise ValueError(f"recompute_at must be one of {RECOMPUTE_AT}, got {recompute_at!r}")
+        at_end = recompute_at == "end"
         spans = list(zip(starts, list(starts[1:]) + [len(tokens)]))
         instruction = tokens[spans[0][0]:spans[0][1]]
         self.ctx.seq_rm(scratch)
@@ -159,10 +170,15 @@ class BlendRunner:
                 pending += passage
                 missing.append((start, end))
                 continue
-            pending += passage[:recompute]
-            self._flush(pending, pending_at, result, answer)
-            pending, pending_at = [], end
-            self._place(found, len(instruction), start, recompute, result, answer, scratch)
+            if at_end:      # stored cells first, then the passage's last tokens join what is decoded next
+                self._flush(pending, pending_at, result, answer)
+                self._place(found, len(instruction), start, 0, len(passage) - recompute, result, answer, scratch)
+                pending, pending_at = list(passage[len(passage) - recompute:]), end - recompute
+            else:           # the passage's first tokens decoded in context, then its stored cells after them
+                pending += passage[:recompute]
+                self._flush(pending, pending_at, result, answer)
+                self._place(found, len(instruction), start, recompute, len(passage), result, answer, scratch)
+                pending, pending_at = [], end
             result.reused_tokens += len(passage) - recompute
             result.reused_segments += 1
         pending += tokens[spans[-1][0]:]
@@ -266,9 +282,9 @@ class BlendRunner:
             self._scratch = np.empty(max(size, 2 * len(self._scratch) if self._scratch is not None else size), np.uint8)
         return self._scratch
 
-    def _place(self, found: FoundPassage, computed_at: int, start: int, keep_from: int, result: BlendResult,
+    def _place(self, found: FoundPassage, computed_at: int, start: int, lo: int, hi: int, result: BlendResult,
                answer: int, scratch: int) -> None:
-        """The passage's cells from keep_from on, computed at positions computed_at.., to positions start+keep_from.."""
+        """The passage's stored cells lo..hi-1, computed at positions computed_at.., to positions start+lo.."""
         ctx, n = self.ctx, found.view.n_cells
         t = time.perf_counter()
         state = assemble_state(self.geometry, [(found.view, n)], seq_id=scratch, out=self._scratch_for(n),
@@ -276,12 +292,14 @@ class BlendRunner:
         t1 = time.perf_counter()
         result.assemble_ms += (t1 - t) * 1000
         ctx.load_seq(scratch, state)
-        if keep_from:
-            ctx.seq_rm(scratch, computed_at, computed_at + keep_from)
+        if lo:
+            ctx.seq_rm(scratch, computed_at, computed_at + lo)
+        if hi < n:
+            ctx.seq_rm(scratch, computed_at + hi, computed_at + n)
         delta = start - computed_at
         if delta:
             ctx.seq_add(scratch, computed_at, computed_at + n, delta)
-        ctx.seq_cp_range(scratch, answer, start + keep_from, start + n)
+        ctx.seq_cp_range(scratch, answer, start + lo, start + hi)
         ctx.seq_rm(scratch)
         result.handoff_ms += (time.perf_counter() - t1) * 1000
 

@@ -342,7 +342,8 @@ class CachedEngine:
         runner = self._blend_runner()
         recompute = self.settings.blend_recompute_tokens
         result = runner.run(p.tokens, p.segments, recompute=recompute, n_predict=n_predict,
-                            temperature=temperature, on_text=on_text, t0=t0)
+                            temperature=temperature, on_text=on_text, t0=t0,
+                            recompute_at=self.settings.blend_recompute_at)
         record.ttft_ms = result.ttft_ms
         record.text = result.text
         record.gen_tokens = len(result.tokens)
@@ -362,7 +363,8 @@ class CachedEngine:
         passages = len(p.segments) - 2
         record.add_note(f"blend: {result.reused_segments} of {passages + 1} segments reused (instruction and "
                         f"{passages} passages), {result.recomputed_tokens} prompt tokens recomputed "
-                        f"({recompute} per reused passage), {result.stored_segments} stored")
+                        f"({recompute} per reused passage, at its {self.settings.blend_recompute_at}), "
+                        f"{result.stored_segments} stored")
         for note in result.notes:
             record.add_note(note)
 

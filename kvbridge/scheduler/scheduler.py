@@ -224,7 +224,8 @@ class Scheduler:
                 "counters": {name: self._counters[name] for name in ("hits", "misses", "evictions", "preemptions",
                                                                      "swap_ins", "recomputed", "shared_tokens",
                                                                      "restored_tokens", "restore_failed", "finished",
-                                                                     "cancelled", "faults", "failed")},
+                                                                     "cancelled", "faults", "failed",
+                                                                     "blend_reused_tokens")},
             }
 
     def events(self) -> list[dict]:
@@ -511,7 +512,8 @@ class Scheduler:
         result = BlendResult()
         try:
             placement = runner.place(request.prompt, request.segments, self.settings.blend_recompute_tokens, result,
-                                     answer=request.seq, scratch=scratch)
+                                     answer=request.seq, scratch=scratch,
+                                     recompute_at=self.settings.blend_recompute_at)
         except KVBridgeError as exc:
             self._ctx.seq_rm(request.seq)
             self._counters["restore_failed"] += 1
@@ -533,7 +535,8 @@ class Scheduler:
         passages = len(request.segments) - 2
         record.add_note(f"blend: {result.reused_segments} of {passages + 1} segments reused (instruction and "
                         f"{passages} passages), {result.recomputed_tokens} prompt tokens recomputed "
-                        f"({self.settings.blend_recompute_tokens} per reused passage)")
+                        f"({self.settings.blend_recompute_tokens} per reused passage, at its "
+                        f"{self.settings.blend_recompute_at})")
         self._counters["blend_reused_tokens"] += result.reused_tokens
         request.record.matched_tokens = result.reused_tokens
         return kv, result.tier if result.reused_tokens else "none"

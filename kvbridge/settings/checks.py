@@ -61,6 +61,9 @@ def _value_problems(s: Settings) -> list[str]:
         (s.chunk_size < 1, f"KVB_CHUNK_SIZE={s.chunk_size} must be at least 1 (LMCache uses 256)"),
         (not s.blend_separator.strip(),
          "KVB_BLEND_SEPARATOR is empty; blend mode cuts prompts at it (default [KVB_SEP])"),
+        (s.blend_recompute_at not in ("end", "start"),
+         f"KVB_BLEND_RECOMPUTE_AT={s.blend_recompute_at!r} must be end (each reused passage's last tokens) "
+         "or start (its first tokens)"),
         (s.blend_recompute_tokens < 0,
          f"KVB_BLEND_RECOMPUTE_TOKENS={s.blend_recompute_tokens} cannot be negative (0: only shift stored passages)"),
         (s.chunk_size >= 1 and s.ctx_size < max(64, s.chunk_size),
