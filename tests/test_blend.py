@@ -191,3 +191,18 @@ def test_rag_prompts_are_seeded_and_hold_the_answering_passage():
     for prompt in a:
         assert len(set(prompt.passage_ids)) == 4 and gold[prompt.question_id] in prompt.passage_ids
         assert prompt.messages[1]["content"].count(SEP) == 5
+
+
+def test_the_rag_scenario_compares_blend_with_cold_on_shuffled_passages(engine):
+    from kvbridge.bench.report import format_summary, summarize
+    from kvbridge.bench.runner import run_scenario
+
+    records = list(run_scenario(engine, "rag", ["cold", "blend"], n_requests=2, n_predict=6))
+    assert [r.mode for r in records] == ["cold", "cold", "blend", "blend"] and not any(r.error for r in records)
+    blended = [r for r in records if r.mode == "blend"]
+    # the warm-up stored every passage once: each measured prompt reuses all four and the instruction
+    assert all("5 of 5 segments reused" in r.notes for r in blended)
+    assert all(r.matched_tokens > 0.8 * r.prompt_tokens and r.scenario == "rag" for r in blended)
+    summary = summarize(records)
+    assert summary["blend"]["answers_equal_cold"]["compared"] == 2
+    assert "answers = cold" in format_summary(summary)

@@ -239,18 +239,19 @@ class BlendRunner:
             result.fetch_ms += (time.perf_counter() - t) * 1000
 
     def _get_checked(self, key: bytes, tokens: Sequence[int], result: BlendResult) -> FoundPassage | None:
-        obj = self.store.get(key, namespace=self.namespace)
+        obj = borrowed = self.store.get(key, namespace=self.namespace)
         if obj is None:
             return None
         try:
-            found = check_passage(obj, self.namespace, tokens, self.geometry)
-            if found is not None and obj.intact is not None:
-                # a borrowed blob (cache server): keep a private copy, the lease ends below
-                found = check_passage(type(obj)(blob=bytes(obj.blob), meta=obj.meta, tier=obj.tier),
-                                      self.namespace, tokens, self.geometry) if obj.intact() else None
+            if obj.intact is not None:
+                # a borrowed blob (a cache server's shared pages): a private copy, trusted only when the
+                # pages were not reused while it was taken; the lease ends below
+                copy = bytes(obj.blob)
+                obj = type(obj)(blob=copy, meta=obj.meta, tier=obj.tier) if obj.intact() else None
+            found = check_passage(obj, self.namespace, tokens, self.geometry) if obj is not None else None
         finally:
-            if obj.release is not None:
-                obj.release()
+            if borrowed.release is not None:
+                borrowed.release()
         if found is not None:
             result.fetch_bytes += found.n_bytes
             result.tier = found.tier if result.tier == "none" else self.store.slower(result.tier, found.tier)
