@@ -206,3 +206,22 @@ def test_the_rag_scenario_compares_blend_with_cold_on_shuffled_passages(engine):
     summary = summarize(records)
     assert summary["blend"]["answers_equal_cold"]["compared"] == 2
     assert "answers = cold" in format_summary(summary)
+
+
+def test_the_blend_bench_prints_the_curve_and_llama_servers_cache_reuse_beside_it(monkeypatch, tmp_path, capsys):
+    import json
+
+    from kvbridge.backends.llama_server.process import built_binary, pinned_llama_cpp_version
+    from kvbridge.bench import blend_bench
+
+    if not built_binary(pinned_llama_cpp_version()).is_file():
+        pytest.skip("llama-server is not built: run ./scripts/build_llama_server.sh")
+    monkeypatch.setenv("KVB_OUTPUT_DIR", str(tmp_path))
+    assert blend_bench.main(["--passages", "2", "--recompute", "0,4", "--at", "end", "--prompts", "1",
+                             "--n-predict", "4", "--no-restore-cost", "--cache-reuse", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "recompute" in out and "llama-server --cache-reuse 16, 4 passages, 1 prompts" in out
+    result = json.loads(next(tmp_path.glob("kvbridge-blend-*.json")).read_text())
+    assert [(r["passages"], r["recompute"], r["at"]) for r in result["curve"]] == [(2, 0, "-"), (2, 4, "end")]
+    assert all(0 <= r["mean_kl"] and r["blend_ttft_ms"] > 0 for r in result["curve"])
+    assert result["llama_server_cache_reuse"]["prompts"] == 1

@@ -140,6 +140,55 @@ def measure_restore_cost(engine, n_prompts: int, seed: int = DEFAULT_SEED, n_pas
             "restored_mb": statistics.median(n_bytes) / 1e6}
 
 
+def measure_cache_reuse(engine, n_prompts: int, n_predict: int, seed: int = DEFAULT_SEED, n_passages: int = 4,
+                        chunk: int = 16) -> dict:
+    """llama-server's own answer to the same prompts: `--cache-reuse N` shifts chunks of the slot's previous
+    prompt that reappear in the next one, recomputing nothing. Per measured prompt, with the slot holding
+    the previous prompt: its answer with cache_prompt (the reuse), then without (the server's cold answer),
+    compared as ours are; the same token ids as every other mode."""
+    import requests
+
+    from kvbridge.backends.llama_server.process import ServerProcess, built_binary, free_port, pinned_llama_cpp_version
+
+    binary = built_binary(pinned_llama_cpp_version())
+    if not binary.is_file():
+        return {"skipped": f"{binary} not built (./scripts/build_llama_server.sh)"}
+    s = engine.settings
+    threads = str(s.resolved_threads())
+    args = ["--model", str(engine.backend.model_file()), "--ctx-size", str(s.ctx_size), "--threads", threads,
+            "--threads-batch", threads, "--parallel", "1", "--cache-ram", "0", "--flash-attn", "off",
+            "--cache-reuse", str(chunk), "--batch-size", "512", "--ubatch-size", "512", "--no-webui", "--no-warmup"]
+    server = ServerProcess(binary, args, "127.0.0.1", free_port())
+    server.start()
+    try:
+        server.wait_healthy(s.llama_start_timeout)
+
+        def complete(tokens, cache: bool) -> dict:
+            body = {"prompt": list(tokens), "n_predict": n_predict, "temperature": 0.0, "top_k": 1, "stream": False,
+                    "cache_prompt": cache, "id_slot": 0, "return_tokens": True}
+            resp = requests.post(server.url + "/completion", json=body, timeout=600)
+            resp.raise_for_status()
+            return resp.json()
+
+        corpus = load_corpus()
+        prompts = [engine.prepare(p.messages) for p in build_prompts(corpus, s.blend_separator, n_prompts=n_prompts + 1,
+                                                                     n_passages=n_passages, seed=seed)]
+        complete(prompts[0].tokens, False)    # the slot holds the prompt before the first measured one
+        rows = []
+        for p in prompts[1:]:
+            reuse, cold = complete(p.tokens, True), complete(p.tokens, False)
+            rows.append((reuse["tokens"] == cold["tokens"], reuse["tokens"][:1] == cold["tokens"][:1],
+                         reuse["timings"]["prompt_ms"], cold["timings"]["prompt_ms"],
+                         int(reuse["timings"].get("cache_n", 0)), len(p.tokens)))
+    finally:
+        server.stop()
+    n = len(rows)
+    return {"chunk": chunk, "passages": n_passages, "prompts": n,
+            "identical": sum(r[0] for r in rows) / n, "same_first_token": sum(r[1] for r in rows) / n,
+            "reuse_prompt_ms": statistics.fmean(r[2] for r in rows), "cold_prompt_ms": statistics.fmean(r[3] for r in rows),
+            "reused_tokens": statistics.fmean(r[4] for r in rows), "prompt_tokens": statistics.fmean(r[5] for r in rows)}
+
+
 def format_curve(rows: list[CurveRow]) -> str:
     head = (f"{'passages':>8} {'recompute':>9} {'at':>5} {'cold ms':>8} {'blend ms':>8} {'speedup':>7} {'same answer':>11} "
             f"{'same 1st':>8} {'mean KL':>8} {'median KL':>9} {'reused':>6}")
@@ -170,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-predict", type=int, default=16, help="greedy tokens per answer")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--no-restore-cost", action="store_true", help="skip the restore-cost measurement")
+    parser.add_argument("--cache-reuse", type=int, default=16, metavar="N",
+                        help="also run llama-server --cache-reuse N on the 4-passage prompts (0: skip)")
     args = parser.parse_args(argv)
     passages, recompute = _ints(args.passages, "passages"), _ints(args.recompute, "recompute")
     at = tuple(a.strip() for a in args.at.split(",") if a.strip())
@@ -195,9 +246,20 @@ def main(argv: list[str] | None = None) -> int:
                       f"{cost['blend_restore_ms']:.1f} ms against an exact prefix restore of the same cells "
                       f"{cost['exact_restore_ms']:.1f} ms ({cost['restored_mb']:.1f} MB): {cost['ratio']:.2f}x "
                       f"(question decode {cost['question_decode_ms']:.1f} ms taken off both)")
+            peer = None
+            if args.cache_reuse > 0:
+                peer = measure_cache_reuse(engine, args.prompts, args.n_predict, args.seed, chunk=args.cache_reuse)
+                if "skipped" in peer:
+                    print(f"\nllama-server --cache-reuse: skipped, {peer['skipped']}")
+                else:
+                    print(f"\nllama-server --cache-reuse {peer['chunk']}, {peer['passages']} passages, {peer['prompts']} "
+                          f"prompts (the slot holding the previous prompt): same answer {peer['identical']:.0%}, same "
+                          f"first token {peer['same_first_token']:.0%}, {peer['reused_tokens']:.0f} of "
+                          f"{peer['prompt_tokens']:.0f} prompt tokens reused, prompt {peer['reuse_prompt_ms']:.0f} ms "
+                          f"against {peer['cold_prompt_ms']:.0f} ms cold")
     result = {"command": "blend-bench", "settings": {"passages": passages, "recompute": recompute, "at": at,
                                                      "prompts": args.prompts, "n_predict": args.n_predict},
-              "curve": [asdict(r) for r in rows], "restore_cost": cost}
+              "curve": [asdict(r) for r in rows], "restore_cost": cost, "llama_server_cache_reuse": peer}
     path = write_result_json(result, base.output_dir, "blend")
     print(f"wrote {path}")
     return 0
