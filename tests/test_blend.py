@@ -16,7 +16,7 @@ import pytest
 
 from conftest import needs_model
 from kvbridge.blend.passages import PASSAGE_KIND, blend_namespace, passage_key
-from kvbridge.blend.runner import ANSWER, SCRATCH, BlendRunner
+from kvbridge.blend.runner import ANSWER, SCRATCH
 from kvbridge.engine.segments import tokenize_segments
 from kvbridge.bench.rag import build_prompts, load_corpus, rag_messages
 from kvbridge.engine.cached_engine import CachedEngine

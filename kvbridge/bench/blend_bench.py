@@ -20,7 +20,6 @@ restore against restore, the shift counted where llama.cpp does it.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
