@@ -65,6 +65,16 @@ for tool in cmake g++; do
         exit 1
     fi
 done
+if ! command -v patch >/dev/null 2>&1; then   # applies patches/llama.cpp
+    if [[ "$(id -u)" -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        echo "installing Debian's patch (it applies patches/llama.cpp)…"
+        DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends patch >/dev/null
+    else
+        echo "build_llama_server.sh: 'patch' is missing (it applies patches/llama.cpp); on Debian run: apt-get install -y patch" >&2
+        exit 1
+    fi
+fi
 
 work_dir="$(mktemp -d "${TMPDIR:-/tmp}/kvb-llama-server.XXXXXX")"
 trap 'rm -rf "$work_dir"' EXIT

@@ -58,6 +58,7 @@ ensure_build_tools() {
     local missing=()
     command -v cmake >/dev/null 2>&1 || missing+=(cmake)
     command -v g++ >/dev/null 2>&1 || missing+=(build-essential)
+    command -v patch >/dev/null 2>&1 || missing+=(patch)   # llama-server's build applies patches/llama.cpp
     if [[ ${#missing[@]} -gt 0 ]]; then
         apt_install "${missing[@]}"
     fi
