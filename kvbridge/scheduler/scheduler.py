@@ -499,9 +499,10 @@ class Scheduler:
         return kv, tier
 
     def _blend_place(self, request: Request) -> tuple[int, str]:
-        """Blend: stored instruction and passages placed into the request's sequence, each passage's first
-        tokens decoded in context (kvbridge.blend.runner); (positions held, slowest tier). Needs a free
-        sequence for a moment; without one, or when llama.cpp has no room, it computes everything."""
+        """Blend: stored instruction and passages placed into the request's sequence, a few tokens of each
+        passage (its last, by default) decoded in context (kvbridge.blend.runner); (positions held, slowest
+        tier). Needs a free sequence for a moment; without one, or when llama.cpp has no room, it computes
+        everything."""
         from kvbridge.blend.runner import BlendResult
 
         if not self._free_seqs:
