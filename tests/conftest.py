@@ -24,6 +24,17 @@ from kvbridge.settings import core as settings_core  # noqa: E402
 needs_model = pytest.mark.skipif(not EMBEDDED_MODEL_PATH.is_file(),
                                  reason=f"embedded model {EMBEDDED_MODEL_PATH} missing: run ./scripts/setup.sh")
 
+
+def needs_llama_server_and_model() -> list:
+    """Marks for live tests against the llama-server scripts/build_llama_server.sh builds, on the embedded model."""
+    from kvbridge.backends.llama_server.process import built_binary, pinned_llama_cpp_version
+
+    binary = built_binary(pinned_llama_cpp_version())
+    return [pytest.mark.live,
+            pytest.mark.skipif(not binary.is_file(), reason=f"llama-server is not built ({binary}): "
+                                                            "run ./scripts/build_llama_server.sh"),
+            needs_model]
+
 # a short slice of the built-in handbook keeps prefills fast on 2 cores
 SHORT_DOC_CHARS = 1200
 

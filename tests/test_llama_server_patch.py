@@ -18,21 +18,15 @@ from pathlib import Path
 import pytest
 
 from kvbridge.backends.llama_server.backend import LlamaServerBackend, RestoreFailed
-from kvbridge.backends.llama_server.process import built_binary, built_build_info, pinned_llama_cpp_version
+from kvbridge.backends.llama_server.process import built_build_info, pinned_llama_cpp_version
 from kvbridge.formats.slot_file import build_slot_file
-from kvbridge.settings import EMBEDDED_MODEL_PATH, PROJECT_ROOT, Settings
+from kvbridge.settings import PROJECT_ROOT, Settings
+from conftest import needs_llama_server_and_model
 from test_llama_server import prompt_for, run
 
-BINARY = built_binary(pinned_llama_cpp_version())
 PATCHES = sorted((PROJECT_ROOT / "patches" / "llama.cpp").glob("*.patch"))
 
-pytestmark = [
-    pytest.mark.live,
-    pytest.mark.skipif(not BINARY.is_file(), reason=f"llama-server is not built ({BINARY}): "
-                                                    "run ./scripts/build_llama_server.sh"),
-    pytest.mark.skipif(not EMBEDDED_MODEL_PATH.is_file(),
-                       reason=f"embedded model {EMBEDDED_MODEL_PATH} missing: run ./scripts/setup.sh"),
-]
+pytestmark = needs_llama_server_and_model()
 
 
 def patch_digest() -> str:

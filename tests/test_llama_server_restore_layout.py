@@ -31,17 +31,12 @@ from kvbridge.backends.llama_server.backend import LlamaServerBackend
 from kvbridge.backends.llama_server.process import (ServerProcess, built_binary, free_port,
                                                     pinned_llama_cpp_version)
 from kvbridge.settings import EMBEDDED_MODEL_PATH, Settings
+from conftest import needs_llama_server_and_model
 from test_llama_server import prompt_for
 
 BINARY = built_binary(pinned_llama_cpp_version())
 
-pytestmark = [
-    pytest.mark.live,
-    pytest.mark.skipif(not BINARY.is_file(), reason=f"llama-server is not built ({BINARY}): "
-                                                    "run ./scripts/build_llama_server.sh"),
-    pytest.mark.skipif(not EMBEDDED_MODEL_PATH.is_file(),
-                       reason=f"embedded model {EMBEDDED_MODEL_PATH} missing: run ./scripts/setup.sh"),
-]
+pytestmark = needs_llama_server_and_model()
 
 CTX = 1024   # cells in the cache: the map of each find_slot call is this many characters
 SHORT = [{"role": "user", "content": "List three colours of the rainbow."}]

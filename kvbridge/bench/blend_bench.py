@@ -100,7 +100,8 @@ def measure_curve(engine, passages: list[int], recompute: list[int], n_prompts: 
 
 def measure_restore_cost(engine, n_prompts: int, seed: int = DEFAULT_SEED, n_passages: int = 4) -> dict:
     """Blended placement (recompute 0) against an exact prefix restore of the same cells, both + the question."""
-    runner, ctx, store = engine._blend_runner(), engine._blend_runner().ctx, engine.store
+    runner, store = engine._blend_runner(), engine.store
+    ctx = runner.ctx
     corpus = load_corpus()
     sep = engine.settings.blend_separator
     for prompt in warmup_prompts(corpus, sep, n_passages, seed):

@@ -38,7 +38,8 @@ from kvbridge.backends.llamacpp import Utf8Decoder
 from kvbridge.blend.passages import (FoundPassage, blend_namespace, check_passage, instruction_key, passage_key,
                                      passage_meta)
 from kvbridge.errors import KVBridgeError, StateTransferError
-from kvbridge.formats.llama_state import KVGeometry, LayoutError, assemble_state, encode_chunk, parse_state
+from kvbridge.formats.llama_state import (KVGeometry, LayoutError, assemble_state, assembled_size, encode_chunk,
+                                         parse_state)
 from kvbridge.settings import Settings
 
 ANSWER, SCRATCH = 0, 1
@@ -68,6 +69,20 @@ class BlendResult:
     fetch_bytes: int = 0
     tier: str = "none"
     notes: list[str] = field(default_factory=list)
+
+    def fill_record(self, record, n_segments: int, recompute: int, recompute_at: str) -> None:
+        """What the placement reused, where from and what it cost, into a RequestRecord, with the note
+        that says so (CachedEngine and the scheduler both record a blend request this way)."""
+        record.matched_tokens = self.reused_tokens
+        record.fetch_bytes, record.fetch_ms = self.fetch_bytes, self.fetch_ms
+        record.assemble_ms, record.handoff_ms = self.assemble_ms, self.handoff_ms
+        record.restore_ms = self.assemble_ms + self.handoff_ms
+        passages = n_segments - 2
+        record.add_note(f"blend: {self.reused_segments} of {passages + 1} segments reused (instruction and "
+                        f"{passages} passages), {self.recomputed_tokens} prompt tokens recomputed "
+                        f"({recompute} per reused passage, at its {recompute_at})")
+        for note in self.notes:
+            record.add_note(note)
 
 
 class BlendRunner:
@@ -276,8 +291,6 @@ class BlendRunner:
         return True
 
     def _scratch_for(self, n_cells: int) -> np.ndarray:
-        from kvbridge.formats.llama_state import assembled_size
-
         size = assembled_size(self.geometry, n_cells)
         if self._scratch is None or len(self._scratch) < size:
             self._scratch = np.empty(max(size, 2 * len(self._scratch) if self._scratch is not None else size), np.uint8)

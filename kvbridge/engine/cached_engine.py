@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 from kvbridge.backends.base import Backend, EngineReport, Message, Prompt
 from kvbridge.settings import Settings
 from kvbridge.errors import BadSettings, EmptyPrompt, KVBridgeError, StateTransferError
-from kvbridge.engine.segments import tokenize_segments
+from kvbridge.engine.segments import no_passages_note, tokenize_segments
 from kvbridge.engine.hashing import make_hasher
 from kvbridge.engine.chunks import ChunkKV, ForeignState, ShadowIndex
 from kvbridge.formats.architectures import ModelTraits, kv_support
@@ -264,8 +264,7 @@ class CachedEngine:
             if len(p.segments) >= 3:
                 return self._run_blend(p, n_predict, temperature, record, t0, timer, on_text)
             mode = record.mode = "lmcache"
-            record.add_note(f"blend: no passages between the instruction and the question (cut the prompt with "
-                            f"KVB_BLEND_SEPARATOR {self.settings.blend_separator!r}); ran as lmcache")
+            record.add_note(no_passages_note(self.settings.blend_separator))
         with timer.stage("hash"):
             hashes = self.hasher.chunk_hashes(tokens)
         record.chunks_total = len(hashes)
@@ -344,29 +343,18 @@ class CachedEngine:
         result = runner.run(p.tokens, p.segments, recompute=recompute, n_predict=n_predict,
                             temperature=temperature, on_text=on_text, t0=t0,
                             recompute_at=self.settings.blend_recompute_at)
+        result.fill_record(record, len(p.segments), recompute, self.settings.blend_recompute_at)
         record.ttft_ms = result.ttft_ms
         record.text = result.text
         record.gen_tokens = len(result.tokens)
-        record.matched_tokens = result.reused_tokens
         record.prefill_tokens = result.recomputed_tokens
         record.tier = result.tier
-        record.fetch_bytes = result.fetch_bytes
         record.stored_objects = result.stored_segments
         record.tokenize_ms = timer.ms["tokenize"]
         record.hash_ms = timer.ms["hash"]
-        record.fetch_ms, record.assemble_ms = result.fetch_ms, result.assemble_ms
-        record.handoff_ms, record.prefill_ms = result.handoff_ms, result.prefill_ms
-        record.lookup_ms = 0.0
-        record.restore_ms = result.assemble_ms + result.handoff_ms
+        record.prefill_ms = result.prefill_ms
         record.first_token_ms = max(0.0, result.ttft_ms - record.tokenize_ms - record.hash_ms - result.fetch_ms
                                     - result.assemble_ms - result.handoff_ms - result.prefill_ms)
-        passages = len(p.segments) - 2
-        record.add_note(f"blend: {result.reused_segments} of {passages + 1} segments reused (instruction and "
-                        f"{passages} passages), {result.recomputed_tokens} prompt tokens recomputed "
-                        f"({recompute} per reused passage, at its {self.settings.blend_recompute_at}), "
-                        f"{result.stored_segments} stored")
-        for note in result.notes:
-            record.add_note(note)
 
     def _restore(self, tokens: list[int], hashes: list[bytes], record: RequestRecord, timer: StageTimer) -> int:
         """Find and confirm the stored prefix (lookup, fetch), assemble it and hand it to the engine."""

@@ -62,3 +62,9 @@ def tokenize_segments(text: str, separator: str, tokenize: Callable[[str], Seque
         starts.append(len(tokens))
         tokens.extend(int(t) for t in ids)
     return Segmented(tokens=tuple(tokens), starts=tuple(starts), text="".join(parts))
+
+
+def no_passages_note(separator: str) -> str:
+    """The record's note when blend was asked for a prompt with no passage to reuse (it runs as lmcache)."""
+    return (f"blend: no passages between the instruction and the question (cut the prompt with "
+            f"KVB_BLEND_SEPARATOR {separator!r}); ran as lmcache")

@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 from kvbridge.backends.base import Message, WindowCapture
 from kvbridge.backends.llamacpp import llama_cpp_fingerprint
 from kvbridge.backends.model_traits import traits_of_model
-from kvbridge.engine.segments import tokenize_segments
+from kvbridge.engine.segments import no_passages_note, tokenize_segments
 from kvbridge.engine.cached_engine import open_store
 from kvbridge.engine.chunks import common_prefix_length
 from kvbridge.engine.namespace import file_sha256, kv_namespace, sha_cache_file
@@ -183,8 +183,7 @@ class Scheduler:
         record = RequestRecord(mode="blend" if blending else "lmcache", engine="llamacpp-scheduler", kv_mode="full",
                                label=label, request_index=request_id, prompt_tokens=len(tokens), priority=priority)
         if blend and not blending:
-            record.add_note(f"blend: no passages between the instruction and the question (cut the prompt with "
-                            f"KVB_BLEND_SEPARATOR {self.settings.blend_separator!r}); ran as lmcache")
+            record.add_note(no_passages_note(self.settings.blend_separator))
         request = Request(request_id, label or f"request {request_id}", int(priority), tokens, n_predict,
                           Sampler(temperature, top_p, seed), tuple(stop), on_token, future, record, salt=cache_salt,
                           segments=segments, blend=blending)
@@ -530,16 +529,9 @@ class Scheduler:
         request.blend_placement, request.blend_result = placement, result
         record = request.record
         record.prefill_tokens += result.recomputed_tokens - len(placement.pending)   # decoded while placing
-        record.fetch_bytes, record.fetch_ms = result.fetch_bytes, result.fetch_ms
-        record.assemble_ms, record.handoff_ms = result.assemble_ms, result.handoff_ms
-        record.restore_ms = result.assemble_ms + result.handoff_ms
-        passages = len(request.segments) - 2
-        record.add_note(f"blend: {result.reused_segments} of {passages + 1} segments reused (instruction and "
-                        f"{passages} passages), {result.recomputed_tokens} prompt tokens recomputed "
-                        f"({self.settings.blend_recompute_tokens} per reused passage, at its "
-                        f"{self.settings.blend_recompute_at})")
+        result.fill_record(record, len(request.segments), self.settings.blend_recompute_tokens,
+                           self.settings.blend_recompute_at)
         self._counters["blend_reused_tokens"] += result.reused_tokens
-        request.record.matched_tokens = result.reused_tokens
         return kv, result.tier if result.reused_tokens else "none"
 
     def _store_blend(self, request: Request) -> None:
