@@ -1,4 +1,4 @@
-"""`python -m kvbridge`: the command line (gui, demo, bench, bench-store, bench-l3, bench-scheduler, bench-serve, cache-server, serve, namespace, engines, scenarios)."""
+"""`kvbridge` (the same as `python -m kvbridge`): the command line (setup, gui, demo, bench, bench-store, bench-l3, bench-scheduler, bench-serve, cache-server, serve, namespace, engines, scenarios)."""
 from __future__ import annotations
 
 import argparse
@@ -10,9 +10,12 @@ import sys
 import tempfile
 
 from kvbridge.settings import Settings
+from kvbridge.settings.checks import SERVE_ENGINES
 from kvbridge.errors import KVBridgeError
 
 COMMANDS = {
+    "setup": "fetch the embedded models (SmolLM2, KVB_MODEL's, --model) into the models folder and say what "
+             "else this installation needs (in a source checkout ./scripts/setup.sh does all of it)",
     "gui": "serve the Gradio testbed on KVB_HOST:KVB_PORT (what ./scripts/start.sh runs)",
     "demo": "run a short Document Q&A in cold and lmcache modes and print what happened",
     "bench": "run a scenario headless in several modes; print a table and summary; write CSV/JSON/HTML to output/",
@@ -94,6 +97,36 @@ def cmd_engines(args) -> int:
     for spec in engine_specs():
         aliases = f" (aliases: {', '.join(spec.aliases)})" if spec.aliases else ""
         print(f"{spec.key:13} {spec.cls.kv_mode.upper():6} {spec.label}{aliases}\n{'':20} {spec.blurb}")
+    return 0
+
+
+def cmd_setup(args) -> int:
+    import importlib.util
+
+    from kvbridge.settings import DATA_HOME, SOURCE_CHECKOUT, WORK_DIR
+    from kvbridge.settings.model_fetch import FetchError, fetch_models
+    from kvbridge.settings.models import DEFAULT_MODEL, EMBEDDED_MODELS
+
+    settings = Settings.from_env()
+    names = [DEFAULT_MODEL]
+    for name in [settings.model, *(args.model or [])]:
+        for wanted in (EMBEDDED_MODELS if name == "all" else [name]):
+            if wanted not in names:
+                names.append(wanted)
+    print(f"models folder: {DATA_HOME / 'models'}; settings: {WORK_DIR / '.env'} and KVB_ variables")
+    try:
+        fetch_models(names, say=print)
+    except FetchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("llama_cpp") is None:
+        where = ("./scripts/setup.sh builds it down the instruction-set ladder" if SOURCE_CHECKOUT else
+                 "pip install 'kvbridge[llama]' builds it from source (about 5 minutes on 2 cores; "
+                 "set CMAKE_ARGS for your CPU's instruction set if the first decode crashes)")
+        print(f"llama-cpp-python is not installed, so the in-process engine cannot run yet: {where}.")
+    else:
+        start = "./scripts/start.sh" if SOURCE_CHECKOUT else "kvbridge gui"
+        print(f"llama-cpp-python is installed: {start} starts the testbed on the embedded model.")
     return 0
 
 
@@ -362,7 +395,7 @@ def cmd_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m kvbridge",
+        prog="kvbridge" if sys.argv and sys.argv[0].endswith("/kvbridge") else "python -m kvbridge",
         description="KVBridge: an LMCache-style KV-cache layer for llama.cpp, llama-server, Ollama and "
                     "OpenAI-compatible engines. Settings come from KVB_ variables and .env (see .env.example).",
         epilog="commands:\n" + "\n".join(f"  {k:12} {v}" for k, v in COMMANDS.items()),
@@ -460,13 +493,19 @@ def build_parser() -> argparse.ArgumentParser:
                                 "repeatable; after those in KVB_CACHE_SERVER_MODULES")
             p.add_argument("--metrics-port", type=int, default=None,
                            help="serve Prometheus text on 127.0.0.1:PORT/metrics (default: KVB_CACHE_SERVER_METRICS_PORT)")
+        if name == "setup":
+            p.add_argument("--model", action="append", metavar="NAME",
+                           help="also fetch this embedded model, or 'all' (repeatable); SmolLM2 and KVB_MODEL's "
+                                "are always fetched")
         if name == "gui":
             p.add_argument("--serve", action="store_true",
                            help="also run the OpenAI-compatible endpoint on KVB_SERVE_PORT; the lab tab shows its requests")
         if name == "serve":
             p.add_argument("--host", help="address to listen on (default: KVB_SERVE_HOST, else 127.0.0.1)")
             p.add_argument("--port", type=int, help="port (default: KVB_SERVE_PORT, else 8000)")
-            p.add_argument("--engine", choices=["scheduler", "llama-server", "ollama", "cloud"],
+            # only what serve can run (a shadow engine holds no KV of ours to serve from); argparse's own
+            # error for anything else names --engine and these choices
+            p.add_argument("--engine", choices=SERVE_ENGINES,
                            help="scheduler: in-process, many requests at once (default: KVB_SERVE_ENGINE); "
                                 "llama-server: CachedEngine in lmcache mode, requests queued")
         if name == "bench-store":

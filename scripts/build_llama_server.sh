@@ -142,7 +142,9 @@ cmake -S "$source_dir" -B "$work_dir/build" "${generator[@]}" \
     exit 1
 }
 
-cmake --build "$work_dir/build" --target llama-server -j "${KVB_BUILD_JOBS:-2}" \
+jobs="$("${variants[@]}" jobs)" || exit 1   # KVB_BUILD_JOBS (environment, else .env), else every core
+echo "compiling llama-server with $jobs parallel job(s) (KVB_BUILD_JOBS); about 5 minutes on 2 cores…"
+cmake --build "$work_dir/build" --target llama-server -j "$jobs" \
     >"$work_dir/cmake-build.log" 2>&1 || {
     tail -n 40 "$work_dir/cmake-build.log" >&2
     echo "build_llama_server.sh: build failed (log above)" >&2

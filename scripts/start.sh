@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Set up (idempotent), then run KVBridge's GUI. Stop it with scripts/stop.sh or Ctrl-C.
-# Usage: scripts/start.sh [--background] [--no-browser]
+# Set up what the GUI on the embedded model needs (idempotent: scripts/setup.sh, about 10 minutes the
+# first time on 2 cores, seconds after), then run KVBridge's GUI. Stop it with scripts/stop.sh or Ctrl-C.
+# Usage: scripts/start.sh [--background]
 #   --background  run detached, logs in output/kvbridge.log
-#   --no-browser  passed to setup.sh (skip installing chromium)
 # KVB_HOST / KVB_PORT (default 127.0.0.1:7860) choose where the GUI listens.
 set -euo pipefail
 
@@ -17,13 +17,12 @@ is_kvbridge() {  # the process with this PID runs KVBridge (not some later proce
 LOG_FILE="$REPO_ROOT/output/kvbridge.log"
 
 background=0
-setup_args=()
+
 for arg in "$@"; do
     case "$arg" in
         --background) background=1 ;;
-        --no-browser) setup_args+=(--no-browser) ;;
-        -h|--help) sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "start.sh: unknown option '$arg' (use --background, --no-browser or --help)" >&2; exit 2 ;;
+        -h|--help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "start.sh: unknown option '$arg' (use --background or --help)" >&2; exit 2 ;;
     esac
 done
 
@@ -37,7 +36,7 @@ if [[ -f "$PID_FILE" ]]; then
     rm -f "$PID_FILE"  # stale: the process is gone
 fi
 
-"$REPO_ROOT/scripts/setup.sh" "${setup_args[@]}"
+"$REPO_ROOT/scripts/setup.sh"   # only what the GUI on the embedded model needs; tests: scripts/test.sh
 
 host="${KVB_HOST:-}"
 port="${KVB_PORT:-}"

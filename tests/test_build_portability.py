@@ -1,7 +1,7 @@
 """The llama.cpp build runs on the machine it was built on, whatever its CPU claims (issue 9, section 0).
 
 scripts/build_variants.py walks a ladder of instruction sets (claimed, no-amx, avx2), vetting each
-build with a smoke decode in a child process (scripts/smoke_decode.py). This machine's CPU runs
+build with a smoke decode in a child process (kvbridge/backends/smoke_decode.py). This machine's CPU runs
 every instruction it claims, so the fallback is exercised through the smoke script's test hook
 KVB_SMOKE_CRASH_VARIANTS: the named variants' smoke child dies by a real SIGILL. The ladder tests
 give the script a Sapphire Rapids /proc/cpuinfo (--cpuinfo), so they walk the issue's ladder:

@@ -1,7 +1,7 @@
 """A llama.cpp build that crashes on this CPU must not take the GUI, a script or the CLI down with it.
 
 This machine's CPU runs every instruction it claims, so the crash is made on purpose: the smoke
-decode's test hook (KVB_SMOKE_CRASH_VARIANTS, see scripts/smoke_decode.py) kills the child
+decode's test hook (KVB_SMOKE_CRASH_VARIANTS, see kvbridge/backends/smoke_decode.py) kills the child
 process with a real SIGILL, as an AMX instruction refused by a hypervisor would.
 """
 from __future__ import annotations

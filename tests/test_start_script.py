@@ -26,8 +26,7 @@ def free_port() -> int:
 
 
 def run_script(name: str, *args: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(PROJECT_ROOT / "scripts" / name), *args, "--no-browser"] if name == "start.sh"
-                          else [str(PROJECT_ROOT / "scripts" / name), *args],
+    return subprocess.run([str(PROJECT_ROOT / "scripts" / name), *args],
                           cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -3,7 +3,7 @@
 A CPU may advertise instructions its hypervisor will not execute (AMX tiles on some cloud VMs); a
 llama.cpp built for them dies by a signal at its first decode, and in-process that would take the
 GUI or the caller's script down with it. So the first start of the in-process engine per build runs
-scripts/smoke_decode.py (the same check ./scripts/setup.sh runs after every build) in a child
+kvbridge/backends/smoke_decode.py (the same check ./scripts/setup.sh runs after every build) in a child
 process; only when the child decodes does the engine load llama.cpp here. A build that passed is
 remembered in the virtual environment beside the build record, keyed by the library files and the
 model, so later starts pay nothing. Deliberately left out: re-checking on every start (a build does not change without its
@@ -22,14 +22,14 @@ import sys
 from pathlib import Path
 
 from kvbridge.errors import EngineUnavailable
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR, setup_command
+from kvbridge.settings.paths import BUILD_RECORD
 
 log = logging.getLogger(__name__)
-SMOKE_SCRIPT = PROJECT_ROOT / "scripts" / "smoke_decode.py"
-BUILD_RECORD = PROJECT_ROOT / ".venv" / "kvbridge-build.json"
+SMOKE_SCRIPT = Path(__file__).with_name("smoke_decode.py")   # run by path, so the child imports no kvbridge
 CHECKED_DIR = BUILD_RECORD.parent / "kvbridge-build-checked"
 SMOKE_TIMEOUT_S = 180.0
-CRASH_HOOK_VAR = "KVB_SMOKE_CRASH_VARIANTS"   # scripts/smoke_decode.py's test hook
+CRASH_HOOK_VAR = "KVB_SMOKE_CRASH_VARIANTS"   # smoke_decode.py's test hook
 EXIT_ENVIRONMENT = 3   # smoke_decode.py: the environment is wrong (no llama_cpp, no model), not the build
 
 
@@ -73,11 +73,11 @@ def ensure_llama_cpp_runs(model: Path, checked_dir: Path | None = None) -> None:
     variant = installed_variant()
     argv = [sys.executable, str(SMOKE_SCRIPT), "llama", "--model", str(model), "--variant", variant]
     try:
-        run = subprocess.run(argv, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, cwd=PROJECT_ROOT)
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, cwd=WORK_DIR)
     except subprocess.TimeoutExpired:
         raise EngineUnavailable(
             f"llama.cpp did not finish a test decode of {model.name} in a child process within "
-            f"{SMOKE_TIMEOUT_S:.0f} s, so it was not loaded here. Run ./scripts/setup.sh to check and rebuild it.") from None
+            f"{SMOKE_TIMEOUT_S:.0f} s, so it was not loaded here. Run {setup_command()} to check and rebuild it.") from None
     if run.returncode == 0:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(run.stdout.strip()[-2000:] + "\n")

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from kvbridge.settings import Settings
+from kvbridge.settings import Settings, setup_command
 from kvbridge.settings.models import EMBEDDED_MODELS
 from kvbridge.errors import BadSettings, EngineUnavailable, StateTransferError
 from kvbridge.backends.build_check import ensure_llama_cpp_runs
@@ -62,7 +62,7 @@ def model_file_problems(s: Settings, *, ollama_model_ok: bool = False) -> list[s
     embedded = s.resolved_model_path()
     if not embedded.is_file() and s.model in EMBEDDED_MODELS:
         return [f"the embedded model {s.model} (KVB_MODEL) is missing at {embedded}; run "
-                f"./scripts/setup.sh --model {s.model} to fetch it, or set KVB_MODEL_PATH to a .gguf file"]
+                f"{setup_command('--model', s.model)} to fetch it, or set KVB_MODEL_PATH to a .gguf file"]
     return []
 
 
@@ -91,7 +91,7 @@ def check_model_file(path: Path) -> None:
         embedded = next((m for m in EMBEDDED_MODELS.values() if m.path == path), None)
         if embedded is not None:
             raise EngineUnavailable(f"The embedded model {embedded.name} ({path}) is not fetched yet (KVB_MODEL): "
-                                    f"run ./scripts/setup.sh --model {embedded.name}")
+                                    f"run {setup_command('--model', embedded.name)}")
         raise EngineUnavailable(f"Model file {path} does not exist (KVB_MODEL_PATH).")
     if not os.access(path, os.R_OK):
         raise EngineUnavailable(f"Model file {path} is not readable (KVB_MODEL_PATH).")

@@ -37,8 +37,8 @@ def find_redis_server(binary: str | None = None) -> str:
     found = shutil.which(binary or REDIS_SERVER) or (shutil.which("/usr/bin/redis-server") if binary is None else None)
     if found is None:
         raise RedisServerMissing(
-            f"{binary or REDIS_SERVER} was not found, and the bench needs a Redis for L3: run ./scripts/setup.sh "
-            "(it installs Debian's redis-server), or set KVB_L3_URL to a Redis/Valkey server of your own.")
+            f"{binary or REDIS_SERVER} was not found, and the bench needs a Redis for L3: run ./scripts/setup.sh --test "
+            "(it installs Debian's redis-server; or apt-get install redis-server), or set KVB_L3_URL to a Redis/Valkey server of your own.")
     return found
 
 

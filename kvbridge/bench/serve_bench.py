@@ -207,6 +207,15 @@ def llama_server_args(settings: Settings) -> list[str]:
 
 
 # -- the client ----------------------------------------------------------------------------------------
+def require_openai_sdk() -> None:
+    """The serve benches talk through the official openai SDK, a test package: a clear error when it is missing."""
+    try:
+        import openai  # noqa: F401
+    except ImportError:
+        raise EngineUnavailable("this bench talks to the servers through the official openai SDK, which is not "
+                                "installed: run ./scripts/setup.sh --test, or pip install openai") from None
+
+
 def ask(client, model: str, messages: list[dict], max_tokens: int, label: str) -> Answer:
     """One streamed, greedy chat request through the SDK; its error (if any) goes into the answer."""
     import openai
@@ -276,6 +285,7 @@ def run_bench_serve(settings: Settings, *, questions: int = 12, repeats: int = 3
     """Both phases on both servers; the whole result as plain data (format_bench_serve prints it)."""
     from kvbridge.backends.llamacpp import model_path_for
 
+    require_openai_sdk()
     binary = llama_server_binary(settings)   # said before anything starts
     document = document_text(document_chars)
     chats = build_requests("doc-qa", questions, document)

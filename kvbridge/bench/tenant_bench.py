@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from kvbridge.bench.scenarios import builtin_document
-from kvbridge.bench.serve_bench import OurServe
+from kvbridge.bench.serve_bench import OurServe, require_openai_sdk
 from kvbridge.settings import Settings
 
 KEYS = {"alice": "bench-key-alice", "bob": "bench-key-bob", "carol": "bench-key-carol"}
@@ -32,6 +32,7 @@ ORDER = ("alice cold", "alice warm", "bob (other tenant)", "carol (alice's group
 
 
 def run_tenant_bench(settings: Settings, documents: int = 4, doc_chars: int = 4000) -> dict:
+    require_openai_sdk()
     import openai
 
     text = builtin_document()

@@ -25,13 +25,13 @@ from typing import Protocol
 import numpy as np
 from blake3 import blake3
 
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import DATA_HOME
 
 MAX_TOKEN_ID = 2**32 - 1
 TOKEN_DIGEST_BYTES = 16
 TAIL_KEY_PREFIX = b"kvbridge-tail-v1"
 # scripts/install_lmcache.sh extracts LMCache's token_hasher.py here (git-ignored).
-LMCACHE_HASHER_DIR = PROJECT_ROOT / ".lmcache-hasher"
+LMCACHE_HASHER_DIR = DATA_HOME / ".lmcache-hasher"
 LMCACHE_HASHER_MODULE = "lmcache.v1.multiprocess.token_hasher"
 
 TokenIds = Sequence[int] | np.ndarray

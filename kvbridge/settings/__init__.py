@@ -5,15 +5,16 @@ nothing of the engine, the store or the adapters at module level; `Settings.vali
 engine registry for engine-specific checks with a function-level import.
 """
 from kvbridge.settings.checks import url_problem
-from kvbridge.settings.core import (DEFAULT_ENV_FILE, EMBEDDED_MODEL_FILE, EMBEDDED_MODEL_PATH, PATH_FIELDS, PROJECT_ROOT,
+from kvbridge.settings.core import (DEFAULT_ENV_FILE, EMBEDDED_MODEL_FILE, EMBEDDED_MODEL_PATH, PATH_FIELDS,
                                     SETTING_NAMES, SIZE_FIELDS, Problems, Settings, env_name, format_size, parse_size,
                                     setting_fields, settings_to_env)
 from kvbridge.settings.envfile import is_variable_name, looks_like_secret, update_env_file
+from kvbridge.settings.paths import DATA_HOME, PROJECT_ROOT, SOURCE_CHECKOUT, WORK_DIR, setup_command
 from kvbridge.settings.presets import CLOUD_PRESETS, CloudPreset
 
 __all__ = [
-    "CLOUD_PRESETS", "DEFAULT_ENV_FILE", "EMBEDDED_MODEL_FILE", "EMBEDDED_MODEL_PATH", "PATH_FIELDS",
-    "PROJECT_ROOT", "Problems", "SETTING_NAMES", "SIZE_FIELDS", "CloudPreset", "Settings", "env_name",
-    "format_size", "is_variable_name", "looks_like_secret", "parse_size", "setting_fields", "settings_to_env",
-    "update_env_file", "url_problem",
+    "CLOUD_PRESETS", "DATA_HOME", "DEFAULT_ENV_FILE", "EMBEDDED_MODEL_FILE", "EMBEDDED_MODEL_PATH", "PATH_FIELDS",
+    "PROJECT_ROOT", "Problems", "SETTING_NAMES", "SIZE_FIELDS", "SOURCE_CHECKOUT", "WORK_DIR", "CloudPreset", "Settings",
+    "env_name", "format_size", "is_variable_name", "looks_like_secret", "parse_size", "setting_fields",
+    "settings_to_env", "setup_command", "update_env_file", "url_problem",
 ]

@@ -26,12 +26,12 @@ from dotenv import dotenv_values
 
 from kvbridge.settings.checks import settings_problems
 from kvbridge.settings.models import DEFAULT_MODEL, EMBEDDED_MODELS
+from kvbridge.settings.paths import WORK_DIR
 from kvbridge.settings.presets import CLOUD_PRESETS, CloudPreset
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED_MODEL_FILE = EMBEDDED_MODELS[DEFAULT_MODEL].file     # the default embedded model (SmolLM2)
 EMBEDDED_MODEL_PATH = EMBEDDED_MODELS[DEFAULT_MODEL].path
-DEFAULT_ENV_FILE = PROJECT_ROOT / ".env"
+DEFAULT_ENV_FILE = WORK_DIR / ".env"     # the checkout's, or the current directory's (kvbridge.settings.paths)
 
 # (field name, message) pairs from parsing; kept out of ==, hash and repr.
 Problems = tuple[tuple[str, str], ...]
@@ -114,8 +114,8 @@ class Settings:
     # GUI
     host: str = "127.0.0.1"
     port: int = 7860
-    input_dir: str = str(PROJECT_ROOT / "input")
-    output_dir: str = str(PROJECT_ROOT / "output")
+    input_dir: str = str(WORK_DIR / "input")
+    output_dir: str = str(WORK_DIR / "output")
     # llama-server
     llama_server_bin: str = ""        # empty: the binary scripts/build_llama_server.sh built
     llama_server_url: str = ""        # set: attach to a running server instead of starting one
@@ -143,7 +143,7 @@ class Settings:
     def from_env(cls, env: Mapping[str, str] | None = None, env_file: str | Path | None = None) -> "Settings":
         """Build from `.env` (python-dotenv) overlaid by the environment; the environment wins.
 
-        env: the environment to read (default os.environ); env_file: default PROJECT_ROOT/.env.
+        env: the environment to read (default os.environ); env_file: default WORK_DIR/.env (the checkout's, or the current directory's).
         Never raises for a bad value: it keeps the default and validate() reports it.
         """
         environ = os.environ if env is None else env

@@ -12,8 +12,9 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-MODELS_DIR = PROJECT_ROOT / "models"
+from kvbridge.settings.paths import DATA_HOME
+
+MODELS_DIR = DATA_HOME / "models"   # the checkout's models/, or the per-user data folder of an installed package
 
 
 @dataclass(frozen=True)

