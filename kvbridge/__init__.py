@@ -1,14 +1,18 @@
 """KVBridge: an LMCache-style KV-cache layer for llama.cpp, llama-server, Ollama and OpenAI-compatible engines.
 
-The flow: prompt -> tokens -> chunk hashes -> lookup (L1 RAM, L2 disk) -> restore -> prefill only
-the suffix -> generate -> store new chunks. The packages follow it:
+The flow: prompt -> tokens -> chunk hashes -> lookup (L1 RAM, L2 disk, L3 on Redis/Valkey) -> restore
+-> prefill only the suffix -> generate -> store new chunks. The packages follow it:
 
-    settings/  Settings (frozen, from env and .env), checks, .env writer, cloud presets
-    backends/  the Backend base, the engine registry, one adapter per engine
-    engine/    CachedEngine, records, metrics, hashing, namespace, chunk and tail objects
-    formats/   llama.cpp's sequence state and llama-server's slot files
-    store/     tiers (L1 RAM, L2 disk) in an ordered list under one LRU policy
-    bench/     scenarios, runner, summaries; gui/ the Gradio testbed
+    settings/      Settings (frozen, from env and .env), checks, .env writer, cloud presets
+    backends/      the Backend base, the engine registry, one adapter per engine
+    engine/        CachedEngine, records, metrics, hashing, namespace, chunk and tail objects
+    formats/       llama.cpp's sequence state and llama-server's slot files
+    store/         tiers (L1 RAM, L2 disk, L3 on Redis or Valkey) in an ordered list under one LRU policy
+    cache_server/  one daemon owning the cache for every engine process (ZMQ, shared-memory L1)
+    scheduler/     many requests on one llama.cpp context: shared prefixes, preemption with swap
+    serve/         an OpenAI-compatible endpoint (`kvbridge serve`) over the scheduler or llama-server
+    blend/         retrieved passages reused wherever they stand in a prompt (approximate, opt-in)
+    bench/         scenarios, runner, summaries; gui/ the Gradio testbed
 
 Public API: `from kvbridge import CachedEngine, Settings, make_backend`. The names are resolved
 on first use, so `import kvbridge.store` does not load the engines.
