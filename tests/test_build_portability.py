@@ -170,9 +170,11 @@ def test_stamp_follows_cmake_args_from_env_and_env_file(tmp_path):
 
 def test_record_that_does_not_verify_means_rebuild(tmp_path):
     record = tmp_path / "build.json"
-    bv.write_record(record, {"variant": "native", "requirements_sha256": "a", "requested_sha256": "b"})
-    parts = {"requirements_sha256": "a", "requested_sha256": "b"}
+    bv.write_record(record, {"variant": "native", "requirements_sha256": "a", "pyproject_sha256": "p",
+                             "requested_sha256": "b"})
+    parts = {"requirements_sha256": "a", "pyproject_sha256": "p", "requested_sha256": "b"}
     assert bv.why_rebuild(bv.read_record(record), parts) is None
+    assert "pyproject.toml changed" in bv.why_rebuild(bv.read_record(record), {**parts, "pyproject_sha256": "q"})
     assert "requested build flags" in bv.why_rebuild(bv.read_record(record), {**parts, "requested_sha256": "c"})
     record.write_text(record.read_text().replace('"native"', '"avx2"'))
     assert bv.read_record(record) is None and "no valid build record" in bv.why_rebuild(None, parts)
@@ -286,3 +288,27 @@ def test_both_engines_were_built_with_the_same_flags():
     if record is None or not flags_file.is_file():
         pytest.skip("run ./scripts/setup.sh and ./scripts/build_llama_server.sh first")
     assert flags_file.read_text().splitlines() == [f"variant={record['variant']}", *record["cmake_args"]]
+
+
+@pytest.mark.parametrize("value, jobs", [("", os.cpu_count() or 1), ("3", 3), (" 1 ", 1)])
+def test_build_jobs_come_from_kvb_build_jobs(tmp_path, value, jobs):
+    """Every compile (llama-cpp-python's, llama-server's) asks build_variants.py how many jobs: KVB_BUILD_JOBS."""
+    assert bv.build_jobs({"KVB_BUILD_JOBS": value}, tmp_path / "none.env") == jobs
+
+
+def test_build_jobs_from_env_file_and_a_bad_value_names_the_variable(tmp_path):
+    env_file = tmp_path / ".env"
+    env_file.write_text("KVB_BUILD_JOBS=5\n")
+    assert bv.build_jobs({}, env_file) == 5
+    with pytest.raises(bv.BuildError, match="KVB_BUILD_JOBS='two'"):
+        bv.build_jobs({"KVB_BUILD_JOBS": "two"}, env_file)
+    done = subprocess.run([sys.executable, str(SCRIPT), "jobs"],
+                          env={**os.environ, "KVB_BUILD_JOBS": "0"}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "KVB_BUILD_JOBS='0'" in done.stderr
+
+
+def test_the_llama_cpp_python_build_is_given_the_jobs(tmp_path):
+    """run_build hands the number to CMake (CMAKE_BUILD_PARALLEL_LEVEL), which scikit-build-core's cmake obeys."""
+    log = tmp_path / "build.log"
+    bv.run_build(bv.Variant("custom", ("-DX=1",), "test"), 'echo "jobs=$CMAKE_BUILD_PARALLEL_LEVEL"', log, 3)
+    assert "jobs=3" in log.read_text()

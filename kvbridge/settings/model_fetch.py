@@ -32,7 +32,7 @@ class FetchError(RuntimeError):
 def _shown(path: Path) -> str:
     """The path as a person reads it: relative to the current directory when inside it."""
     try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
+        return str(path.absolute().relative_to(Path.cwd()))   # not resolved: models/ may be a link
     except ValueError:
         return str(path)
 
