@@ -10,8 +10,8 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"
 PID_FILE="$REPO_ROOT/.kvbridge.pid"
 
-is_kvbridge() {  # the process with this PID runs KVBridge (not some later process given the number)
-    [[ "$1" =~ ^[0-9]+$ && -r "/proc/$1/cmdline" ]] && tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null | grep -q "kvbridge"
+is_kvbridge() {  # the process with this PID runs the GUI start.sh started (not some later process given the number)
+    [[ "$1" =~ ^[0-9]+$ && -r "/proc/$1/cmdline" ]] && tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null | grep -q -- "-m kvbridge gui "   # what start.sh runs; a reused PID running anything else is not ours
 }
 
 LOG_FILE="$REPO_ROOT/output/kvbridge.log"

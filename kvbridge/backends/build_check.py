@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from kvbridge.errors import EngineUnavailable
-from kvbridge.settings import WORK_DIR, setup_command
+from kvbridge.settings import SOURCE_CHECKOUT, WORK_DIR, setup_command
 from kvbridge.settings.paths import BUILD_RECORD
 
 log = logging.getLogger(__name__)
@@ -91,5 +91,14 @@ def ensure_llama_cpp_runs(model: Path, checked_dir: Path | None = None) -> None:
     raise EngineUnavailable(
         f"llama.cpp {how} during a test decode of {model.name} in a child process, so it was not loaded into "
         f"this one: this build of llama-cpp-python (instruction set '{variant}') uses CPU instructions this "
-        "machine cannot run. Run ./scripts/setup.sh: it tests the build and rebuilds it with a safer "
-        "instruction set (or choose the flags yourself with KVB_LLAMA_CMAKE_ARGS).")
+        f"machine cannot run. {rebuild_advice()}")
+
+
+def rebuild_advice() -> str:
+    """How to replace a build that crashes: the ladder in a checkout (its record still vouches for the build,
+    so it goes first), else pip with safer flags."""
+    if SOURCE_CHECKOUT is not None:
+        return (f"Remove its build record and set up again: rm {BUILD_RECORD} && ./scripts/setup.sh (it tests each "
+                "build and steps down to a safer instruction set), or choose the flags yourself with KVB_LLAMA_CMAKE_ARGS.")
+    return ("Reinstall it with flags this CPU runs, e.g. CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX512=OFF' "
+            "pip install --force-reinstall --no-cache-dir --no-binary llama-cpp-python llama-cpp-python.")

