@@ -1,0 +1,40 @@
+"""README's Python example runs as written: the first question prefills, the second restores the document.
+
+The block is read out of README.md (the first ```python block under "## From Python") and run by the
+real interpreter in the checkout, with the default settings on the embedded model and a private L2.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings.models import EMBEDDED_MODELS, DEFAULT_MODEL
+
+README = PROJECT_ROOT / "README.md"
+
+
+def readme_python_example() -> str:
+    text = README.read_text()
+    section = text[text.index("## From Python"):]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, "README.md's 'From Python' section has no python block"
+    return match.group(1)
+
+
+@pytest.mark.skipif(not EMBEDDED_MODELS[DEFAULT_MODEL].path.is_file(), reason="the embedded model is not fetched: run ./scripts/setup.sh")
+def test_the_readme_example_restores_on_the_second_question(tmp_path):
+    env = {key: value for key, value in os.environ.items() if not key.startswith("KVB_")}
+    env.update(KVB_L2_DIR=str(tmp_path / "l2"), KVB_OUTPUT_DIR=str(tmp_path / "output"))
+    done = subprocess.run([sys.executable, "-c", readme_python_example()], cwd=PROJECT_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = re.findall(r"(\d+) ms, (\d+) of (\d+) tokens restored from (\w+)", done.stdout)
+    assert len(lines) == 2, done.stdout
+    (_, first, _, first_tier), (_, second, prompt, second_tier) = lines
+    assert int(first) == 0 and first_tier == "none"
+    assert int(second) > int(prompt) // 2 and second_tier != "none", lines[1]
