@@ -260,6 +260,8 @@ def test_a_restart_keeps_the_cache_and_sigterm_lets_a_running_request_finish(tmp
 @pytest.mark.parametrize("changes, named", [
     ({"serve_port": 0}, "KVB_SERVE_PORT"),
     ({"serve_engine": "vllm"}, "KVB_SERVE_ENGINE"),
+    ({"serve_engine": "ollama"}, "KVB_SERVE_ENGINE"),
+    ({"serve_engine": "cloud"}, "KVB_SERVE_ENGINE"),
     ({"serve_api_key_env": "sk-live key"}, "KVB_SERVE_API_KEY_ENV"),
     ({"serve_max_tokens": 0}, "KVB_SERVE_MAX_TOKENS"),
     ({"serve_cors_origins": "localhost:3000"}, "KVB_SERVE_CORS_ORIGINS"),
@@ -271,6 +273,28 @@ def test_a_restart_keeps_the_cache_and_sigterm_lets_a_running_request_finish(tmp
 def test_bad_serve_settings_name_the_variable(make_settings, changes, named):
     problems = make_settings(**changes).validate()
     assert any(named in p for p in problems), problems
+
+
+@pytest.mark.parametrize("engine", ["ollama", "cloud", "vllm"])
+def test_serve_offers_only_the_engines_it_can_run(capsys, make_settings, engine):
+    from kvbridge.__main__ import build_parser
+    from kvbridge.errors import BadSettings
+    from kvbridge.serve.engines import SERVE_ENGINE_CLASSES, make_serve_engine
+    from kvbridge.settings.checks import SERVE_ENGINES
+
+    assert sorted(SERVE_ENGINE_CLASSES) == sorted(SERVE_ENGINES)   # the CLI, the settings check and serve agree
+    with pytest.raises(SystemExit) as shown:
+        build_parser().parse_args(["serve", "--help"])
+    assert shown.value.code == 0
+    offered = capsys.readouterr().out
+    assert "--engine {scheduler,llama-server}" in offered and "ollama" not in offered and "cloud" not in offered
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["serve", "--engine", engine])
+    said = capsys.readouterr().err
+    assert refused.value.code == 2
+    assert "--engine" in said and engine in said and "scheduler" in said and "llama-server" in said
+    with pytest.raises(BadSettings, match="--engine / KVB_SERVE_ENGINE.*scheduler or llama-server"):
+        make_serve_engine(make_settings(), engine)      # refused before anything loads
 
 
 def test_a_key_variable_that_is_empty_stops_the_start_with_its_name(tmp_path):

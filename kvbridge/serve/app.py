@@ -198,9 +198,11 @@ def _as_api_error(exc: Any) -> ApiError:
 
     if isinstance(exc, RequestRefused):
         message = str(exc)
-        param = "messages" if "prompt has" in message else None
-        code = "context_length_exceeded" if "prompt has" in message else None
-        return ApiError(400, message, param=param, code=code)
+        if "prompt has" in message:
+            # "prompt is too long" is the phrase LangChain and LiteLLM read (besides the code) to raise
+            # their context-overflow errors, which their callers catch to trim a history or fall back
+            return ApiError(400, f"prompt is too long: {message}", param="messages", code="context_length_exceeded")
+        return ApiError(400, message)
     if isinstance(exc, KVBridgeError):
         return ApiError(500, str(exc), kind="server_error")
     log.error("a request failed unexpectedly: %r", exc)

@@ -24,6 +24,7 @@ from kvbridge.engine.records import RequestRecord
 from kvbridge.errors import BadSettings, KVBridgeError
 from kvbridge.serve.protocol import ApiError, Generation
 from kvbridge.settings import Settings
+from kvbridge.settings.checks import SERVE_ENGINES
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 2
@@ -266,15 +267,14 @@ class _StopCutter:
             self.sent = upto
 
 
+SERVE_ENGINE_CLASSES = {"scheduler": SchedulerEngine, "llama-server": LlamaServerEngine}   # keyed as SERVE_ENGINES
+
+
 def make_serve_engine(settings: Settings, engine: str | None = None) -> ServeEngine:
     """The engine `serve` runs on: KVB_SERVE_ENGINE (or --engine), checked before anything loads."""
     key = engine or settings.serve_engine
-    if key in ("scheduler", "llamacpp"):
-        return SchedulerEngine(settings)
-    if key == "llama-server":
-        return LlamaServerEngine(settings)
-    if key in ("ollama", "cloud"):
-        raise BadSettings(f"serve cannot run on the {key} engine: it is a shadow engine, whose KV KVBridge does not "
-                          "hold, so there is nothing to serve from. Use --engine scheduler (the default) or "
-                          "--engine llama-server.")
-    raise BadSettings(f"unknown serve engine {key!r} (--engine / KVB_SERVE_ENGINE); use scheduler or llama-server")
+    if key not in SERVE_ENGINES:
+        raise BadSettings(f"serve cannot run on the engine {key!r} (--engine / KVB_SERVE_ENGINE); use "
+                          f"{' or '.join(SERVE_ENGINES)}: serve answers from KV that KVBridge holds, which the shadow "
+                          "engines (Ollama, the cloud providers) keep out of its reach")
+    return SERVE_ENGINE_CLASSES[key](settings)
