@@ -302,7 +302,9 @@ def test_the_real_endpoint_on_a_port_in_use_fails_with_its_log(real_env):
         started = run(PROJECT_ROOT, "start", "--port", str(taken.getsockname()[1]), env=real_env, timeout=200)
     try:
         assert started.returncode == 1, started.stdout + started.stderr
-        assert "exited before it answered" in started.stderr and "address already in use" in started.stderr
+        assert "exited before it answered" in started.stderr and "Address already in use" in started.stderr
+        # said by serve itself before the model loads, naming the settings
+        assert "Cannot serve on 127.0.0.1:" in started.stderr and "KVB_SERVE_PORT" in started.stderr
         assert "running in the background" not in started.stdout and not PID_FILE.exists()
     finally:
         if PID_FILE.exists():

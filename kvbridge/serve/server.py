@@ -9,6 +9,7 @@ to listen beyond loopback without a key (`run` before the model loads).
 from __future__ import annotations
 
 import logging
+import socket
 import os
 import signal
 import sys
@@ -81,10 +82,30 @@ def check_exposure(settings: Settings, host: str) -> None:
         raise BadSettings(problem)
 
 
+def cannot_bind(host: str, port: int) -> str:
+    return (f"Cannot serve on {host}:{port}: the port is in use or the address is not available here "
+            "(--port / KVB_SERVE_PORT, --host / KVB_SERVE_HOST).")
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a port another process holds before the model loads (BadSettings naming the settings);
+    uvicorn would otherwise exit on its own with only the socket's error."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds: TIME_WAIT is no obstacle
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise BadSettings(f"{cannot_bind(host, port)} ({exc.strerror or exc})") from None
+
+
 def run(settings: Settings, host: str | None = None, port: int | None = None, engine_key: str | None = None) -> int:
     host = host or settings.serve_host
     port = settings.serve_port if port is None else port
     check_exposure(settings, host)
+    check_port(host, port)
     tenants = tenants_from(settings)
     for sig in (signal.SIGTERM, signal.SIGINT):   # while the model loads: stop at once
         signal.signal(sig, lambda signum, frame: sys.exit(0))
@@ -98,10 +119,13 @@ def run(settings: Settings, host: str | None = None, port: int | None = None, en
         # this one, so the engine below is still closed and the exit status is 0
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: None)
-        server.run()
+        try:
+            server.run()
+        except SystemExit:   # uvicorn exits when its bind fails (taken since check_port looked)
+            if server.started:
+                raise
         if not server.started:
-            print(f"Cannot serve on {host}:{port}: the port is in use or the address is not available here "
-                  "(--port / KVB_SERVE_PORT, --host / KVB_SERVE_HOST).", file=sys.stderr)
+            print(cannot_bind(host, port), file=sys.stderr)
             return 2
     finally:
         engine.close()
