@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -124,16 +125,26 @@ def test_status_before_connect(state):
     assert "connect" in sp.store_markdown(sp.store_stats(state)).lower()
 
 
-def test_page_builds_with_registry_engines_and_kvb_labels(state):
+def test_page_builds_with_registry_engines_and_worded_labels(state):
+    """Every settings input: a label in words from kvbridge.gui.labels, its KVB_ variable as the hint beneath."""
     import gradio as gr
 
     from kvbridge.gui.app import build_app
+    from kvbridge.gui.labels import FIELD_TEXT, SETTING_CLASS
     from kvbridge.settings import env_name
 
     demo = build_app(state.settings, state)
     blocks = list(demo.blocks.values())
-    labels = {b.label for b in blocks if getattr(b, "label", None)}
-    assert {env_name(f) for f in h.form_fields()} <= labels
+    by_id = {b.elem_id: b for b in blocks if getattr(b, "elem_id", None)}
+    for name in h.form_fields():
+        assert name in FIELD_TEXT, f"{name} has no words in kvbridge.gui.labels.FIELD_TEXT"
+        field = by_id[f"kvb-field-{name}"]
+        assert field.label == FIELD_TEXT[name][0] and field.info.startswith(env_name(name))
+        assert SETTING_CLASS in field.elem_classes
+    settings_inputs = [b for b in blocks if SETTING_CLASS in (getattr(b, "elem_classes", None) or [])]
+    assert {"kvb-lab-cells", "kvb-lab-soft", "kvb-prompt-tokens"} <= {b.elem_id for b in settings_inputs}
+    assert all(re.match(r"KVB_[A-Z0-9_]+", b.info) for b in settings_inputs)
+    assert not [b.label for b in blocks if str(getattr(b, "label", "") or "").startswith("KVB_")]
     radio = next(b for b in blocks if isinstance(b, gr.Radio) and b.elem_id == "kvb-engine")
     assert [value for _, value in radio.choices] == [key for _, key in h.engine_choices()]
     from kvbridge.settings.models import EMBEDDED_MODELS
@@ -142,6 +153,16 @@ def test_page_builds_with_registry_engines_and_kvb_labels(state):
     assert isinstance(model, gr.Dropdown) and model.value == state.settings.model
     assert [value for _, value in model.choices] == list(EMBEDDED_MODELS)
     assert demo.app_state is state
+
+
+def test_a_setting_input_is_words_above_its_variable():
+    from kvbridge.gui.labels import SETTING_CLASS, field_label, setting_input
+
+    assert setting_input("threads") == {"label": "CPU threads", "info": "KVB_THREADS: 0: all cores",
+                                        "elem_classes": [SETTING_CLASS]}
+    assert setting_input("l2_enabled")["info"] == "KVB_L2_ENABLED"   # the label says it all
+    assert setting_input("n_predict", note="")["info"] == "KVB_N_PREDICT"
+    assert field_label("not_yet_worded") == "Not yet worded"   # a new engine's field is words, never KVB_
 
 
 def test_main_explains_a_busy_port(tmp_path, capsys):

@@ -1,30 +1,25 @@
-"""End to end in a real headless Chromium: start `python -m kvbridge gui`, connect the embedded
-llama.cpp engine, run Document Q&A in all three modes, check charts and table, export, use the
-store panel and the free prompt, save the screenshot README shows, then stop the server with SIGTERM.
+"""End to end in a real headless Chromium at the default window size: start `python -m kvbridge gui`,
+check every engine's settings are labelled in words with their KVB_ variable beneath, connect the
+embedded llama.cpp engine, run Document Q&A in all three modes, check charts and table, export, use the
+store panel and the free prompt, save a screenshot in the test's folder, then stop the server with SIGTERM.
 
 Drives Debian's /usr/bin/chromium through the PyPI `playwright` package (never `playwright install`).
+README's picture comes from a real default run instead: `python -m kvbridge.gui.screenshot`.
 """
 from __future__ import annotations
 
 import csv
-import os
 import signal
 import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
-import requests
 
+from browser_helpers import (BROWSER_MARKS, CHROMIUM, CHROMIUM_ARGS, WINDOW, answers, check_headers_on_one_line,
+                             check_setting_labels, clean_env, expect, free_port, start_kvbridge, stop,
+                             sync_playwright, wait_for)
 from kvbridge.backends import resolve_engine
-from kvbridge.settings import EMBEDDED_MODEL_PATH, PROJECT_ROOT
+from kvbridge.gui.handlers import engine_choices, fields_for_engine
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic"]
-SCREENSHOT = PROJECT_ROOT / "Docs" / "screenshot-gui.png"
 # About 550 tokens: a few hundred keeps the cold prefills short on 2 cores, yet the reuse is visible.
 SHORT_DOC = "# Garden rota\n\n" + " ".join(
     f"Rule {i}: the {['north', 'south', 'east', 'west'][i % 4]} bed is watered on day {i % 7} by team {i % 5}."
@@ -33,24 +28,7 @@ TINY_DOC = SHORT_DOC[:600]
 N_REQUESTS = 3
 FREE_PROMPT = TINY_DOC + "\n\nQuestion: which bed is watered on day 3?\nAnswer:"
 
-try:
-    from playwright.sync_api import expect, sync_playwright
-except ImportError:  # setup installs it; say so instead of failing at import
-    sync_playwright = None
-
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.live,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason="/usr/bin/chromium missing (apt-get install chromium)"),
-    pytest.mark.skipif(sync_playwright is None, reason="the playwright package is not installed (requirements.txt)"),
-    pytest.mark.skipif(not EMBEDDED_MODEL_PATH.is_file(), reason=f"embedded model {EMBEDDED_MODEL_PATH} missing"),
-]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = BROWSER_MARKS
 
 
 def nothing_listens(port: int) -> bool:
@@ -65,44 +43,25 @@ def gui_server(tmp_path):
     port = free_port()
     (tmp_path / "input").mkdir()
     (tmp_path / "input" / "garden.md").write_text(SHORT_DOC, encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVB_")}
-    env.update(KVB_PORT=str(port), KVB_HOST="127.0.0.1", KVB_ENGINE="llamacpp", KVB_L2_DIR=str(tmp_path / "l2"),
-               KVB_CHUNK_SIZE="32", KVB_CTX_SIZE="1024", KVB_N_PREDICT="8", KVB_L1_BYTES="256MiB",
-               KVB_L2_BYTES="512MiB", KVB_INPUT_DIR=str(tmp_path / "input"), KVB_OUTPUT_DIR=str(tmp_path / "output"),
-               GRADIO_ANALYTICS_ENABLED="False")
     log_path = tmp_path / "gui.log"
-    log = log_path.open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "gui"], cwd=PROJECT_ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = start_kvbridge(["gui"], clean_env(
+        KVB_PORT=str(port), KVB_HOST="127.0.0.1", KVB_ENGINE="llamacpp", KVB_L2_DIR=str(tmp_path / "l2"),
+        KVB_CHUNK_SIZE="32", KVB_CTX_SIZE="1024", KVB_N_PREDICT="8", KVB_L1_BYTES="256MiB", KVB_L2_BYTES="512MiB",
+        KVB_INPUT_DIR=str(tmp_path / "input"), KVB_OUTPUT_DIR=str(tmp_path / "output")), log_path)
     url = f"http://127.0.0.1:{port}/"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"the GUI exited early:\n{log_path.read_text()}"
-            try:
-                if requests.get(url, timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline, f"the GUI did not answer on {url}:\n{log_path.read_text()}"
-            time.sleep(0.5)
-        yield {"url": url, "port": port, "proc": proc, "log": log_path, "output": tmp_path / "output"}
+        wait_for(lambda: answers(url), f"the GUI did not answer on {url}", log_path, proc)
+        yield {"url": url, "port": port, "proc": proc, "log": log_path, "output": tmp_path / "output",
+               "screenshot": tmp_path / "screenshot-gui.png"}
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
+        stop(proc)
 
 
 def test_gui_end_to_end(gui_server):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page = browser.new_page(viewport=WINDOW)
             elsewhere: list[str] = []  # the page must work offline: nothing fetched from other hosts
             page.on("request", lambda request: None if request.url.startswith((gui_server["url"], "data:", "blob:"))
                     else elsewhere.append(request.url))
@@ -124,14 +83,27 @@ def drive_the_page(page, server) -> None:
     long = 300_000  # ms: a prefill on 2 busy cores can take seconds
     expect(page.locator("#kvb-status")).to_contain_text("Not connected", timeout=30_000)
 
-    # Switching engines needs no restart; the cloud engine warns that prompts leave the machine.
+    # Every engine's settings read as words, the KVB_ variable beneath each (the closed accordion opened).
     engines = page.locator("#kvb-engine")
+    page.get_by_text("Store and generation settings").click()
+    expect(page.locator("#kvb-field-chunk_size")).to_be_visible()
+    for label, key in engine_choices():
+        engines.get_by_text(label, exact=True).click()
+        own = [f"kvb-field-{name}" for name in sorted(fields_for_engine(key))]
+        for field_id in own:
+            expect(page.locator(f"#{field_id}")).to_be_visible()
+        shown = {f["id"] for f in check_setting_labels(page)}
+        assert set(own) <= shown, (key, shown)
+
+    # Switching engines needs no restart; the cloud engine warns that prompts leave the machine.
     engines.get_by_text(resolve_engine("cloud").label).click()
     expect(page.locator("#kvb-notice")).to_contain_text("leave this machine")
     expect(page.locator("#kvb-field-cloud_api_key_env")).to_be_visible()
     engines.get_by_text(resolve_engine("llamacpp").label).click()
     expect(page.locator("#kvb-field-cloud_api_key_env")).to_be_hidden()
     expect(page.locator("#kvb-notice")).not_to_contain_text("leave this machine")
+    expect(page.locator("#kvb-field-ctx_size")).to_contain_text("Context size (tokens)")
+    expect(page.locator("#kvb-field-ctx_size")).to_contain_text("KVB_CTX_SIZE")
 
     # A bad setting is a readable message naming the variable, not a stack trace.
     ctx = page.locator("#kvb-field-ctx_size").get_by_role("textbox")
@@ -168,6 +140,7 @@ def drive_the_page(page, server) -> None:
     modes = page.locator('#kvb-results-table [role=gridcell][data-col="0"]').all_inner_texts()
     assert sorted(m.strip() for m in modes) == sorted(["cold", "native", "lmcache"] * N_REQUESTS)
     expect(page.locator("#kvb-summary")).to_contain_text("faster than cold")
+    assert "mode" in check_headers_on_one_line(page, "#kvb-results-table")
 
     ttft = page.locator("#kvb-plot-ttft")
     expect(ttft.locator(".scatterlayer .trace")).to_have_count(3)
@@ -211,7 +184,7 @@ def drive_the_page(page, server) -> None:
     expect(page.locator("#kvb-prompt-msg")).to_contain_text("tier L1", timeout=long)
     assert page.locator("#kvb-answer").get_by_role("textbox").input_value().strip()
 
+    check_headers_on_one_line(page, "#kvb-results-table")
     page.wait_for_timeout(500)  # let the last plot finish drawing
-    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SCREENSHOT), full_page=True)
-    assert SCREENSHOT.stat().st_size > 50_000
+    page.screenshot(path=str(server["screenshot"]), full_page=True)   # the test's own folder, never Docs/
+    assert server["screenshot"].stat().st_size > 50_000

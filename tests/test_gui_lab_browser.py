@@ -1,15 +1,19 @@
-"""The KV cache lab tab in a real headless Chromium: `python -m kvbridge gui` as a person starts it,
-the lab tab opened, a bad KV budget refused with the setting named, then the Priority burst run at its
-own defaults on the embedded model: the block map shows the low chats' blocks while they run, the
-timeline's event table shows a preemption and a swap-in, every request finishes, and SIGTERM stops
-the GUI (closing the lab's scheduler) cleanly.
+"""The KV cache lab tab in a real headless Chromium at the default window size: `python -m kvbridge gui`
+as a person starts it, the lab tab opened, its settings labelled in words with their KVB_ variable
+beneath and its tables' headers each on one line, a bad KV budget refused with the setting named, then
+the Priority burst run at its own defaults on the embedded model: the block map shows the low chats'
+blocks while they run, the timeline's event table shows a preemption and a swap-in, every request
+finishes (the filled tables' headers still on one line, a screenshot in the test's folder), and SIGTERM
+stops the GUI (closing the lab's scheduler) cleanly.
 """
 from __future__ import annotations
 
 import pytest
 
-from browser_helpers import (BROWSER_MARKS, CHROMIUM, CHROMIUM_ARGS, answers, clean_env, expect, free_port,
-                             start_kvbridge, stop, sync_playwright, wait_for)
+from browser_helpers import (BROWSER_MARKS, CHROMIUM, CHROMIUM_ARGS, WINDOW, answers, check_headers_on_one_line,
+                             check_setting_labels, clean_env, expect, free_port, start_kvbridge, stop,
+                             sync_playwright, wait_for)
+from kvbridge.gui.lab import EVENT_COLUMNS, REQUEST_COLUMNS, RESULT_COLUMNS
 
 pytestmark = [*BROWSER_MARKS, pytest.mark.timeout(420)]
 LONG = 240_000   # ms: the model loads and three document chats prefill on 2 busy cores
@@ -26,7 +30,7 @@ def gui_server(tmp_path):
     url = f"http://127.0.0.1:{port}/"
     try:
         wait_for(lambda: answers(url), f"the GUI did not answer on {url}", log_path, proc)
-        yield {"url": url, "proc": proc, "log": log_path}
+        yield {"url": url, "proc": proc, "log": log_path, "screenshot": tmp_path / "screenshot-lab.png"}
     finally:
         stop(proc)
 
@@ -35,11 +39,15 @@ def test_the_lab_shows_a_priority_burst_preempting_and_resuming(gui_server):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page = browser.new_page(viewport=WINDOW)
             page.goto(gui_server["url"])
             page.get_by_role("tab", name="KV cache lab").click()
             expect(page.locator("#kvb-lab-about")).to_contain_text("preempted", timeout=30_000)
             expect(page.locator("#kvb-lab-requests")).to_contain_text("urgent 1")
+            lab_fields = {f["id"] for f in check_setting_labels(page)}
+            assert {"kvb-lab-cells", "kvb-lab-running", "kvb-lab-soft", "kvb-lab-hard",
+                    "kvb-lab-critical"} <= lab_fields
+            assert check_headers_on_one_line(page, "#kvb-lab-requests") == REQUEST_COLUMNS
 
             cells = page.locator("#kvb-lab-cells input")
             budget = cells.input_value()
@@ -61,6 +69,10 @@ def test_the_lab_shows_a_priority_burst_preempting_and_resuming(gui_server):
             expect(page.locator("#kvb-lab-msg")).to_contain_text("finished in", timeout=LONG)
             expect(page.locator("#kvb-lab-msg")).to_contain_text("5 of 5 requests done")
             expect(page.locator("#kvb-lab-status")).to_contain_text("running (0)")
+            assert check_headers_on_one_line(page, "#kvb-lab-results") == RESULT_COLUMNS
+            assert check_headers_on_one_line(page, "#kvb-lab-events") == EVENT_COLUMNS
+            page.screenshot(path=str(gui_server["screenshot"]), full_page=True)
+            assert gui_server["screenshot"].stat().st_size > 50_000
         finally:
             browser.close()
     assert stop(gui_server["proc"]) == 0
@@ -85,7 +97,7 @@ def test_gui_with_serve_shows_the_endpoints_requests_in_the_lab(tmp_path):
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
             try:
-                page = browser.new_page(viewport={"width": 1400, "height": 1100})
+                page = browser.new_page(viewport=WINDOW)
                 page.goto(url)
                 page.get_by_role("tab", name="KV cache lab").click()
                 expect(page.locator("#kvb-lab-msg")).to_contain_text("Watching the serve endpoint", timeout=30_000)

@@ -19,8 +19,9 @@ import gradio as gr
 from kvbridge.gui.handlers import (
     AppState, Outcome, connect_engine, disconnect_engine, engine_choices, engine_notice, engine_status,
     field_type, fields_for_engine, form_fields, form_values, model_choices, restart_engine, save_settings,
-    selected_engine, COMMON_FIELDS, MODEL_FIELD, MODEL_PATH_FIELD,
+    selected_engine, COMMON_FIELDS, MODEL_FIELD,
 )
+from kvbridge.gui.labels import setting_input
 from kvbridge.gui.store_panel import (
     clear_question, clear_tier, store_census, store_markdown, store_stats, store_tier_names,
 )
@@ -30,9 +31,9 @@ from kvbridge.gui.results import (
 )
 from kvbridge.gui.charts import store_figure
 from kvbridge.gui.lab import LabSession
-from kvbridge.gui.lab_tab import build_lab_tab
+from kvbridge.gui.lab_tab import TABLE_CLASS as LAB_TABLE_CLASS, build_lab_tab
 from kvbridge.gui.server_panel import ServerView, server_view
-from kvbridge.settings import Settings, env_name
+from kvbridge.settings import Settings
 from kvbridge.errors import KVBridgeError
 from kvbridge.engine.records import DEFAULT_MODES, MODES
 from kvbridge.bench.scenarios import get_scenario
@@ -53,6 +54,7 @@ APP_CSS = """
 .kvb-level-ok {background: #16a34a} .kvb-level-soft {background: #ca8a04}
 .kvb-level-hard {background: #ea580c} .kvb-level-critical {background: #dc2626}
 """
+APP_CSS += f".{LAB_TABLE_CLASS} th .header {{white-space: nowrap}}\n"   # one-line headers; a wide table scrolls
 MODE_HELP = ("cold: no reuse (baseline) · native: the engine's own prefix cache · lmcache: restored from KVBridge's "
              "store · blend: stored passages reused at any position (approximate; prompts cut by KVB_BLEND_SEPARATOR)")
 
@@ -166,7 +168,8 @@ def _prompt_panel(ui: SimpleNamespace, settings: Settings) -> None:
                            placeholder="Ask anything; send it twice in lmcache mode to see a restore.")
     with gr.Row():
         ui.prompt_mode = gr.Radio(list(MODES), value="lmcache", label="Mode", elem_id="kvb-prompt-mode")
-        ui.prompt_tokens = gr.Number(value=settings.n_predict, precision=0, minimum=1, label="Tokens to generate")
+        ui.prompt_tokens = gr.Number(value=settings.n_predict, precision=0, minimum=1, elem_id="kvb-prompt-tokens",
+                                     **setting_input("n_predict", note="starts here; changes this prompt only"))
     ui.send_btn = gr.Button("Send", variant="primary", elem_id="kvb-send")
     ui.prompt_msg = gr.Markdown(elem_classes="kvb-message", elem_id="kvb-prompt-msg")
     ui.answer = gr.Textbox(label="Answer", lines=4, interactive=False, elem_id="kvb-answer")
@@ -297,15 +300,15 @@ def _server_values(view: ServerView) -> list[Any]:
 
 
 def _field_input(name: str, value: Any, visible: bool) -> gr.components.Component:
-    """One Settings field as an input labelled with its KVB_ variable."""
+    """One Settings field as an input: a label in words, its KVB_ variable as the hint beneath."""
+    text = setting_input(name)
     if field_type(name) is bool:
-        return gr.Checkbox(bool(value), label=env_name(name), visible=visible, elem_id=f"kvb-field-{name}")
+        return gr.Checkbox(bool(value), visible=visible, elem_id=f"kvb-field-{name}", **text)
     if name == MODEL_FIELD:
         # allow_custom_value: an unknown name from .env stays visible, and validate() names it on Connect
-        return gr.Dropdown(model_choices(), value=str(value), label=env_name(name), visible=visible,
-                           allow_custom_value=True, elem_id=f"kvb-field-{name}",
-                           info=f"Embedded model; {env_name(MODEL_PATH_FIELD)}, when set, is used instead.")
-    return gr.Textbox(str(value), label=env_name(name), visible=visible, max_lines=1, elem_id=f"kvb-field-{name}")
+        return gr.Dropdown(model_choices(), value=str(value), visible=visible, allow_custom_value=True,
+                           elem_id=f"kvb-field-{name}", **text)
+    return gr.Textbox(str(value), visible=visible, max_lines=1, elem_id=f"kvb-field-{name}", **text)
 
 
 def _default_requests(key: str | None) -> int | None:

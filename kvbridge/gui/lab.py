@@ -29,8 +29,9 @@ from kvbridge.settings import Settings
 
 log = logging.getLogger(__name__)
 
-REQUEST_COLUMNS = ["request", "priority (0-9)", "arrives at (s)", "tokens to generate", "prompt"]
-RESULT_COLUMNS = ["request", "priority", "result", "queue ms", "TTFT ms", "tokens", "preemptions",
+# Table headers short enough for one line each at the default window (the tab sets the column widths)
+REQUEST_COLUMNS = ["request", "priority", "arrives (s)", "max tokens", "prompt"]
+RESULT_COLUMNS = ["request", "priority", "result", "queue ms", "TTFT ms", "tokens", "preempted",
                   "swap-out ms", "swap-in ms", "answer"]
 EVENT_COLUMNS = ["t (s)", "event", "request", "detail"]
 EVENTS_SHOWN = 60

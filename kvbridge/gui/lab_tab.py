@@ -14,8 +14,16 @@ from kvbridge.gui.lab import (
     EVENT_COLUMNS, REQUEST_COLUMNS, RESULT_COLUMNS, LabSession, lab_view, start_lab, stop_lab, workload_choices,
     workload_defaults,
 )
+from kvbridge.gui.labels import setting_input
 
 TICK_S = 0.8
+# Column widths in pixels for every column but the last (free text, sized by Gradio to what it holds); with
+# TABLE_CLASS (app.py's CSS) a header never wraps, so a table wider than its box scrolls sideways instead of
+# breaking "priority" into letters.
+TABLE_CLASS = "kvb-lab-table"
+REQUEST_WIDTHS = [110, 90, 130, 120]
+RESULT_WIDTHS = [120, 90, 100, 100, 100, 80, 110, 120, 110]
+EVENT_WIDTHS = [80, 130, 130]
 
 
 def build_lab_tab(lab: LabSession) -> None:
@@ -32,21 +40,19 @@ def build_lab_tab(lab: LabSession) -> None:
             scenario = gr.Dropdown(choices, value=first, label="Scenario", elem_id="kvb-lab-scenario")
             about = gr.Markdown(description, elem_id="kvb-lab-about")
             with gr.Row():
-                kv_cells = gr.Number(defaults.kv_cells, precision=0, minimum=1, label="KV budget (cells)",
-                                     info="KVB_SCHED_KV_CELLS: every running request's KV together",
-                                     elem_id="kvb-lab-cells")
-                max_running = gr.Number(defaults.max_running, precision=0, minimum=1, label="Running sequences",
-                                        info="KVB_SCHED_MAX_RUNNING", elem_id="kvb-lab-running")
+                kv_cells = gr.Number(defaults.kv_cells, precision=0, minimum=1, elem_id="kvb-lab-cells",
+                                     **setting_input("sched_kv_cells"))
+                max_running = gr.Number(defaults.max_running, precision=0, minimum=1, elem_id="kvb-lab-running",
+                                        **setting_input("sched_max_running"))
             with gr.Row():
-                soft = gr.Number(defaults.soft, label="SOFT (free fraction)", info="evict cold prefixes below",
-                                 elem_id="kvb-lab-soft")
-                hard = gr.Number(defaults.hard, label="HARD", info="stop admitting below", elem_id="kvb-lab-hard")
-                critical = gr.Number(defaults.critical, label="CRITICAL", info="preempt below",
-                                     elem_id="kvb-lab-critical")
+                soft = gr.Number(defaults.soft, elem_id="kvb-lab-soft", **setting_input("sched_soft"))
+                hard = gr.Number(defaults.hard, elem_id="kvb-lab-hard", **setting_input("sched_hard"))
+                critical = gr.Number(defaults.critical, elem_id="kvb-lab-critical", **setting_input("sched_critical"))
         with gr.Column(scale=1):
             requests = gr.Dataframe(rows, headers=REQUEST_COLUMNS, label="Requests (edit a priority: 0-9, higher is "
                                     "more urgent)", interactive=True, wrap=True, elem_id="kvb-lab-requests",
-                                    static_columns=[0, 2, 3, 4], max_height=300)
+                                    static_columns=[0, 2, 3, 4], max_height=300, elem_classes=[TABLE_CLASS],
+                                    column_widths=REQUEST_WIDTHS)
             with gr.Row():
                 run_btn = gr.Button("Run", variant="primary", elem_id="kvb-lab-run")
                 stop_btn = gr.Button("Stop", variant="stop", elem_id="kvb-lab-stop")
@@ -58,11 +64,13 @@ def build_lab_tab(lab: LabSession) -> None:
         with gr.Column(scale=2):
             pressure = gr.Plot(show_label=False, elem_id="kvb-lab-pressure")
     timeline = gr.Plot(show_label=False, elem_id="kvb-lab-timeline")
-    with gr.Row(equal_height=False):
-        events = gr.Dataframe([], headers=EVENT_COLUMNS, label="Events (newest first)", interactive=False,
-                              wrap=True, max_height=320, elem_id="kvb-lab-events")
-        results = gr.Dataframe([], headers=RESULT_COLUMNS, label="Requests' results", interactive=False, wrap=True,
-                               max_height=320, elem_id="kvb-lab-results")
+    # each table on a row of its own: the results' ten columns need the page's width for one-line headers
+    results = gr.Dataframe([], headers=RESULT_COLUMNS, label="Requests' results", interactive=False, wrap=True,
+                           max_height=320, elem_id="kvb-lab-results", elem_classes=[TABLE_CLASS],
+                           column_widths=RESULT_WIDTHS)
+    events = gr.Dataframe([], headers=EVENT_COLUMNS, label="Events (newest first)", interactive=False, wrap=True,
+                          max_height=320, elem_id="kvb-lab-events", elem_classes=[TABLE_CLASS],
+                          column_widths=EVENT_WIDTHS)
     timer = gr.Timer(TICK_S, active=lab.attached)   # a served scheduler (gui --serve) is watched from the start
 
     view_outputs = [message, status, block_map, pressure, timeline, events, results, timer]
