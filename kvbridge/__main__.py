@@ -393,6 +393,20 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def serve_engine_choice(value: str) -> str:
+    """--engine of serve: one it can run, else argparse's error (exit 2) saying why and what to use."""
+    if value in SERVE_ENGINES:
+        return value
+    from kvbridge.backends import engine_specs
+
+    use = " or ".join(f"--engine {key}" for key in SERVE_ENGINES)
+    shadow = {name for spec in engine_specs() if spec.cls.kv_mode == "shadow" for name in (spec.key, *spec.aliases)}
+    if value in shadow:
+        raise argparse.ArgumentTypeError(f"{value!r} is a shadow engine: it holds no KV of KVBridge's to serve from; "
+                                         f"use {use}")
+    raise argparse.ArgumentTypeError(f"{value!r} is not an engine serve can run; use {use}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvbridge" if sys.argv and sys.argv[0].endswith("/kvbridge") else "python -m kvbridge",
@@ -503,9 +517,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "serve":
             p.add_argument("--host", help="address to listen on (default: KVB_SERVE_HOST, else 127.0.0.1)")
             p.add_argument("--port", type=int, help="port (default: KVB_SERVE_PORT, else 8000)")
-            # only what serve can run (a shadow engine holds no KV of ours to serve from); argparse's own
-            # error for anything else names --engine and these choices
-            p.add_argument("--engine", choices=SERVE_ENGINES,
+            # only what serve can run: a shadow engine holds no KV of ours to serve from, and is told so
+            p.add_argument("--engine", type=serve_engine_choice, metavar="{" + ",".join(SERVE_ENGINES) + "}",
                            help="scheduler: in-process, many requests at once (default: KVB_SERVE_ENGINE); "
                                 "llama-server: CachedEngine in lmcache mode, requests queued")
         if name == "bench-store":

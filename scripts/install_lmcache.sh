@@ -35,7 +35,7 @@ done
 if "$PY" -c "import numba, sys; sys.exit(numba.__version__ != '$NUMBA_VERSION')" 2>/dev/null; then
     say "numba $NUMBA_VERSION already installed"
 else
-    say "installing numba==$NUMBA_VERSION into .venv"
+    say "installing numba==$NUMBA_VERSION into .venv for the LMCache hashing parity test (about 30 s, ~50 MB)"
     "$PY" -m pip install --quiet --disable-pip-version-check "numba==$NUMBA_VERSION" \
         || die "pip could not install numba==$NUMBA_VERSION (is PyPI reachable?)"
 fi
@@ -46,7 +46,7 @@ if [[ $force -eq 0 && -f "$TARGET/$MEMBER" && "$(cat "$STAMP" 2>/dev/null)" == "
 else
     work="$(mktemp -d)"
     trap 'rm -rf "$work"' EXIT
-    say "downloading the lmcache==$LMCACHE_VERSION wheel (no dependencies; only one file is kept)"
+    say "downloading the lmcache==$LMCACHE_VERSION wheel (no dependencies; only one file is kept; a few seconds)"
     "$PY" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary :all: \
         "lmcache==$LMCACHE_VERSION" -d "$work/wheel" \
         || die "pip could not download lmcache==$LMCACHE_VERSION (is PyPI reachable?)"

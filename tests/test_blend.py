@@ -218,10 +218,15 @@ def test_the_blend_bench_prints_the_curve_and_llama_servers_cache_reuse_beside_i
         pytest.skip("llama-server is not built: run ./scripts/build_llama_server.sh")
     monkeypatch.setenv("KVB_OUTPUT_DIR", str(tmp_path))
     assert blend_bench.main(["--passages", "2", "--recompute", "0,4", "--at", "end", "--prompts", "1",
-                             "--n-predict", "4", "--no-restore-cost", "--cache-reuse", "16"]) == 0
+                             "--n-predict", "4", "--no-restore-cost", "--cache-reuse", "16", "--ceiling"]) == 0
     out = capsys.readouterr().out
     assert "recompute" in out and "llama-server --cache-reuse 16, 4 passages, 1 prompts" in out
     result = json.loads(next(tmp_path.glob("kvbridge-blend-*.json")).read_text())
     assert [(r["passages"], r["recompute"], r["at"]) for r in result["curve"]] == [(2, 0, "-"), (2, 4, "end")]
     assert all(0 <= r["mean_kl"] and r["blend_ttft_ms"] > 0 for r in result["curve"])
     assert result["llama_server_cache_reuse"]["prompts"] == 1
+    # the ceiling: recomputing every token of the passages after the first, each in a sequence of its own,
+    # brings the first token's distribution far closer to cold's than a pure shift does
+    shift, default, every = result["ceiling"]["rows"]
+    assert "how far recomputing tokens can go" in out and every["variant"] == "every token of passages 2+"
+    assert every["mean_kl"] < shift["mean_kl"] / 3, result["ceiling"]

@@ -189,6 +189,91 @@ def measure_cache_reuse(engine, n_prompts: int, n_predict: int, seed: int = DEFA
             "reused_tokens": statistics.fmean(r[4] for r in rows), "prompt_tokens": statistics.fmean(r[5] for r in rows)}
 
 
+CEILING_GROUP = 190   # recomputed tokens per llama_decode, each in a sequence of its own (llama.cpp allows 256)
+
+
+def recompute_each(runner, tokens: list[int], positions: list[int]) -> None:
+    """Recompute the tokens at `positions` of the placed answer sequence in context, CEILING_GROUP per decode.
+
+    llama.cpp takes a sequence's new token only right after its last cell, so each recomputed token goes
+    into a sequence of its own that shares the answer's cells before it (seq_cp_range); its new cell then
+    replaces the stored one in the answer. Each sees the stored (shifted) cells before it, not the other
+    recomputed ones: one layer of CacheBlend's mixing short of a full recompute."""
+    ctx = runner.ctx
+    for lo in range(0, len(positions), CEILING_GROUP):
+        group = positions[lo: lo + CEILING_GROUP]
+        for i, pos in enumerate(group):
+            ctx.seq_rm(2 + i)
+            ctx.seq_cp_range(ANSWER, 2 + i, 0, pos)
+        code = ctx.decode([(tokens[pos], pos, 2 + i, False) for i, pos in enumerate(group)])
+        if code != 0:
+            raise RuntimeError(f"llama_decode returned {code} for {len(group)} recomputed tokens")
+        for i, pos in enumerate(group):
+            ctx.seq_rm(ANSWER, pos, pos + 1)
+            ctx.seq_cp_range(2 + i, ANSWER, pos, pos + 1)
+            ctx.seq_rm(2 + i)
+
+
+def measure_ceiling(engine, n_prompts: int, n_predict: int, seed: int = DEFAULT_SEED, n_passages: int = 4) -> dict:
+    """What token-level recompute can reach at most: every token of every passage after the first (the first
+    sits where it was computed, so it is exact) recomputed in context, against a pure shift and the default,
+    each compared with cold as the curve is. The first token of the answer's distribution gets close to
+    cold's (KL); whether whole greedy answers follow is what this row shows."""
+    from kvbridge.backends.llama_context import LlamaContext
+    from kvbridge.blend.runner import BlendResult, BlendRunner
+
+    settings = engine.settings
+    ctx = LlamaContext(settings, max(settings.ctx_size, 4096), CEILING_GROUP + 2)
+    runner = BlendRunner(settings, engine.store, engine.namespace, context=ctx)
+    try:
+        corpus = load_corpus()
+        sep = settings.blend_separator
+        for prompt in warmup_prompts(corpus, sep, n_passages, seed):
+            p = engine.prepare(prompt.messages)
+            runner.run(p.tokens, p.segments, recompute=0, n_predict=1, reuse=False, store=True)
+        default = settings.blend_recompute_tokens
+        names = ("pure shift", f"default ({default} at each passage's end)", "every token of passages 2+")
+        rows: dict[str, list] = {name: [] for name in names}
+        colds = []
+        for prompt in build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages, seed=seed):
+            p = engine.prepare(prompt.messages)
+            tokens = [int(t) for t in p.tokens]
+            cold = runner.run(tokens, p.segments, recompute=0, n_predict=n_predict, reuse=False, store=False)
+            colds.append(cold.ttft_ms)
+            for name in names[:2]:
+                b = runner.run(tokens, p.segments, recompute=0 if name == names[0] else default,
+                               n_predict=n_predict, store=False)
+                rows[name].append((b.ttft_ms, b.tokens == cold.tokens, b.tokens[:1] == cold.tokens[:1],
+                                   kl_divergence(cold.first_logits, b.first_logits)))
+            result = BlendResult()
+            t0 = time.perf_counter()
+            ctx.seq_rm(ANSWER)
+            placement = runner.place(tokens, p.segments, 0, result)
+            spans = list(zip(p.segments, list(p.segments[1:]) + [len(tokens)]))[2:-1]
+            recompute_each(runner, tokens, [pos for start, end in spans for pos in range(start, end)])
+            logits = runner._decode(ANSWER, placement.pending, placement.kv_tokens, want_logits=True)
+            first = logits.copy()
+            runner._generate(result, logits, len(tokens), n_predict, 0.0, None, None, t0)
+            rows[names[2]].append((result.ttft_ms, result.tokens == cold.tokens, result.tokens[:1] == cold.tokens[:1],
+                                   kl_divergence(cold.first_logits, first)))
+    finally:
+        runner.close()
+        ctx.close()
+    return {"passages": n_passages, "prompts": n_prompts, "cold_ttft_ms": statistics.fmean(colds),
+            "rows": [{"variant": name, "ttft_ms": statistics.fmean(r[0] for r in rs),
+                      "identical": sum(r[1] for r in rs) / len(rs), "same_first_token": sum(r[2] for r in rs) / len(rs),
+                      "mean_kl": statistics.fmean(r[3] for r in rs)} for name, rs in rows.items()]}
+
+
+def format_ceiling(ceiling: dict) -> str:
+    lines = [f"\nhow far recomputing tokens can go, {ceiling['passages']} passages, {ceiling['prompts']} prompts "
+             f"(cold {ceiling['cold_ttft_ms']:.0f} ms):"]
+    for row in ceiling["rows"]:
+        lines.append(f"  {row['variant']:40} {row['ttft_ms']:>7.0f} ms  same answer {row['identical']:>4.0%}  "
+                     f"same first token {row['same_first_token']:>4.0%}  mean KL {row['mean_kl']:.4f}")
+    return "\n".join(lines)
+
+
 def format_curve(rows: list[CurveRow]) -> str:
     head = (f"{'passages':>8} {'recompute':>9} {'at':>5} {'cold ms':>8} {'blend ms':>8} {'speedup':>7} {'same answer':>11} "
             f"{'same 1st':>8} {'mean KL':>8} {'median KL':>9} {'reused':>6}")
@@ -219,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-predict", type=int, default=16, help="greedy tokens per answer")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--no-restore-cost", action="store_true", help="skip the restore-cost measurement")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="also recompute every token of the passages after the first (4 passages): the most "
+                             "token-level recompute can reach, against a pure shift and the default")
     parser.add_argument("--cache-reuse", type=int, default=16, metavar="N",
                         help="also run llama-server --cache-reuse N on the 4-passage prompts (0: skip)")
     args = parser.parse_args(argv)
@@ -246,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{cost['blend_restore_ms']:.1f} ms against an exact prefix restore of the same cells "
                       f"{cost['exact_restore_ms']:.1f} ms ({cost['restored_mb']:.1f} MB): {cost['ratio']:.2f}x "
                       f"(question decode {cost['question_decode_ms']:.1f} ms taken off both)")
+            ceiling = measure_ceiling(engine, args.prompts, args.n_predict, args.seed) if args.ceiling else None
+            if ceiling:
+                print(format_ceiling(ceiling))
             peer = None
             if args.cache_reuse > 0:
                 peer = measure_cache_reuse(engine, args.prompts, args.n_predict, args.seed, chunk=args.cache_reuse)
@@ -259,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"against {peer['cold_prompt_ms']:.0f} ms cold")
     result = {"command": "blend-bench", "settings": {"passages": passages, "recompute": recompute, "at": at,
                                                      "prompts": args.prompts, "n_predict": args.n_predict},
-              "curve": [asdict(r) for r in rows], "restore_cost": cost, "llama_server_cache_reuse": peer}
+              "curve": [asdict(r) for r in rows], "restore_cost": cost, "ceiling": ceiling,
+              "llama_server_cache_reuse": peer}
     path = write_result_json(result, base.output_dir, "blend")
     print(f"wrote {path}")
     return 0
