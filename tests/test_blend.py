@@ -230,3 +230,21 @@ def test_the_blend_bench_prints_the_curve_and_llama_servers_cache_reuse_beside_i
     shift, default, every = result["ceiling"]["rows"]
     assert "how far recomputing tokens can go" in out and every["variant"] == "every token of passages 2+"
     assert every["mean_kl"] < shift["mean_kl"] / 3, result["ceiling"]
+
+
+def test_the_blend_context_grows_with_the_prompts_up_to_kvb_ctx_size(engine):
+    """llama.cpp's K shift rotates every cell of the context, so the blend context is sized to the prompts it
+    has answered (steps of CELL_STEP), not to KVB_CTX_SIZE; the answer is the same either way."""
+    from kvbridge.blend.runner import CELL_STEP
+
+    runner = engine._blend_runner()
+    assert runner.ctx.n_cells == CELL_STEP and runner.max_cells == 4096
+    messages = rag(engine, ["p01", "p02", "p03", "p04"])
+    prompt = engine.prepare(messages)
+    cold = engine.infer(messages, mode="cold", n_predict=8, temperature=0.0)
+    blended = engine.infer(messages, mode="blend", n_predict=8, temperature=0.0)   # nothing stored yet: prefilled
+    cells = engine._blend_runner().ctx.n_cells
+    assert cells % CELL_STEP == 0 and len(prompt.tokens) + 8 <= cells < 4096, cells
+    assert blended.text == cold.text
+    engine.infer(rag(engine, ["p05"]), mode="blend", n_predict=8, temperature=0.0)
+    assert engine._blend_runner().ctx.n_cells == cells    # a shorter prompt keeps it

@@ -45,6 +45,10 @@ from kvbridge.settings import Settings
 ANSWER, SCRATCH = 0, 1
 RECOMPUTE_AT = ("end", "start")   # which tokens of a reused passage are recomputed (KVB_BLEND_RECOMPUTE_AT)
 PROBE = " ".join(["Blend layout probe."] * 4)
+# An own context is sized to the prompts it has answered, in steps of CELL_STEP, up to KVB_CTX_SIZE: llama.cpp's
+# K shift rotates every cell of the context, used or not, so a context twice the prompt's size shifts twice the
+# cells (Docs/Research.md §16).
+CELL_STEP = 512
 
 
 class BlendRefused(KVBridgeError):
@@ -88,11 +92,13 @@ class BlendResult:
 class BlendRunner:
     def __init__(self, settings: Settings, store, namespace: str, *, n_cells: int | None = None,
                  context: LlamaContext | None = None, geometry: KVGeometry | None = None) -> None:
-        """Own context (two sequences, `n_cells` cells), or a shared one (the scheduler's) with its geometry."""
+        """Own context (two sequences, grown to the prompts' size up to `n_cells`, default KVB_CTX_SIZE), or a
+        shared one (the scheduler's) with its geometry."""
         self.settings = settings
         self.store = store
         self.namespace = blend_namespace(namespace)
-        self.ctx = context if context is not None else LlamaContext(settings, n_cells or settings.ctx_size, 2)
+        self.max_cells = n_cells or settings.ctx_size
+        self.ctx = context if context is not None else LlamaContext(settings, min(self.max_cells, CELL_STEP), 2)
         self._own_context = context is None
         self._scratch: np.ndarray | None = None
         try:
@@ -130,6 +136,14 @@ class BlendRunner:
         if self._own_context:
             self.ctx.close()
 
+    def _grow(self, need: int) -> None:
+        """A new own context of the next CELL_STEP above `need` cells (at most max_cells); nothing in the old
+        one outlives a request, and the geometry does not depend on the size."""
+        cells = min(self.max_cells, -(-need // CELL_STEP) * CELL_STEP)
+        grown = LlamaContext(self.settings, cells, 2)
+        self.ctx.close()
+        self.ctx = grown
+
     # -- the answer ---------------------------------------------------------------------------------
     def run(self, tokens: Sequence[int], starts: Sequence[int], *, recompute: int, n_predict: int,
             temperature: float = 0.0, seed: int | None = None, reuse: bool = True, store: bool = True,
@@ -141,7 +155,12 @@ class BlendRunner:
         the store as it is (the quality curve runs one prompt at several recompute counts)."""
         t0 = time.perf_counter() if t0 is None else t0
         tokens = [int(t) for t in tokens]
-        if len(tokens) + n_predict > self.ctx.n_cells:
+        need = len(tokens) + n_predict
+        # beside the answer, the scratch sequence holds one segment at a time (placing it, storing it)
+        room = need + max(b - a for a, b in zip(starts, list(starts[1:]) + [len(tokens)]))
+        if room > self.ctx.n_cells and self._own_context and self.ctx.n_cells < self.max_cells:
+            self._grow(min(room, self.max_cells))
+        if need > self.ctx.n_cells:
             raise KVBridgeError(f"The prompt ({len(tokens)} tokens) plus {n_predict} new tokens does not fit the "
                                 f"blend context of {self.ctx.n_cells} tokens (KVB_CTX_SIZE).")
         result = BlendResult()
