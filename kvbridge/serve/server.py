@@ -9,9 +9,9 @@ to listen beyond loopback without a key (`run` before the model loads).
 from __future__ import annotations
 
 import logging
-import socket
 import os
 import signal
+import socket
 import sys
 import threading
 

@@ -31,6 +31,8 @@ from kvbridge.settings import DATA_HOME, SOURCE_CHECKOUT
 from kvbridge.errors import EngineUnavailable
 
 BUILD_SCRIPT = "scripts/build_llama_server.sh"
+WORK_DIR_PREFIX = "kvb-llama-server-"
+_PR_SET_PDEATHSIG = 1
 
 
 def build_advice() -> str:
@@ -39,8 +41,6 @@ def build_advice() -> str:
         return f"Build it with ./{BUILD_SCRIPT} (about 5 minutes on 2 cores)"
     return (f"Build one with {BUILD_SCRIPT} in a KVBridge source checkout (about 5 minutes on 2 cores) "
             "and point KVB_LLAMA_SERVER_BIN at it")
-WORK_DIR_PREFIX = "kvb-llama-server-"
-_PR_SET_PDEATHSIG = 1
 
 
 def built_binary(version: str) -> Path:
