@@ -8,8 +8,13 @@ per prompt, in one context (the blend runner's, so both sides share every roundi
 token computed: the reference) and **blend** at each recompute count, recomputing each passage's
 last tokens (end) or its first (start) -> per row: TTFT, identical
 greedy answers, same first token, and the divergence of the first token's distribution from cold's
-(KL(cold || blend) and top-1 agreement). 0 recomputed tokens is a pure position shift, what
+(KL(cold || blend) and top-1 agreement), and how many answers, cold's and blend's, state the
+question's expected fact (the task's own quality). 0 recomputed tokens is a pure position shift, what
 llama-server's --cache-reuse does.
+
+--ceiling adds how far recomputing can go: half of every passage, the answering passage whole, and
+cold's own KV placed through blend's placement, which must answer as cold token for token (the
+placement loses nothing; what blend loses is the passages' stale context).
 
 The restore cost (4 passages, nothing recomputed): placing the stored segments of a prompt (fetch,
 assemble, set_data, shift, share) plus the question's decode, whose first step applies the K shift,
@@ -20,17 +25,20 @@ restore against restore, the shift counted where llama.cpp does it.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from typing import Sequence
 
 import numpy as np
 
 from kvbridge.bench.rag import DEFAULT_SEED, build_prompts, load_corpus, warmup_prompts
-from kvbridge.bench.report import write_result_json
-from kvbridge.blend.runner import ANSWER
+from kvbridge.bench.report import holds_fact, write_result_json
+from kvbridge.blend.passages import FoundPassage
+from kvbridge.blend.runner import ANSWER, SCRATCH, BlendResult, BlendRunner
 from kvbridge.formats.llama_state import assemble_state, decode_chunk, encode_chunk, parse_state
 from kvbridge.settings import Settings
 from kvbridge.store.objects import ObjectMeta
@@ -50,6 +58,8 @@ class CurveRow:
     mean_kl: float            # KL(cold || blend) of the first generated token's distribution, nats
     median_kl: float
     reused_tokens: float      # mean per prompt
+    cold_fact: float          # fraction of cold answers stating the question's expected fact (report.holds_fact)
+    fact: float               # the same for blend's answers
 
 
 def kl_divergence(cold_logits: np.ndarray, blend_logits: np.ndarray) -> float:
@@ -75,17 +85,19 @@ def measure_curve(engine, passages: list[int], recompute: list[int], n_prompts: 
             runner.run(p.tokens, p.segments, recompute=0, n_predict=1, reuse=False, store=True)
         variants = [(r, where) for where in at for r in recompute if r or where == at[0]]   # 0 is one variant
         per_r: dict[tuple[int, str], list] = {v: [] for v in variants}
-        colds = []
+        colds, cold_facts = [], []
         for index, prompt in enumerate(build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages,
                                                      seed=seed)):
             p = engine.prepare(prompt.messages)
             cold = runner.run(p.tokens, p.segments, recompute=0, n_predict=n_predict, reuse=False, store=False)
             colds.append(cold.ttft_ms)
+            cold_facts.append(holds_fact(cold.text, prompt.answer))
             for r, where in variants:
                 b = runner.run(p.tokens, p.segments, recompute=r, n_predict=n_predict, store=False, recompute_at=where)
                 per_r[(r, where)].append((b.ttft_ms, b.tokens == cold.tokens,
                                  bool(b.tokens[:1] == cold.tokens[:1]),
-                                 kl_divergence(cold.first_logits, b.first_logits), b.reused_tokens))
+                                 kl_divergence(cold.first_logits, b.first_logits), b.reused_tokens,
+                                 holds_fact(b.text, prompt.answer)))
             progress(f"  {n_passages} passages: prompt {index + 1}/{n_prompts}")
         for (r, where), results in per_r.items():
             ttft = statistics.fmean(x[0] for x in results)
@@ -94,7 +106,8 @@ def measure_curve(engine, passages: list[int], recompute: list[int], n_prompts: 
                                  statistics.fmean(colds) / ttft if ttft else 0.0,
                                  sum(x[1] for x in results) / len(results), sum(x[2] for x in results) / len(results),
                                  statistics.fmean(kls), statistics.median(kls),
-                                 statistics.fmean(x[4] for x in results)))
+                                 statistics.fmean(x[4] for x in results), statistics.fmean(cold_facts),
+                                 statistics.fmean(x[5] for x in results)))
     return rows
 
 
@@ -189,99 +202,114 @@ def measure_cache_reuse(engine, n_prompts: int, n_predict: int, seed: int = DEFA
             "reused_tokens": statistics.fmean(r[4] for r in rows), "prompt_tokens": statistics.fmean(r[5] for r in rows)}
 
 
-CEILING_GROUP = 190   # recomputed tokens per llama_decode, each in a sequence of its own (llama.cpp allows 256)
+def relevant_passage(tokens: Sequence[int], spans: Sequence[tuple[int, int]], question: Sequence[int]) -> int:
+    """Which passage (index into spans) shares the most rare token ids with the question: each id of the
+    question found in a passage counts log(n / df), df the passages of this prompt that hold it (an id in
+    every passage counts nothing). A lexical stand-in for a retriever's score: it names the answering
+    passage of every RAG prompt here."""
+    sets = [set(tokens[a:b]) for a, b in spans]
+    def score(i: int) -> float:
+        return sum(math.log(len(sets) / sum(t in s for s in sets)) for t in set(question) if t in sets[i])
+    return max(range(len(spans)), key=score)
 
 
-def recompute_each(runner, tokens: list[int], positions: list[int]) -> None:
-    """Recompute the tokens at `positions` of the placed answer sequence in context, CEILING_GROUP per decode.
+class WholePassageRunner(BlendRunner):
+    """Blend with the passages in `whole` recomputed entirely in context, not reused (what keeping the one
+    passage that answers exact is worth); everything else as BlendRunner."""
 
-    llama.cpp takes a sequence's new token only right after its last cell, so each recomputed token goes
-    into a sequence of its own that shares the answer's cells before it (seq_cp_range); its new cell then
-    replaces the stored one in the answer. Each sees the stored (shifted) cells before it, not the other
-    recomputed ones: one layer of CacheBlend's mixing short of a full recompute."""
-    ctx = runner.ctx
-    for lo in range(0, len(positions), CEILING_GROUP):
-        group = positions[lo: lo + CEILING_GROUP]
-        for i, pos in enumerate(group):
-            ctx.seq_rm(2 + i)
-            ctx.seq_cp_range(ANSWER, 2 + i, 0, pos)
-        code = ctx.decode([(tokens[pos], pos, 2 + i, False) for i, pos in enumerate(group)])
-        if code != 0:
-            raise RuntimeError(f"llama_decode returned {code} for {len(group)} recomputed tokens")
-        for i, pos in enumerate(group):
-            ctx.seq_rm(ANSWER, pos, pos + 1)
-            ctx.seq_cp_range(2 + i, ANSWER, pos, pos + 1)
-            ctx.seq_rm(2 + i)
+    whole: frozenset[tuple[int, ...]] = frozenset()
+
+    def _fetch(self, passage, instruction, result):
+        return None if tuple(passage) in self.whole else super()._fetch(passage, instruction, result)
+
+
+def place_exact(runner: BlendRunner, tokens: list[int], starts: Sequence[int], cells, n_predict: int) -> BlendResult:
+    """Cold's own cells of every passage (`cells`: its parsed state) placed by blend's placement (a scratch
+    sequence, seq_cp into the answer) where they were computed, so nothing shifts: the placement alone,
+    whose answers must be cold's token for token."""
+    ctx, result, t0 = runner.ctx, BlendResult(), time.perf_counter()
+    spans = list(zip(starts, list(starts[1:]) + [len(tokens)]))
+    ctx.seq_rm(ANSWER)
+    ctx.seq_rm(SCRATCH)
+    runner._decode(ANSWER, tokens[:spans[1][0]], 0, want_logits=False)
+    for a, b in spans[1:-1]:
+        view = decode_chunk(encode_chunk(cells, a, b, tokens[a:b]), runner.geometry)
+        runner._place(FoundPassage(view, "cold", 0), a, a, 0, b - a, result, ANSWER, SCRATCH)
+    q0 = spans[-1][0]
+    logits = runner._decode(ANSWER, tokens[q0:], q0, want_logits=True)
+    result.first_logits = logits.copy()
+    runner._generate(result, logits, len(tokens), n_predict, 0.0, None, None, t0)
+    return result
 
 
 def measure_ceiling(engine, n_prompts: int, n_predict: int, seed: int = DEFAULT_SEED, n_passages: int = 4) -> dict:
-    """What token-level recompute can reach at most: every token of every passage after the first (the first
-    sits where it was computed, so it is exact) recomputed in context, against a pure shift and the default,
-    each compared with cold as the curve is. The first token of the answer's distribution gets close to
-    cold's (KL); whether whole greedy answers follow is what this row shows."""
-    from kvbridge.backends.llama_context import LlamaContext
-    from kvbridge.blend.runner import BlendResult, BlendRunner
-
+    """How far recomputing tokens can take blend: against cold, a pure shift, the default, the last half of
+    every passage recomputed in context (one run per passage, its tokens seeing each other), the passage that
+    answers (relevant_passage) recomputed whole, and cold's own KV placed by blend's placement (the
+    mechanics without staleness: every answer must equal cold's). Each row as the curve's, plus whether the
+    answers state the question's expected fact."""
     settings = engine.settings
-    ctx = LlamaContext(settings, max(settings.ctx_size, 4096), CEILING_GROUP + 2)
-    runner = BlendRunner(settings, engine.store, engine.namespace, context=ctx)
+    whole = WholePassageRunner(settings, engine.store, engine.namespace, n_cells=max(settings.ctx_size, 4096))
+    runner = engine._blend_runner()
     try:
         corpus = load_corpus()
         sep = settings.blend_separator
         for prompt in warmup_prompts(corpus, sep, n_passages, seed):
             p = engine.prepare(prompt.messages)
             runner.run(p.tokens, p.segments, recompute=0, n_predict=1, reuse=False, store=True)
+        prompts = build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages, seed=seed)
         default = settings.blend_recompute_tokens
-        names = ("pure shift", f"default ({default} at each passage's end)", "every token of passages 2+")
+        names = ("pure shift", f"default ({default} at each passage's end)", "the last half of every passage",
+                 "the passage that answers, whole", "cold's own KV placed by blend (no staleness)")
         rows: dict[str, list] = {name: [] for name in names}
-        colds = []
-        for prompt in build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages, seed=seed):
+        colds, cold_facts = [], []
+        for prompt in prompts:
             p = engine.prepare(prompt.messages)
-            tokens = [int(t) for t in p.tokens]
-            cold = runner.run(tokens, p.segments, recompute=0, n_predict=n_predict, reuse=False, store=False)
+            tokens, starts = [int(t) for t in p.tokens], list(p.segments)
+            spans = list(zip(starts, starts[1:] + [len(tokens)]))
+            half = min(b - a for a, b in spans[1:-1]) // 2
+            cold = runner.run(tokens, starts, recompute=0, n_predict=n_predict, reuse=False, store=False)
             colds.append(cold.ttft_ms)
-            for name in names[:2]:
-                b = runner.run(tokens, p.segments, recompute=0 if name == names[0] else default,
-                               n_predict=n_predict, store=False)
+            cold_facts.append(holds_fact(cold.text, prompt.answer))
+            cells = parse_state(runner.ctx.save_seq(ANSWER))
+            answering = spans[1:-1][relevant_passage(tokens, spans[1:-1], tokens[spans[-1][0]:])]
+            whole.whole = frozenset({tuple(tokens[answering[0]:answering[1]])})
+            results = [runner.run(tokens, starts, recompute=0, n_predict=n_predict, store=False),
+                       runner.run(tokens, starts, recompute=default, n_predict=n_predict, store=False),
+                       runner.run(tokens, starts, recompute=half, n_predict=n_predict, store=False),
+                       whole.run(tokens, starts, recompute=default, n_predict=n_predict, store=False),
+                       place_exact(runner, tokens, starts, cells, n_predict)]
+            for name, b in zip(names, results):
                 rows[name].append((b.ttft_ms, b.tokens == cold.tokens, b.tokens[:1] == cold.tokens[:1],
-                                   kl_divergence(cold.first_logits, b.first_logits)))
-            result = BlendResult()
-            t0 = time.perf_counter()
-            ctx.seq_rm(ANSWER)
-            placement = runner.place(tokens, p.segments, 0, result)
-            spans = list(zip(p.segments, list(p.segments[1:]) + [len(tokens)]))[2:-1]
-            recompute_each(runner, tokens, [pos for start, end in spans for pos in range(start, end)])
-            logits = runner._decode(ANSWER, placement.pending, placement.kv_tokens, want_logits=True)
-            first = logits.copy()
-            runner._generate(result, logits, len(tokens), n_predict, 0.0, None, None, t0)
-            rows[names[2]].append((result.ttft_ms, result.tokens == cold.tokens, result.tokens[:1] == cold.tokens[:1],
-                                   kl_divergence(cold.first_logits, first)))
+                                   kl_divergence(cold.first_logits, b.first_logits), holds_fact(b.text, prompt.answer)))
     finally:
-        runner.close()
-        ctx.close()
+        whole.close()
     return {"passages": n_passages, "prompts": n_prompts, "cold_ttft_ms": statistics.fmean(colds),
+            "cold_fact": statistics.fmean(cold_facts),
             "rows": [{"variant": name, "ttft_ms": statistics.fmean(r[0] for r in rs),
                       "identical": sum(r[1] for r in rs) / len(rs), "same_first_token": sum(r[2] for r in rs) / len(rs),
-                      "mean_kl": statistics.fmean(r[3] for r in rs)} for name, rs in rows.items()]}
+                      "mean_kl": statistics.fmean(r[3] for r in rs), "fact": sum(r[4] for r in rs) / len(rs)}
+                     for name, rs in rows.items()]}
 
 
 def format_ceiling(ceiling: dict) -> str:
     lines = [f"\nhow far recomputing tokens can go, {ceiling['passages']} passages, {ceiling['prompts']} prompts "
-             f"(cold {ceiling['cold_ttft_ms']:.0f} ms):"]
+             f"(cold {ceiling['cold_ttft_ms']:.0f} ms, its answers stating the expected fact {ceiling['cold_fact']:.0%}):"]
     for row in ceiling["rows"]:
-        lines.append(f"  {row['variant']:40} {row['ttft_ms']:>7.0f} ms  same answer {row['identical']:>4.0%}  "
-                     f"same first token {row['same_first_token']:>4.0%}  mean KL {row['mean_kl']:.4f}")
+        lines.append(f"  {row['variant']:46} {row['ttft_ms']:>7.0f} ms  same answer {row['identical']:>4.0%}  "
+                     f"same first token {row['same_first_token']:>4.0%}  mean KL {row['mean_kl']:.4f}  "
+                     f"expected fact {row['fact']:>4.0%}")
     return "\n".join(lines)
 
 
 def format_curve(rows: list[CurveRow]) -> str:
     head = (f"{'passages':>8} {'recompute':>9} {'at':>5} {'cold ms':>8} {'blend ms':>8} {'speedup':>7} {'same answer':>11} "
-            f"{'same 1st':>8} {'mean KL':>8} {'median KL':>9} {'reused':>6}")
+            f"{'same 1st':>8} {'mean KL':>8} {'median KL':>9} {'reused':>6} {'fact: cold':>10} {'blend':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.passages:>8} {r.recompute:>9} {r.at:>5} {r.cold_ttft_ms:>8.1f} {r.blend_ttft_ms:>8.1f} "
                      f"{r.speedup:>6.1f}x {r.identical:>10.0%} {r.same_first_token:>8.0%} {r.mean_kl:>8.4f} "
-                     f"{r.median_kl:>9.4f} {r.reused_tokens:>6.0f}")
+                     f"{r.median_kl:>9.4f} {r.reused_tokens:>6.0f} {r.cold_fact:>10.0%} {r.fact:>5.0%}")
     return "\n".join(lines)
 
 
@@ -305,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--no-restore-cost", action="store_true", help="skip the restore-cost measurement")
     parser.add_argument("--ceiling", action="store_true",
-                        help="also recompute every token of the passages after the first (4 passages): the most "
-                             "token-level recompute can reach, against a pure shift and the default")
+                        help="also measure how far recompute can go (4 passages): the last half of every passage, "
+                             "the answering passage whole, and cold's own KV placed by blend (no staleness)")
     parser.add_argument("--cache-reuse", type=int, default=16, metavar="N",
                         help="also run llama-server --cache-reuse N on the 4-passage prompts (0: skip)")
     args = parser.parse_args(argv)

@@ -2,7 +2,9 @@
 
 Place in the flow: `bench --scenario rag` (or the GUI's scenario list) -> run_scenario -> **run_rag**
 -> CachedEngine.infer per request (cold, lmcache, blend) -> the bench's table and summary, whose
-"answers = cold" column is the agreement of each mode with the cold answer to the same prompt.
+"answers = cold" line is the agreement of each mode with the cold answer to the same prompt, and
+"answers stating the expected fact" the task's own quality: the question's answer from the corpus
+appears in the reply (kvbridge.bench.report.holds_fact), for cold as for the modes that reuse.
 
 The corpus (kvbridge/data/rag_corpus.json, written for the project) is an operations handbook of an
 invented mountain railway cut into 16 passages of ~250 tokens, and 24 questions whose answer sits in
@@ -138,8 +140,10 @@ def run_rag(engine, modes: Sequence[str], *, n_prompts: int | None = None, n_pas
                 return
             if progress is not None:
                 progress(done, total, f"{mode}: {prompt.label}")
-            yield engine.infer(prompt.messages, mode, n_predict, scenario="rag", label=prompt.label,
-                               request_index=index)
+            record = engine.infer(prompt.messages, mode, n_predict, scenario="rag", label=prompt.label,
+                                  request_index=index)
+            record.expected = prompt.answer
+            yield record
             done += 1
     if progress is not None:
         progress(total, total, "done")

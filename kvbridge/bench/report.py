@@ -18,6 +18,15 @@ def engine_warm(r: RequestRecord) -> bool:
     return (r.engine_cached_tokens or 0) >= max(1, r.prompt_tokens // 10)
 
 
+def holds_fact(text: str, expected: str) -> bool:
+    """Whether an answer states the expected fact: the expected text appears in it, case and spacing ignored
+    ("The longest tunnel is the Kessel Tunnel." holds "the Kessel Tunnel"; "23%" does not hold "23 percent")."""
+    def norm(value: str) -> str:
+        return " ".join(value.lower().split())
+
+    return bool(expected.strip()) and norm(expected) in norm(text)
+
+
 def is_warm(r: RequestRecord) -> bool:
     return r.matched_tokens > 0 or (r.mode == "native" and engine_warm(r))
 
@@ -56,6 +65,10 @@ def summarize(records: Sequence[RequestRecord]) -> dict:
             compared = [r.text == cold_text[r.request_index] for r in rs if r.request_index in cold_text]
             if mode != "cold" and compared:
                 out[mode]["answers_equal_cold"] = {"equal": sum(compared), "compared": len(compared)}
+    for mode, rs in by_mode.items():   # task quality where the scenario knows the answer (rag)
+        judged = [holds_fact(r.text, r.expected) for r in rs if r.expected]
+        if judged:
+            out[mode]["answers_with_fact"] = {"holding": sum(judged), "judged": len(judged)}
     shadow = [r for r in by_mode.get("lmcache", []) if r.predicted_reuse_tokens is not None
               and r.engine_cached_tokens is not None]
     if shadow and "lmcache" in out:
@@ -114,6 +127,9 @@ def format_summary(summary: dict) -> str:
         if "answers_equal_cold" in s:
             a = s["answers_equal_cold"]
             line += f"\n           answers = cold: {a['equal']}/{a['compared']}"
+        if "answers_with_fact" in s:
+            a = s["answers_with_fact"]
+            line += f"\n           answers stating the expected fact: {a['holding']}/{a['judged']}"
         if "warm_vs_native" in s:
             line += f"; warm median vs native {s['warm_vs_native']:.2f}x"
         if "prediction_agreement" in s:

@@ -15,6 +15,7 @@ class RequestRecord:
     scenario: str = ""
     request_index: int = 0
     label: str = ""
+    expected: str = ""                # the fact a right answer holds, where the scenario knows it (rag)
     prompt_tokens: int = 0
     chunks_total: int = 0
     chunks_hit: int = 0
