@@ -155,6 +155,23 @@ def test_blend_reuses_passages_anywhere_and_stores_them_apart_from_exact_chunks(
     assert exact.matched_tokens == 0 and exact.tier == "none"
 
 
+def test_a_new_passage_between_stored_ones_is_prefilled_in_place_and_the_first_passage_is_not_recomputed(engine):
+    """The first passage stands where it was computed (its KV is cold's): nothing of it is recomputed. A passage
+    not stored yet is prefilled where it stands, between stored ones, and stored after the answer; the
+    passage after it has its last tokens recomputed (KVB_BLEND_RECOMPUTE_TOKENS)."""
+    recompute = engine.settings.blend_recompute_tokens
+    engine.infer(rag(engine, ["p02", "p05", "p09"]), "blend")
+    messages = rag(engine, ["p05", "p13", "p09"])
+    record = engine.infer(messages, "blend")
+    assert not record.error and "3 of 4 segments reused" in record.notes and record.stored_objects == 1
+    p = engine.prepare(messages)
+    p13, question = p.segments[3] - p.segments[2], len(p.tokens) - p.segments[4]
+    assert record.prefill_tokens == p13 + recompute + question
+    again = engine.infer(messages, "blend")
+    assert "4 of 4 segments reused" in again.notes and again.prefill_tokens == 2 * recompute + question
+    assert again.text
+
+
 def test_one_passage_where_it_was_computed_answers_exactly_as_cold(engine):
     """Instruction + passage at the position it was stored at, nothing recomputed: the placed KV is the
     cold prefill's, so the greedy answer equals the cold answer in the same context token for token."""

@@ -2,18 +2,23 @@
 wherever it now stands, and a few tokens of each recomputed in context to recover cross-attention.
 
 Place in the flow: CachedEngine.infer(mode="blend") / Scheduler.submit(blend=True) -> prepare
-(segments) -> **BlendRunner.place**: restore the instruction, then left to right for each passage:
-its stored cells (restored into a scratch sequence where they were computed, moved with
-llama_memory_seq_add, which re-rotates K, shared into the answer's sequence) and `recompute` of its
-tokens decoded in context, its last ones (the default, KVB_BLEND_RECOMPUTE_AT=end) or its first; a
-passage not stored yet is prefilled in place -> the question and generation -> after the answer:
-**store_missing**: the passages (and the instruction) not stored yet, each from its own prefill of
-instruction + passage in the scratch sequence.
+(segments) -> **BlendRunner.place**: restore the instruction, with the first passage in the same load
+(it was computed right after the instruction, so it stands where it was computed and its KV is cold's),
+then left to right for each later passage: its stored cells (restored into a scratch sequence where
+they were computed, moved with llama_memory_seq_add, which re-rotates K, shared into the answer's
+sequence) and `recompute` of its tokens decoded in context, its last ones (the default,
+KVB_BLEND_RECOMPUTE_AT=end) or its first - in an own context every passage's recomputed tokens in one
+llama_decode, each passage's in a sequence of its own; a passage not stored yet is prefilled in place
+-> the question and generation -> after the answer: **store_missing**: the passages (and the
+instruction) not stored yet, each from its own prefill of instruction + passage in the scratch
+sequence.
 
 Why left to right: llama.cpp accepts a sequence's new tokens only at the position after its last
 cell (llama-batch.cpp: "the sequence positions remain consecutive"), so every decode of recomputed
-tokens comes right after the cells before it are in place. Each recomputed token sees the
-instruction and every passage before it (stored or recomputed); the other tokens of a passage keep
+tokens comes right after the cells before it are in place: in the answer's sequence one passage at
+a time, or in a run sequence that shares the answer's cells before it (its new cells then go to the
+answer). Each recomputed token sees the instruction and every passage before it (stored, and in the
+one-decode form not those passages' recomputed tokens); the other tokens of a passage keep
 the KV they had after the instruction alone. EPIC/LegoLink recompute each chunk's first tokens,
 which matter there because their chunks are computed alone (the first tokens become attention
 sinks); ours are computed after the instruction, and recomputing each passage's last tokens, which
@@ -23,7 +28,8 @@ reused and recomputed.
 
 A model whose cache cannot move cells (llama_memory_can_shift false) is refused, and so, for now, is
 a sliding-window model: its stored passages would need the window rows of every position.
-Two sequences: 0 holds the answer's context, 1 is the scratch sequence. One thread at a time.
+Sequences: 0 holds the answer's context, 1 is the scratch sequence, and an own context has RUN_SEQS
+more for the recomputed tokens. One thread at a time.
 """
 from __future__ import annotations
 
@@ -49,6 +55,9 @@ PROBE = " ".join(["Blend layout probe."] * 4)
 # K shift rotates every cell of the context, used or not, so a context twice the prompt's size shifts twice the
 # cells (Docs/Research.md §16).
 CELL_STEP = 512
+# An own context's sequences beyond the answer and the scratch one: each passage's recomputed tokens are decoded in
+# one of these, all in one llama_decode (BlendRunner.place, run_seqs); more passages take a second decode.
+RUN_SEQS = 8
 
 
 class BlendRefused(KVBridgeError):
@@ -98,7 +107,8 @@ class BlendRunner:
         self.store = store
         self.namespace = blend_namespace(namespace)
         self.max_cells = n_cells or settings.ctx_size
-        self.ctx = context if context is not None else LlamaContext(settings, min(self.max_cells, CELL_STEP), 2)
+        self.ctx = context if context is not None else LlamaContext(settings, min(self.max_cells, CELL_STEP),
+                                                                         2 + RUN_SEQS)
         self._own_context = context is None
         self._scratch: np.ndarray | None = None
         try:
@@ -140,7 +150,7 @@ class BlendRunner:
         """A new own context of the next CELL_STEP above `need` cells (at most max_cells); nothing in the old
         one outlives a request, and the geometry does not depend on the size."""
         cells = min(self.max_cells, -(-need // CELL_STEP) * CELL_STEP)
-        grown = LlamaContext(self.settings, cells, 2)
+        grown = LlamaContext(self.settings, cells, 2 + RUN_SEQS)
         self.ctx.close()
         self.ctx = grown
 
@@ -165,7 +175,9 @@ class BlendRunner:
                                 f"blend context of {self.ctx.n_cells} tokens (KVB_CTX_SIZE).")
         result = BlendResult()
         self.ctx.seq_rm(ANSWER)
-        placement = self.place(tokens, starts, recompute, result, reuse=reuse, recompute_at=recompute_at)
+        run_seqs = range(SCRATCH + 1, SCRATCH + 1 + RUN_SEQS) if self._own_context else ()
+        placement = self.place(tokens, starts, recompute, result, reuse=reuse, recompute_at=recompute_at,
+                               run_seqs=run_seqs)
         t = time.perf_counter()
         logits = self._decode(ANSWER, placement.pending, placement.kv_tokens, want_logits=True)
         result.prefill_ms += (time.perf_counter() - t) * 1000
@@ -178,11 +190,19 @@ class BlendRunner:
 
     def place(self, tokens: list[int], starts: Sequence[int], recompute: int, result: BlendResult, *,
               answer: int = ANSWER, scratch: int = SCRATCH, reuse: bool = True,
-              recompute_at: str = "end") -> "Placement":
-        """Fill the empty sequence `answer` left to right: the stored instruction, then for each passage its
-        stored cells and `recompute` of its tokens decoded in context: its last ones ("end": they lead into
-        the next segment) or its first ones ("start": EPIC's choice for chunks computed alone). What is
-        left to decode (passages not stored, after the last one placed, and the question) is returned."""
+              recompute_at: str = "end", run_seqs: Sequence[int] = ()) -> "Placement":
+        """Fill the empty sequence `answer` left to right: the stored instruction (with the first passage when
+        it is stored: it stands where it was computed, so its KV is cold's and nothing of it is recomputed),
+        then for each later passage its stored cells and `recompute` of its tokens decoded in context: its
+        last ones ("end": they lead into the next segment) or its first ones ("start": EPIC's choice for
+        chunks computed alone). What is left to decode (passages not stored, after the last one placed, and
+        the question) is returned.
+
+        With `run_seqs` (free sequence ids), the recomputed tokens of every passage are decoded in one
+        llama_decode after the stored cells are in place, each passage's in a sequence of its own that
+        shares the answer's cells before it, instead of one decode per passage (each decode reads every
+        weight once: ~28 ms here for a few tokens). They then see the stored cells of the passages before
+        them, not those passages' recomputed tokens."""
         if recompute_at not in RECOMPUTE_AT:
             raise ValueError(f"recompute_at must be one of {RECOMPUTE_AT}, got {recompute_at!r}")
         at_end = recompute_at == "end"
@@ -191,33 +211,76 @@ class BlendRunner:
         self.ctx.seq_rm(scratch)
         pending: list[int] = []      # tokens to decode at positions pending_at.. before the next placement
         pending_at = 0
+        runs: list[tuple[int, list[int]]] = []   # (position, tokens) recomputed together (run_seqs)
         missing: list[tuple[int, int]] = []    # segments prefilled here, stored after the answer
-        if reuse and self._place_instruction(instruction, result, answer):
+        passages = spans[1:-1]
+        first = tokens[passages[0][0]:passages[0][1]] if passages and recompute < passages[0][1] - passages[0][0] else None
+        placed = self._place_instruction(instruction, first, result, answer) if reuse else None
+        if placed is not None:
             pending_at = len(instruction)
+            if placed:
+                pending_at = passages[0][1]
+                passages = passages[1:]
         else:
             pending = list(instruction)
             missing.append(spans[0])
-        for start, end in spans[1:-1]:
+        for start, end in passages:
             passage = tokens[start:end]
             found = self._fetch(passage, instruction, result) if reuse and recompute < len(passage) else None
             if found is None:
+                self._recompute_runs(runs, answer, run_seqs, result)
                 pending += passage
                 missing.append((start, end))
                 continue
-            if at_end:      # stored cells first, then the passage's last tokens join what is decoded next
+            keep = (0, len(passage) - recompute) if at_end else (recompute, len(passage))
+            run = (end - recompute, passage[len(passage) - recompute:]) if at_end else (start, passage[:recompute])
+            if run_seqs:    # stored cells now, with a hole where the recomputed tokens go in one decode later
+                if pending:
+                    self._recompute_runs(runs, answer, run_seqs, result)
+                    self._flush(pending, pending_at, result, answer)
+                    pending = []
+                self._place(found, len(instruction), start, *keep, result, answer, scratch)
+                if recompute:
+                    runs.append(run)
+                pending_at = end
+            elif at_end:    # stored cells first, then the passage's last tokens join what is decoded next
                 self._flush(pending, pending_at, result, answer)
-                self._place(found, len(instruction), start, 0, len(passage) - recompute, result, answer, scratch)
-                pending, pending_at = list(passage[len(passage) - recompute:]), end - recompute
+                self._place(found, len(instruction), start, *keep, result, answer, scratch)
+                pending, pending_at = list(run[1]), run[0]
             else:           # the passage's first tokens decoded in context, then its stored cells after them
-                pending += passage[:recompute]
+                pending += run[1]
                 self._flush(pending, pending_at, result, answer)
-                self._place(found, len(instruction), start, recompute, len(passage), result, answer, scratch)
+                self._place(found, len(instruction), start, *keep, result, answer, scratch)
                 pending, pending_at = [], end
             result.reused_tokens += len(passage) - recompute
             result.reused_segments += 1
+        self._recompute_runs(runs, answer, run_seqs, result)
         pending += tokens[spans[-1][0]:]
         result.recomputed_tokens = len(tokens) - result.reused_tokens
         return Placement(pending_at, pending, instruction, missing)
+
+    def _recompute_runs(self, runs: list[tuple[int, list[int]]], answer: int, run_seqs: Sequence[int],
+                        result: BlendResult) -> None:
+        """Decode each run (position, tokens) in a sequence of its own sharing `answer`'s cells before it, as
+        few llama_decode calls as the sequences and the batch allow, then hand the new cells to `answer`."""
+        t = time.perf_counter()
+        ctx = self.ctx
+        while runs:
+            group, runs[:] = runs[:len(run_seqs)], runs[len(run_seqs):]
+            entries = []
+            for seq, (at, run) in zip(run_seqs, group):
+                ctx.seq_rm(seq)
+                ctx.seq_cp_range(answer, seq, 0, at)
+                entries += [(token, at + i, seq, False) for i, token in enumerate(run)]
+            for lo in range(0, len(entries), BATCH_TOKENS):
+                code = ctx.decode(entries[lo: lo + BATCH_TOKENS])
+                if code != 0:
+                    raise StateTransferError(f"llama_decode returned {code} for {len(entries)} recomputed blend tokens "
+                                             f"(no room in the context of {ctx.n_cells} cells?)")
+            for seq, (at, run) in zip(run_seqs, group):
+                ctx.seq_cp_range(seq, answer, at, at + len(run))
+                ctx.seq_rm(seq)
+        result.prefill_ms += (time.perf_counter() - t) * 1000
 
     def _flush(self, pending: list[int], at: int, result: BlendResult, answer: int) -> None:
         if pending:
@@ -294,20 +357,26 @@ class BlendRunner:
     def _fetch(self, passage: Sequence[int], instruction: Sequence[int], result: BlendResult) -> FoundPassage | None:
         return self._get(passage_key(self.namespace, instruction, passage), passage, result)
 
-    def _place_instruction(self, instruction: Sequence[int], result: BlendResult, answer: int) -> bool:
+    def _place_instruction(self, instruction: Sequence[int], first_tokens: Sequence[int] | None, result: BlendResult,
+                           answer: int) -> bool | None:
+        """The stored instruction into `answer` at positions 0.., followed in the same load by the first
+        passage (`first_tokens`) when it is stored: it was computed right after the instruction, so it needs
+        no shift and its KV is cold's. None: the instruction is not stored; else whether the passage came too."""
         found = self._get(instruction_key(self.namespace, instruction), instruction, result)
         if found is None:
-            return False
+            return None
+        first = self._fetch(first_tokens, instruction, result) if first_tokens is not None else None
+        pieces = [(found.view, found.view.n_cells)] + ([(first.view, first.view.n_cells)] if first is not None else [])
+        n_cells = sum(n for _, n in pieces)
         t = time.perf_counter()
-        state = assemble_state(self.geometry, [(found.view, found.view.n_cells)], seq_id=answer,
-                               out=self._scratch_for(found.view.n_cells))
+        state = assemble_state(self.geometry, pieces, seq_id=answer, out=self._scratch_for(n_cells))
         t1 = time.perf_counter()
         self.ctx.load_seq(answer, state)
         result.assemble_ms += (t1 - t) * 1000
         result.handoff_ms += (time.perf_counter() - t1) * 1000
-        result.reused_segments += 1
-        result.reused_tokens += len(instruction)
-        return True
+        result.reused_segments += 1 + (first is not None)
+        result.reused_tokens += n_cells
+        return first is not None
 
     def _scratch_for(self, n_cells: int) -> np.ndarray:
         size = assembled_size(self.geometry, n_cells)
