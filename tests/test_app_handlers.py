@@ -214,6 +214,22 @@ def test_table_has_every_record_field_and_notes():
     assert "20.0×" in r.summary_markdown(made_records())
 
 
+def test_the_summary_says_how_many_answers_equal_cold_and_state_the_expected_fact():
+    """A RAG run: each mode's answers against cold's, and against the fact the corpus expects."""
+    def record(mode: str, index: int, text: str) -> RequestRecord:
+        return RequestRecord(mode=mode, request_index=index, ttft_ms=100.0 if mode == "cold" else 10.0,
+                             text=text, expected="the Kessel Tunnel", scenario="rag")
+
+    records = [record("cold", 1, "It is the Kessel Tunnel."), record("cold", 2, "The Kessel tunnel, 640 m."),
+               record("blend", 1, "It is the Kessel Tunnel."), record("blend", 2, "The Brisk tunnel.")]
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+            for line in r.summary_markdown(records).splitlines() if line.startswith("| ") and "---" not in line}
+    assert rows["mode"][-2:] == ["answers = cold", "states the expected fact"]
+    assert rows["cold"][-2:] == ["baseline", "2/2"] and rows["blend"][-2:] == ["1/2", "1/2"]
+    # a run without expected answers and without cold has neither column
+    assert "answers = cold" not in r.summary_markdown(made_records()[1:])
+
+
 def test_export_handler_writes_the_records(state):
     outcome, paths = r.export_results(state)
     assert not outcome.ok and paths == []

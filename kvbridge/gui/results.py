@@ -66,19 +66,35 @@ def records_table(records: Sequence[RequestRecord], preview_text: bool = True) -
 
 
 def summary_markdown(records: Sequence[RequestRecord]) -> str:
-    """The run in one table: mean/median TTFT per mode and the speedup against cold."""
+    """The run in one table: mean/median TTFT per mode and the speedup against cold; where a run compares
+    answers (a cold run beside modes that reuse), how many equal cold's, and where the scenario knows
+    the answer (RAG), how many state the expected fact."""
+    from kvbridge.bench.report import summarize
+
     summaries = mode_summaries(records)
     if not summaries:
         return ""
+    quality = summarize(records)
+    agreement = any("answers_equal_cold" in q for q in quality.values())
+    facts = any("answers_with_fact" in q for q in quality.values())
     tiers = " / ".join([*summaries[0].hits, "miss"])
+    extra = (" answers = cold |" if agreement else "") + (" states the expected fact |" if facts else "")
     lines = [headline(summaries), "", "| mode | requests | mean TTFT | median TTFT | speedup vs cold (mean / median) "
-             f"| {tiers} |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             f"| {tiers} |{extra}",
+             "| --- | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * extra.count("|")]
     for s in summaries:
         speedup = "baseline" if s.mode == "cold" else (
             "n/a (no cold run)" if s.speedup_mean is None else f"**{s.speedup_mean:.1f}×** / {s.speedup_median:.1f}×")
-        lines.append(f"| {s.mode} | {s.requests} | {s.mean_ttft_ms:.1f} ms | {s.median_ttft_ms:.1f} ms | "
-                     f"{speedup} | {' / '.join(str(n) for n in [*s.hits.values(), s.misses])} |")
+        row = (f"| {s.mode} | {s.requests} | {s.mean_ttft_ms:.1f} ms | {s.median_ttft_ms:.1f} ms | "
+               f"{speedup} | {' / '.join(str(n) for n in [*s.hits.values(), s.misses])} |")
+        q = quality.get(s.mode, {})
+        if agreement:
+            equal = q.get("answers_equal_cold")
+            row += " baseline |" if s.mode == "cold" else (f" {equal['equal']}/{equal['compared']} |" if equal else " – |")
+        if facts:
+            held = q.get("answers_with_fact")
+            row += f" {held['holding']}/{held['judged']} |" if held else " – |"
+        lines.append(row)
     failed = sum(bool(r.error) for r in records)
     if failed:
         lines.append(f"\n{failed} request(s) failed; see the error column.")
