@@ -500,20 +500,24 @@ class Scheduler:
     def _blend_place(self, request: Request) -> tuple[int, str]:
         """Blend: stored instruction and passages placed into the request's sequence, a few tokens of each
         passage (its last, by default) decoded in context (kvbridge.blend.runner); (positions held, slowest
-        tier). Needs a free sequence for a moment; without one, or when llama.cpp has no room, it computes
-        everything."""
-        from kvbridge.blend.runner import BlendResult
+        tier). Needs a free sequence for a moment, and takes more where there are (one per later passage,
+        up to RUN_SEQS) to decode every passage's recomputed tokens at once; without one free sequence, or
+        when llama.cpp has no room, it computes everything."""
+        from kvbridge.blend.runner import RUN_SEQS, BlendResult
 
         if not self._free_seqs:
             request.record.add_note("blend: no free sequence to place passages through; computed in full")
             return 0, "none"
         scratch = self._free_seqs.pop()
+        # more free sequences, when there are, let every passage's recomputed tokens go into one decode
+        later_passages = max(0, len(request.segments) - 3)
+        runs = [self._free_seqs.pop() for _ in range(min(len(self._free_seqs), later_passages, RUN_SEQS))]
         runner = self._blender_for(request.salt)
         result = BlendResult()
         try:
             placement = runner.place(request.prompt, request.segments, self.settings.blend_recompute_tokens, result,
                                      answer=request.seq, scratch=scratch,
-                                     recompute_at=self.settings.blend_recompute_at)
+                                     recompute_at=self.settings.blend_recompute_at, run_seqs=runs)
         except KVBridgeError as exc:
             self._ctx.seq_rm(request.seq)
             self._counters["restore_failed"] += 1
@@ -521,8 +525,9 @@ class Scheduler:
             request.record.add_note(f"blend placement failed ({exc}); computed in full")
             return 0, "none"
         finally:
-            self._ctx.seq_rm(scratch)
-            self._free_seqs.append(scratch)
+            for seq in [scratch, *runs]:
+                self._ctx.seq_rm(seq)
+                self._free_seqs.append(seq)
         kv = placement.kv_tokens
         if kv:
             self.ledger.grow(request.held, kv, request.holder)
