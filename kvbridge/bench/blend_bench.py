@@ -82,7 +82,7 @@ def measure_curve(engine, passages: list[int], recompute: list[int], n_prompts: 
     for n_passages in passages:
         for prompt in warmup_prompts(corpus, sep, n_passages, seed):
             p = engine.prepare(prompt.messages)
-            runner.run(p.tokens, p.segments, recompute=0, n_predict=1, reuse=False, store=True)
+            runner.run(p.tokens, p.segments, recompute=0, n_predict=1, store=True)   # prefills only what is not stored
         variants = [(r, where) for where in at for r in recompute if r or where == at[0]]   # 0 is one variant
         per_r: dict[tuple[int, str], list] = {v: [] for v in variants}
         colds, cold_facts = [], []
@@ -119,7 +119,7 @@ def measure_restore_cost(engine, n_prompts: int, seed: int = DEFAULT_SEED, n_pas
     sep = engine.settings.blend_separator
     for prompt in warmup_prompts(corpus, sep, n_passages, seed):
         p = engine.prepare(prompt.messages)
-        runner.run(p.tokens, p.segments, recompute=0, n_predict=1, reuse=False, store=True)
+        runner.run(p.tokens, p.segments, recompute=0, n_predict=1, store=True)   # prefills only what is not stored
     blend_ms, exact_ms, n_bytes = [], [], []
     for prompt in build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages, seed=seed):
         p = engine.prepare(prompt.messages)
@@ -256,7 +256,7 @@ def measure_ceiling(engine, n_prompts: int, n_predict: int, seed: int = DEFAULT_
         sep = settings.blend_separator
         for prompt in warmup_prompts(corpus, sep, n_passages, seed):
             p = engine.prepare(prompt.messages)
-            runner.run(p.tokens, p.segments, recompute=0, n_predict=1, reuse=False, store=True)
+            runner.run(p.tokens, p.segments, recompute=0, n_predict=1, store=True)   # prefills only what is not stored
         prompts = build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages, seed=seed)
         default = settings.blend_recompute_tokens
         names = ("pure shift", f"default ({default} at each passage's end)", "the last half of every passage",
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--no-restore-cost", action="store_true", help="skip the restore-cost measurement")
     parser.add_argument("--ceiling", action="store_true",
-                        help="also measure how far recompute can go (4 passages): the last half of every passage, "
+                        help="also measure how far recompute can go (the largest --passages): the last half of every passage, "
                              "the answering passage whole, and cold's own KV placed by blend (no staleness)")
     parser.add_argument("--cache-reuse", type=int, default=16, metavar="N",
                         help="also run llama-server --cache-reuse N on the 4-passage prompts (0: skip)")
@@ -362,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{cost['blend_restore_ms']:.1f} ms against an exact prefix restore of the same cells "
                       f"{cost['exact_restore_ms']:.1f} ms ({cost['restored_mb']:.1f} MB): {cost['ratio']:.2f}x "
                       f"(question decode {cost['question_decode_ms']:.1f} ms taken off both)")
-            ceiling = measure_ceiling(engine, args.prompts, args.n_predict, args.seed) if args.ceiling else None
+            ceiling = (measure_ceiling(engine, args.prompts, args.n_predict, args.seed, n_passages=max(passages))
+                       if args.ceiling else None)
             if ceiling:
                 print(format_ceiling(ceiling))
             peer = None
