@@ -268,18 +268,21 @@ class BlendRunner:
         while runs:
             group, runs[:] = runs[:len(run_seqs)], runs[len(run_seqs):]
             entries = []
-            for seq, (at, run) in zip(run_seqs, group):
-                ctx.seq_rm(seq)
-                ctx.seq_cp_range(answer, seq, 0, at)
-                entries += [(token, at + i, seq, False) for i, token in enumerate(run)]
-            for lo in range(0, len(entries), BATCH_TOKENS):
-                code = ctx.decode(entries[lo: lo + BATCH_TOKENS])
-                if code != 0:
-                    raise StateTransferError(f"llama_decode returned {code} for {len(entries)} recomputed blend tokens "
-                                             f"(no room in the context of {ctx.n_cells} cells?)")
-            for seq, (at, run) in zip(run_seqs, group):
-                ctx.seq_cp_range(seq, answer, at, at + len(run))
-                ctx.seq_rm(seq)
+            try:
+                for seq, (at, run) in zip(run_seqs, group):
+                    ctx.seq_rm(seq)
+                    ctx.seq_cp_range(answer, seq, 0, at)
+                    entries += [(token, at + i, seq, False) for i, token in enumerate(run)]
+                for lo in range(0, len(entries), BATCH_TOKENS):
+                    code = ctx.decode(entries[lo: lo + BATCH_TOKENS])
+                    if code != 0:
+                        raise StateTransferError(f"llama_decode returned {code} for {len(entries)} recomputed blend "
+                                                 f"tokens (no room in the context of {ctx.n_cells} cells?)")
+                for seq, (at, run) in zip(run_seqs, group):
+                    ctx.seq_cp_range(seq, answer, at, at + len(run))
+            finally:    # a failed decode leaves no cells behind in the run sequences
+                for seq, _ in zip(run_seqs, group):
+                    ctx.seq_rm(seq)
         result.prefill_ms += (time.perf_counter() - t) * 1000
 
     def _flush(self, pending: list[int], at: int, result: BlendResult, answer: int) -> None:
