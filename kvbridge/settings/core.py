@@ -69,7 +69,7 @@ class Settings:
     prefer_lmcache_hasher: bool = False
     # blend mode (kvbridge.blend): retrieved passages reused wherever they stand in the prompt
     blend_separator: str = "[KVB_SEP]"   # cuts a prompt into instruction, passages, question (in every mode)
-    blend_recompute_tokens: int = 4      # tokens of each reused passage recomputed in context (Research §16)
+    blend_recompute_tokens: int = 4      # tokens of each reused passage after the first recomputed in context (Research §16)
     blend_recompute_at: str = "end"      # which ones: "end" (its last tokens) or "start" (its first, as EPIC)
     # the scheduler (kvbridge.scheduler): many requests on one llama.cpp context
     sched_kv_cells: int = 8192        # the unified KV cache: the KV budget of every request together
