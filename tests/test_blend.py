@@ -17,7 +17,7 @@ import pytest
 from conftest import needs_model
 from kvbridge.blend.passages import PASSAGE_KIND, blend_namespace, passage_key
 from kvbridge.blend.runner import ANSWER, SCRATCH
-from kvbridge.engine.segments import tokenize_segments
+from kvbridge.engine.segments import segment_spans, tokenize_segments
 from kvbridge.bench.rag import build_prompts, load_corpus, rag_messages
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.formats.llama_state import parse_state
@@ -207,7 +207,7 @@ def test_the_answering_passage_is_the_one_sharing_the_questions_rare_tokens(engi
     for prompt in build_prompts(corpus, SEP, n_prompts=6, n_passages=4, seed=9):
         p = engine.prepare(prompt.messages)
         tokens, starts = list(p.tokens), list(p.segments)
-        spans = list(zip(starts, starts[1:] + [len(tokens)]))
+        spans = segment_spans(starts, len(tokens))
         gold = next(q["passage"] for q in corpus["questions"] if q["id"] == prompt.question_id)
         assert relevant_passage(tokens, spans[1:-1], tokens[spans[-1][0]:]) == prompt.passage_ids.index(gold)
 

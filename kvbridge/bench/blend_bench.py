@@ -39,6 +39,7 @@ from kvbridge.bench.rag import DEFAULT_SEED, build_prompts, load_corpus, warmup_
 from kvbridge.bench.report import holds_fact, write_result_json
 from kvbridge.blend.passages import FoundPassage
 from kvbridge.blend.runner import ANSWER, SCRATCH, BlendResult, BlendRunner
+from kvbridge.engine.segments import segment_spans
 from kvbridge.formats.llama_state import assemble_state, decode_chunk, encode_chunk, parse_state
 from kvbridge.settings import Settings
 from kvbridge.store.objects import ObjectMeta
@@ -228,7 +229,7 @@ def place_exact(runner: BlendRunner, tokens: list[int], starts: Sequence[int], c
     sequence, seq_cp into the answer) where they were computed, so nothing shifts: the placement alone,
     whose answers must be cold's token for token."""
     ctx, result, t0 = runner.ctx, BlendResult(), time.perf_counter()
-    spans = list(zip(starts, list(starts[1:]) + [len(tokens)]))
+    spans = segment_spans(starts, len(tokens))
     ctx.seq_rm(ANSWER)
     ctx.seq_rm(SCRATCH)
     runner._decode(ANSWER, tokens[:spans[1][0]], 0, want_logits=False)
@@ -266,7 +267,7 @@ def measure_ceiling(engine, n_prompts: int, n_predict: int, seed: int = DEFAULT_
         for prompt in prompts:
             p = engine.prepare(prompt.messages)
             tokens, starts = [int(t) for t in p.tokens], list(p.segments)
-            spans = list(zip(starts, starts[1:] + [len(tokens)]))
+            spans = segment_spans(starts, len(tokens))
             half = min(b - a for a, b in spans[1:-1]) // 2
             cold = runner.run(tokens, starts, recompute=0, n_predict=n_predict, reuse=False, store=False)
             colds.append(cold.ttft_ms)

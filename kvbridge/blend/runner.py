@@ -43,6 +43,7 @@ from kvbridge.backends.llama_context import BATCH_TOKENS, LlamaContext, Sampler
 from kvbridge.backends.llamacpp import Utf8Decoder
 from kvbridge.blend.passages import (FoundPassage, blend_namespace, check_passage, instruction_key, passage_key,
                                      passage_meta)
+from kvbridge.engine.segments import segment_spans
 from kvbridge.errors import KVBridgeError, StateTransferError
 from kvbridge.formats.llama_state import (KVGeometry, LayoutError, assemble_state, assembled_size, encode_chunk,
                                          parse_state)
@@ -167,7 +168,7 @@ class BlendRunner:
         tokens = [int(t) for t in tokens]
         need = len(tokens) + n_predict
         # beside the answer, the scratch sequence holds one segment at a time (placing it, storing it)
-        room = need + max(b - a for a, b in zip(starts, list(starts[1:]) + [len(tokens)]))
+        room = need + max(b - a for a, b in segment_spans(starts, len(tokens)))
         if room > self.ctx.n_cells and self._own_context and self.ctx.n_cells < self.max_cells:
             self._grow(min(room, self.max_cells))
         if need > self.ctx.n_cells:
@@ -206,7 +207,7 @@ class BlendRunner:
         if recompute_at not in RECOMPUTE_AT:
             raise ValueError(f"recompute_at must be one of {RECOMPUTE_AT}, got {recompute_at!r}")
         at_end = recompute_at == "end"
-        spans = list(zip(starts, list(starts[1:]) + [len(tokens)]))
+        spans = segment_spans(starts, len(tokens))
         instruction = tokens[spans[0][0]:spans[0][1]]
         self.ctx.seq_rm(scratch)
         pending: list[int] = []      # tokens to decode at positions pending_at.. before the next placement

@@ -30,8 +30,12 @@ class Segmented:
         return max(0, len(self.starts) - 2)
 
     def spans(self) -> list[tuple[int, int]]:
-        ends = list(self.starts[1:]) + [len(self.tokens)]
-        return list(zip(self.starts, ends))
+        return segment_spans(self.starts, len(self.tokens))
+
+
+def segment_spans(starts: Sequence[int], n_tokens: int) -> list[tuple[int, int]]:
+    """(start, end) of each segment of a prompt of n_tokens tokens whose segments begin at `starts`."""
+    return list(zip(starts, list(starts[1:]) + [n_tokens]))
 
 
 def split_text(text: str, separator: str) -> list[str] | None:

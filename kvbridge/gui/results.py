@@ -20,6 +20,7 @@ from kvbridge.gui.charts import ModeSummary, mode_summaries, run_figures
 from kvbridge.errors import BadSettings, KVBridgeError
 from kvbridge.gui.export import export_run
 from kvbridge.engine.records import MODES, RECORD_FIELDS, RequestRecord
+from kvbridge.bench.report import summarize
 from kvbridge.bench.runner import run_scenario
 from kvbridge.bench.scenarios import get_scenario, list_documents, scenario_specs
 
@@ -69,8 +70,6 @@ def summary_markdown(records: Sequence[RequestRecord]) -> str:
     """The run in one table: mean/median TTFT per mode and the speedup against cold; where a run compares
     answers (a cold run beside modes that reuse), how many equal cold's, and where the scenario knows
     the answer (RAG), how many state the expected fact."""
-    from kvbridge.bench.report import summarize
-
     summaries = mode_summaries(records)
     if not summaries:
         return ""
