@@ -128,6 +128,38 @@ def test_json_only_as_application_json(edged):
         assert ok.status_code == 200, (content_type, ok.text)
 
 
+# -- fields with a meaning of their own ----------------------------------------------------------------
+@needs_model
+def test_seed_minus_one_is_a_random_seed_as_in_llama_cpp(edged):
+    """llama.cpp reads seed -1 as "pick one at random"; it used to be a plain 500 here (numpy refused it)."""
+    client = edged.client()
+    answer = client.completions.create(model="x", prompt="The word is banana. The word is", max_tokens=2, seed=-1)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    seeded = [client.completions.create(model="x", prompt="Once upon a time", max_tokens=6, temperature=1.5,
+                                        seed=12345).choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]                          # a real seed still decides the sample
+    with pytest.raises(openai.BadRequestError) as negative:
+        client.completions.create(model="x", prompt="Hi", max_tokens=2, seed=-2)
+    assert negative.value.body["param"] == "seed" and "-1 for a random one" in negative.value.body["message"]
+
+
+@needs_model
+def test_the_blend_separator_is_cut_only_from_blend_requests(edged):
+    """A message that holds KVB_BLEND_SEPARATOR reaches the model as sent unless the request asks for
+    blend (the separator used to be cut out of every prompt: its tokens were missing)."""
+    client = edged.client()
+
+    def prompt_tokens(prompt: str, **extra) -> int:
+        return client.completions.create(model="x", prompt=prompt, max_tokens=1, temperature=0,
+                                         **extra).usage.prompt_tokens
+
+    plain = prompt_tokens("Copy this marker: [KVB_SEP] and stop.")
+    without = prompt_tokens("Copy this marker:  and stop.")
+    cut = prompt_tokens("Copy this marker: [KVB_SEP] and stop.", extra_headers={"X-KVBridge-Blend": "on"})
+    assert plain >= without + 3                             # the separator's own tokens are there
+    assert abs(cut - without) <= 2                          # a blend request is cut at it, as before
+
+
 # -- the Host header ---------------------------------------------------------------------------------
 @needs_model
 def test_a_host_not_allowed_is_refused_naming_the_setting(edged):

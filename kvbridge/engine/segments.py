@@ -3,10 +3,12 @@
 Place in the flow: render (chat template) -> **split at the separator, tokenize each segment alone,
 concatenate** -> the Prompt every mode runs (cold, native, lmcache and blend see the same token ids).
 
-The separator (`Settings.blend_separator`, KVB_BLEND_SEPARATOR) is cut out of the rendered text, so
-it never reaches the model. The first segment is the instruction (it keeps the chat template's
-opening and the tokenizer's BOS), the last the question (it keeps the template's closing), the
-ones between are passages. Each segment is tokenized on its own, so a passage has the same token
+The separator (`Settings.blend_separator`, KVB_BLEND_SEPARATOR) is cut out of the rendered text of a
+prompt that is cut, so it never reaches the model. Who cuts: the scheduler (and so `serve`) only a
+blend request's prompt, so anyone else's message that holds the separator reaches the model as sent;
+CachedEngine every prompt, so the benches' cold, lmcache and blend modes run the same token ids.
+The first segment is the instruction (it keeps the chat template's opening and the tokenizer's
+BOS), the last the question (it keeps the template's closing), the ones between are passages. Each segment is tokenized on its own, so a passage has the same token
 ids wherever it appears: that is what lets its KV be found again under another neighbour.
 """
 from __future__ import annotations

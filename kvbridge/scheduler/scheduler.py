@@ -170,7 +170,8 @@ class Scheduler:
                                 f"{self.settings.sched_max_waiting}); try again when some have finished")
             request_id = next(self._ids)
         try:
-            tokens = self._prompt_tokens(prompt)
+            # only a blend request is cut at the separator: any other prompt reaches the model as sent
+            tokens = self._prompt_tokens(prompt, cut=True) if blend else self._prompt_tokens(prompt)
             segments = getattr(tokens, "segments", ())
             self._check_request(tokens, priority, n_predict)
             if blend and len(segments) >= 3:
@@ -259,16 +260,17 @@ class Scheduler:
             self.store.close()
 
     # -- checks ---------------------------------------------------------------------------------------
-    def _prompt_tokens(self, prompt) -> list[int]:
-        """Token ids (a PromptTokens list: with the segment starts); a prompt cut by the blend separator
-        is tokenized segment by segment whether or not it asks for blending, as CachedEngine.prepare does."""
+    def _prompt_tokens(self, prompt, cut: bool = False) -> list[int]:
+        """Token ids (a PromptTokens list: with the segment starts); a blend request (`cut`) cut by the
+        blend separator is tokenized segment by segment, any other prompt as it is, separator and all
+        (a message that holds the separator reaches the model unaltered)."""
         if isinstance(prompt, str):
             text = prompt
         else:
             text = self._ctx.render(tuple(dict(m) for m in prompt))
         if not text:
             raise RequestRefused("the prompt is empty")
-        segmented = tokenize_segments(text, self.settings.blend_separator, self._ctx.tokenize)
+        segmented = tokenize_segments(text, self.settings.blend_separator, self._ctx.tokenize) if cut else None
         if segmented is not None:
             return PromptTokens(segmented.tokens, segmented.starts)
         return PromptTokens(self._ctx.tokenize(text))

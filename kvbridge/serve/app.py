@@ -3,6 +3,10 @@
     POST /v1/chat/completions, POST /v1/completions   (stream or not; stream_options.include_usage)
     GET  /v1/models, GET /health, GET /metrics (Prometheus text)
 
+Who sees what: /health says up or down to anyone, the engine's state only to the operator; /metrics
+is the operator's whole registry, or to a tenant only its own series (kvbridge.serve.metrics). The
+operator is the key in KVB_SERVE_ADMIN_KEY_ENV, or anyone when no key is configured at all.
+
 A response is started only once the request's first event arrives (its first piece of text, or its
 end, or its error), so a request refused by the engine (a prompt beyond the context, say) gets a
 proper status and OpenAI's error object, and `X-KVBridge-Tier` can say where its KV came from.
@@ -32,7 +36,7 @@ from starlette.routing import Route
 from kvbridge.errors import KVBridgeError
 from kvbridge.serve.engines import Job, LiveState, ServeEngine
 from kvbridge.serve.guards import BearerAuth, HostCheck, allowed_hosts, error_response, read_json
-from kvbridge.serve.tenants import DEFAULT, TenantTable
+from kvbridge.serve.tenants import DEFAULT, Tenant, TenantTable
 from kvbridge.serve.metrics import ServeMetrics
 from kvbridge.serve.protocol import (
     BLEND_HEADER, PRIORITY_HEADER, TIER_HEADER, ApiError, Generation, chunk_body, completion_id, parse_blend,
@@ -44,12 +48,14 @@ log = logging.getLogger(__name__)
 
 
 def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: str | None = None,
-              tenants: TenantTable | None = None) -> Starlette:
+              tenants: TenantTable | None = None, admin_key: str = "") -> Starlette:
     """The app; `tenants` (kvbridge.serve.server.tenants_from) says whose key is whose; `api_key` alone is
-    one tenant's; neither: no token needed and every caller is the tenant `default`. `host`: the
-    address serve listens on (default KVB_SERVE_HOST), a name the Host check lets in."""
-    if tenants is None and api_key:
-        tenants = TenantTable.single(api_key)
+    one tenant's; neither: no token needed and every caller is the tenant `default`. `admin_key`: the
+    operator's (also taken when `tenants` has one already). `host`: the address serve listens on
+    (default KVB_SERVE_HOST), a name the Host check lets in."""
+    if tenants is None:
+        tenants = TenantTable.single(api_key) if api_key else TenantTable.open()
+    tenants = tenants.with_operator(admin_key)
     metrics = ServeMetrics()
     live_state = LiveState(engine)
 
@@ -134,14 +140,25 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
             {"id": engine.model_id, "object": "model", "created": int(engine.model_path.stat().st_mtime),
              "owned_by": "kvbridge"}]})
 
+    def caller(request: Request) -> Tenant:
+        return getattr(request.state, "tenant", DEFAULT)
+
     async def health(request: Request) -> Response:
+        if not tenants.sees_everything(caller(request)):
+            # up or down and nothing else, without waiting on the engine: how long a read of its state
+            # takes would tell whether another tenant's swap holds the scheduler
+            return JSONResponse({"status": "ok"})
         state, age_s = await live_state.read()
         return JSONResponse({"status": "ok", "engine": engine.name, "model": engine.model_id, **state,
                              "state_age_s": age_s})
 
     async def prometheus(request: Request) -> Response:
-        state, _ = await live_state.read()
-        body, content_type = metrics.render(state, live_state.held)
+        who = caller(request)
+        if tenants.sees_everything(who):
+            state, _ = await live_state.read()
+            body, content_type = metrics.render(state, live_state.held)
+        else:
+            body, content_type = metrics.render_tenant(who.name)
         return Response(body, media_type=content_type)
 
     async def not_found(request: Request, exc) -> Response:
@@ -165,8 +182,7 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
         middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
                                      allow_headers=["Authorization", "Content-Type", "X-KVBridge-Priority", "X-KVBridge-Blend"],
                                      expose_headers=[TIER_HEADER]))
-    if tenants is not None:
-        middleware.append(Middleware(BearerAuth, tenants=tenants))
+    middleware.append(Middleware(BearerAuth, tenants=tenants))
     app = Starlette(routes=routes, middleware=middleware, exception_handlers={404: not_found, 405: wrong_method})
     app.state.engine = engine
     app.state.metrics = metrics

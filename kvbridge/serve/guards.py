@@ -3,7 +3,9 @@ setting that decides it:
 
     the Host header     a name this server answers to (KVB_SERVE_ALLOWED_HOSTS), else 400: a web page
                         that rebinds its own name to 127.0.0.1 sends that name, so it cannot read answers;
-    the key             `Authorization: Bearer <key>` when KVB_SERVE_API_KEY_ENV names one, else 401;
+    the key             `Authorization: Bearer <key>` when KVB_SERVE_API_KEY_ENV names one (or the tenants
+                        file lists keys), else 401; the operator's key (KVB_SERVE_ADMIN_KEY_ENV) runs no
+                        completions (403);
     the Content-Type    application/json, else 415: a page's "simple" cross-site form post cannot send it;
     the body size       at most KVB_SERVE_MAX_BODY_BYTES, else 413, from Content-Length before a byte of
                         the body is read, and counted as a chunked body arrives.
@@ -22,9 +24,10 @@ from starlette.responses import JSONResponse
 from kvbridge.serve.protocol import ApiError
 from kvbridge.settings import format_size
 from kvbridge.settings.checks import host_list
-from kvbridge.serve.tenants import TenantTable
+from kvbridge.serve.tenants import DEFAULT, TenantTable
 
 OPEN_PATHS = ("/health",)
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
@@ -71,27 +74,33 @@ class HostCheck:
 
 
 class BearerAuth:
-    """401 unless `Authorization: Bearer <key>` names a tenant's key (digests compared in constant time);
-    the tenant goes to request.state.tenant. /health and preflights stay open."""
+    """Who calls: `Authorization: Bearer <key>` resolved to a tenant or the operator (digests compared in
+    constant time), put in request.state.tenant. Where a key is needed (every path but /health and
+    preflights, when keys are configured) a key that names nobody is 401; elsewhere the caller is
+    `default`. The operator's key reads; completions with it are 403."""
 
     def __init__(self, app, tenants: TenantTable) -> None:
         self.app, self._tenants = app, tenants
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
-        tenant = self._tenants.resolve(token.strip()) if scheme.lower() == b"bearer" and token.strip() else None
-        if tenant is None:
-            response = error_response(ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
-                                                    "with the key in the variable KVB_SERVE_API_KEY_ENV names, or "
-                                                    "a tenant's key (KVB_SERVE_TENANTS_FILE)",
-                                               code="invalid_api_key", kind="authentication_error"))
-            await response(scope, receive, send)
+        caller = self._tenants.resolve(token.strip()) if scheme.lower() == b"bearer" and token.strip() else None
+        refusal = None
+        if caller is None and self._tenants.required and scope["path"] not in OPEN_PATHS:
+            refusal = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key in the "
+                                    "variable KVB_SERVE_API_KEY_ENV names, or a tenant's key (KVB_SERVE_TENANTS_FILE)",
+                               code="invalid_api_key", kind="authentication_error")
+        elif caller is not None and caller.operator and scope["path"] in COMPLETION_PATHS:
+            refusal = ApiError(403, "the operator's key (KVB_SERVE_ADMIN_KEY_ENV) reads /metrics and /health; send "
+                                    "completions with a tenant's key", code="operator_key", kind="permission_error")
+        if refusal is not None:
+            await error_response(refusal)(scope, receive, send)
             return
-        scope.setdefault("state", {})["tenant"] = tenant
+        scope.setdefault("state", {})["tenant"] = caller or DEFAULT
         await self.app(scope, receive, send)
 
 

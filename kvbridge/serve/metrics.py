@@ -1,14 +1,48 @@
-"""Prometheus metrics of `serve` (GET /metrics), in a registry of its own, names under `kvbridge_serve_`."""
+"""Prometheus metrics of `serve` (GET /metrics), names under `kvbridge_serve_`, in two views.
+
+The operator's view (the key in KVB_SERVE_ADMIN_KEY_ENV, or anyone when no key is configured) is the
+whole registry: requests by endpoint and status, the global token and reuse counters, TTFT, tiers,
+the engine's state, and every tenant's series with the bytes of KV held in its cache. A tenant's view
+is only the series labelled with that tenant, counting its own completions: nothing global, of the
+process, the engine or the store moves in it when another tenant asks (a tenant must not learn when,
+what size or whether another's request hit).
+
+Per-tenant state is a bounded LRU (TENANTS_KEPT): the tenants file bounds it already, and no
+client-chosen value (a request's `cache_salt`) becomes a key of it; bytes held are summed per cache
+group from the engine's {cache salt: bytes} at render time.
+"""
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvbridge.serve.tenants import group_of
+
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+TENANTS_KEPT = 1024   # tenants with counters; past it the least recently served is forgotten
+_COUNTERS = {
+    "requests": "Finished requests by tenant",
+    "prompt_tokens": "Prompt tokens by tenant",
+    "cached_tokens": "Prompt tokens reused from the tenant's own (or its group's) cache",
+    "completion_tokens": "Generated tokens by tenant",
+}
+
+
+@dataclass
+class TenantCounts:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
 
 
 class ServeMetrics:
-    def __init__(self) -> None:
+    def __init__(self, tenants_kept: int = TENANTS_KEPT) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvbridge_serve_requests", "Requests answered, by endpoint and HTTP status",
@@ -21,36 +55,30 @@ class ServeMetrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.tier = Counter("kvbridge_serve_requests_by_tier", "Finished requests by where their reused KV came from",
                             ["tier"], registry=r)
-        # per tenant (LMCache's user-specific usage): requests, prompt tokens, and how many were reused
-        self.tenant_requests = Counter("kvbridge_serve_tenant_requests", "Finished requests by tenant", ["tenant"],
-                                       registry=r)
-        self.tenant_prompt_tokens = Counter("kvbridge_serve_tenant_prompt_tokens", "Prompt tokens by tenant",
-                                            ["tenant"], registry=r)
-        self.tenant_cached_tokens = Counter("kvbridge_serve_tenant_cached_tokens",
-                                            "Prompt tokens reused from the tenant's own (or its group's) cache",
-                                            ["tenant"], registry=r)
-        self.tenant_bytes_held = Gauge("kvbridge_serve_tenant_bytes_held",
-                                       "Bytes of KV the store holds in the tenant's cache, by tier (a cache "
-                                       "group's is shown for each member)", ["tenant", "tier"], registry=r)
-        self._salts: dict[str, set[str]] = {}   # tenant -> the cache salts its requests ran under
-        self._totals: dict[str, dict[str, int]] = {}   # tenant -> the counters above, readable
-        state = Gauge("kvbridge_serve_engine", "The engine's live state (running, waiting, swapped, free blocks...)",
-                      ["field"], registry=r)
-        self._state_gauge = state
+        self._state_gauge = Gauge("kvbridge_serve_engine",
+                                  "The engine's live state (running, waiting, swapped, free blocks...)", ["field"],
+                                  registry=r)
+        self._kept = tenants_kept
+        self._tenants: OrderedDict[str, TenantCounts] = OrderedDict()   # least recently served first
+        self._groups: dict[str, str] = {}   # tenant -> its cache group's salt (group_of), for bytes held
+        self._lock = threading.Lock()       # the GUI's lab reads tenant_usage from its own thread
 
     def answered(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
     def finished(self, endpoint: str, record, tenant: str = "default", cache_salt: str = "") -> None:
         self.answered(endpoint, 200)
-        self._salts.setdefault(tenant, set()).add(cache_salt)
-        totals = self._totals.setdefault(tenant, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0})
-        totals["requests"] += 1
-        totals["prompt_tokens"] += record.prompt_tokens
-        totals["cached_tokens"] += record.matched_tokens
-        self.tenant_requests.labels(tenant).inc()
-        self.tenant_prompt_tokens.labels(tenant).inc(record.prompt_tokens)
-        self.tenant_cached_tokens.labels(tenant).inc(record.matched_tokens)
+        with self._lock:
+            counts = self._tenants.pop(tenant, None) or TenantCounts()
+            self._tenants[tenant] = counts                       # the most recently served, last
+            self._groups[tenant] = group_of(cache_salt)
+            while len(self._tenants) > self._kept:
+                forgotten, _ = self._tenants.popitem(last=False)
+                self._groups.pop(forgotten, None)
+            counts.requests += 1
+            counts.prompt_tokens += record.prompt_tokens
+            counts.cached_tokens += record.matched_tokens
+            counts.completion_tokens += record.gen_tokens
         self.prompt_tokens.inc(record.prompt_tokens)
         self.cached_tokens.inc(record.matched_tokens)
         self.completion_tokens.inc(record.gen_tokens)
@@ -58,25 +86,68 @@ class ServeMetrics:
             self.ttft.observe(record.ttft_ms / 1e3)
         self.tier.labels(record.tier or "none").inc()
 
+    @property
+    def tenants_held(self) -> int:
+        return len(self._tenants)
+
     def render(self, engine_state: dict[str, int],
                held: dict[str, dict[str, int]] | None = None) -> tuple[bytes, str]:
-        """The text; `engine_state` and `held` (engine.bytes_held(): {cache salt: {tier: bytes}}) are what
-        the app read off the engine (a thread's work, not this one's)."""
+        """The operator's text; `engine_state` and `held` (engine.bytes_held(): {cache salt: {tier: bytes}})
+        are what the app read off the engine (a thread's work, not this one's)."""
         for name, value in engine_state.items():
             self._state_gauge.labels(name).set(value)
-        for tenant, usage in self.tenant_usage(held).items():
-            for tier, size in usage["bytes_held"].items():
-                self.tenant_bytes_held.labels(tenant, tier).set(size)
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        with self._lock:
+            tenants = list(self._tenants)
+        return self._text(self.registry, tenants, held, with_bytes=True), CONTENT_TYPE_LATEST
+
+    def render_tenant(self, tenant: str) -> tuple[bytes, str]:
+        """One tenant's text: its own counters, and nothing else."""
+        return self._text(CollectorRegistry(), [tenant], None, with_bytes=False), CONTENT_TYPE_LATEST
 
     def tenant_usage(self, held: dict[str, dict[str, int]] | None = None) -> dict[str, dict]:
-        """{tenant: {requests, prompt_tokens, cached_tokens, bytes_held: {tier: bytes}}} for every tenant
-        that finished a request (the GUI's serve panel and /metrics)."""
-        usage = {}
-        for tenant, salts in sorted(self._salts.items()):
-            by_tier: dict[str, int] = {}
-            for salt in salts:
-                for tier, size in ((held or {}).get(salt) or {}).items():
-                    by_tier[tier] = by_tier.get(tier, 0) + size
-            usage[tenant] = {**self._totals[tenant], "bytes_held": by_tier}
-        return usage
+        """{tenant: {requests, prompt_tokens, cached_tokens, completion_tokens, bytes_held: {tier: bytes}}}
+        for every tenant kept (the GUI's serve panel and the operator's /metrics)."""
+        by_group: dict[str, dict[str, int]] = {}
+        for salt, tiers in (held or {}).items():
+            group = by_group.setdefault(group_of(salt), {})
+            for tier, size in tiers.items():
+                group[tier] = group.get(tier, 0) + size
+        with self._lock:
+            return {tenant: {**asdict(counts), "bytes_held": dict(by_group.get(self._groups[tenant], {}))}
+                    for tenant, counts in sorted(self._tenants.items())}
+
+    def counts(self, tenant: str) -> TenantCounts:
+        """A copy of one tenant's counters (zeros when it has not been served, or was forgotten)."""
+        with self._lock:
+            return TenantCounts(**asdict(self._tenants.get(tenant) or TenantCounts()))
+
+    def _text(self, registry: CollectorRegistry, tenants: list[str], held, with_bytes: bool) -> bytes:
+        collector = _TenantSeries(self, tenants, held, with_bytes)
+        registry.register(collector)
+        try:
+            return generate_latest(registry)
+        finally:
+            registry.unregister(collector)
+
+
+class _TenantSeries:
+    """The per-tenant families, for the tenants asked about (a tenant not served yet shows zeros)."""
+
+    def __init__(self, metrics: ServeMetrics, tenants: list[str], held, with_bytes: bool) -> None:
+        self._metrics, self._tenants, self._held, self._with_bytes = metrics, tenants, held, with_bytes
+
+    def collect(self):
+        counts = {t: self._metrics.counts(t) for t in self._tenants}
+        for field, doc in _COUNTERS.items():
+            family = CounterMetricFamily(f"kvbridge_serve_tenant_{field}", doc, labels=["tenant"])
+            for tenant, c in counts.items():
+                family.add_metric([tenant], getattr(c, field))
+            yield family
+        if self._with_bytes:
+            family = GaugeMetricFamily("kvbridge_serve_tenant_bytes_held",
+                                       "Bytes of KV the store holds in the tenant's cache, by tier (a cache group's "
+                                       "is shown for each member)", labels=["tenant", "tier"])
+            for tenant, usage in self._metrics.tenant_usage(self._held).items():
+                for tier, size in usage["bytes_held"].items():
+                    family.add_metric([tenant, tier], size)
+            yield family

@@ -82,9 +82,7 @@ def parse_generation(body: Any, kind: str, *, max_tokens_cap: int) -> Generation
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
         raise ApiError(400, "'top_p' must be more than 0", param="top_p")
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise ApiError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
+    seed = _seed(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, f"'stream' must be true or false, got {stream!r}", param="stream")
@@ -235,6 +233,17 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
             or not low <= value <= high:
         raise ApiError(400, f"'{name}' must be a number from {low:g} to {high:g}, got {value!r}", param=name)
     return float(value)
+
+
+def _seed(body: dict) -> int | None:
+    """The request's seed; -1 means a random one, as in llama.cpp (its LLAMA_DEFAULT_SEED), and so None."""
+    seed = body.get("seed")
+    if seed is None or (seed == -1 and _is_int(seed)):
+        return None
+    if not _is_int(seed) or seed < 0:
+        raise ApiError(400, f"'seed' must be a whole number of at least 0, or -1 for a random one; got {seed!r}",
+                       param="seed")
+    return seed
 
 
 def _stop(body: dict) -> tuple[str, ...]:

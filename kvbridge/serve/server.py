@@ -23,6 +23,7 @@ from kvbridge.serve.engines import ServeEngine, make_serve_engine
 from kvbridge.serve.tenants import TenantTable
 from kvbridge.settings import Settings
 from kvbridge.settings.checks import open_serve_problem
+from kvbridge.settings.secrets import secret_from
 
 log = logging.getLogger(__name__)
 READY = "KVBridge serve ready on http://{host}:{port}"
@@ -30,14 +31,14 @@ READY = "KVBridge serve ready on http://{host}:{port}"
 
 def api_key_from(settings: Settings, environ=os.environ) -> str:
     """The bearer token from the variable KVB_SERVE_API_KEY_ENV names; '' when no key is asked for."""
-    name = settings.serve_api_key_env
-    if not name:
-        return ""
-    key = environ.get(name, "")
-    if not key:
-        raise BadSettings(f"KVB_SERVE_API_KEY_ENV names {name}, but that variable is empty or not set; set it "
-                          f"(export {name}=...) or leave KVB_SERVE_API_KEY_ENV empty to need no key")
-    return key
+    return secret_from("KVB_SERVE_API_KEY_ENV", settings.serve_api_key_env, environ,
+                       unset_hint="leave KVB_SERVE_API_KEY_ENV empty to need no key")
+
+
+def admin_key_from(settings: Settings, environ=os.environ) -> str:
+    """The operator's key from the variable KVB_SERVE_ADMIN_KEY_ENV names; '' when there is no operator key."""
+    return secret_from("KVB_SERVE_ADMIN_KEY_ENV", settings.serve_admin_key_env, environ,
+                       unset_hint="leave KVB_SERVE_ADMIN_KEY_ENV empty for no operator key")
 
 
 def _config(app, settings: Settings, host: str, port: int) -> uvicorn.Config:
@@ -65,13 +66,15 @@ class _Server(uvicorn.Server):
         return self.config.port
 
 
-def tenants_from(settings: Settings, environ=os.environ) -> TenantTable | None:
+def tenants_from(settings: Settings, environ=os.environ) -> TenantTable:
     """Who may call and as which tenant: the tenants file (plus the single key as `default`), the single
-    key alone, or None (no key asked for: every caller is `default`)."""
+    key alone, or no key asked for (every caller is `default`); plus the operator's key, if one is set."""
     key = api_key_from(settings, environ)
     if settings.serve_tenants_file:
-        return TenantTable.load(settings.serve_tenants_file, key)
-    return TenantTable.single(key) if key else None
+        table = TenantTable.load(settings.serve_tenants_file, key)
+    else:
+        table = TenantTable.single(key) if key else TenantTable.open()
+    return table.with_operator(admin_key_from(settings, environ))
 
 
 def check_exposure(settings: Settings, host: str) -> None:

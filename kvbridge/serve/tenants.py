@@ -17,6 +17,12 @@ system prompt); all others never do: another tenant's document is a cold prefill
 one what another asked (vLLM's CVE-2025-46570). The single key of KVB_SERVE_API_KEY_ENV, or no key
 at all, is the tenant `default`, whose salt is empty: its cache is the one serve always had.
 Make a digest with `python -m kvbridge.serve.tenants digest` (reads the key from standard input).
+The group name `default` is refused: no tenant of the file can name its way into that unsalted cache.
+
+The operator (the key in the variable KVB_SERVE_ADMIN_KEY_ENV names) is no tenant: it runs no
+completions and sees everything /metrics and /health know; a tenant sees only itself there. With no
+key configured at all (no tenants, no single key, no operator key) every caller is the operator, as
+one local user always was.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from pathlib import Path
 from kvbridge.errors import BadSettings
 
 DEFAULT_TENANT = "default"
+MAX_CACHE_SALT_CHARS = 256   # what Scheduler.submit accepts; a composed salt never exceeds it
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -39,14 +46,29 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 class Tenant:
     name: str
     cache_group: str
+    unsalted: bool = False      # only `default`: the cache the GUI and the CLI share
+    operator: bool = False      # only OPERATOR: reads everything, runs nothing
 
     def cache_salt(self, request_salt: str = "") -> str:
-        """The salt for Scheduler.submit: the cache group's (none for `default`), then the request's own."""
-        base = "" if self.cache_group == DEFAULT_TENANT else f"group:{self.cache_group}"
-        return f"{base}|request:{request_salt}" if request_salt else base
+        """The salt for Scheduler.submit: the cache group's (none for `default`), then the request's own.
+        A request salt that would carry the whole past MAX_CACHE_SALT_CHARS joins as its SHA-256: a salt
+        is only ever compared, so its digest keeps requests apart as well as the salt itself would."""
+        base = "" if self.unsalted else f"group:{self.cache_group}"
+        if not request_salt:
+            return base
+        composed = f"{base}|request:{request_salt}"
+        if len(composed) <= MAX_CACHE_SALT_CHARS:
+            return composed
+        return f"{base}|request-sha256:{hashlib.sha256(request_salt.encode()).hexdigest()}"
 
 
-DEFAULT = Tenant(DEFAULT_TENANT, DEFAULT_TENANT)
+DEFAULT = Tenant(DEFAULT_TENANT, DEFAULT_TENANT, unsalted=True)
+OPERATOR = Tenant("operator", "", operator=True)
+
+
+def group_of(cache_salt: str) -> str:
+    """The cache group's part of a composed salt ('' for `default`'s): what /metrics sums bytes held by."""
+    return cache_salt.partition("|")[0]
 
 
 def key_digest(key: str) -> str:
@@ -54,14 +76,36 @@ def key_digest(key: str) -> str:
 
 
 class TenantTable:
-    """Key digest -> tenant; `resolve` compares every digest in constant time."""
+    """Key digest -> tenant (or the operator); `resolve` compares every digest in constant time.
+    `required`: a request needs a key (False: no key configured, every caller is `default`)."""
 
-    def __init__(self, tenants: list[tuple[str, Tenant]]) -> None:
+    def __init__(self, tenants: list[tuple[str, Tenant]], required: bool = True) -> None:
         self._by_digest = [(bytes.fromhex(d), t) for d, t in tenants]
+        self.required = required
 
     @property
     def names(self) -> list[str]:
-        return [t.name for _, t in self._by_digest]
+        return [t.name for _, t in self._by_digest if not t.operator]
+
+    @property
+    def has_operator(self) -> bool:
+        return any(t.operator for _, t in self._by_digest)
+
+    def sees_everything(self, caller: Tenant) -> bool:
+        """The operator's view of /metrics and /health: the operator key, or anyone when no key is configured."""
+        return caller.operator or (not self.required and not self.has_operator)
+
+    def with_operator(self, admin_key: str) -> "TenantTable":
+        """This table plus the operator's key (KVB_SERVE_ADMIN_KEY_ENV's); BadSettings when a tenant has it too."""
+        if not admin_key:
+            return self
+        digest = hashlib.sha256(admin_key.encode()).digest()
+        if any(hmac.compare_digest(known, digest) for known, _ in self._by_digest):
+            raise BadSettings("the key in KVB_SERVE_ADMIN_KEY_ENV's variable is also a tenant's key "
+                              "(KVB_SERVE_TENANTS_FILE or KVB_SERVE_API_KEY_ENV); give the operator a key of its own")
+        table = TenantTable([], self.required)
+        table._by_digest = [*self._by_digest, (digest, OPERATOR)]
+        return table
 
     def resolve(self, key: bytes) -> Tenant | None:
         digest = hashlib.sha256(key).digest()
@@ -99,6 +143,10 @@ class TenantTable:
                                   "key itself (python -m kvbridge.serve.tenants digest)")
             if not isinstance(group, str) or not _NAME.match(group):
                 raise BadSettings(f"{at} ({name}): cache_group must be 1-64 letters, digits, '_', '.', '-'")
+            if group == DEFAULT_TENANT:
+                raise BadSettings(f"{at} ({name}): cache_group 'default' is the unsalted cache of the single key "
+                                  "(KVB_SERVE_API_KEY_ENV), the GUI and the CLI; a tenant cannot join it: name "
+                                  "another group")
             if name in seen_names or digest in seen_digests:
                 raise BadSettings(f"{at} ({name}): the name or the key appears twice")
             seen_names.add(name)
@@ -114,6 +162,11 @@ class TenantTable:
     @classmethod
     def single(cls, key: str) -> "TenantTable":
         return cls([(key_digest(key), DEFAULT)])
+
+    @classmethod
+    def open(cls) -> "TenantTable":
+        """No key configured: every caller is `default` (the operator key, if any, still resolves)."""
+        return cls([], required=False)
 
 
 def main(argv: list[str]) -> int:

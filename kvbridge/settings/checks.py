@@ -284,6 +284,9 @@ def _serve_problems(s: Settings) -> list[str]:
         (bool(s.serve_api_key_env) and not s.serve_api_key_env.replace("_", "").isalnum(),
          f"KVB_SERVE_API_KEY_ENV={s.serve_api_key_env!r} must be the NAME of an environment variable (like "
          "SERVE_API_KEY), not the key itself"),
+        (bool(s.serve_admin_key_env) and not s.serve_admin_key_env.replace("_", "").isalnum(),
+         f"KVB_SERVE_ADMIN_KEY_ENV={s.serve_admin_key_env!r} must be the NAME of an environment variable (like "
+         "SERVE_ADMIN_KEY), not the key itself"),
         (any(not o.startswith(("http://", "https://")) and o != "*" for o in origins),
          f"KVB_SERVE_CORS_ORIGINS={s.serve_cors_origins!r}: list origins like http://localhost:3000, comma-separated"),
     )
