@@ -24,7 +24,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ClientInfo:
-    """What a client said about itself at hello."""
+    """What a client said about itself at hello. pid and hostname are its claim, shown in status and
+    logs only: nothing is decided on them (a write's quarantine follows the writer lock, liveness.py)."""
 
     instance_id: str
     priority: int

@@ -31,6 +31,7 @@ from kvbridge.cache_server import protocol
 from kvbridge.cache_server.auth import client_token
 from kvbridge.cache_server.connection import (CacheServerError, CacheServerRefused, CacheServerUnavailable, Connection,
                                               NotConnected)
+from kvbridge.cache_server.liveness import WriterLockUnavailable, hold_writer_lock
 from kvbridge.cache_server.protocol import Code, Kind
 from kvbridge.cache_server.shm import Segment, SegmentUnavailable
 from kvbridge.store.objects import LookupResult, ObjectMeta
@@ -82,6 +83,7 @@ class CacheClient:
         self._hello_lock = threading.Lock()
         self._hello: protocol.HelloReply | None = None
         self._segment: Segment | None = None
+        self._writes_via_shm = False   # the segment is mapped and this client's writer lock is held on it
         self._down_until = 0.0
         self._backoff_s = DOWN_BACKOFF_S
         self.counters = {"timeouts": 0, "reconnects": 0, "torn_copies": 0, "inline_retrieves": 0, "shm_retrieves": 0}
@@ -210,7 +212,7 @@ class CacheClient:
         loses nothing it was told was stored. A write revoked under CRITICAL pressure is (False,
         "revoked"), and the server frees its pages itself."""
         wire = protocol.WireMeta.of(meta)
-        segment = self._segment
+        segment = self._segment if self._writes_via_shm else None
         if segment is None:
             reply = self._call(Kind.STORE_INLINE, protocol.StoreInline(key, wire), protocol.StoreReply, data=(blob,))
             return reply.stored or reply.reason == "exists", reply.reason   # already there counts as stored
@@ -227,7 +229,7 @@ class CacheClient:
 
     def store_many(self, items: list[tuple[bytes, object, ObjectMeta]]) -> list[tuple[bool, str]]:
         """store() for a prompt's objects: one prepare round trip for all of them, one commit for all."""
-        segment = self._segment
+        segment = self._segment if self._writes_via_shm else None
         if segment is None or not items:
             return [self.store(key, blob, meta) for key, blob, meta in items]
         request = protocol.StorePrepareMany([protocol.StorePrepare(key, len(blob), protocol.WireMeta.of(meta))
@@ -372,17 +374,25 @@ class CacheClient:
     def _attach(self, answer: protocol.HelloReply) -> None:
         """Map the server's pool when it is on this host (the nonce proves it); else bytes go inline."""
         old, self._segment = self._segment, None
-        if old is not None and old.path == answer.shm_path and old.nonce == answer.shm_nonce:
+        if old is not None and str(old.path) == answer.shm_path and old.nonce == answer.shm_nonce:
             self._segment = old
             return
         if old is not None:
             old.close()
+        self._writes_via_shm = False
         if not (self.use_shm and answer.shm_path):
             return
         try:
             self._segment = Segment.attach(answer.shm_path, answer.shm_nonce)
         except SegmentUnavailable as exc:
             log.info("cache server's shared memory not usable here (%s); bytes travel inline", exc)
+            return
+        try:   # the server lends pages for writing only to a writer whose lock it sees
+            hold_writer_lock(self._segment.fileno(), self.instance_id)
+            self._writes_via_shm = True
+        except WriterLockUnavailable as exc:
+            self._writes_via_shm = False
+            log.info("stores to cache server %s travel inline: %s", self.url, exc)
 
     def _send(self, kind: str, body: Any, data: tuple = ()) -> Future:
         """Hand a request to the connection; a caller that wants the answer waits on the Future (see _call)."""

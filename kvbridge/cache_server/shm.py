@@ -14,8 +14,13 @@ Layout (little-endian):
 A client checks a copy by reading the pages' generations after it: any value other than its
 lease's generation means the pages were reused meanwhile (a torn copy), and it counts a miss.
 
+Each process keeps the segment file open while it maps it: a writer's lock on one byte of the file
+(kvbridge.cache_server.liveness) tells the server the writer may still write, and the server asks
+the kernel about it through its own descriptor.
+
 Deliberately left out: multiprocessing.shared_memory (its resource tracker unlinks a segment when
-any attaching process exits) and any locking (the pool's leases decide who may touch which pages).
+any attaching process exits) and locking of the pages themselves (the pool's leases decide who may
+touch which pages).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import struct
 from pathlib import Path
 
@@ -65,9 +71,10 @@ class Segment:
     """A mapped segment file. Build one with Segment.create (server) or Segment.attach (client)."""
 
     def __init__(self, path: Path, mapping: mmap.mmap, nonce: bytes, page_bytes: int, n_pages: int,
-                 creator_pid: int) -> None:
+                 creator_pid: int, fd: int = -1) -> None:
         self._path = path
         self._mmap: mmap.mmap | None = mapping
+        self._fd = fd   # kept open beside the mapping: the writer lock (kvbridge.cache_server.liveness) lives on it
         self._nonce = nonce
         self._page_bytes = page_bytes
         self._n_pages = n_pages
@@ -105,10 +112,9 @@ class Segment:
             raise SegmentUnavailable(
                 f"cannot reserve {size / 2**20:.1f} MiB for the shared-memory segment {path}: "
                 f"{exc.strerror or exc}. Free space in {directory} or lower KVB_L1_BYTES (the cache server's pool size).") from None
-        os.close(fd)  # the mapping keeps its own reference to the file
         nonce = secrets.token_bytes(NONCE_BYTES)
         mapping[:_HEADER.size] = _HEADER.pack(MAGIC, FORMAT_VERSION, page_bytes, n_pages, nonce, os.getpid())
-        return cls(path, mapping, nonce, page_bytes, n_pages, os.getpid())
+        return cls(path, mapping, nonce, page_bytes, n_pages, os.getpid(), fd)
 
     @classmethod
     def attach(cls, path: Path | str, expected_nonce: bytes) -> "Segment":
@@ -119,7 +125,7 @@ class Segment:
         """
         path = Path(path)
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)   # a link planted under the name is refused
         except OSError as exc:
             raise SegmentUnavailable(f"cannot open the shared-memory segment {path}: {exc.strerror or exc}") from None
         try:
@@ -145,10 +151,12 @@ class Segment:
             populate = getattr(mmap, "MAP_POPULATE", 0)
             mapping = mmap.mmap(fd, file_size, flags=mmap.MAP_SHARED | populate)
         except OSError as exc:
-            raise SegmentUnavailable(f"cannot map the shared-memory segment {path}: {exc.strerror or exc}") from None
-        finally:
             os.close(fd)
-        return cls(path, mapping, nonce, page_bytes, n_pages, creator_pid)
+            raise SegmentUnavailable(f"cannot map the shared-memory segment {path}: {exc.strerror or exc}") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, mapping, nonce, page_bytes, n_pages, creator_pid, fd)
 
     # -- facts -------------------------------------------------------------------------------------
     @property
@@ -170,6 +178,12 @@ class Segment:
     @property
     def creator_pid(self) -> int:
         return self._creator_pid
+
+    def fileno(self) -> int:
+        """The descriptor of the segment file this process keeps open while the segment is mapped."""
+        if self._fd < 0:
+            raise ValueError(f"segment {self._path} is closed")
+        return self._fd
 
     @property
     def closed(self) -> bool:
@@ -269,18 +283,31 @@ class Segment:
         if self._bytes is not None:
             self._bytes.release()
             self._bytes = None
+        unmapped = True
         if mapping is not None:
             try:
                 mapping.close()
             except BufferError:
+                unmapped = False
                 log.warning("segment %s: a view is still in use; it is unmapped when that view is dropped",
                             self._path)
+        fd, self._fd = self._fd, -1
+        if fd >= 0 and unmapped:
+            os.close(fd)
+        # else the descriptor stays open for the life of the process: while the pages are mapped, the
+        # writer lock on it must say this process may still write (kvbridge.cache_server.liveness)
         if unlink:
             self._path.unlink(missing_ok=True)
 
 
 def stale_segments(directory: Path = DEFAULT_DIRECTORY, prefix: str = DEFAULT_PREFIX) -> list[Path]:
-    """This user's segment files whose creating process is gone (left by a crash), for removal."""
+    """This user's segment files whose creating process is gone (left by a crash), for removal.
+
+    /dev/shm is world-writable, so another account can plant an entry named like one of ours: each
+    candidate is looked at with lstat (a link is never followed) and only a regular file this uid
+    owns counts. What is skipped is logged, and never touched: with protected_symlinks, following
+    another user's link in a sticky directory fails with EACCES (that stopped a start once).
+    """
     pattern = _segment_name_pattern(prefix)
     uid = os.getuid()
     stale = []
@@ -293,10 +320,18 @@ def stale_segments(directory: Path = DEFAULT_DIRECTORY, prefix: str = DEFAULT_PR
         if not match or int(match.group(1)) != uid:
             continue
         try:
-            if path.stat().st_uid != uid:
-                continue
+            info = os.lstat(path)
         except FileNotFoundError:
             continue   # removed meanwhile
+        except OSError as exc:
+            log.warning("skipped %s while looking for stale segments: %s", path, exc.strerror or exc)
+            continue
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
+            kind = ("a regular file" if stat.S_ISREG(info.st_mode) else
+                    "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a regular file")
+            log.warning("left %s alone: named like a segment of uid %d, but it is %s owned by uid %d",
+                        path, uid, kind, info.st_uid)
+            continue
         if not pid_alive(int(match.group(2))):
             stale.append(path)
     return stale
@@ -304,7 +339,12 @@ def stale_segments(directory: Path = DEFAULT_DIRECTORY, prefix: str = DEFAULT_PR
 
 def remove_stale_segments(directory: Path | str | None = None) -> list[Path]:
     """Remove this user's segments whose creating server is gone (a SIGKILL leaves its file in
-    /dev/shm, holding its memory); a cache server calls it at start. Returns what it removed."""
+    /dev/shm, holding its memory); a cache server calls it at start. Returns what it removed.
+
+    Nothing here stops a start: an entry that cannot be removed is logged and left. In a sticky
+    directory (/dev/shm is one) unlink refuses, with EPERM, to remove another user's entry unless the
+    caller is root; root may remove anything, which is why stale_segments checks the owner itself.
+    """
     removed = []
     for path in stale_segments(Path(directory) if directory is not None else DEFAULT_DIRECTORY):
         try:
@@ -312,6 +352,8 @@ def remove_stale_segments(directory: Path | str | None = None) -> list[Path]:
             removed.append(path)
         except FileNotFoundError:
             pass   # another server starting removed it first
+        except OSError as exc:
+            log.warning("could not remove the stale segment %s: %s", path, exc.strerror or exc)
     return removed
 
 

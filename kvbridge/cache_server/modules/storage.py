@@ -11,14 +11,12 @@ lease released, so a killed engine cannot hold pages forever.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 
 from kvbridge.cache_server.calls import Answer, Call, RequestFailed
 from kvbridge.cache_server.module import DiscoverableModule, ModuleBuildContext
-from kvbridge.cache_server.liveness import InstanceClock
+from kvbridge.cache_server.liveness import InstanceClock, writer_lock_held
 from kvbridge.cache_server.pool import LeaseNotOwned, StoreRefused, UnknownLease
-from kvbridge.cache_server.shm import pid_alive
 from kvbridge.cache_server.protocol import (Code, CommitManyReply, FlushReply, Kind, PrepareManyReply, PrepareReply,
                                             RetrieveManyReply, RetrieveReply, StoreReply, WireMeta)
 
@@ -34,12 +32,13 @@ class StorageModule(DiscoverableModule):
         super().__init__(context)
         self.store = context.store
         self.instances = InstanceClock()
-        # Writers through shared memory on this host: instance id -> the pid it gave at hello. A client
-        # dropped for silence may still be running (SIGSTOP), so its unfinished writes stay orphaned,
-        # their pages quarantined, until that process is gone (checked every maintenance round).
-        self._writer_pids: dict[str, int] = {}
-        self._orphans: dict[str, int] = {}
-        self._pids_lock = threading.Lock()
+        # Writers through shared memory: a client dropped for silence may still be running (SIGSTOP),
+        # so its unfinished writes stay orphaned, their pages quarantined, while its writer lock is held
+        # (kvbridge.cache_server.liveness; checked every maintenance round). Not the pid it claimed at
+        # hello: in another PID namespace that pid is some other process, or none.
+        self._writers: set[str] = set()
+        self._orphans: set[str] = set()
+        self._writers_lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._loop = threading.Thread(target=self._maintain, name="kvb-cs-pressure", daemon=True)
@@ -137,6 +136,12 @@ class StorageModule(DiscoverableModule):
         meta = self._meta(body.meta)
         if body.size < 0:
             raise RequestFailed(Code.BAD_REQUEST, f"store of a negative size ({body.size})")
+        if not self._may_still_write(call.instance_id):
+            # without the lock the server could not tell, once this client is dropped, whether it still
+            # writes; such a client stores inline (CacheClient does so by itself)
+            return PrepareReply(False, "no_writer_lock")
+        with self._writers_lock:
+            self._writers.add(call.instance_id)
         try:
             lease = self._bad_key_is_bad_request(
                 lambda: self.store.prepare(body.key, body.size, meta, call.instance_id, call.client.priority))
@@ -144,9 +149,6 @@ class StorageModule(DiscoverableModule):
             if refused.reason in ("pressure", "no_space"):
                 self._wake.set()
             return PrepareReply(False, refused.reason)
-        if call.client is not None and call.client.hostname == socket.gethostname():
-            with self._pids_lock:
-                self._writer_pids[call.instance_id] = call.client.pid
         return PrepareReply(True, "", lease.lease_id, list(lease.pages), lease.generation)
 
     def commit(self, call: Call) -> Answer:
@@ -231,25 +233,29 @@ class StorageModule(DiscoverableModule):
     def tracked_instance_count(self) -> int:
         return len(self.instances)
 
+    def _may_still_write(self, instance_id: str) -> bool:
+        """Whether the client's writer lock is held: its process (in any PID namespace) is not gone."""
+        return writer_lock_held(self.store.segment.fileno(), instance_id)
+
     def drop_instance_state(self, instance_id: str) -> None:
-        with self._pids_lock:
-            pid = self._writer_pids.pop(instance_id, None)
-        alive = pid is not None and pid_alive(pid)
+        with self._writers_lock:
+            wrote = instance_id in self._writers
+            self._writers.discard(instance_id)
+        alive = wrote and self._may_still_write(instance_id)
         released = self.store.drop_client(instance_id, may_still_write=alive)
         self.instances.forget(instance_id)
         if alive and instance_id in self.store.pool.orphan_owners():
-            with self._pids_lock:
-                self._orphans[instance_id] = pid
-            log.warning("client %s (pid %d) was dropped while writing and is still running: its unfinished "
-                        "writes' pages stay quarantined until it exits", instance_id[:8], pid)
+            with self._writers_lock:
+                self._orphans.add(instance_id)
+            log.warning("client %s was dropped while writing and its writer lock is still held: its unfinished "
+                        "writes' pages stay quarantined until its process exits", instance_id[:8])
         if released:
             log.info("released %d lease(s) of dropped client %s", released, instance_id[:8])
 
     def _release_dead_orphans(self) -> None:
-        with self._pids_lock:
-            dead = [iid for iid, pid in self._orphans.items() if not pid_alive(pid)]
-            for iid in dead:
-                del self._orphans[iid]
+        with self._writers_lock:
+            dead = [iid for iid in self._orphans if not self._may_still_write(iid)]
+            self._orphans.difference_update(dead)
         for iid in dead:
             freed = self.store.pool.release_orphans(iid)
             log.info("client %s has exited: %d orphaned write(s) released", iid[:8], freed)
