@@ -131,11 +131,17 @@ def test_the_console_script_answers_help(installed):
     assert setup_help.returncode == 0 and "--model" in setup_help.stdout
 
 
-def test_the_wheel_reads_the_env_file_of_the_current_folder(installed):
+def test_the_wheel_reads_only_an_env_file_it_is_told_of(installed):
+    """Not the current folder's `.env` (whatever folder it runs in); the one KVB_ENV_FILE names (or
+    the user's ~/.config/kvbridge/.env: tests/test_env_file.py)."""
     bin_dir, work, env = installed
     (work / ".env").write_text("KVB_CHUNK_SIZE=64\n")
+    code = "from kvbridge import Settings; print(Settings.from_env().chunk_size)"
     try:
-        done = run_in(installed, "python", "-c", "from kvbridge import Settings; print(Settings.from_env().chunk_size)")
+        folder = run_in(installed, "python", "-c", code)
+        named = subprocess.run([str(bin_dir / "python"), "-c", code], cwd=work, capture_output=True, text=True,
+                               env={**env, "KVB_ENV_FILE": str(work / ".env")}, timeout=120)
     finally:
         (work / ".env").unlink()
-    assert done.returncode == 0 and done.stdout.strip() == "64", done.stderr
+    assert folder.returncode == 0 and folder.stdout.strip() == "256", folder.stderr
+    assert named.returncode == 0 and named.stdout.strip() == "64", named.stderr

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.backends.registry import engine_specs, make_backend, resolve_engine
-from kvbridge.settings import PROJECT_ROOT, Settings, env_name, settings_to_env, update_env_file
+from kvbridge.settings import DEFAULT_ENV_FILE, Settings, env_name, settings_to_env, update_env_file
 from kvbridge.settings.models import EMBEDDED_MODELS
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.errors import KVBridgeError
@@ -42,7 +42,7 @@ class AppState:
     """
 
     settings: Settings
-    env_path: Path = PROJECT_ROOT / ".env"
+    env_path: Path = DEFAULT_ENV_FILE   # the file Settings.from_env reads (not the current folder's, installed)
     engine: CachedEngine | None = None
     records: list[RequestRecord] = field(default_factory=list)
     run_meta: dict[str, Any] = field(default_factory=dict)

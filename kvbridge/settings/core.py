@@ -26,12 +26,12 @@ from dotenv import dotenv_values
 
 from kvbridge.settings.checks import settings_problems
 from kvbridge.settings.models import DEFAULT_MODEL, EMBEDDED_MODELS
-from kvbridge.settings.paths import WORK_DIR
+from kvbridge.settings.paths import DEFAULT_ENV_FILE, WORK_DIR
 from kvbridge.settings.presets import CLOUD_PRESETS, CloudPreset
 
 EMBEDDED_MODEL_FILE = EMBEDDED_MODELS[DEFAULT_MODEL].file     # the default embedded model (SmolLM2)
 EMBEDDED_MODEL_PATH = EMBEDDED_MODELS[DEFAULT_MODEL].path
-DEFAULT_ENV_FILE = WORK_DIR / ".env"     # the checkout's, or the current directory's (kvbridge.settings.paths)
+ENV_FILE_VARIABLE = "KVB_ENV_FILE"   # names the settings file explicitly; else DEFAULT_ENV_FILE (kvbridge.settings.paths)
 
 # (field name, message) pairs from parsing; kept out of ==, hash and repr.
 Problems = tuple[tuple[str, str], ...]
@@ -144,11 +144,15 @@ class Settings:
     def from_env(cls, env: Mapping[str, str] | None = None, env_file: str | Path | None = None) -> "Settings":
         """Build from `.env` (python-dotenv) overlaid by the environment; the environment wins.
 
-        env: the environment to read (default os.environ); env_file: default WORK_DIR/.env (the checkout's, or the current directory's).
-        Never raises for a bad value: it keeps the default and validate() reports it.
+        env: the environment to read (default os.environ); env_file: the settings file, else the one
+        KVB_ENV_FILE names, else DEFAULT_ENV_FILE (the checkout's `.env`; for an installed package the
+        user's ~/.config/kvbridge/.env, never the current directory's). A file named explicitly that is
+        missing is a problem validate() reports. Never raises for a bad value: it keeps the default
+        and validate() reports it.
         """
         environ = os.environ if env is None else env
-        path = DEFAULT_ENV_FILE if env_file is None else Path(env_file).expanduser()
+        path = settings_file(environ) if env_file is None else Path(env_file).expanduser()
+        explicit = env_file is not None or bool(environ.get(ENV_FILE_VARIABLE, "").strip())
         problems: list[tuple[str, str]] = []
         file_values: dict[str, str] = {}
         if path.is_file():
@@ -156,8 +160,9 @@ class Settings:
                 file_values = {k: v for k, v in dotenv_values(path).items() if v is not None}
             except (OSError, UnicodeDecodeError) as error:
                 problems.append(("", f"cannot read the settings file {path}: {error}"))
-        elif env_file is not None:
-            problems.append(("", f"the settings file {path} {'is not a file' if path.exists() else 'does not exist'}"))
+        elif explicit:
+            named = "" if env_file is not None else f" ({ENV_FILE_VARIABLE})"
+            problems.append(("", f"the settings file {path}{named} {'is not a file' if path.exists() else 'does not exist'}"))
         values = {**file_values, **{k: v for k, v in environ.items() if k.startswith("KVB_")}}
 
         kwargs = {}
@@ -299,9 +304,15 @@ def _parse_value(name: str, raw: str) -> object:
     return value
 
 
+def settings_file(environ: Mapping[str, str]) -> Path:
+    """The `.env` file Settings.from_env reads: the one KVB_ENV_FILE names, else DEFAULT_ENV_FILE."""
+    named = environ.get(ENV_FILE_VARIABLE, "").strip()
+    return Path(named).expanduser() if named else DEFAULT_ENV_FILE
+
+
 def _misspelt_names(values: Mapping[str, str]) -> list[str]:
     """KVB_ variables that are no setting but look like one: almost always a typo."""
-    known = [env_name(n) for n in SETTING_NAMES]
+    known = [env_name(n) for n in SETTING_NAMES] + [ENV_FILE_VARIABLE]
     problems = []
     for name in sorted(n for n in values if n.startswith("KVB_") and n not in known):
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)

@@ -4,7 +4,9 @@ Read once, at import, before any Settings exist (the `.env` file is one of the p
 nothing from kvbridge.
 
     what                                   source checkout          installed package
-    .env, input/, output/ (WORK_DIR)       the checkout             the current directory
+    input/, output/ (WORK_DIR)             the checkout             the current directory
+    .env (DEFAULT_ENV_FILE)                the checkout             $XDG_CONFIG_HOME/kvbridge/.env
+                                                                    (~/.config/kvbridge/.env)
     models/, .llama-server/, .lmcache-hasher/ (DATA_HOME)
                                            the checkout             $XDG_DATA_HOME/kvbridge
                                                                     (~/.local/share/kvbridge)
@@ -12,8 +14,11 @@ nothing from kvbridge.
     the setup command                      ./scripts/setup.sh       kvbridge setup
 
 A checkout is recognised by its own scripts/setup.sh beside the package; `pip install -e .` keeps the
-package in the checkout, so an editable install behaves as a checkout. Deliberately left out: a
-KVB_ variable for these places (XDG_DATA_HOME already moves the data, `cd` moves the work folder).
+package in the checkout, so an editable install behaves as a checkout. An installed package never
+reads the current directory's `.env`: settings would then come from whatever folder it runs in (a
+cloned repository's `.env` could name the llama-server binary to run, or where prompts are sent).
+KVB_ENV_FILE names another settings file explicitly (kvbridge.settings.core). Deliberately left out:
+a KVB_ variable for the other places (XDG_DATA_HOME already moves the data, `cd` moves the work folder).
 """
 from __future__ import annotations
 
@@ -34,8 +39,15 @@ def user_data_dir(env: os._Environ | dict = os.environ) -> Path:
     return (Path(base) if base and Path(base).is_absolute() else Path.home() / ".local" / "share") / "kvbridge"
 
 
+def user_config_dir(env: os._Environ | dict = os.environ) -> Path:
+    """$XDG_CONFIG_HOME/kvbridge, else ~/.config/kvbridge (the XDG base directory rule)."""
+    base = env.get("XDG_CONFIG_HOME", "").strip()
+    return (Path(base) if base and Path(base).is_absolute() else Path.home() / ".config") / "kvbridge"
+
+
 SOURCE_CHECKOUT: Path | None = _PACKAGE_PARENT if _is_checkout(_PACKAGE_PARENT) else None
 WORK_DIR: Path = SOURCE_CHECKOUT or Path.cwd()
+DEFAULT_ENV_FILE: Path = (SOURCE_CHECKOUT or user_config_dir()) / ".env"
 DATA_HOME: Path = SOURCE_CHECKOUT or user_data_dir()
 PROJECT_ROOT: Path = WORK_DIR   # the name older code and the tests use: the checkout, or the work folder
 BUILD_RECORD: Path = (SOURCE_CHECKOUT / ".venv" if SOURCE_CHECKOUT else Path(sys.prefix)) / "kvbridge-build.json"

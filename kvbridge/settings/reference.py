@@ -67,6 +67,12 @@ BUILD_TIME = (
         "Test hook only: a comma-separated list of variants (e.g. claimed,no-amx) whose smoke decode dies by "
         "SIGILL, to test the ladder's fallback and the GUI's crash message on a CPU that runs everything. "
         "Never set it otherwise."),
+    BuildVariable(
+        "KVB_ENV_FILE",
+        "kvbridge/settings/core.py (Settings.from_env, from the environment only)",
+        "The settings file to read instead of the default one: a checkout's own .env, or for an installed "
+        "package ~/.config/kvbridge/.env ($XDG_CONFIG_HOME). An installed package never reads the current "
+        "folder's .env, whose settings could name a binary to run. A file named here that is missing is reported."),
 )
 
 # KVB_ words in the code that are no variable at all.
@@ -210,8 +216,8 @@ def generate() -> str:
         ".env.example (meanings, sections). Edit those, not this page. -->",
         "",
         "Every KVBridge setting is one `KVB_` variable, read once into `Settings` (kvbridge/settings/core.py) "
-        "from the environment and `.env` (in the project folder: the source checkout, or the current directory "
-        "for an installed package); the environment wins. A value that does not parse keeps its default and is "
+        "from the environment and `.env` (the source checkout's; for an installed package ~/.config/kvbridge/.env, "
+        "never the current directory's; KVB_ENV_FILE names another file); the environment wins. A value that does not parse keeps its default and is "
         "reported by the GUI and the CLI. From `.env.example`:",
         "",
         *_preamble(example.preamble, names),
