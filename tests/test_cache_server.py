@@ -48,10 +48,14 @@ def server(settings):
 
 
 def raw_request(url: str, frames: list[bytes], timeout_ms: int = 3000) -> protocol.Reply:
-    """Send frames as they are from a bare DEALER and decode the one reply (for malformed input)."""
+    """Send frames as they are from a bare DEALER (with this user's CURVE keys) and decode the one reply."""
+    from kvbridge.cache_server.auth import client_token
+    from kvbridge.cache_server.curve import apply_client, client_keys
+
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    apply_client(sock, client_keys(url, client_token(url)))
     sock.connect(url)
     try:
         sock.send_multipart(frames)
@@ -103,13 +107,6 @@ def test_a_token_is_required_when_configured_and_never_echoed(settings):
             assert client.ping().server_id == srv.server_id
 
 
-@pytest.mark.parametrize("token", ["", "a-shared-secret"])
-def test_listening_beyond_loopback_is_refused_at_start_token_or_not(settings, token):
-    """KV would cross the network in clear: a token authenticates but does not encrypt."""
-    with pytest.raises(BadSettings, match="in clear, with or without a token; bind tcp://127.0.0.1"):
-        CacheServer(settings, url=f"tcp://0.0.0.0:{free_port()}", token=token)
-
-
 def test_by_default_only_this_user_holds_the_token_and_it_is_gone_at_close(settings):
     from kvbridge.cache_server.auth import token_file
 
@@ -130,9 +127,12 @@ def test_a_request_from_another_connection_naming_a_client_is_refused(server):
         owner.store(b"q" * 16, blob_of(10_000), META)
         owner.flush()
         found = owner.retrieve(b"q" * 16, "ns")
+        from kvbridge.cache_server.auth import client_token
         from kvbridge.cache_server.connection import Connection
+        from kvbridge.cache_server.curve import client_keys
 
-        impostor = Connection(server.url, owner.instance_id)   # another connection, the owner's id, no hello
+        # another connection (this user's keys, so past the handshake), the owner's id, no hello
+        impostor = Connection(server.url, owner.instance_id, client_keys(server.url, client_token(server.url)))
         try:
             reply, _ = impostor.send(Kind.RELEASE, protocol.Release([found.lease_id])).result(5)
         finally:

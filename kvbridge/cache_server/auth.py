@@ -3,12 +3,18 @@
 By default (no KVB_CACHE_SERVER_TOKEN_ENV) the server makes a random token at start and writes it to a
 file only its user can read (`token_file`: mode 0600 in a 0700 folder under ~/.cache/kvbridge/run),
 as Jupyter does; that user's clients find it there by the server's address, with no configuration,
-and another account cannot read it, so its hello is refused. The file is removed when the server
-stops. A configured secret (read from the variable KVB_CACHE_SERVER_TOKEN_ENV names) is used instead
-and is never written anywhere. Either way the secret travels only in a client's hello.
+and another account cannot read it. The file is removed when the server stops. A configured secret
+(read from the variable KVB_CACHE_SERVER_TOKEN_ENV names) is used instead and is never written
+anywhere. The secret never crosses the wire in clear: a client's CURVE key pair is derived from it,
+and the server admits only that key in the handshake (kvbridge.cache_server.curve, which also says
+how the client authenticates the server); the hello, encrypted, carries it once more.
 
-Binding: loopback TCP or an ipc:// socket (mode 0600). Beyond loopback the traffic would cross the
-network in clear (no encryption is implemented yet), so such a bind is refused, token or not.
+A client reads these files only when its own uid owns them, no one else can read or write them, and
+they are not symbolic links (`read_private_file`): a file another account planted is never trusted.
+
+Binding: with CURVE on every connection the server may listen on any address (encrypted, and only
+holders of the secret get past the handshake). Sockets without CURVE (a plugin's event stream) stay
+on loopback or ipc://.
 """
 from __future__ import annotations
 
@@ -23,19 +29,32 @@ from kvbridge.settings import Settings
 from kvbridge.settings.checks import is_loopback_host
 
 
-def check_bind_url(url: str, token: str = "") -> None:
-    """Refuse to listen beyond this machine (BadSettings, saying why and what to bind instead)."""
+REFUSED_TOKEN = ("the cache server refused the connection: wrong or missing token. By default only the OS user who "
+                 "started the server can use it (its token is in that user's ~/.cache/kvbridge/run); with a shared "
+                 "secret, set the variable KVB_CACHE_SERVER_TOKEN_ENV names to it")
+
+
+class UntrustedFile(Exception):
+    """A credential file this user must not trust (another owner, readable by others, a link); says which and why."""
+
+
+def check_bind_url(url: str, token: str = "", *, encrypted: bool = False) -> None:
+    """Refuse an address this socket must not listen on (BadSettings, saying why and what to bind instead).
+
+    `encrypted`: the socket runs CURVE (the cache server's ROUTER) and may listen beyond loopback;
+    a socket in clear may not, token or not.
+    """
     scheme, _, rest = url.partition("://")
     if scheme == "ipc":
         return
-    if scheme != "tcp":
+    if scheme != "tcp" or ":" not in rest:
         raise BadSettings(f"--url {url!r}: the cache server listens on tcp://HOST:PORT or ipc:///path")
     host = rest.rpartition(":")[0].strip("[]")
-    if not is_loopback_host(host):
+    if not encrypted and not is_loopback_host(host):
         raise BadSettings(
-            f"refusing to listen on {url}: beyond this machine every host that can reach it would see the KV "
-            "(prompts) in clear, with or without a token; bind tcp://127.0.0.1:PORT or ipc:///path, and reach "
-            "it from other hosts through an encrypted tunnel (ssh -L) if you must")
+            f"refusing to listen on {url}: this socket is not encrypted, so beyond this machine every host that can "
+            "reach it would see its traffic in clear, with or without a token; bind tcp://127.0.0.1:PORT or "
+            "ipc:///path")
 
 
 def read_token(settings: Settings, environ=None) -> str:
@@ -51,14 +70,14 @@ def read_token(settings: Settings, environ=None) -> str:
 
 
 def token_dir() -> Path:
-    """This user's folder of cache-server tokens (created mode 0700 by the server)."""
+    """This user's folder of cache-server tokens and keys (created mode 0700 by the server)."""
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
     return Path(cache) / "kvbridge" / "run"
 
 
 def token_file(url: str) -> Path:
-    """Where the server at `url` keeps its generated token: by port for TCP (loopback only, so
-    127.0.0.1, localhost and ::1 name one server), by the socket's path for ipc://."""
+    """Where the server at `url` keeps its generated token: by port for TCP (so 127.0.0.1, localhost,
+    ::1 and the host's other addresses name one server), by the socket's path for ipc://."""
     scheme, _, rest = url.partition("://")
     if scheme == "tcp":
         name = f"tcp-{rest.rpartition(':')[2]}"
@@ -67,33 +86,60 @@ def token_file(url: str) -> Path:
     return token_dir() / f"cache-server-{name}.token"
 
 
-def write_token_file(url: str) -> tuple[str, Path]:
-    """A new random token for the server at `url`, written where only this user can read it."""
-    folder = token_dir()
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(folder, 0o700)
-    token = secrets.token_urlsafe(32)
-    path = token_file(url)
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def write_private_file(path: Path, text: str) -> None:
+    """Write `text` where only this user can read it (0600 in a 0700 folder), replacing the file atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path.parent, 0o700)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
     try:
-        os.write(fd, token.encode())
+        os.write(fd, text.encode())
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    return token, path
+
+
+def write_token_file(url: str, token: str) -> Path:
+    """Write the server's token for `url` where only this user can read it; its path."""
+    path = token_file(url)
+    write_private_file(path, token)
+    return path
+
+
+def read_private_file(path: Path) -> str | None:
+    """The file's text when this user owns it and no one else can read or write it; None when it does not
+    exist; UntrustedFile (saying why) for a link, another owner, loose permissions or not a file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if os.path.islink(path):
+            raise UntrustedFile(f"{path} is a symbolic link") from None
+        raise UntrustedFile(f"{path} cannot be read: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UntrustedFile(f"{path} is not a regular file")
+        if st.st_uid != os.getuid():
+            raise UntrustedFile(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})")
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise UntrustedFile(f"{path} has mode {oct(st.st_mode & 0o777)}; only its owner may read it (0600)")
+        return os.read(fd, 1 << 16).decode(errors="replace")
+    finally:
+        os.close(fd)
 
 
 def client_token(url: str, configured: str = "") -> str:
-    """What a client sends at hello: the configured secret, else the token file of the server at `url`
-    when this user owns it and no one else can read it ('' otherwise: the server will refuse, saying so)."""
+    """What a client proves itself with: the configured secret, else the token file of the server at `url`
+    when this user may trust it ('' otherwise: the server will refuse, saying so)."""
     if configured:
         return configured
-    path = token_file(url)
     try:
-        st = path.stat()
-        if st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            return ""
-        return path.read_text().strip()
-    except OSError:
+        return (read_private_file(token_file(url)) or "").strip()
+    except UntrustedFile:
         return ""

@@ -13,7 +13,13 @@ and the client stays "down" for a short back-off, answering at once with the sam
 server costs an engine one timeout, not one per chunk. After the back-off the next call says hello
 again: a restarted server (new shared memory, no registrations) is picked up by itself.
 
-Refusals a person must act on (wrong token, another protocol version) raise CacheServerRefused.
+Refusals a person must act on (wrong token, another protocol version) raise CacheServerRefused, and
+so does a server this client cannot authenticate (ServerNotAuthenticated, a CacheServerRefused): the
+client trusts only the server key it is configured with (`server_key`, KVB_CACHE_SERVER_PUBLIC_KEY)
+or the one in the owner's key file (kvbridge.cache_server.curve), and sends nothing to a peer that
+fails the CURVE handshake with it. A failed handshake after the key file changed is a restarted
+server: the client rereads the file and says hello to it once more. A refusal is remembered for the
+same back-off as a timeout, so a squatter on the port costs one handshake per back-off period.
 """
 from __future__ import annotations
 
@@ -28,15 +34,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.cache_server import protocol
-from kvbridge.cache_server.auth import client_token
+from kvbridge.cache_server.auth import REFUSED_TOKEN, client_token
 from kvbridge.cache_server.connection import (CacheServerError, CacheServerRefused, CacheServerUnavailable, Connection,
-                                              NotConnected)
+                                              NotAuthenticated, NotConnected)
+from kvbridge.cache_server.curve import ClientKeys, NoServerKey, ServerNotAuthenticated, client_keys
 from kvbridge.cache_server.liveness import WriterLockUnavailable, hold_writer_lock
 from kvbridge.cache_server.protocol import Code, Kind
 from kvbridge.cache_server.shm import Segment, SegmentUnavailable
 from kvbridge.store.objects import LookupResult, ObjectMeta
 
-__all__ = ["CacheClient", "CacheServerError", "CacheServerRefused", "CacheServerUnavailable", "Retrieved"]
+__all__ = ["CacheClient", "CacheServerError", "CacheServerRefused", "CacheServerUnavailable", "Retrieved",
+           "ServerNotAuthenticated"]
 log = logging.getLogger("kvbridge.cache_server.client")
 DOWN_BACKOFF_S = 1.0     # after a timeout, calls fail at once for this long before trying again,
 DOWN_BACKOFF_MAX_S = 30.0   # doubling after each further timeout up to this (a hung server costs one
@@ -60,7 +68,11 @@ class Retrieved:
 
 class CacheClient:
     def __init__(self, url: str, instance_id: str | None = None, priority: int = 5, *, token: str = "",
-                 timeout_s: float = 5.0, use_shm: bool = True, label: str = "") -> None:
+                 server_key: str = "", timeout_s: float = 5.0, use_shm: bool = True, label: str = "",
+                 wait_for_key: bool = False) -> None:
+        """`token`: the shared secret ('' -> this user's token file); `server_key`: the server's Z85 public key
+        ('' -> this user's key file). `wait_for_key`: a key file that does not exist yet (a server still
+        starting) is a warning here instead of CacheServerRefused; calls are refused until it appears."""
         if not isinstance(priority, int) or not 0 <= priority <= 9:
             raise ValueError(f"CacheClient(priority=...) must be an int from 0 to 9, got {priority!r}")
         if instance_id is not None and (not isinstance(instance_id, str) or not 0 < len(instance_id) <= 128):
@@ -78,7 +90,10 @@ class CacheClient:
         self.label = label
         self._token = token   # configured; '' -> this user's token file for `url`, read at every hello
                               # (a restarted server has a new one)
-        self._conn = Connection(url, self.instance_id)
+        self._server_key = server_key   # configured; '' -> this user's key file for `url`, read alike
+        self._conn = Connection(url, self.instance_id, keys=None)   # keys come with the first hello
+        self._said_hello = False
+        self._refusal: CacheServerRefused | None = None   # the last refusal, raised again during its back-off
         self._closing = threading.Event()
         self._hello_lock = threading.Lock()
         self._hello: protocol.HelloReply | None = None
@@ -86,12 +101,18 @@ class CacheClient:
         self._writes_via_shm = False   # the segment is mapped and this client's writer lock is held on it
         self._down_until = 0.0
         self._backoff_s = DOWN_BACKOFF_S
-        self.counters = {"timeouts": 0, "reconnects": 0, "torn_copies": 0, "inline_retrieves": 0, "shm_retrieves": 0}
+        self.counters = {"timeouts": 0, "refusals": 0, "reconnects": 0, "torn_copies": 0, "inline_retrieves": 0,
+                         "shm_retrieves": 0}
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kvb-cache-heartbeat", daemon=True)
         try:
             self._say_hello()
         except CacheServerUnavailable as exc:
             log.warning("cache server %s not reachable yet (%s); requests are misses until it answers", url, exc)
+        except NoServerKey as exc:
+            if not wait_for_key:
+                self.close()
+                raise
+            log.warning("%s; requests are refused until the key appears", exc)
         except BaseException:
             self.close()
             raise
@@ -293,6 +314,9 @@ class CacheClient:
         def finish(inner: Future) -> None:
             try:
                 reply, _ = inner.result()
+            except NotAuthenticated as exc:   # the socket thread runs this: no back-off bookkeeping here
+                outer.set_exception(ServerNotAuthenticated(f"cache server {self.url}: {exc}"))
+                return
             except BaseException as exc:
                 outer.set_exception(exc)
                 return
@@ -309,14 +333,16 @@ class CacheClient:
         return outer
 
     def _call(self, kind: str, body: Any, reply_type: Any, data: tuple = (), with_data: bool = False):
-        """Send, wait, decode; says hello again once when the server does not know us."""
-        self._ensure_hello()
+        """Send, wait, decode; says hello again once when the server does not know us (restarted, or new key)."""
         for attempt in (1, 2):
+            self._ensure_hello()
             future = self._send(kind, body, data=data)
-            reply, frames = self._wait(future, kind)
+            try:
+                reply, frames = self._wait(future, kind, may_rekey=attempt == 1)
+            except _NewServerKey:
+                continue
             if reply.code == Code.HELLO_REQUIRED and attempt == 1:
                 self._hello = None
-                self._ensure_hello()
                 continue
             if not reply.success:
                 if reply.code in (Code.UNAUTHORIZED, Code.VERSION):
@@ -326,9 +352,14 @@ class CacheClient:
             return (result, frames) if with_data else result
         raise CacheServerError(Code.HELLO_REQUIRED, "the server kept asking for hello")
 
-    def _wait(self, future: Future, kind: str):
+    def _wait(self, future: Future, kind: str, may_rekey: bool = False):
         try:
             return future.result(timeout=self.timeout_s)
+        except NotAuthenticated as exc:
+            self._hello = None
+            if may_rekey and not exc.by_server and self._keys_changed():
+                raise _NewServerKey() from None   # a restarted server wrote a new key: hello to it
+            self._refuse(exc)
         except NotConnected as exc:
             self._mark_down(str(exc))
         except TimeoutError:
@@ -338,22 +369,63 @@ class CacheClient:
     def _mark_down(self, why: str):
         self.counters["timeouts"] += 1
         self._hello = None
+        self._refusal = None
+        self._back_off()
+        raise CacheServerUnavailable(f"cache server {self.url}: {why}")
+
+    def _refuse(self, exc: NotAuthenticated):
+        """A failed handshake: stop connecting, remember why for the back-off, raise it for a person."""
+        self.counters["refusals"] += 1
+        keys = self._conn.keys
+        self._conn.use_keys(None)   # libzmq would keep knocking otherwise
+        self._back_off()
+        if exc.by_server:
+            self._refusal = CacheServerRefused(f"cache server {self.url}: {REFUSED_TOKEN}")
+        else:
+            self._refusal = ServerNotAuthenticated(
+                f"cache server {self.url} not authenticated, nothing sent to it: {exc}. The key came from "
+                f"{keys.source if keys else '?'}; another program may hold the address (the owner's server is "
+                "down?), or the server runs with another key")
+        raise type(self._refusal)(str(self._refusal))
+
+    def _back_off(self) -> None:
         self._down_until = time.monotonic() + self._backoff_s
         self._backoff_s = min(self._backoff_s * 2, DOWN_BACKOFF_MAX_S)
-        raise CacheServerUnavailable(f"cache server {self.url}: {why}")
+
+    def _current_keys(self) -> ClientKeys:
+        """The keys to use now: the token and server key read again (a restarted server wrote new files).
+        NoServerKey / ServerNotAuthenticated when there is no server key this client may trust."""
+        return client_keys(self.url, client_token(self.url, self._token), self._server_key)
+
+    def _keys_changed(self) -> bool:
+        """Does the key file now hold another server key than the one this connection trusted?"""
+        trusted = self._conn.keys
+        try:
+            return trusted is not None and self._current_keys().server_public != trusted.server_public
+        except CacheServerRefused:
+            return False
 
     def _ensure_hello(self) -> None:
         if self._hello is not None:
             return
         if time.monotonic() < self._down_until:
+            if self._refusal is not None:
+                raise type(self._refusal)(str(self._refusal))
             raise CacheServerUnavailable(f"cache server {self.url} did not answer recently; retrying shortly")
         with self._hello_lock:
             if self._hello is None:
                 self._say_hello()
 
     def _say_hello(self) -> None:
-        hello = protocol.Hello(protocol.PROTOCOL_VERSION, client_token(self.url, self._token), self.priority, os.getpid(),
-                               socket.gethostname(), self.label)
+        token = client_token(self.url, self._token)
+        try:
+            keys = client_keys(self.url, token, self._server_key)
+        except CacheServerRefused:
+            self._conn.use_keys(None)
+            raise
+        self._conn.use_keys(keys)
+        hello = protocol.Hello(protocol.PROTOCOL_VERSION, token, self.priority, os.getpid(), socket.gethostname(),
+                               self.label)
         reply, _ = self._wait(self._send(Kind.HELLO, hello), Kind.HELLO)
         if not reply.success:
             if reply.code in (Code.UNAUTHORIZED, Code.VERSION, Code.BAD_REQUEST):
@@ -364,10 +436,12 @@ class CacheClient:
             raise CacheServerRefused(
                 f"protocol version mismatch: this client speaks version {protocol.PROTOCOL_VERSION}, the server at "
                 f"{self.url} speaks version {answer.protocol_version}")
-        if self._hello is not None or self.counters["timeouts"]:
+        if self._said_hello:   # every hello after the first: a restarted server, a new key, a reap
             self.counters["reconnects"] += 1
+        self._said_hello = True
         self._attach(answer)
         self._hello = answer
+        self._refusal = None
         self._down_until = 0.0
         self._backoff_s = DOWN_BACKOFF_S
 
@@ -408,3 +482,7 @@ class CacheClient:
                 self.ping()
             except (CacheServerUnavailable, CacheServerError, CacheServerRefused):
                 pass
+
+
+class _NewServerKey(Exception):
+    """Internal: a failed handshake, and the key file now holds another key (a restarted server)."""

@@ -22,6 +22,10 @@ import msgspec
 from kvbridge.store.objects import ObjectMeta
 
 PROTOCOL_VERSION = 1
+# The most frames a request may have: the envelope and a few data frames (store_inline carries one).
+# The server drops the rest of a longer message as it reads it (a whole-message bound; ZMQ_MAXMSGSIZE
+# bounds each frame only).
+MAX_REQUEST_FRAMES = 16
 
 
 class Kind:

@@ -7,7 +7,10 @@ names and order are the server's.
 Same degrade rule as the embedded store: a fault is a counted miss or a skipped write, never an
 exception from lookup/get/put/contains/flush. A server that does not answer within
 KVB_CACHE_SERVER_TIMEOUT counts as `unavailable`, and the engine recomputes; the client says hello
-again by itself once the server is back. clear() raises StoreFault when the server cannot be reached.
+again by itself once the server is back. A server the client cannot authenticate (no key file, a
+squatter on the port that fails the CURVE handshake) or that refuses it counts as `refused`: a miss
+as well, within the same bound (the handshake fails at once; the client then refuses at once for its
+back-off), and nothing was sent to it. clear() raises StoreFault when the server cannot be used.
 
 A shared-memory get() lends the server's pages: the StoredObject's blob is a view of them, its
 intact() says whether they were still the object's after the caller copied out, and release()
@@ -21,7 +24,7 @@ from collections import Counter
 from contextlib import contextmanager, nullcontext
 from typing import Iterable, Iterator
 
-from kvbridge.cache_server.client import CacheClient, CacheServerError, CacheServerUnavailable
+from kvbridge.cache_server.client import CacheClient, CacheServerError, CacheServerRefused, CacheServerUnavailable
 from kvbridge.cache_server.auth import read_token
 from kvbridge.settings import Settings
 from kvbridge.store.objects import LookupResult, ObjectMeta, StoredObject, StoreFault, check_key
@@ -40,10 +43,13 @@ class RemoteStore:
 
     @classmethod
     def from_settings(cls, settings: Settings, namespace: str | None = None, environ=None) -> "RemoteStore":
-        """A client of the server at KVB_STORE_URL; CacheServerRefused when it turns us away (token, version)."""
+        """A client of the server at KVB_STORE_URL; CacheServerRefused when it turns us away (token, version) or
+        cannot be authenticated at start. A key file that does not exist yet (the server not started yet) is
+        a warning: calls are counted misses until it appears."""
         client = CacheClient(settings.store_url, priority=settings.client_priority, token=read_token(settings, environ),
-                             timeout_s=settings.cache_server_timeout, use_shm=settings.cache_server_shm,
-                             label=f"{settings.engine} engine, pid {os.getpid()}")
+                             server_key=settings.cache_server_public_key, timeout_s=settings.cache_server_timeout,
+                             use_shm=settings.cache_server_shm, label=f"{settings.engine} engine, pid {os.getpid()}",
+                             wait_for_key=True)
         return cls(client, namespace, chunk_tokens=settings.chunk_size)
 
     @property
@@ -67,7 +73,7 @@ class RemoteStore:
         expected = self.namespace if namespace is None else namespace
         try:
             return self.client.lookup(keys, expected, self.chunk_tokens)
-        except (CacheServerUnavailable, CacheServerError) as exc:
+        except (CacheServerUnavailable, CacheServerError, CacheServerRefused) as exc:
             self._fault("lookup", exc)
             return LookupResult(0, [])
 
@@ -79,7 +85,7 @@ class RemoteStore:
         expected = self.namespace if namespace is None else namespace
         try:
             found = self.client.retrieve(key, expected)
-        except (CacheServerUnavailable, CacheServerError) as exc:
+        except (CacheServerUnavailable, CacheServerError, CacheServerRefused) as exc:
             self._fault("retrieve", exc)
             return None
         return self._stored(found)
@@ -90,7 +96,7 @@ class RemoteStore:
         expected = self.namespace if namespace is None else namespace
         try:
             found = self.client.retrieve_many(keys, expected)
-        except (CacheServerUnavailable, CacheServerError) as exc:
+        except (CacheServerUnavailable, CacheServerError, CacheServerRefused) as exc:
             self._fault("retrieve", exc)
             return [None] * len(keys)
         return [self._stored(item) for item in found]
@@ -113,7 +119,7 @@ class RemoteStore:
         self._counts["puts"] += 1
         try:
             stored, reason = self.client.store(key, blob, meta)
-        except (CacheServerUnavailable, CacheServerError) as exc:
+        except (CacheServerUnavailable, CacheServerError, CacheServerRefused) as exc:
             self._fault("store", exc)
             return False
         if not stored:
@@ -127,7 +133,7 @@ class RemoteStore:
         self._counts["puts"] += len(items)
         try:
             results = self.client.store_many(items)
-        except (CacheServerUnavailable, CacheServerError) as exc:
+        except (CacheServerUnavailable, CacheServerError, CacheServerRefused) as exc:
             self._fault("store", exc)
             return [False] * len(items)
         for stored, reason in results:
@@ -152,13 +158,13 @@ class RemoteStore:
             raise ValueError(f"unknown tier {tier_name!r}; this store has: {', '.join(self.tier_names)}")
         try:
             self.client.clear(tier_name)
-        except (CacheServerUnavailable, CacheServerError) as exc:
+        except (CacheServerUnavailable, CacheServerError, CacheServerRefused) as exc:
             raise StoreFault(f"cannot clear {tier_name} on the cache server: {exc}") from exc
 
     def flush(self) -> int:
         try:
             return self.client.flush()
-        except (CacheServerUnavailable, CacheServerError) as exc:
+        except (CacheServerUnavailable, CacheServerError, CacheServerRefused) as exc:
             self._fault("flush", exc)
             return 0
 
@@ -169,7 +175,7 @@ class RemoteStore:
         """The server's status (each module's report under its name), or None when it cannot be reached."""
         try:
             return self.client.status()
-        except (CacheServerUnavailable, CacheServerError) as exc:
+        except (CacheServerUnavailable, CacheServerError, CacheServerRefused) as exc:
             self._fault("status", exc)
             return None
 
@@ -189,6 +195,7 @@ class RemoteStore:
             "puts": counts["puts"],
             "put_failures": counts["put_failures"],
             "unavailable": counts["unavailable"],
+            "refused": counts["refused"],
             "server_errors": counts["server_errors"],
             "torn_copies": self.client.counters["torn_copies"],
             "server": {"url": self.client.url, "connected": self.client.connected, "server_id": self.client.server_id,
@@ -198,6 +205,7 @@ class RemoteStore:
         }
 
     def _fault(self, what: str, exc: Exception) -> None:
-        name = "unavailable" if isinstance(exc, CacheServerUnavailable) else "server_errors"
+        name = ("unavailable" if isinstance(exc, CacheServerUnavailable)
+                else "refused" if isinstance(exc, CacheServerRefused) else "server_errors")
         self._counts[name] += 1
         log.warning("cache server %s: %s counted as a miss (%s)", self.client.url, what, exc)

@@ -3,8 +3,14 @@
 Place in the flow: engines' CacheClients (DEALER) -> **this loop** -> handlers of the composed
 modules (kvbridge.cache_server.module) -> the ServerStore (L1 pool in shared memory, L2 below).
 
+Who gets in is settled before the loop sees a byte: the ROUTER runs CURVE with this server's key
+pair, and its ZAP handler admits only clients whose key comes from the server's token
+(kvbridge.cache_server.curve); the key pair and the token are written to owner-only files beside
+each other after the bind. A message is read frame by frame and one over MAX_REQUEST_FRAMES frames
+or KVB_CACHE_SERVER_MAX_MESSAGE_BYTES is dropped as it is read, answered "too large".
+
 The loop itself knows only the envelope: it decodes it, checks the hello (protocol version and the
-shared secret), touches the caller's instance id on every liveness target, and hands the call to a
+shared secret, again), touches the caller's instance id on every liveness target, and hands the call to a
 worker: requests whose handler needs client affinity (store, retrieve, release and affinity
 server-module calls) run on the caller's affinity thread, in the order they arrived; the rest run
 on a small shared pool. Workers send replies back through an inproc socket the loop drains, since
@@ -34,7 +40,8 @@ import msgspec
 import zmq
 
 from kvbridge.cache_server import protocol
-from kvbridge.cache_server.auth import check_bind_url, read_token, write_token_file
+from kvbridge.cache_server.auth import REFUSED_TOKEN, check_bind_url, new_token, read_token, write_token_file
+from kvbridge.cache_server.curve import ZapGate, apply_server, client_key_pair, server_keys, write_key_file
 from kvbridge.cache_server.shm import remove_stale_segments
 from kvbridge.cache_server.calls import Answer, Call, ClientInfo, RequestFailed
 from kvbridge.cache_server.context import ServerContext
@@ -113,9 +120,14 @@ class CacheServer:
 
         self.settings = settings
         self.url = url or settings.cache_server_url
-        check_bind_url(self.url)
-        self.token = read_token(settings) if token is None else token
+        check_bind_url(self.url, encrypted=True)
+        configured = read_token(settings) if token is None else token
+        self.token = configured or new_token()   # generated: written to the owner's token file at bind
+        self._token_generated = not configured
         self.token_path: Path | None = None   # the generated token's file (owner-only), removed at close
+        self.keys = server_keys(settings)       # CURVE: what clients authenticate this server by
+        self.key_path: Path | None = None     # the key pair's file (owner-only), removed at close
+        self._zap: ZapGate | None = None
         self.server_id = uuid.uuid4().hex
         self.clients = ClientTable()
         self.metrics = ServerMetrics()
@@ -138,6 +150,7 @@ class CacheServer:
         self._router = self.ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, 2 * settings.cache_server_max_message_bytes + (1 << 20))
+        apply_server(self._router, self.keys)
         self._replies_url = _REPLY_ENDPOINT.format(self.server_id)
         self._replies = self.ctx.socket(zmq.PULL)
         self._replies.bind(self._replies_url)
@@ -154,9 +167,12 @@ class CacheServer:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def bind(self) -> str:
-        """Bind the ROUTER (ipc sockets mode 0600), then let modules register their own services."""
+        """Start the ZAP handler, bind the ROUTER (ipc sockets mode 0600), write the token and key files,
+        then let modules register their own services."""
         if self._bound:
             return self.url
+        if self._zap is None:   # before the bind: a handshake with no handler would admit any CURVE client
+            self._zap = ZapGate(self.ctx, {client_key_pair(self.token).public})
         try:
             if self.url.startswith("ipc://"):
                 path = Path(self.url[len("ipc://"):])
@@ -172,11 +188,15 @@ class CacheServer:
             raise BadSettings(f"the cache server cannot listen on {self.url}: {exc} (another cache server there? "
                               "choose another address with --url or KVB_CACHE_SERVER_URL)") from None
         self._bound = True
-        if not self.token:   # nothing configured: a token only this OS user can read (kvbridge.cache_server.auth)
-            self.token, self.token_path = write_token_file(self.url)
+        # after the bind, so a second server refused the address never overwrites the first one's files
+        if self._token_generated:   # nothing configured: a token only this OS user can read
+            self.token_path = write_token_file(self.url, self.token)
+        self.key_path = write_key_file(self.url, self.keys)
         self.modules.register_zmq_services(self)
         log.info("cache server %s listening on %s (L1 %s, tiers %s)", self.server_id[:8], self.url,
                  self.store.segment.path, ", ".join(self.store.tier_names))
+        log.info("CURVE public key %s (key pair in %s; clients that cannot read that file set "
+                 "KVB_CACHE_SERVER_PUBLIC_KEY to it)", self.keys.public, self.key_path)
         return self.url
 
     def serve_forever(self) -> None:
@@ -233,8 +253,11 @@ class CacheServer:
             pool.shutdown(wait=True, cancel_futures=True)
         self.modules.close()
         self.store.close(flush=True)
-        if self.token_path is not None:
-            self.token_path.unlink(missing_ok=True)
+        for path in (self.token_path, self.key_path):
+            if path is not None:
+                path.unlink(missing_ok=True)
+        if self._zap is not None:
+            self._zap.close()
         self._router.close(0)
         self._replies.close(0)
         self._wake.close(0)
@@ -244,10 +267,34 @@ class CacheServer:
     def _receive_requests(self) -> None:
         while True:
             try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                identity = self._router.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._accept(frames)
+            self._accept(identity, *self._read_parts(identity))
+
+    def _read_parts(self, identity) -> tuple[list, str]:
+        """The message's frames after the identity, read one at a time: past MAX_REQUEST_FRAMES frames or the
+        byte limit the rest are read and dropped, so one message never holds more than the limit here
+        (libzmq hands a message over only once complete: its peer passed the CURVE handshake)."""
+        limit = self.settings.cache_server_max_message_bytes
+        parts: list = []
+        size = 0
+        overflow = ""
+        more = identity.more
+        while more:
+            frame = self._router.recv(copy=False)
+            more = frame.more
+            if not overflow and len(parts) >= protocol.MAX_REQUEST_FRAMES:
+                overflow = (f"a message of more than {protocol.MAX_REQUEST_FRAMES} frames (a request is an envelope "
+                            "and a few data frames)")
+            elif not overflow and size + len(frame) > limit:
+                overflow = (f"a message of more than {limit} bytes exceeds KVB_CACHE_SERVER_MAX_MESSAGE_BYTES "
+                            f"({limit})")
+            if overflow:
+                continue
+            parts.append(frame)
+            size += len(frame)
+        return parts, overflow
 
     def _drain_replies(self) -> None:
         while True:
@@ -260,20 +307,17 @@ class CacheServer:
             except zmq.ZMQError as exc:   # the client went away: nothing to deliver to
                 log.debug("reply not delivered: %s", exc)
 
-    def _accept(self, frames: list) -> None:
-        identity, parts = frames[0], frames[1:]
-        size = sum(len(f) for f in parts)
+    def _accept(self, identity, parts: list, overflow: str = "") -> None:
         if not parts:
-            return self._refuse(identity, 0, Code.BAD_REQUEST, "empty message")
+            return self._refuse(identity, 0, Code.TOO_LARGE if overflow else Code.BAD_REQUEST,
+                                overflow or "empty message")
         try:
             envelope = protocol.decode_envelope(parts[0].buffer)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return self._refuse(identity, 0, Code.BAD_REQUEST, f"malformed request: {exc}")
         rid = envelope.request_id
-        if size > self.settings.cache_server_max_message_bytes:
-            return self._refuse(identity, rid, Code.TOO_LARGE,
-                                f"message of {size} bytes exceeds KVB_CACHE_SERVER_MAX_MESSAGE_BYTES "
-                                f"({self.settings.cache_server_max_message_bytes})")
+        if overflow:
+            return self._refuse(identity, rid, Code.TOO_LARGE, f"{overflow}: dropped as it was read")
         try:
             body = protocol.decode_body(envelope.kind, envelope.body)
         except KeyError:
@@ -395,11 +439,8 @@ class CacheServer:
             return (Code.VERSION, f"protocol version mismatch: the client speaks version {hello.protocol_version}, "
                                   f"this server speaks version {protocol.PROTOCOL_VERSION}; use the same KVBridge "
                                   "release on both sides")
-        if self.token and not hmac.compare_digest(hello.token.encode(), self.token.encode()):
-            return (Code.UNAUTHORIZED, "the cache server refused the connection: wrong or missing token. By default "
-                                       "only the OS user who started the server can use it (its token is in that "
-                                       "user's ~/.cache/kvbridge/run); with a shared secret, set the variable "
-                                       "KVB_CACHE_SERVER_TOKEN_ENV names to it")
+        if not hmac.compare_digest(hello.token.encode(), self.token.encode()):
+            return (Code.UNAUTHORIZED, REFUSED_TOKEN)
         if not instance_id or not 0 <= hello.priority <= 9:
             return (Code.BAD_REQUEST, "hello needs an instance id and a priority from 0 to 9")
         info = ClientInfo(instance_id, hello.priority, hello.pid, hello.hostname, hello.label, time.time(), connection)

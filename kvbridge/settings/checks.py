@@ -143,6 +143,13 @@ def _cache_server_problems(s: Settings) -> list[str]:
     if s.cache_server_token_env and not s.cache_server_token_env.replace("_", "").isalnum():
         problems.append(f"KVB_CACHE_SERVER_TOKEN_ENV={s.cache_server_token_env!r} must be the NAME of an environment "
                         "variable (like CACHE_SERVER_SECRET), not the secret itself")
+    if s.cache_server_secret_key_env and not s.cache_server_secret_key_env.replace("_", "").isalnum():
+        problems.append("KVB_CACHE_SERVER_SECRET_KEY_ENV must be the NAME of an environment variable (like "
+                        "CACHE_SERVER_SECRET_KEY), not the key itself")
+    if s.cache_server_public_key and not is_z85_key(s.cache_server_public_key):
+        problems.append(f"KVB_CACHE_SERVER_PUBLIC_KEY={s.cache_server_public_key!r} is not a Z85 CURVE key (40 "
+                        "characters); copy the public key the cache server logs at start, or leave it empty to use "
+                        "the owner's key file")
     return problems
 
 
@@ -230,6 +237,14 @@ def _resolve_engine_class(name: str) -> tuple[type | None, list[str]]:
 
 SERVE_ENGINES = ("scheduler", "llama-server")
 _HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_.-]*[a-z0-9_])?\.?", re.IGNORECASE)
+
+
+Z85_ALPHABET = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
+
+
+def is_z85_key(text: str) -> bool:
+    """True for a Z85-encoded CURVE key: 40 characters of the Z85 alphabet (32 bytes)."""
+    return len(text) == 40 and set(text) <= Z85_ALPHABET
 
 
 def is_loopback_host(host: str) -> bool:

@@ -97,6 +97,8 @@ class Settings:
     client_priority: int = 5          # 0-9, higher is more important under memory pressure
     cache_server_url: str = "tcp://127.0.0.1:5555"   # where `cache-server` binds (its --url)
     cache_server_token_env: str = ""  # the NAME of the variable holding the shared secret; never the secret
+    cache_server_public_key: str = ""   # clients: the server's Z85 CURVE public key; empty: the owner's key file
+    cache_server_secret_key_env: str = ""   # the NAME of the variable holding the server's Z85 secret key; never the key
     cache_server_shm: bool = True     # clients on the server's host copy through shared memory
     cache_server_page_bytes: int = 256 << 10
     cache_server_modules: str = ""    # JSON list of {"module_path": ..., "config": {...}}
