@@ -40,7 +40,7 @@ from kvbridge.cache_server.connection import (CacheServerError, CacheServerRefus
 from kvbridge.cache_server.curve import ClientKeys, NoServerKey, ServerNotAuthenticated, client_keys
 from kvbridge.cache_server.liveness import WriterLockUnavailable, hold_writer_lock
 from kvbridge.cache_server.protocol import Code, Kind
-from kvbridge.cache_server.shm import Segment, SegmentUnavailable
+from kvbridge.cache_server.shm import Segment, SegmentUnavailable, object_checksum
 from kvbridge.store.objects import LookupResult, ObjectMeta
 
 __all__ = ["CacheClient", "CacheServerError", "CacheServerRefused", "CacheServerUnavailable", "Retrieved",
@@ -64,15 +64,18 @@ class Retrieved:
     lease_id: int = 0
     pages: tuple = ()
     generation: int = 0
+    checksum: bytes = b""   # its writer's digest, checked after the copy when this client checks checksums
 
 
 class CacheClient:
     def __init__(self, url: str, instance_id: str | None = None, priority: int = 5, *, token: str = "",
                  server_key: str = "", timeout_s: float = 5.0, use_shm: bool = True, label: str = "",
-                 wait_for_key: bool = False) -> None:
+                 wait_for_key: bool = False, checksum: bool = False) -> None:
         """`token`: the shared secret ('' -> this user's token file); `server_key`: the server's Z85 public key
         ('' -> this user's key file). `wait_for_key`: a key file that does not exist yet (a server still
-        starting) is a warning here instead of CacheServerRefused; calls are refused until it appears."""
+        starting) is a warning here instead of CacheServerRefused; calls are refused until it appears.
+        `checksum` (KVB_CACHE_SERVER_CHECKSUM): stores through shared memory carry a digest of their bytes,
+        and every object read out of shared memory is checked against its writer's digest."""
         if not isinstance(priority, int) or not 0 <= priority <= 9:
             raise ValueError(f"CacheClient(priority=...) must be an int from 0 to 9, got {priority!r}")
         if instance_id is not None and (not isinstance(instance_id, str) or not 0 < len(instance_id) <= 128):
@@ -88,6 +91,7 @@ class CacheClient:
         self.timeout_s = timeout_s
         self.use_shm = use_shm
         self.label = label
+        self.checksum = checksum
         self._token = token   # configured; '' -> this user's token file for `url`, read at every hello
                               # (a restarted server has a new one)
         self._server_key = server_key   # configured; '' -> this user's key file for `url`, read alike
@@ -102,7 +106,7 @@ class CacheClient:
         self._down_until = 0.0
         self._backoff_s = DOWN_BACKOFF_S
         self.counters = {"timeouts": 0, "refusals": 0, "reconnects": 0, "torn_copies": 0, "inline_retrieves": 0,
-                         "shm_retrieves": 0}
+                         "shm_retrieves": 0, "checksum_mismatches": 0, "unchecked_reads": 0}
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kvb-cache-heartbeat", daemon=True)
         try:
             self._say_hello()
@@ -188,7 +192,7 @@ class CacheClient:
             self.counters["inline_retrieves"] += 1
             return Retrieved(data, meta, reply.tier)
         self.counters["shm_retrieves"] += 1
-        found = Retrieved(None, meta, reply.tier, reply.lease_id, tuple(reply.pages), reply.generation)
+        found = Retrieved(None, meta, reply.tier, reply.lease_id, tuple(reply.pages), reply.generation, reply.checksum)
         if segment is None or segment is not self._segment:
             self.release([found])
             return None
@@ -203,8 +207,23 @@ class CacheClient:
         if not intact:
             self.counters["torn_copies"] += 1
             return None
+        if not self._checksum_ok(found, blob):
+            return None
         found.blob, found.lease_id = blob, 0
         return found
+
+    def _checksum_ok(self, found: Retrieved, copied) -> bool:
+        """With checksums on: do the copied bytes match their writer's digest? (counted either way)"""
+        if not self.checksum:
+            return True
+        if not found.checksum:
+            self.counters["unchecked_reads"] += 1   # its writer gave no digest (checksums off there)
+            return True
+        if object_checksum(copied) == found.checksum:
+            return True
+        self.counters["checksum_mismatches"] += 1
+        log.warning("an object read from shared memory does not match its writer's checksum: counted a miss")
+        return False
 
     def intact(self, found: Retrieved) -> bool:
         """After copying out of a zero-copy view: were the pages still this object's?"""
@@ -214,7 +233,8 @@ class CacheClient:
         ok = segment.generation_ok(list(found.pages), found.generation)
         if not ok:
             self.counters["torn_copies"] += 1
-        return ok
+            return False
+        return found.blob is None or self._checksum_ok(found, found.blob)
 
     def release(self, objects: list[Retrieved]) -> None:
         """End the read leases of these objects (sent without waiting for the answer)."""
@@ -237,7 +257,8 @@ class CacheClient:
         if segment is None:
             reply = self._call(Kind.STORE_INLINE, protocol.StoreInline(key, wire), protocol.StoreReply, data=(blob,))
             return reply.stored or reply.reason == "exists", reply.reason   # already there counts as stored
-        prepared = self._call(Kind.STORE_PREPARE, protocol.StorePrepare(key, len(blob), wire), protocol.PrepareReply)
+        prepared = self._call(Kind.STORE_PREPARE, protocol.StorePrepare(key, len(blob), wire, self._digest(blob)),
+                              protocol.PrepareReply)
         if not prepared.accepted:
             return prepared.reason == "exists", prepared.reason
         try:
@@ -248,12 +269,16 @@ class CacheClient:
         committed = self._call(Kind.STORE_COMMIT, protocol.StoreCommit(prepared.lease_id), protocol.StoreReply)
         return committed.stored, committed.reason
 
+    def _digest(self, blob) -> bytes:
+        return object_checksum(blob) if self.checksum else b""
+
     def store_many(self, items: list[tuple[bytes, object, ObjectMeta]]) -> list[tuple[bool, str]]:
         """store() for a prompt's objects: one prepare round trip for all of them, one commit for all."""
         segment = self._segment if self._writes_via_shm else None
         if segment is None or not items:
             return [self.store(key, blob, meta) for key, blob, meta in items]
-        request = protocol.StorePrepareMany([protocol.StorePrepare(key, len(blob), protocol.WireMeta.of(meta))
+        request = protocol.StorePrepareMany([protocol.StorePrepare(key, len(blob), protocol.WireMeta.of(meta),
+                                                                   self._digest(blob))
                                              for key, blob, meta in items])
         prepared = self._call(Kind.STORE_PREPARE_MANY, request, protocol.PrepareManyReply).items
         leases: list[int] = []

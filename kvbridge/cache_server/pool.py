@@ -76,6 +76,7 @@ class ReadLease:
     size: int
     generation: int
     meta: ObjectMeta
+    checksum: bytes = b""   # its writer's digest of the bytes (KVB_CACHE_SERVER_CHECKSUM); b"": none given
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class _Object:
     meta: ObjectMeta
     generation: int
     readers: int = 0   # live read leases; an object with readers is never evicted
+    checksum: bytes = b""
 
 
 @dataclass
@@ -109,6 +111,7 @@ class _Lease:
     priority: int = 0
     meta: ObjectMeta | None = None   # a write lease's object-to-be
     zombie: bool = False             # revoked or expired: holds its pages in quarantine until released
+    checksum: bytes = b""            # a write lease's object-to-be: its writer's digest
 
 
 def pages_needed(size: int, page_bytes: int) -> int:
@@ -151,7 +154,7 @@ class PagedPool:
             obj.meta = replace(obj.meta, last_used=time.time())  # wall time: the disk tier seeds its LRU from it
             self._objects.move_to_end(key)
             lease = self._new_lease(client_id, False, key, obj.pages, obj.size, obj.generation)
-            return ReadLease(lease.lease_id, key, tuple(obj.pages), obj.size, obj.generation, obj.meta)
+            return ReadLease(lease.lease_id, key, tuple(obj.pages), obj.size, obj.generation, obj.meta, obj.checksum)
 
     def contains(self, key: bytes) -> bool:
         with self._lock:
@@ -176,8 +179,10 @@ class PagedPool:
             return len(self._objects)
 
     # -- writing -----------------------------------------------------------------------------------
-    def prepare_write(self, key: bytes, size: int, meta: ObjectMeta, client_id: str, priority: int) -> WriteLease:
-        """Reserve pages for a new object (invisible until commit), or raise StoreRefused(reason)."""
+    def prepare_write(self, key: bytes, size: int, meta: ObjectMeta, client_id: str, priority: int,
+                      checksum: bytes = b"") -> WriteLease:
+        """Reserve pages for a new object (invisible until commit), or raise StoreRefused(reason).
+        checksum: the writer's digest of the bytes it will write, handed to every reader."""
         key = check_key(key)
         if size < 0:
             raise ValueError(f"an object's size is >= 0, got {size}")
@@ -212,6 +217,7 @@ class PagedPool:
             self._pages.mark(pages, PENDING)
             self._generation += 1
             lease = self._new_lease(client_id, True, key, pages, size, self._generation, priority, meta)
+            lease.checksum = bytes(checksum)
             return WriteLease(lease.lease_id, key, tuple(pages), size, lease.generation)
 
     def commit(self, lease_id: int, client_id: str) -> bool:
@@ -229,7 +235,8 @@ class PagedPool:
             assert lease.meta is not None
             self._pages.mark(lease.pages, OBJECT)
             self.segment.set_generation(lease.pages, lease.generation)
-            self._objects[lease.key] = _Object(lease.pages, lease.size, lease.meta, lease.generation)
+            self._objects[lease.key] = _Object(lease.pages, lease.size, lease.meta, lease.generation,
+                                               checksum=lease.checksum)
             self._bytes_used += lease.size
             return True
 

@@ -161,6 +161,7 @@ class RetrieveReply(msgspec.Struct):
     lease_id: int = 0                  # via shared memory: release it when the copy is done
     pages: list[int] = []
     generation: int = 0                # the pages' generation; any other value after the copy: torn
+    checksum: bytes = b""              # the writer's digest of the bytes, when it gave one
 
 
 class RetrieveMany(msgspec.Struct):
@@ -183,6 +184,7 @@ class StorePrepare(msgspec.Struct):
     key: bytes
     size: int
     meta: WireMeta
+    checksum: bytes = b""              # the writer's digest of the bytes (KVB_CACHE_SERVER_CHECKSUM); b"": none
 
 
 class PrepareReply(msgspec.Struct):

@@ -49,7 +49,7 @@ class RemoteStore:
         client = CacheClient(settings.store_url, priority=settings.client_priority, token=read_token(settings, environ),
                              server_key=settings.cache_server_public_key, timeout_s=settings.cache_server_timeout,
                              use_shm=settings.cache_server_shm, label=f"{settings.engine} engine, pid {os.getpid()}",
-                             wait_for_key=True)
+                             wait_for_key=True, checksum=settings.cache_server_checksum)
         return cls(client, namespace, chunk_tokens=settings.chunk_size)
 
     @property

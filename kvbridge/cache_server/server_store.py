@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from kvbridge.cache_server.pool import PagedPool, PressureLevel, ReadLease, StoreRefused, Watermarks, WriteLease
-from kvbridge.cache_server.shm import Segment
+from kvbridge.cache_server.shm import Segment, object_checksum
 from kvbridge.settings import Settings
 from kvbridge.store import LookupResult, ObjectMeta, TieredStore
 from kvbridge.store.behind import run_in_background
@@ -144,11 +144,12 @@ class ServerStore:
         self.pool.release(lease_ids, client_id)
 
     # -- writing ---------------------------------------------------------------------------------
-    def prepare(self, key: bytes, size: int, meta: ObjectMeta, client_id: str, priority: int) -> WriteLease:
+    def prepare(self, key: bytes, size: int, meta: ObjectMeta, client_id: str, priority: int,
+                checksum: bytes = b"") -> WriteLease:
         """Pages for a new object and a write lease on them; StoreRefused (counted) when not admitted."""
         key = check_key(key)
         try:
-            return self.pool.prepare_write(key, size, meta, client_id, priority)
+            return self.pool.prepare_write(key, size, meta, client_id, priority, checksum)
         except StoreRefused as refused:
             self._count(f"refused_{refused.reason}")
             raise
@@ -186,8 +187,10 @@ class ServerStore:
         return False, reason
 
     def _admit(self, key: bytes, blob, meta: ObjectMeta, client_id: str, priority: int, write_through: bool) -> bool:
+        # bytes the server writes itself (an inline store, a promotion) get their digest here, when asked for
+        checksum = object_checksum(blob) if self.settings.cache_server_checksum else b""
         try:
-            lease = self.pool.prepare_write(key, len(blob), meta, client_id, priority)
+            lease = self.pool.prepare_write(key, len(blob), meta, client_id, priority, checksum)
         except StoreRefused as refused:
             self._count(f"refused_{refused.reason}")
             if client_id == SERVER_CLIENT:

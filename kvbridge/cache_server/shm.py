@@ -34,6 +34,7 @@ import struct
 from pathlib import Path
 
 import numpy as np
+from blake3 import blake3
 
 from kvbridge.errors import KVBridgeError
 
@@ -47,6 +48,7 @@ HEADER_BYTES = 64                        # the header padded, so the generation 
 PAGE_ALIGN = 4096
 DEFAULT_DIRECTORY = Path("/dev/shm")
 DEFAULT_PREFIX = "kvbridge"
+CHECKSUM_BYTES = 16
 
 
 class SegmentUnavailable(KVBridgeError):
@@ -355,6 +357,12 @@ def remove_stale_segments(directory: Path | str | None = None) -> list[Path]:
         except OSError as exc:
             log.warning("could not remove the stale segment %s: %s", path, exc.strerror or exc)
     return removed
+
+
+def object_checksum(data) -> bytes:
+    """The digest a writer stores with an object and a reader checks after copying it out of the pages
+    (KVB_CACHE_SERVER_CHECKSUM): the generation shows a page reused, this shows a page overwritten."""
+    return blake3(data, max_threads=blake3.AUTO).digest(length=CHECKSUM_BYTES)
 
 
 def contiguous(pages) -> bool:

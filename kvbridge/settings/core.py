@@ -100,6 +100,7 @@ class Settings:
     cache_server_public_key: str = ""   # clients: the server's Z85 CURVE public key; empty: the owner's key file
     cache_server_secret_key_env: str = ""   # the NAME of the variable holding the server's Z85 secret key; never the key
     cache_server_shm: bool = True     # clients on the server's host copy through shared memory
+    cache_server_checksum: bool = False   # a blake3 digest per shared-memory object, checked on every read
     cache_server_page_bytes: int = 256 << 10
     cache_server_modules: str = ""    # JSON list of {"module_path": ..., "config": {...}}
     cache_server_metrics_port: int = 0   # 0: no Prometheus endpoint

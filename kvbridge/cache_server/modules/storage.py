@@ -104,7 +104,7 @@ class StorageModule(DiscoverableModule):
         if found.lease is not None and via_shm and self.context.settings.cache_server_shm:
             lease = found.lease
             return RetrieveReply(True, found.tier, meta, found.size, lease.lease_id, list(lease.pages),
-                                 lease.generation), ()
+                                 lease.generation, lease.checksum), ()
         if budget is not None and found.size > budget:
             if found.lease is not None:
                 self.store.release([found.lease.lease_id], client_id)
@@ -144,7 +144,8 @@ class StorageModule(DiscoverableModule):
             self._writers.add(call.instance_id)
         try:
             lease = self._bad_key_is_bad_request(
-                lambda: self.store.prepare(body.key, body.size, meta, call.instance_id, call.client.priority))
+                lambda: self.store.prepare(body.key, body.size, meta, call.instance_id, call.client.priority,
+                                           body.checksum))
         except StoreRefused as refused:
             if refused.reason in ("pressure", "no_space"):
                 self._wake.set()
