@@ -4,13 +4,19 @@ Place: beside the cache server's tests and benchmarks (tests/test_cache_server_f
 round in CI; `python -m kvbridge.bench.protocol_fuzz` runs a longer one against a private server and
 prints the figures for Docs/Research.md).
 
-Two connections speak raw ZMQ (a DEALER each): one never says hello and sends anything (random bytes,
-msgpack of the wrong shape, envelopes of unknown or valid kinds); the other says hello with the
-owner's token and then sends *valid* messages with hostile values: huge or negative sizes and ids,
-thousands of keys, keys of odd lengths, long strings, wrong numbers of data frames, random lease ids,
-module calls to methods that do not exist. Afterwards the caller checks what a user would: the server
-is alive, answers a real client, holds no lease and no pending page once the fuzzer said goodbye, and
-kept the objects stored before. Messages that would only erase data (clear) are not sent.
+Connections speak raw ZMQ. A stranger (a CURVE DEALER that knows the server's public key, which is not
+a secret, but not its token) sends anything: random bytes, msgpack of the wrong shape, envelopes of
+unknown or valid kinds, unfinished multipart messages; the handshake turns it away, so it must never
+get one reply. A member says hello with the owner's keys and token and then sends *valid* messages
+with hostile values: huge or negative sizes and ids, thousands of keys, keys of odd lengths, long
+strings, wrong numbers of data frames, random lease ids, module calls to methods that do not exist,
+and hostile frame sizes (one frame past the message limit, thousands of empty frames). Then
+`unfinished_multipart` writes raw ZMTP frames flagged "more" without end, as a peer that does not use
+libzmq can (libzmq itself holds such a message on the sender's side), and `squat_round` takes the
+port once the server is stopped, to see that the owner's client sends the squatter nothing.
+Afterwards the caller checks what a user would: the server is alive, answers a real client, holds no
+lease and no pending page once the fuzzer said goodbye, and kept the objects stored before. Messages
+that would only erase data (clear) are not sent.
 """
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ import argparse
 import collections
 import os
 import random
+import socket
+import struct
 import sys
 import tempfile
 import time
@@ -29,6 +37,7 @@ import zmq
 
 from kvbridge.cache_server import protocol
 from kvbridge.cache_server.auth import client_token
+from kvbridge.cache_server.curve import apply_client, client_keys
 from kvbridge.cache_server.protocol import Kind
 
 # valid kinds the authenticated connection fuzzes (CLEAR erases data: left out; GOODBYE ends the session)
@@ -42,13 +51,17 @@ class FuzzReport:
     seed: int
     sent: int = 0
     unauthenticated: int = 0
+    unauthenticated_dropped: int = 0   # the stranger's sends that found no connection to queue on
+    stranger_replies: int = 0          # replies the stranger got: must stay 0
+    hostile_sizes: int = 0             # member messages of hostile frame sizes or counts
     replies: int = 0
     codes: collections.Counter = field(default_factory=collections.Counter)
     seconds: float = 0.0
 
     def summary(self) -> str:
         codes = ", ".join(f"{code or 'ok'} {n}" for code, n in self.codes.most_common())
-        return (f"seed {self.seed}: {self.sent} messages ({self.unauthenticated} unauthenticated) in "
+        return (f"seed {self.seed}: {self.sent} messages ({self.unauthenticated} unauthenticated, "
+                f"{self.stranger_replies} of them answered; {self.hostile_sizes} of hostile frame sizes) in "
                 f"{self.seconds:.1f} s, {self.replies} replies ({codes})")
 
 
@@ -130,8 +143,18 @@ def _garbage(rng: random.Random) -> list[bytes]:
             rng.randbytes(rng.randrange(0, 5000))]
 
 
-def fuzz(url: str, count: int, seed: int = 0, token: str | None = None, deadline_s: float = 120.0) -> FuzzReport:
-    """Send `count` messages (a fifth unauthenticated); bounded by deadline_s; returns what came back."""
+def _hostile_frames(rng: random.Random, limit: int, member_id: str, rid: int) -> list:
+    """A ping whose message breaks the whole-message bound: one frame past `limit`, or a flood of empty frames."""
+    head = protocol.encode_request(rid, member_id, Kind.PING)
+    if rng.random() < 0.5:
+        return [head, b"\0" * (limit + 1)]
+    return [head] + [b""] * rng.choice([protocol.MAX_REQUEST_FRAMES, 1000, 20_000])
+
+
+def fuzz(url: str, count: int, seed: int = 0, token: str | None = None, deadline_s: float = 120.0,
+         max_message_bytes: int = 256 << 20) -> FuzzReport:
+    """Send `count` messages (a fifth from the stranger, one in a hundred of hostile frame sizes); bounded by
+    deadline_s; returns what came back. `max_message_bytes`: the server's KVB_CACHE_SERVER_MAX_MESSAGE_BYTES."""
     rng = random.Random(seed)
     hostile = _Hostile(rng)
     token = client_token(url) if token is None else token
@@ -139,6 +162,12 @@ def fuzz(url: str, count: int, seed: int = 0, token: str | None = None, deadline
     ctx = zmq.Context()
     try:
         stranger, member = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        keys = client_keys(url, token)
+        public, secret = zmq.curve_keypair()   # the stranger: the server's public key, a key pair of its own
+        stranger.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public.encode())
+        stranger.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        stranger.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        apply_client(member, keys)
         for sock in (stranger, member):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 100_000)
@@ -155,8 +184,16 @@ def fuzz(url: str, count: int, seed: int = 0, token: str | None = None, deadline
             if time.monotonic() - started > deadline_s:
                 break
             if rng.random() < 0.2:
-                stranger.send_multipart(_garbage(rng))
+                frames = _garbage(rng)
+                more = rng.random() < 0.2   # an unfinished multipart message: its last frame never comes
+                try:
+                    stranger.send_multipart(frames, zmq.NOBLOCK | (zmq.SNDMORE if more else 0))
+                except zmq.Again:   # turned away in the handshake: nothing left to queue on
+                    report.unauthenticated_dropped += 1
                 report.unauthenticated += 1
+            elif rng.random() < 0.01:
+                member.send_multipart(_hostile_frames(rng, max_message_bytes, member_id, i + 2))
+                report.hostile_sizes += 1
             else:
                 kind = rng.choice(FUZZED_KINDS)
                 frames = [protocol.encode_request(rng.choice([i + 2, 0, 2**63 - 1]), member_id, kind,
@@ -165,17 +202,59 @@ def fuzz(url: str, count: int, seed: int = 0, token: str | None = None, deadline
                 member.send_multipart(frames)
             report.sent += 1
             if i % 50 == 49:   # keep up with the replies, so neither side's queues grow without bound
-                _drain(poller, report, wait_ms=200)
-        _drain(poller, report, wait_ms=2000)
+                _drain(poller, report, stranger, wait_ms=200)
+        _drain(poller, report, stranger, wait_ms=2000)
         member.send_multipart([protocol.encode_request(3, member_id, Kind.GOODBYE, None)])
-        _drain(poller, report, wait_ms=2000)
+        _drain(poller, report, stranger, wait_ms=2000)
         report.seconds = time.monotonic() - started
         return report
     finally:
         ctx.destroy(linger=0)
 
 
-def _drain(poller: zmq.Poller, report: FuzzReport, wait_ms: int) -> None:
+def unfinished_multipart(url: str, frames: int = 64, frame_bytes: int = 1 << 20, timeout_s: float = 10.0) -> int:
+    """Write raw ZMTP 3.0 (NULL mechanism) to a tcp:// server: a greeting, READY as a DEALER, then frames all
+    flagged "more". libzmq would hold every such frame until the last one; returns how many bytes of frames
+    the server took before it hung up (all of them, for a server that does not authenticate peers first)."""
+    host, _, port = url[len("tcp://"):].rpartition(":")
+    greeting = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\x00" + bytes(31)
+    ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    payload = os.urandom(frame_bytes)
+    sent = 0
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as sock:
+        try:
+            sock.sendall(greeting + b"\x04" + bytes([len(ready)]) + ready)
+            for _ in range(frames):
+                sock.sendall(b"\x03" + struct.pack(">Q", frame_bytes) + payload)   # MORE | LONG
+                sent += frame_bytes
+            time.sleep(0.5)   # let the server read them before the connection closes
+        except OSError:   # reset: the server hung up on us
+            pass
+    return sent
+
+
+def squat_round(url: str, curve: bool = False) -> dict:
+    """With the owner's server stopped: a squatter takes `url`; the owner's client (default settings) tries
+    to say hello and store. What a user checks: refused, and the squatter received nothing."""
+    from kvbridge.bench.squatter import Squatter
+    from kvbridge.cache_server.client import CacheClient, CacheServerRefused
+    from kvbridge.store.objects import ObjectMeta
+
+    squatter = Squatter(url, curve=curve)
+    blob = b"the owner's KV " * 1000
+    try:
+        try:
+            with CacheClient(url, timeout_s=2) as client:
+                client.store(b"s" * 16, blob, ObjectMeta(namespace="ns", n_tokens=1, tokens_digest=b"", kind="chunk"))
+            refused = ""
+        except CacheServerRefused as exc:
+            refused = str(exc)
+        return {"refused": refused, "messages": squatter.messages, "saw_object": squatter.saw(blob)}
+    finally:
+        squatter.close()
+
+
+def _drain(poller: zmq.Poller, report: FuzzReport, stranger: zmq.Socket, wait_ms: int) -> None:
     deadline = time.monotonic() + wait_ms / 1000
     while True:
         left = int((deadline - time.monotonic()) * 1000)
@@ -190,6 +269,7 @@ def _drain(poller: zmq.Poller, report: FuzzReport, wait_ms: int) -> None:
             except zmq.Again:
                 continue
             report.replies += 1
+            report.stranger_replies += sock is stranger
             try:
                 report.codes[protocol.decode_reply(frames[0]).code] += 1
             except (msgspec.DecodeError, msgspec.ValidationError):
@@ -214,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
             meta = ObjectMeta(namespace="ns", n_tokens=1, tokens_digest=b"", kind="chunk")
             with CacheClient(server.url, timeout_s=10) as client:
                 client.store(b"k" * 16, b"kept" * 1000, meta)
-            report = fuzz(server.url, args.count, args.seed, deadline_s=1800)
+            report = fuzz(server.url, args.count, args.seed, deadline_s=1800,
+                          max_message_bytes=settings.cache_server_max_message_bytes)
+            flooded = unfinished_multipart(server.url, frames=256)
             alive = server.proc.poll() is None
             with CacheClient(server.url, timeout_s=10) as client:
                 kept = client.retrieve(b"k" * 16, "ns")
@@ -226,10 +308,16 @@ def main(argv: list[str] | None = None) -> int:
             peak = _peak_rss_mb(server.pid)
         finally:
             server.stop()
+        squats = {kind: squat_round(server.url, curve=kind == "curve") for kind in ("says-yes", "curve")}
     print(report.summary())
     print(f"server alive: {alive}; object stored before intact: {intact}; read leases {pool['read_leases']}, "
-          f"write leases {pool['write_leases']}; server peak RSS {peak} MB")
-    return 0 if alive and intact else 1
+          f"write leases {pool['write_leases']}; server peak RSS {peak} MB; an unauthenticated peer's "
+          f"unfinished multipart message: {flooded >> 20} MiB taken before the server hung up")
+    for kind, squat in squats.items():
+        print(f"squatter ({kind}) on the stopped server's port: client refused: {bool(squat['refused'])}; "
+              f"messages it received: {squat['messages']}")
+    squatted = any(not q["refused"] or q["messages"] for q in squats.values())
+    return 0 if alive and intact and not report.stranger_replies and not squatted else 1
 
 
 def _peak_rss_mb(pid: int) -> float:

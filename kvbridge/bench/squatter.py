@@ -92,12 +92,17 @@ class Squatter:
         return [protocol.encode_reply(rid)]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m kvbridge.bench.squatter", description=__doc__.splitlines()[0])
     parser.add_argument("url")
     parser.add_argument("--curve", action="store_true", help="speak CURVE with a key pair of its own")
     parser.add_argument("--watch", default="", help="a file whose bytes to look for among those received")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Squat until stdin closes; print one JSON line of what was received. (Imports nothing new, so a caller
+    may parse the arguments, drop to another uid, then call this.)"""
     watch = open(args.watch, "rb").read() if args.watch else b""
     squatter = Squatter(args.url, curve=args.curve)
     print("squatting", flush=True)
@@ -105,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     squatter.close()
     print(json.dumps(squatter.summary(watch)), flush=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(argv))
 
 
 if __name__ == "__main__":
