@@ -188,6 +188,31 @@ def test_the_scheduler_shares_and_restores_on_every_model(make_settings, model):
     assert again.gen_tokens > 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_type", ("f16", "f32"))
+def test_a_repeated_prompt_shares_resident_cells_and_answers_as_cold(make_settings, model, kv_type):
+    """The same prompt asked again shares the finished prompt's resident cells (all but its last token)
+    and answers as the first time, token for token, with either K/V type. On an AVX2 machine Gemma 3's
+    repeated answer differed from the first when the prompt's last token was decoded into the cell after
+    the one it had cold: llama.cpp sums attention over cells in SIMD lanes by cell index."""
+    from kvbridge.scheduler import Scheduler
+
+    settings = make_settings(model=model, sched_kv_cells=2048, sched_max_running=2, sched_cached_prefixes=2,
+                             n_predict=16, ctx_size=1024, chunk_size=CHUNK, cache_type_k=kv_type,
+                             cache_type_v=kv_type)
+    document = "# Orchard rota\n\n" + " ".join(
+        f"Rule {i}: the {['north', 'south', 'east', 'west'][i % 4]} orchard is pruned in week {i % 9} by crew {i % 5}."
+        for i in range(40))
+    prompt = [{"role": "user", "content": f"Document:\n{document}\n\nQuestion: Which orchard is pruned in week 3?"}]
+    with Scheduler(settings) as scheduler:
+        cold = scheduler.submit(prompt).result(timeout=300)
+        warm = scheduler.submit(prompt).result(timeout=300)
+        again = scheduler.submit(prompt).result(timeout=300)
+    assert cold.matched_tokens == 0 and cold.prompt_tokens > 512 + CHUNK
+    assert warm.tier == "resident" and warm.matched_tokens == warm.prompt_tokens - 1
+    assert warm.text == cold.text and again.text == cold.text
+
+
 def test_whole_snapshots_on_an_attached_server_without_its_slot_files(make_settings, model, llama_server_binary):  # noqa: F811
     """KV kept on the server by name (its slot files are not readable here): SmolLM2 restores whole
     snapshots and answers as cold; Gemma 3 refuses (a snapshot trimmed to a shorter prefix would lack

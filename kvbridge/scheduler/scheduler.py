@@ -809,8 +809,15 @@ class Scheduler:
         self._free_request(request)
 
     def _keep_prefix(self, request: Request) -> None:
-        """Keep the finished prompt resident (its cells shared, not copied) for later prompts to share."""
-        n = min(len(request.prompt), request.kv_tokens)
+        """Keep the finished prompt resident (its cells shared, not copied) for later prompts to share.
+
+        All but its last token: a later request always feeds its own last token, and with that cell
+        left free (it is the first one freed with the request) the same prompt asked again decodes its
+        last token into the cell it had when it was computed cold, and a longer one continues there.
+        llama.cpp's attention sums over cells in SIMD lanes by cell index, so the same token one cell
+        further on rounds differently: on an AVX2 machine Gemma 3's repeated answer differed from its
+        cold one at the first tied logit (Docs/Research.md, "Exact on every CPU")."""
+        n = min(len(request.prompt), request.kv_tokens) - 1
         if self.settings.sched_cached_prefixes == 0 or n < self.ledger.block_tokens or request.blend:
             return
         if any(p.salt == request.salt and _common_prefix(p.tokens, request.prompt, n) >= n for p in self._prefixes):
