@@ -498,7 +498,7 @@ def test_one_small_request_cannot_make_the_server_build_a_huge_reply(make_settin
             assert client.store(key, big, META)[0]
         client.flush()   # the disk writer's own leases are over
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        reply, _ = client._wait(client._send(Kind.RETRIEVE_MANY, protocol.RetrieveMany([keys[0]] * 4096, "ns", False)),
+        reply, _ = client._session._wait(client._send(Kind.RETRIEVE_MANY, protocol.RetrieveMany([keys[0]] * 4096, "ns", False)),
                                 Kind.RETRIEVE_MANY)
         assert not reply.success and reply.code == Code.BAD_REQUEST and "more than once" in reply.error
         with pytest.raises(CacheServerError) as too_big:      # 8 x 4 MiB = 32 MiB > 16 MiB

@@ -127,7 +127,7 @@ def test_a_restarted_server_is_followed_to_its_new_key_and_the_old_key_is_refuse
             except (CacheServerRefused, CacheServerUnavailable) as exc:   # a miss
                 assert time.monotonic() < deadline, f"the client never followed the new key: {exc}"
                 time.sleep(0.2)
-        assert server_id == client.server_id and client._conn.keys.server_public == new_key
+        assert server_id == client.server_id and client._session.conn.keys.server_public == new_key
         assert client.store(b"n" * 16, b"new", META)[0]
         assert bytes(client.retrieve(b"n" * 16, "ns", zero_copy=False).blob) == b"new"
         assert client.counters["reconnects"] >= 1

@@ -8,10 +8,12 @@ Place in the flow: CachedEngine -> RemoteStore (kvbridge.cache_server.remote_sto
     client.server_module_call(ServerModuleCallRequest("my_pkg.echo", b"hi")).result(timeout=5)
 
 The socket plumbing is kvbridge.cache_server.connection (one thread owns the socket; callers wait on
-a Future); this module is the protocol on top of it: hello, shared memory, the calls. A request unanswered within `timeout_s` fails with CacheServerUnavailable
-and the client stays "down" for a short back-off, answering at once with the same error, so a dead
-server costs an engine one timeout, not one per chunk. After the back-off the next call says hello
-again: a restarted server (new shared memory, no registrations) is picked up by itself.
+a Future), the standing with the server kvbridge.cache_server.session (keys, hello, back-off,
+refusals); this module is the calls on top of them and the shared memory. A request unanswered
+within `timeout_s` fails with CacheServerUnavailable and the client stays "down" for a short
+back-off, answering at once with the same error, so a dead server costs an engine one timeout, not
+one per chunk. After the back-off the next call says hello again: a restarted server (new shared
+memory, no registrations) is picked up by itself.
 
 Refusals a person must act on (wrong token, another protocol version) raise CacheServerRefused, and
 so does a server this client cannot authenticate (ServerNotAuthenticated, a CacheServerRefused): the
@@ -24,31 +26,25 @@ same back-off as a timeout, so a squatter on the port costs one handshake per ba
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
-import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.cache_server import protocol
-from kvbridge.cache_server.auth import REFUSED_TOKEN, client_token
-from kvbridge.cache_server.connection import (CacheServerError, CacheServerRefused, CacheServerUnavailable, Connection,
-                                              NotAuthenticated, NotConnected)
-from kvbridge.cache_server.curve import ClientKeys, NoServerKey, ServerNotAuthenticated, client_keys
+from kvbridge.cache_server.connection import (CacheServerError, CacheServerRefused, CacheServerUnavailable,
+                                              NotAuthenticated)
+from kvbridge.cache_server.curve import NoServerKey, ServerNotAuthenticated
 from kvbridge.cache_server.liveness import WriterLockUnavailable, hold_writer_lock
-from kvbridge.cache_server.protocol import Code, Kind
+from kvbridge.cache_server.protocol import Kind
+from kvbridge.cache_server.session import Session
 from kvbridge.cache_server.shm import Segment, SegmentUnavailable, object_checksum
 from kvbridge.store.objects import LookupResult, ObjectMeta
 
 __all__ = ["CacheClient", "CacheServerError", "CacheServerRefused", "CacheServerUnavailable", "Retrieved",
            "ServerNotAuthenticated"]
 log = logging.getLogger("kvbridge.cache_server.client")
-DOWN_BACKOFF_S = 1.0     # after a timeout, calls fail at once for this long before trying again,
-DOWN_BACKOFF_MAX_S = 30.0   # doubling after each further timeout up to this (a hung server costs one
-                            # request one timeout per back-off period, not one every second)
 CLOSE_SETTLE_S = 2.0     # close() waits at most this long for answers still due (a store's commit)
 
 
@@ -92,24 +88,17 @@ class CacheClient:
         self.use_shm = use_shm
         self.label = label
         self.checksum = checksum
-        self._token = token   # configured; '' -> this user's token file for `url`, read at every hello
-                              # (a restarted server has a new one)
-        self._server_key = server_key   # configured; '' -> this user's key file for `url`, read alike
-        self._conn = Connection(url, self.instance_id, keys=None)   # keys come with the first hello
-        self._said_hello = False
-        self._refusal: CacheServerRefused | None = None   # the last refusal, raised again during its back-off
         self._closing = threading.Event()
-        self._hello_lock = threading.Lock()
-        self._hello: protocol.HelloReply | None = None
         self._segment: Segment | None = None
         self._writes_via_shm = False   # the segment is mapped and this client's writer lock is held on it
-        self._down_until = 0.0
-        self._backoff_s = DOWN_BACKOFF_S
         self.counters = {"timeouts": 0, "refusals": 0, "reconnects": 0, "torn_copies": 0, "inline_retrieves": 0,
                          "shm_retrieves": 0, "checksum_mismatches": 0, "unchecked_reads": 0}
+        self._session = Session(url, self.instance_id, priority=priority, label=label, token=token,
+                                server_key=server_key, timeout_s=timeout_s, counters=self.counters,
+                                on_hello=self._attach)
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kvb-cache-heartbeat", daemon=True)
         try:
-            self._say_hello()
+            self._session.ensure_hello()
         except CacheServerUnavailable as exc:
             log.warning("cache server %s not reachable yet (%s); requests are misses until it answers", url, exc)
         except NoServerKey as exc:
@@ -125,15 +114,17 @@ class CacheClient:
     # -- public API ------------------------------------------------------------------------------
     @property
     def connected(self) -> bool:
-        return self._hello is not None and time.monotonic() >= self._down_until
+        return self._session.connected
 
     @property
     def tier_names(self) -> list[str]:
-        return list(self._hello.tier_names) if self._hello else ["L1", "L2"]
+        hello = self._session.hello
+        return list(hello.tier_names) if hello else ["L1", "L2"]
 
     @property
     def server_id(self) -> str:
-        return self._hello.server_id if self._hello else ""
+        hello = self._session.hello
+        return hello.server_id if hello else ""
 
     @property
     def shared_memory(self) -> bool:
@@ -314,14 +305,15 @@ class CacheClient:
         """Stop the threads and close the socket; leases still held are released by the server's reaper."""
         if self._closing.is_set():
             return
-        if self._hello is not None:   # the server drops this client's state (leases, its row) at once
+        session = self._session
+        if session.hello is not None:   # the server drops this client's state (leases, its row) at once
             self._send(Kind.GOODBYE, None)
             # releases and the goodbye are not waited for: let them go out before the socket closes
-            self._conn.settle(min(self.timeout_s, CLOSE_SETTLE_S), still_up=lambda: self._hello is not None)
+            session.conn.settle(min(self.timeout_s, CLOSE_SETTLE_S), still_up=lambda: session.hello is not None)
         self._closing.set()
         if self._heartbeat.is_alive():
             self._heartbeat.join(timeout=5)
-        self._conn.close()
+        session.conn.close()
         if self._segment is not None:
             self._segment.close()
             self._segment = None
@@ -351,124 +343,11 @@ class CacheClient:
                 outer.set_result(protocol.decode_reply_body(reply, protocol.ServerModuleCallResponse))
 
         try:
-            self._ensure_hello()
+            self._session.ensure_hello()
             self._send(kind, request).add_done_callback(finish)
         except BaseException as exc:
             outer.set_exception(exc)
         return outer
-
-    def _call(self, kind: str, body: Any, reply_type: Any, data: tuple = (), with_data: bool = False):
-        """Send, wait, decode; says hello again once when the server does not know us (restarted, or new key)."""
-        for attempt in (1, 2):
-            self._ensure_hello()
-            future = self._send(kind, body, data=data)
-            try:
-                reply, frames = self._wait(future, kind, may_rekey=attempt == 1)
-            except _NewServerKey:
-                continue
-            if reply.code == Code.HELLO_REQUIRED and attempt == 1:
-                self._hello = None
-                continue
-            if not reply.success:
-                if reply.code in (Code.UNAUTHORIZED, Code.VERSION):
-                    raise CacheServerRefused(reply.error)
-                raise CacheServerError(reply.code, reply.error)
-            result = protocol.decode_reply_body(reply, reply_type)
-            return (result, frames) if with_data else result
-        raise CacheServerError(Code.HELLO_REQUIRED, "the server kept asking for hello")
-
-    def _wait(self, future: Future, kind: str, may_rekey: bool = False):
-        try:
-            return future.result(timeout=self.timeout_s)
-        except NotAuthenticated as exc:
-            self._hello = None
-            if may_rekey and not exc.by_server and self._keys_changed():
-                raise _NewServerKey() from None   # a restarted server wrote a new key: hello to it
-            self._refuse(exc)
-        except NotConnected as exc:
-            self._mark_down(str(exc))
-        except TimeoutError:
-            self._conn.forget(future)
-            self._mark_down(f"no answer to {kind} within {self.timeout_s:g} s (KVB_CACHE_SERVER_TIMEOUT)")
-
-    def _mark_down(self, why: str):
-        self.counters["timeouts"] += 1
-        self._hello = None
-        self._refusal = None
-        self._back_off()
-        raise CacheServerUnavailable(f"cache server {self.url}: {why}")
-
-    def _refuse(self, exc: NotAuthenticated):
-        """A failed handshake: stop connecting, remember why for the back-off, raise it for a person."""
-        self.counters["refusals"] += 1
-        keys = self._conn.keys
-        self._conn.use_keys(None)   # libzmq would keep knocking otherwise
-        self._back_off()
-        if exc.by_server:
-            self._refusal = CacheServerRefused(f"cache server {self.url}: {REFUSED_TOKEN}")
-        else:
-            self._refusal = ServerNotAuthenticated(
-                f"cache server {self.url} not authenticated, nothing sent to it: {exc}. The key came from "
-                f"{keys.source if keys else '?'}; another program may hold the address (the owner's server is "
-                "down?), or the server runs with another key")
-        raise type(self._refusal)(str(self._refusal))
-
-    def _back_off(self) -> None:
-        self._down_until = time.monotonic() + self._backoff_s
-        self._backoff_s = min(self._backoff_s * 2, DOWN_BACKOFF_MAX_S)
-
-    def _current_keys(self) -> ClientKeys:
-        """The keys to use now: the token and server key read again (a restarted server wrote new files).
-        NoServerKey / ServerNotAuthenticated when there is no server key this client may trust."""
-        return client_keys(self.url, client_token(self.url, self._token), self._server_key)
-
-    def _keys_changed(self) -> bool:
-        """Does the key file now hold another server key than the one this connection trusted?"""
-        trusted = self._conn.keys
-        try:
-            return trusted is not None and self._current_keys().server_public != trusted.server_public
-        except CacheServerRefused:
-            return False
-
-    def _ensure_hello(self) -> None:
-        if self._hello is not None:
-            return
-        if time.monotonic() < self._down_until:
-            if self._refusal is not None:
-                raise type(self._refusal)(str(self._refusal))
-            raise CacheServerUnavailable(f"cache server {self.url} did not answer recently; retrying shortly")
-        with self._hello_lock:
-            if self._hello is None:
-                self._say_hello()
-
-    def _say_hello(self) -> None:
-        token = client_token(self.url, self._token)
-        try:
-            keys = client_keys(self.url, token, self._server_key)
-        except CacheServerRefused:
-            self._conn.use_keys(None)
-            raise
-        self._conn.use_keys(keys)
-        hello = protocol.Hello(protocol.PROTOCOL_VERSION, token, self.priority, os.getpid(), socket.gethostname(),
-                               self.label)
-        reply, _ = self._wait(self._send(Kind.HELLO, hello), Kind.HELLO)
-        if not reply.success:
-            if reply.code in (Code.UNAUTHORIZED, Code.VERSION, Code.BAD_REQUEST):
-                raise CacheServerRefused(f"cache server {self.url}: {reply.error}")
-            raise CacheServerError(reply.code, reply.error)
-        answer = protocol.decode_reply_body(reply, protocol.HelloReply)
-        if answer.protocol_version != protocol.PROTOCOL_VERSION:
-            raise CacheServerRefused(
-                f"protocol version mismatch: this client speaks version {protocol.PROTOCOL_VERSION}, the server at "
-                f"{self.url} speaks version {answer.protocol_version}")
-        if self._said_hello:   # every hello after the first: a restarted server, a new key, a reap
-            self.counters["reconnects"] += 1
-        self._said_hello = True
-        self._attach(answer)
-        self._hello = answer
-        self._refusal = None
-        self._down_until = 0.0
-        self._backoff_s = DOWN_BACKOFF_S
 
     def _attach(self, answer: protocol.HelloReply) -> None:
         """Map the server's pool when it is on this host (the nonce proves it); else bytes go inline."""
@@ -493,21 +372,22 @@ class CacheClient:
             self._writes_via_shm = False
             log.info("stores to cache server %s travel inline: %s", self.url, exc)
 
+    def _call(self, kind: str, body: Any, reply_type: Any, data: tuple = (), with_data: bool = False):
+        """Send, wait, decode (kvbridge.cache_server.session: hello, back-off, refusals)."""
+        return self._session.call(kind, body, reply_type, data, with_data)
+
     def _send(self, kind: str, body: Any, data: tuple = ()) -> Future:
-        """Hand a request to the connection; a caller that wants the answer waits on the Future (see _call)."""
-        return self._conn.send(kind, body, data)
+        """Hand a request to the connection without waiting for the answer."""
+        return self._session.send(kind, body, data)
 
     def _heartbeat_loop(self) -> None:
         """Ping at the server's heartbeat interval so an idle engine is not reaped (no busy polling)."""
         while True:
-            interval = self._hello.heartbeat_s if self._hello and self._hello.heartbeat_s else 30.0
+            hello = self._session.hello
+            interval = hello.heartbeat_s if hello and hello.heartbeat_s else 30.0
             if self._closing.wait(interval):
                 return
             try:
                 self.ping()
             except (CacheServerUnavailable, CacheServerError, CacheServerRefused):
                 pass
-
-
-class _NewServerKey(Exception):
-    """Internal: a failed handshake, and the key file now holds another key (a restarted server)."""
