@@ -39,6 +39,7 @@ from kvbridge.backends.llama_server.process import (
     ServerProcess, build_advice, built_binary, built_build_info, free_port, pinned_llama_cpp_version, port_is_free)
 from kvbridge.backends.llama_server.api import LlamaServerError, fill_report, slot_timing, sse_events
 from kvbridge.backends.llama_server.identity import ServerIdentity, server_identity
+from kvbridge.backends.llama_server.swa_probe import swa_full_refusal
 from kvbridge.backends.llamacpp import (cache_type_problems, swa_fingerprint, check_model_file, ggml_type_id, model_file_problems,
                                        model_path_for)
 from kvbridge.backends.registry import EngineSpec, register_engine
@@ -111,6 +112,9 @@ class LlamaServerBackend(Backend):
                 self._start_own()
             try:
                 self._read_props()
+                refusal = swa_full_refusal(self) if self.server is None else ""   # ours runs with --swa-full
+                if refusal:
+                    raise EngineUnavailable(refusal)
             except KVBridgeError:
                 self._release()  # a half-started engine would leave its server running
                 raise
