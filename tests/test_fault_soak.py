@@ -1,8 +1,9 @@
 """The fault-injection soak (kvbridge.bench.fault_soak), bounded for CI: two engine processes and a
 `serve` process on the embedded model asking questions through a real cache server with L3 on a real
 Redis, while the driver
-SIGSTOPs and SIGKILLs the engines and the cache server, pauses and kills Redis and fills the
-shared-memory pool. What a user checks: no answer differs from its cold answer, every engine answers
+SIGSTOPs and SIGKILLs the engines and the cache server, restarts the cache server cleanly under the
+clients (a new CURVE key pair and token: every client must authenticate to it again), pauses and
+kills Redis and fills the shared-memory pool. What a user checks: no answer differs from its cold answer, every engine answers
 again after the last fault, and nothing (lease, pending page, segment of a dead server) is left.
 `python -m kvbridge.bench.fault_soak --seconds 300` is the longer run (Docs/Research.md §14).
 """
@@ -23,6 +24,8 @@ def test_faults_never_give_a_wrong_answer_and_everything_comes_back(make_setting
     report = soak(seconds=45, n_clients=2, seed=3, interval_s=4.0, settings=make_settings())
     print(report.table())
     assert sum(report.faults.values()) >= 5
+    # the first fault is a clean restart (a new key pair and token): the engines answered after it, re-authenticated
+    assert report.faults["server-restart"] >= 1 and "server-restart" in report.recovery_s, report.table()
     assert report.answers >= 20 and report.restored > 0
     assert report.wrong == 0, report.table()
     assert report.serve_answers >= 5 and report.serve_wrong == 0, report.table()   # through serve, f32, one running

@@ -7,10 +7,13 @@ process (`KVB_STORE_URL`), and N engine processes (CachedEngine, in-process llam
 model) that first compute each question's cold answer, then ask in lmcache mode over and over and
 write every answer, with whether it equals the cold one, to a JSON-lines file. Meanwhile the driver
 (seeded) SIGSTOPs engines past the server's reap timeout, SIGKILLs and restarts them, SIGSTOPs and
-SIGKILLs the cache server (and starts it again on the same address), pauses and kills Redis (and
-starts it again), and fills the server's shared-memory pool. Afterwards: every answer must equal its
-cold answer; each client must answer again after the last fault; no lease, pending page or segment
-may be left. The report is the reliability table of Docs/Research.md §14.
+SIGKILLs the cache server (and starts it again on the same address), restarts it cleanly under the
+clients (the first fault, always: the new server has a new CURVE key pair and token, so every client
+must find the new key file and authenticate again; while none exists its calls are refused, counted
+misses), pauses and kills Redis (and starts it again), and fills the server's shared-memory pool.
+Afterwards: every answer must equal its cold answer; each client must answer again after the last
+fault; no lease, pending page or segment may be left. The report is the reliability table of
+Docs/Research.md §14, with the store calls the clients counted as refused or unavailable.
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ from kvbridge.settings import PROJECT_ROOT, Settings, settings_to_env
 QUESTIONS = ["Who leads the operations team?", "How deep are the wells?", "When is the annual meeting held?",
              "What happens when turbidity is high?"]
 RECOVERY_S = 120.0   # after the last fault, how long every client has to answer again
-FAULTS = ("client-stop", "client-kill", "server-stop", "server-kill", "redis-pause", "redis-kill", "pool-fill")
+FAULTS = ("client-stop", "client-kill", "server-stop", "server-kill", "server-restart", "redis-pause", "redis-kill",
+          "pool-fill")
 
 
 @dataclass
@@ -45,6 +49,8 @@ class SoakReport:
     serve_failed: int = 0
     failed: int = 0                                   # requests that ended in an error (a KVBridge error)
     restored: int = 0                                 # answers that reused stored KV (matched > 0)
+    store_refused: int = 0                            # engines' store calls refused (no key file yet, handshake)
+    store_unavailable: int = 0                        # ... and those that found no server in time
     faults: collections.Counter = field(default_factory=collections.Counter)
     recovery_s: dict = field(default_factory=dict)    # fault kind -> longest time to a client's next answer
     clients_back: bool = True
@@ -53,6 +59,8 @@ class SoakReport:
     def table(self) -> str:
         rows = [f"| answers (restored from the store) | {self.answers} ({self.restored}) |",
                 f"| wrong answers | **{self.wrong}** |", f"| failed requests | {self.failed} |",
+                f"| engines' store calls refused (server not authenticated yet) / unavailable, each a miss | "
+                f"{self.store_refused} / {self.store_unavailable} |",
                 f"| serve requests answered (wrong, failed) | {self.serve_answers} "
                 f"(**{self.serve_wrong}**, {self.serve_failed}) |",
                 f"| every client answering after the last fault | {'yes' if self.clients_back else 'NO'} |",
@@ -82,7 +90,8 @@ def client_main(args) -> int:
         q = rng.choice(QUESTIONS)
         record = engine.infer(prompts[q], mode="lmcache")
         out.write(json.dumps({"kind": "answer", "t": time.time(), "ok": record.text == cold[q], "error": record.error,
-                              "matched": record.matched_tokens, "tier": record.tier, "notes": record.notes[:200]}) + "\n")
+                              "matched": record.matched_tokens, "tier": record.tier, "notes": record.notes[:200],
+                              "pid": os.getpid(), "store_faults": engine.store.fault_counts()}) + "\n")
     engine.close()
     return 0
 
@@ -190,7 +199,7 @@ def soak(seconds: float, n_clients: int = 2, seed: int = 1, interval_s: float = 
     from kvbridge.bench.private_redis import PrivateRedis
     from kvbridge.bench.private_server import PrivateCacheServer
     from kvbridge.cache_server.client import CacheClient
-    from kvbridge.cache_server.connection import CacheServerError, CacheServerUnavailable
+    from kvbridge.cache_server.connection import CacheServerError, CacheServerRefused, CacheServerUnavailable
     from kvbridge.cache_server.shm import stale_segments
     from kvbridge.store.objects import ObjectMeta
 
@@ -219,7 +228,7 @@ def soak(seconds: float, n_clients: int = 2, seed: int = 1, interval_s: float = 
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:
                 time.sleep(rng.uniform(0.5, 1.5) * interval_s)
-                kind = rng.choice(FAULTS)
+                kind = rng.choice(FAULTS) if fault_log else "server-restart"   # the restart at least once
                 target = rng.randrange(n_clients)
                 if kind == "client-stop":
                     clients[target].signal(signal.SIGSTOP)
@@ -238,6 +247,11 @@ def soak(seconds: float, n_clients: int = 2, seed: int = 1, interval_s: float = 
                     server.kill()
                     server = PrivateCacheServer(base, directory, url=server.url)   # same address; stale segment removed
                     target = None
+                elif kind == "server-restart":   # clean stop (key and token files removed), a new key pair
+                    server.stop()
+                    time.sleep(rng.uniform(0.5, 2.0))
+                    server = PrivateCacheServer(base, directory, url=server.url)
+                    target = None
                 elif kind == "redis-pause":
                     _redis_command(redis.port, "CLIENT", "PAUSE", str(rng.randrange(1000, 4000)), "ALL")
                     target = None
@@ -254,7 +268,7 @@ def soak(seconds: float, n_clients: int = 2, seed: int = 1, interval_s: float = 
                             for i in range(64):
                                 if not filler.store(rng.randbytes(16), b"\0" * (2 << 20), meta)[0]:
                                     break
-                    except (CacheServerUnavailable, CacheServerError):
+                    except (CacheServerUnavailable, CacheServerError, CacheServerRefused):
                         pass
                 report.faults[kind] += 1
                 fault_log.append((time.time(), kind, target))
@@ -287,7 +301,7 @@ def soak(seconds: float, n_clients: int = 2, seed: int = 1, interval_s: float = 
                 for name in ("read_leases", "write_leases", "pending_pages"):
                     if pool[name]:
                         report.leftovers.append(f"{pool[name]} {name.replace('_', ' ')}")
-            except (CacheServerUnavailable, CacheServerError) as exc:
+            except (CacheServerUnavailable, CacheServerError, CacheServerRefused) as exc:
                 report.leftovers.append(f"the cache server did not answer at the end: {exc}")
         finally:
             if asker is not None:
@@ -338,6 +352,9 @@ def _read_answers(clients: list[_Client], fault_log: list, report: SoakReport) -
     last_fault = fault_log[-1][0] if fault_log else 0.0
     for client in clients:
         answers = [json.loads(line) for line in client.out.read_text().splitlines() if '"answer"' in line]
+        last_faults = {a["pid"]: a["store_faults"] for a in answers}   # each process's counters, as it last wrote them
+        report.store_refused += sum(f.get("refused", 0) for f in last_faults.values())
+        report.store_unavailable += sum(f.get("unavailable", 0) for f in last_faults.values())
         for a in answers:
             report.answers += 1
             report.restored += a["matched"] > 0

@@ -204,6 +204,10 @@ class RemoteStore:
                        "status": status},
         }
 
+    def fault_counts(self) -> dict:
+        """This store's calls that failed, by cause (no server round trip, unlike stats())."""
+        return {name: self._counts[name] for name in ("unavailable", "refused", "server_errors")}
+
     def _fault(self, what: str, exc: Exception) -> None:
         name = ("unavailable" if isinstance(exc, CacheServerUnavailable)
                 else "refused" if isinstance(exc, CacheServerRefused) else "server_errors")
