@@ -7,6 +7,7 @@ import os
 import random
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from kvbridge.cache_server.pool import (
     Watermarks,
 )
 from kvbridge.cache_server.shm import MAGIC, Segment, SegmentUnavailable, stale_segments
+from kvbridge.settings import PROJECT_ROOT
 from kvbridge.store.objects import ObjectMeta
 
 PAGE = 4096
@@ -178,6 +180,40 @@ def test_stale_segments_finds_the_files_of_dead_creators_only(tmp_path):
         assert stale_segments(tmp_path / "no-such-dir") == []
     finally:
         alive.close(unlink=True)
+
+
+_CONTAINED_CREATOR = r"""
+import sys
+from pathlib import Path
+from kvbridge.cache_server.shm import Segment
+directory, name = sys.argv[1:]
+segment = Segment.create(1, 4096, directory=Path(directory))
+segment.path.rename(Path(directory) / name)   # as a server in its own PID namespace names it: a pid not ours
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_live_servers_segment_is_not_stale_whatever_pid_its_name_carries(tmp_path):
+    """The creator's lock says a server runs, not the pid in the name (in a container that pid names
+    another process of this namespace, or none): a real creator process, its segment renamed to carry
+    the pid of a process that is gone."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    name = f"kvbridge-{os.getuid()}-{dead.pid}-0aa0.pool"
+    creator = subprocess.Popen([sys.executable, "-c", _CONTAINED_CREATOR, str(tmp_path), name], cwd=PROJECT_ROOT,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert creator.stdout.readline().strip() == "ready"
+        assert stale_segments(tmp_path) == []                     # its creator still holds the lock
+        creator.stdin.write("exit\n")
+        creator.stdin.flush()
+        assert creator.wait(timeout=30) == 0
+        assert stale_segments(tmp_path) == [tmp_path / name]      # gone: now it is stale
+    finally:
+        if creator.poll() is None:
+            creator.kill()
+            creator.wait()
 
 
 # -- bytes in and out --------------------------------------------------------------------------------

@@ -24,7 +24,10 @@ What this does not stop: a process of the same OS user that takes another client
 into the segment at will (it can map the file anyway); the same user is trusted (Docs/Security.md).
 The byte range starts at 2**62, beyond any segment's end (a lock past EOF is allowed), and the 48-bit
 offset of a random instance id does not meet another's in practice; a collision only keeps pages
-quarantined longer.
+quarantined longer. The byte just below, 2**62 - 1, is the creator's: the cache server holds it while
+it runs, so a starting server tells a live server's segment from a dead one's (kvbridge.cache_server.shm
+stale_segments) without the pid in the file's name, which a containerised server writes in its own
+namespace.
 """
 from __future__ import annotations
 
@@ -96,13 +99,7 @@ def writer_lock_offset(instance_id: str) -> int:
 
 def hold_writer_lock(fd: int, instance_id: str) -> None:
     """Take the instance's lock through fd (open for writing); it lasts until that open file closes."""
-    if not OFD_LOCKS:
-        raise WriterLockUnavailable("this platform has no open-file-description locks (F_OFD_SETLK)")
-    request = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, writer_lock_offset(instance_id), 1, 0)
-    try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, request)
-    except OSError as exc:
-        raise WriterLockUnavailable(exc.errno, f"cannot take the writer lock: {exc.strerror}") from None
+    hold_lock(fd, writer_lock_offset(instance_id), "the writer lock")
 
 
 def writer_lock_held(fd: int, instance_id: str) -> bool:
@@ -110,8 +107,28 @@ def writer_lock_held(fd: int, instance_id: str) -> bool:
 
     False when OFD locks do not exist here: then no client can have taken one, and the storage
     module gives such a client no write lease at all."""
+    return lock_held(fd, writer_lock_offset(instance_id))
+
+
+# The segment's creator (the cache server) holds this byte while it runs, so a starting server can
+# tell a live server's segment from a dead one's without trusting the pid in the file's name (a
+# server in a container names it with a pid of its own namespace).
+CREATOR_LOCK_OFFSET = LOCK_BASE - 1
+
+
+def hold_lock(fd: int, offset: int, what: str) -> None:
+    """An OFD write lock on one byte through fd (open for writing); it lasts until that open file closes."""
+    if not OFD_LOCKS:
+        raise WriterLockUnavailable(f"this platform has no open-file-description locks (F_OFD_SETLK) for {what}")
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))
+    except OSError as exc:
+        raise WriterLockUnavailable(exc.errno, f"cannot take {what}: {exc.strerror}") from None
+
+
+def lock_held(fd: int, offset: int) -> bool:
+    """Whether another open file holds a lock on the byte (False where OFD locks do not exist)."""
     if not OFD_LOCKS:
         return False
-    probe = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, writer_lock_offset(instance_id), 1, 0)
-    lock_type = _FLOCK.unpack(fcntl.fcntl(fd, fcntl.F_OFD_GETLK, probe))[0]
-    return lock_type != fcntl.F_UNLCK
+    probe = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0)
+    return _FLOCK.unpack(fcntl.fcntl(fd, fcntl.F_OFD_GETLK, probe))[0] != fcntl.F_UNLCK

@@ -16,7 +16,8 @@ lease's generation means the pages were reused meanwhile (a torn copy), and it c
 
 Each process keeps the segment file open while it maps it: a writer's lock on one byte of the file
 (kvbridge.cache_server.liveness) tells the server the writer may still write, and the server asks
-the kernel about it through its own descriptor.
+the kernel about it through its own descriptor; the server's own lock on another byte tells a later
+server that this segment's creator still runs.
 
 Deliberately left out: multiprocessing.shared_memory (its resource tracker unlinks a segment when
 any attaching process exits) and locking of the pages themselves (the pool's leases decide who may
@@ -36,6 +37,7 @@ from pathlib import Path
 import numpy as np
 from blake3 import blake3
 
+from kvbridge.cache_server.liveness import CREATOR_LOCK_OFFSET, WriterLockUnavailable, hold_lock, lock_held
 from kvbridge.errors import KVBridgeError
 
 log = logging.getLogger(__name__)
@@ -114,6 +116,10 @@ class Segment:
             raise SegmentUnavailable(
                 f"cannot reserve {size / 2**20:.1f} MiB for the shared-memory segment {path}: "
                 f"{exc.strerror or exc}. Free space in {directory} or lower KVB_L1_BYTES (the cache server's pool size).") from None
+        try:
+            hold_lock(fd, CREATOR_LOCK_OFFSET, "the segment's creator lock")
+        except WriterLockUnavailable as exc:   # no OFD locks here: stale_segments falls back to the pid alone
+            log.debug("%s", exc)
         nonce = secrets.token_bytes(NONCE_BYTES)
         mapping[:_HEADER.size] = _HEADER.pack(MAGIC, FORMAT_VERSION, page_bytes, n_pages, nonce, os.getpid())
         return cls(path, mapping, nonce, page_bytes, n_pages, os.getpid(), fd)
@@ -334,9 +340,27 @@ def stale_segments(directory: Path = DEFAULT_DIRECTORY, prefix: str = DEFAULT_PR
             log.warning("left %s alone: named like a segment of uid %d, but it is %s owned by uid %d",
                         path, uid, kind, info.st_uid)
             continue
-        if not pid_alive(int(match.group(2))):
+        if not creator_alive(path, int(match.group(2))):
             stale.append(path)
     return stale
+
+
+def creator_alive(path: Path, pid: int) -> bool:
+    """Whether the server that created the segment may still run: its creator lock is held, or the pid
+    in the name is alive. Either says yes: the lock holds across PID namespaces (a containerised
+    server's pid names another process here, or none), the pid covers a platform without OFD locks."""
+    if pid_alive(pid):
+        return True
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True   # cannot look: leave it
+    try:
+        return lock_held(fd, CREATOR_LOCK_OFFSET)
+    finally:
+        os.close(fd)
 
 
 def remove_stale_segments(directory: Path | str | None = None) -> list[Path]:
