@@ -1,4 +1,4 @@
-"""ChunkKV's assembly on two threads: no copy job may outlive the call that started it."""
+"""The assembly buffer's copies on two threads: no copy job may outlive the call that started it."""
 from __future__ import annotations
 
 import threading
@@ -6,15 +6,14 @@ import time
 
 import pytest
 
-from kvbridge.engine.chunks import ChunkKV
+from kvbridge.engine.assembly_buffer import AssemblyBuffer
 from kvbridge.formats.llama_state import LayoutError
-from kvbridge.store import MemoryTier, TieredStore
 
 
 def test_a_failing_assembly_waits_for_the_other_threads_jobs():
     """Before the fix, the pool thread's half kept writing into the shared buffer after the failure
     returned, i.e. into the buffer the next restore hands to the engine."""
-    kv = ChunkKV(TieredStore([MemoryTier(1 << 20)], namespace="t"), "t", b"seed", 32, geometry=None)
+    buffer = AssemblyBuffer()
     finished = threading.Event()
 
     def fails():
@@ -26,14 +25,14 @@ def test_a_failing_assembly_waits_for_the_other_threads_jobs():
 
     try:
         with pytest.raises(LayoutError):
-            kv._run_jobs([fails, slow_copy])     # even indices run here, odd ones on the pool thread
+            buffer.run_jobs([fails, slow_copy])     # even indices run here, odd ones on the pool thread
         assert finished.is_set(), "a copy job was still running after the failed assembly returned"
     finally:
-        kv.close()
+        buffer.close()
 
 
 def test_a_failing_pool_job_is_raised_after_both_halves_finish():
-    kv = ChunkKV(TieredStore([MemoryTier(1 << 20)], namespace="t"), "t", b"seed", 32, geometry=None)
+    buffer = AssemblyBuffer()
     done = []
 
     def slow_here():
@@ -45,7 +44,7 @@ def test_a_failing_pool_job_is_raised_after_both_halves_finish():
 
     try:
         with pytest.raises(LayoutError):
-            kv._run_jobs([slow_here, fails_there])
+            buffer.run_jobs([slow_here, fails_there])
         assert done == ["here"]
     finally:
-        kv.close()
+        buffer.close()

@@ -269,3 +269,56 @@ def test_a_cache_salt_shares_nothing_with_another(make_settings, short_doc):
 
     with pytest.raises(Exception, match="cache_salt"):
         bad.result(timeout=5)
+
+
+def test_a_flood_of_new_salts_is_bounded_and_refuses_nobody(make_settings):
+    """Every new cache_salt used to make a swap space with a writer thread and a restore buffer of its
+    own, never freed: 40 salts here meant 40 more threads. Now past KVB_SCHED_MAX_SALTS the least
+    recently used idle salt is forgotten, no thread is made per salt, every request is answered, and a
+    forgotten salt's stored KV is still found by its next request (it stays in the store)."""
+    import threading
+
+    from kvbridge.scheduler import Scheduler
+
+    settings = make_settings(sched_kv_cells=1024, sched_max_running=2, sched_cached_prefixes=0, sched_max_salts=16,
+                             n_predict=1, ctx_size=512, chunk_size=16)
+    first = [{"role": "user", "content": "Spell the word orchard backwards, one letter per line, then stop."}]
+    with Scheduler(settings) as scheduler:
+        stored = scheduler.submit(first, cache_salt="salt-0").result(timeout=120)
+        assert scheduler.drain(60)
+        threads_before = threading.active_count()
+        futures = [scheduler.submit([{"role": "user", "content": f"Say {i}."}], cache_salt=f"salt-{i}")
+                   for i in range(1, 41)]
+        records = [f.result(timeout=300) for f in futures]
+        assert scheduler.drain(60)
+        assert threading.active_count() <= threads_before
+        assert len(scheduler._swaps) <= 16 and scheduler._swaps.reclaimed >= 40 + 1 - 16
+        assert "salt-0" not in dict(scheduler._swaps.items())
+        again = scheduler.submit(first, cache_salt="salt-0").result(timeout=120)
+    assert all(r.gen_tokens == 1 for r in records)
+    assert stored.matched_tokens == 0 and again.tier in ("L1", "L2") and again.matched_tokens >= 16
+    assert again.text == stored.text
+
+
+def test_salts_share_one_restore_buffer_but_never_its_hot_state(make_settings, short_doc):
+    """The salts' spaces share one restore buffer. The state last assembled there is handed over again
+    when the same prefix is asked for next (a hot restore); under another salt, the same prompt stored
+    there too must be read and assembled from that salt's own objects, never taken from the buffer:
+    a hot restore is faster, so it would tell one tenant that another just read the same prompt."""
+    from kvbridge.scheduler import Scheduler
+
+    settings = make_settings(sched_kv_cells=2048, sched_max_running=1, sched_cached_prefixes=0, n_predict=4,
+                             ctx_size=1024)
+    prompt = [{"role": "user", "content": f"Document:\n{short_doc}\n\nQuestion: Who leads the operations team?"}]
+    with Scheduler(settings) as scheduler:
+        for salt in ("tenant:alice", "tenant:bob"):
+            scheduler.submit(prompt, cache_salt=salt).result(timeout=300)
+        assert scheduler.drain(60)
+        alice = scheduler.submit(prompt, cache_salt="tenant:alice").result(timeout=300)
+        alice_again = scheduler.submit(prompt, cache_salt="tenant:alice").result(timeout=300)
+        bob = scheduler.submit(prompt, cache_salt="tenant:bob").result(timeout=300)
+        alice_kv, bob_kv = scheduler._swap_for("tenant:alice").kv, scheduler._swap_for("tenant:bob").kv
+    assert alice_kv._buffer is bob_kv._buffer
+    assert alice.tier in ("L1", "L2") and alice_again.tier in ("L1", "L2") and bob.tier in ("L1", "L2")
+    assert alice_kv.hot_hits == 1 and bob_kv.hot_hits == 0
+    assert bob.text == alice.text == alice_again.text

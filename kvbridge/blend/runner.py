@@ -33,6 +33,7 @@ more for the recomputed tokens. One thread at a time.
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -111,7 +112,7 @@ class BlendRunner:
         self.ctx = context if context is not None else LlamaContext(settings, min(self.max_cells, CELL_STEP),
                                                                          2 + RUN_SEQS)
         self._own_context = context is None
-        self._scratch: np.ndarray | None = None
+        self._scratch = _Scratch()   # shared with the runners made by under()
         try:
             self._refuse_unshiftable()
             self.geometry = geometry if geometry is not None else self._probe()
@@ -142,6 +143,14 @@ class BlendRunner:
             raise BlendRefused(f"blend mode does not understand {name}'s KV layout: {exc}") from exc
         finally:
             self.ctx.seq_rm(SCRATCH)
+
+    def under(self, namespace: str) -> "BlendRunner":
+        """This runner on another namespace's passages (a cache salt's): the same context, geometry and
+        assembly buffer, nothing made per salt. Only the runner that made the context closes it."""
+        view = copy.copy(self)
+        view.namespace = blend_namespace(namespace)
+        view._own_context = False
+        return view
 
     def close(self) -> None:
         if self._own_context:
@@ -384,9 +393,10 @@ class BlendRunner:
 
     def _scratch_for(self, n_cells: int) -> np.ndarray:
         size = assembled_size(self.geometry, n_cells)
-        if self._scratch is None or len(self._scratch) < size:
-            self._scratch = np.empty(max(size, 2 * len(self._scratch) if self._scratch is not None else size), np.uint8)
-        return self._scratch
+        held = self._scratch.data
+        if held is None or len(held) < size:
+            self._scratch.data = np.empty(max(size, 2 * len(held) if held is not None else size), np.uint8)
+        return self._scratch.data
 
     def _place(self, found: FoundPassage, computed_at: int, start: int, lo: int, hi: int, result: BlendResult,
                answer: int, scratch: int) -> None:
@@ -451,3 +461,9 @@ class Placement:
     pending: list[int]
     instruction: list[int]
     missing: list[tuple[int, int]]   # segments (start, end) computed for this answer, to store after it
+
+
+class _Scratch:
+    """The assembly buffer of a runner and its views (one request at a time uses it)."""
+
+    data: np.ndarray | None = None

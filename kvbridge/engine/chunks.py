@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import logging
 import struct
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
 from kvbridge.backends.base import SeqState, WindowCapture
+from kvbridge.engine.assembly_buffer import AssemblyBuffer
 from kvbridge.engine.hashing import tail_key, tokens_digest
 from kvbridge.engine.stages import StageTimer
 from kvbridge.formats.llama_state import (ChunkView, KVGeometry, LayoutError, ParsedState, assemble_state, assembled_size,
@@ -72,11 +72,6 @@ def _count_fetched(plan: RestorePlan, obj) -> None:
         plan.fetched[obj.tier] = plan.fetched.get(obj.tier, 0) + len(obj.blob)
 
 
-def _run_all(jobs) -> None:
-    for job in jobs:
-        job()
-
-
 def common_prefix_length(a: np.ndarray | Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens `a` and `b` have in common."""
     n = min(len(a), len(b))
@@ -90,38 +85,24 @@ class ChunkKV:
     """Reads and writes one namespace's chunk and tail objects for a full-KV engine."""
 
     def __init__(self, store: TieredStore, namespace: str, seed: bytes, chunk_size: int,
-                 geometry: KVGeometry | None):
+                 geometry: KVGeometry | None, buffer: AssemblyBuffer | None = None):
         self.store = store
         self.namespace = namespace
         self.seed = seed
         self.chunk_size = chunk_size
         self.geometry = geometry   # None: layout not understood -> whole snapshots
-        # One reusable assembly buffer (a fresh 40 MB buffer per restore costs page faults), and a
-        # second thread for the copies: numpy releases the GIL while it copies.
-        self._scratch: np.ndarray | None = None
-        self._scratch_tokens: np.ndarray | None = None   # the tokens whose whole state the scratch holds, if any
-        self._scratch_lossy: set[str] = set()
+        # one reusable assembly buffer (a fresh 40 MB buffer per restore costs page faults); a shared one
+        # (the scheduler's salts) is closed by whoever made it
+        self._buffer = buffer if buffer is not None else AssemblyBuffer()
+        self._own_buffer = buffer is None
         self.hot_hits = 0   # restores served from the state already assembled in the scratch buffer
         self.hot_restores = True   # False: every restore reads and assembles its objects (the transport benches)
         self.prefault_scratch = True   # the engine turns it off when the backend supplies its own buffer
         self.incomplete = 0   # objects not stored because sliding-window rows were missing (the engine counts them)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvb-assemble")
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-    def _run_jobs(self, jobs) -> None:
-        """Half the copy jobs on the pool thread, half here; returns only when both halves are done.
-
-        On every path, a failure included: a job still running after we return would keep writing
-        into the assembly buffer that the next restore hands to the engine.
-        """
-        other = self._pool.submit(_run_all, jobs[1::2])
-        try:
-            _run_all(jobs[0::2])
-        finally:
-            wait([other])
-        other.result()
+        if self._own_buffer:
+            self._buffer.close()
 
     # restore -----------------------------------------------------------------------------
     def plan_restore(self, tokens: Sequence[int], hashes: Sequence[bytes],
@@ -183,7 +164,7 @@ class ChunkKV:
         """True when the state already assembled in the scratch buffer is the restore: its tokens begin the
         prompt, cover the stored chunk run and reach at least as far as the stored tail after it. Only that
         tail is read then (to learn how far the store reaches), no chunk, and nothing is assembled."""
-        hot, c = self._scratch_tokens, self.chunk_size
+        hot, c = self._buffer.tokens_held(self.namespace), self.chunk_size
         if (not self.hot_restores or hot is None or not wanted * c <= len(hot) <= limit
                 or common_prefix_length(hot, tokens) < len(hot)):
             return False
@@ -200,7 +181,7 @@ class ChunkKV:
         plan.chunks_hit = wanted
         for tier in list(tiers[:wanted]) + ([obj.tier] if obj is not None else []):
             plan.tier = self.store.slower(plan.tier, tier)
-        plan.lossy = set(self._scratch_lossy)
+        plan.lossy = set(self._buffer.lossy)
         if plan.lossy:
             plan.notes.append(f"restored from lossy {'+'.join(sorted(plan.lossy))} KV: output may differ from cold")
         return True
@@ -257,25 +238,25 @@ class ChunkKV:
             plan.release()
             self.hot_hits += 1
             if out is None:
-                plan.state = SeqState(data=memoryview(self._scratch)[:size], n_tokens=n)
+                plan.state = SeqState(data=memoryview(self._buffer.data)[:size], n_tokens=n)
             else:
-                np.copyto(out[:size], self._scratch[:size])
+                np.copyto(out[:size], self._buffer.data[:size])
                 plan.state = SeqState(data=out[:size], n_tokens=n)
             return plan.state
-        if out is None:
-            if self._scratch is None or len(self._scratch) < size:
-                self._scratch = np.empty(size, dtype=np.uint8)
-            out = self._scratch
-        self._scratch_tokens = None   # written over from here on
+        scratch = out is None
+        if scratch:
+            out = self._buffer.room(size)   # written over from here on
+        else:
+            self._buffer.forget()           # the hot state is only the one assembled last
         # the state lives in `out`: valid until the next assemble (one request at a time)
-        data = assemble_state(self.geometry, plan.pieces, out=out, run=self._run_jobs)
+        data = assemble_state(self.geometry, plan.pieces, out=out, run=self._buffer.run_jobs)
         torn = [obj for obj in plan.borrowed if obj.intact is not None and not obj.intact()]
         plan.release()
         if torn:
             raise ObjectVanished(f"{len(torn)} object(s) changed in shared memory while they were copied "
                                  "(a lease expired); nothing of this restore is used")
-        if out is self._scratch:
-            self._scratch_tokens, self._scratch_lossy = np.asarray(plan.tokens, dtype=np.int64), set(plan.lossy)
+        if scratch:
+            self._buffer.holds(self.namespace, plan.tokens, plan.lossy)
         plan.state = SeqState(data=data, n_tokens=n)
         return plan.state
 
@@ -401,7 +382,7 @@ class ChunkKV:
             items.append(self._item(tail_key(prev), encode_chunk(parsed, j * c, n, ids), ids, "tail"))
         stored = sum(1 for done in self.store.put_many(items) if done)
         if self.prefault_scratch:
-            self._reserve_scratch(assembled_size(self.geometry, n))
+            self._buffer.reserve(assembled_size(self.geometry, n))
         return stored
 
     def _with_window(self, parsed: ParsedState, need_from: int,
@@ -443,16 +424,6 @@ class ChunkKV:
         ids = tokens[start:]
         result = self.store.put(*self._item(key, encode_chunk(parsed, start, len(tokens), ids), ids, "tail"))
         return result is not False
-
-    def _reserve_scratch(self, size: int) -> None:
-        """Grow and touch the assembly buffer now, off the TTFT path, so a later restore of this
-        prompt's prefix does not pay a page fault per 4 KiB (30-90 ms for 40 MB, once)."""
-        if self._scratch is None or len(self._scratch) < size:
-            grown = np.empty(size, dtype=np.uint8)
-            grown.fill(0)
-            if self._scratch is not None and self._scratch_tokens is not None:
-                grown[:len(self._scratch)] = self._scratch   # the hot state moves along (off the TTFT path)
-            self._scratch = grown
 
     def _store_snapshot(self, state: SeqState, tokens: Sequence[int], hashes: Sequence[bytes]) -> int:
         # the engine's own ids for every cell of the snapshot (prompt and generated tokens), already

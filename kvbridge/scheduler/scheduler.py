@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import logging
 import threading
 import time
@@ -49,7 +48,8 @@ from kvbridge.formats.llama_state import parse_state
 from kvbridge.scheduler.ledger import BlockLedger, Holding, Pressure
 from kvbridge.backends.llama_context import BATCH_TOKENS, LlamaContext, Sampler
 from kvbridge.scheduler.requests import CachedPrefix, Request
-from kvbridge.scheduler.swap import SwapSpace
+from kvbridge.scheduler.salts import SaltSpaces, salt_namespace
+from kvbridge.scheduler.swap import SwapShared, SwapSpace
 from kvbridge.settings import Settings
 from kvbridge.store.serde import remember_geometry
 
@@ -102,9 +102,11 @@ class Scheduler:
         self.namespace = kv_namespace(llama_cpp_fingerprint(s, traits), model_sha256=model_sha,
                                       kv_layout=geometry.digest().hex()[:16],
                                       lossy_codecs=getattr(self.store, "lossy_codecs", []), chunk_size=s.chunk_size)
-        self.swap = SwapSpace(self.store, s, self.namespace, geometry)
-        self._swaps: dict[str, SwapSpace] = {"": self.swap}   # one per cache salt, made on first use
-        self._blenders: dict = {}   # kvbridge.blend.runner.BlendRunner per cache salt, made by the first blend request
+        self._swap_shared = SwapShared()   # one writer thread and one restore buffer for every salt
+        self._swaps = SaltSpaces(lambda salt: SwapSpace(self.store, s, salt_namespace(self.namespace, salt), geometry,
+                                                        shared=self._swap_shared), s.sched_max_salts)
+        self.swap = self._swaps.get("")
+        self._blender = None   # kvbridge.blend.runner.BlendRunner on this context, made by the first blend request
         self._running: list[Request] = []
         self._waiting: list[Request] = []
         self._swapped: list[Request] = []
@@ -240,8 +242,7 @@ class Scheduler:
             while self._running or self._waiting or self._swapped:
                 if not self._lock.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() > deadline:
                     return False
-        for space in list(self._swaps.values()):
-            space.drain()
+        self._swap_shared.writer.drain(max(1.0, deadline - time.monotonic()))
         return True
 
     def close(self) -> None:
@@ -253,8 +254,10 @@ class Scheduler:
         self._thread.join(timeout=60)
         for request in self._running + self._waiting + self._swapped:
             self._fail(request, RequestRefused("the scheduler was closed before this request finished"))
-        for space in list(self._swaps.values()):
-            space.close()
+        self._swaps.close()
+        self._swap_shared.close()
+        if self._blender is not None:
+            self._blender.close()
         self._ctx.close()
         if self._own_store:
             self.store.close()
@@ -276,15 +279,14 @@ class Scheduler:
         return PromptTokens(self._ctx.tokenize(text))
 
     def _blender_for(self, salt: str):
-        """The blend runner of a cache salt (its passages live under that salt's namespace), on this context."""
+        """The blend runner of a cache salt (its passages live under that salt's namespace), on this context:
+        one runner, seen under each salt's namespace, so a salt costs no runner or buffer of its own."""
         from kvbridge.blend.runner import BlendRunner
 
-        runner = self._blenders.get(salt)
-        if runner is None:
-            runner = BlendRunner(self.settings, self.store, self._swap_for(salt).kv.namespace, context=self._ctx,
-                                 geometry=self._geometry)
-            self._blenders[salt] = runner
-        return runner
+        if self._blender is None:   # raises BlendRefused for a model blend cannot run, on the request that asked
+            self._blender = BlendRunner(self.settings, self.store, self.namespace, context=self._ctx,
+                                        geometry=self._geometry)
+        return self._blender.under(salt_namespace(self.namespace, salt)) if salt else self._blender
 
     def _check_request(self, tokens: list[int], priority, n_predict) -> None:
         if not isinstance(priority, int) or not 0 <= priority <= 9:
@@ -836,13 +838,12 @@ class Scheduler:
     # -- helpers ----------------------------------------------------------------------------------------
     def _swap_for(self, salt: str) -> SwapSpace:
         """The store space of a cache salt: its namespace (so its hash seed, so every key) has the salt's
-        digest in it. The salt itself never appears in a namespace, a key or a status."""
-        space = self._swaps.get(salt)
-        if space is None:
-            digest = hashlib.sha256(salt.encode()).hexdigest()[:32]
-            space = self._swaps[salt] = SwapSpace(self.store, self.settings, f"{self.namespace}|cache_salt={digest}",
-                                                  self._geometry)
-        return space
+        digest in it. The salt itself never appears in a namespace, a key or a status. Called on the
+        loop's thread, where the queues it reads are its own."""
+        return self._swaps.get(salt, self._salts_in_use)
+
+    def _salts_in_use(self) -> set[str]:
+        return {r.salt for queue_ in (self._running, self._waiting, self._swapped) for r in queue_}
 
     def bytes_held(self) -> dict[str, dict[str, int]] | None:
         """{cache salt: {tier: bytes}} the store holds under each salt this scheduler has used (the salt
@@ -852,7 +853,7 @@ class Scheduler:
         if by_namespace is None:
             return None
         held = by_namespace()
-        return {salt: dict(held.get(space.kv.namespace, {})) for salt, space in list(self._swaps.items())}
+        return {salt: dict(held.get(space.kv.namespace, {})) for salt, space in self._swaps.items()}
 
     def _take_seq(self) -> int:
         return self._free_seqs.pop(0)

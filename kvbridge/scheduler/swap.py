@@ -12,12 +12,14 @@ way round. Three uses:
   prompt with the same leading chunks writes, so another request's prompt cannot replace them;
 - swap-in and admission: the longest stored prefix of a context is restored into a sequence;
 - a prompt's KV is stored after its prefill on a background thread (off the TTFT path).
+
+One space per cache salt (its namespace seeds every key), all of them sharing one background writer
+and one assembly buffer (`SwapShared`): a new salt costs a hasher and an entry in a bounded table
+(kvbridge.scheduler.salts), never a thread or a 40 MB buffer of its own.
 """
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -25,10 +27,12 @@ from typing import Callable, Sequence
 from blake3 import blake3
 
 from kvbridge.backends.base import SeqState, WindowCapture
+from kvbridge.engine.assembly_buffer import AssemblyBuffer
 from kvbridge.engine.chunks import ChunkKV, ForeignState
 from kvbridge.engine.hashing import make_hasher, tokens_digest
 from kvbridge.formats.llama_state import KVGeometry
 from kvbridge.settings import Settings
+from kvbridge.store.behind import BehindWriter
 
 log = logging.getLogger(__name__)
 
@@ -48,17 +52,30 @@ class SwapTicket:
         self.pins.close()
 
 
+class SwapShared:
+    """What every salt's space shares: one writer thread (prompts stored in order, a bounded queue) and one
+    assembly buffer (restores run one at a time, on the scheduler's loop)."""
+
+    def __init__(self, write_queue: int = 16) -> None:
+        self.writer = BehindWriter(_store_prompt_job, write_queue, name="kvbridge-sched-store")
+        self.buffer = AssemblyBuffer()
+        self.skipped_writes = 0
+
+    def close(self) -> None:
+        self.writer.close()
+        self.buffer.close()
+
+
 class SwapSpace:
-    def __init__(self, store, settings: Settings, namespace: str, geometry: KVGeometry, write_queue: int = 16) -> None:
+    def __init__(self, store, settings: Settings, namespace: str, geometry: KVGeometry,
+                 shared: SwapShared | None = None) -> None:
         self.store = store
         self.hasher = make_hasher(settings.chunk_size, namespace, settings.prefer_lmcache_hasher)
         self.seed = getattr(self.hasher, "seed", b"")
-        self.kv = ChunkKV(store, namespace, self.seed, settings.chunk_size, geometry)
+        self._own_shared = shared is None
+        self.shared = shared if shared is not None else SwapShared()
+        self.kv = ChunkKV(store, namespace, self.seed, settings.chunk_size, geometry, buffer=self.shared.buffer)
         self.kv.prefault_scratch = False
-        self._jobs: queue.Queue = queue.Queue(maxsize=write_queue)
-        self._writer = threading.Thread(target=self._write_loop, name="kvbridge-sched-store", daemon=True)
-        self._writer.start()
-        self.skipped_writes = 0
 
     def hashes(self, tokens: Sequence[int]) -> list[bytes]:
         return self.hasher.chunk_hashes(tokens)
@@ -114,35 +131,27 @@ class SwapSpace:
     def store_behind(self, data, tokens: list[int], capture: Callable[[int], WindowCapture | None] | None = None) -> bool:
         """Queue a prompt's KV (a buffer of its own, out of llama.cpp: LlamaContext.save_seq) for storing;
         False when the queue is full."""
-        try:
-            self._jobs.put_nowait((data, list(tokens), capture))
+        if self.shared.writer.submit((self, data, list(tokens), capture)):
             return True
-        except queue.Full:
-            self.skipped_writes += 1
-            return False
-
-    def _write_loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            try:
-                if job is None:
-                    return
-                data, tokens, capture = job
-                self.kv.store_prompt(SeqState(data=data, n_tokens=len(tokens), token_ids=tuple(tokens)), tokens,
-                                     self.hashes(tokens), capture=capture)
-            except Exception:   # a failed store costs a later miss, never the scheduler's loop
-                log.exception("storing a prompt's KV failed")
-            finally:
-                self._jobs.task_done()
+        self.shared.skipped_writes += 1
+        return False
 
     def drain(self) -> None:
-        self._jobs.join()
+        self.shared.writer.drain()
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._writer.join(timeout=30)
+        """Closes the shared writer and buffer only when this space made them (the scheduler closes its own)."""
         self.kv.close()
+        if self._own_shared:
+            self.shared.close()
 
+
+def _store_prompt_job(job) -> None:
+    """The shared writer's job: one prompt's KV into its salt's space (a failure is logged by the writer
+    and costs a later miss, never the scheduler's loop)."""
+    space, data, tokens, capture = job
+    space.kv.store_prompt(SeqState(data=data, n_tokens=len(tokens), token_ids=tuple(tokens)), tokens,
+                          space.hashes(tokens), capture=capture)
 
 
 def swap_tail_key(boundary: bytes, tail_tokens: Sequence[int]) -> bytes:
