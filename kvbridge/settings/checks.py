@@ -214,6 +214,8 @@ def _scheduler_problems(s: Settings) -> list[str]:
          f"KVB_SCHED_KV_CELLS={s.sched_kv_cells} is too small; use at least 16 blocks of KVB_SCHED_BLOCK_TOKENS"),
         (not 1 <= s.sched_max_running <= 64, f"KVB_SCHED_MAX_RUNNING={s.sched_max_running} must be 1 to 64"),
         (not 0 <= s.sched_cached_prefixes <= 64, f"KVB_SCHED_CACHED_PREFIXES={s.sched_cached_prefixes} must be 0 to 64"),
+        (not 16 <= s.sched_max_salts <= 1_000_000,
+         f"KVB_SCHED_MAX_SALTS={s.sched_max_salts} must be 16 to 1000000 (cache salts kept known at once)"),
         (s.sched_max_waiting < 1, f"KVB_SCHED_MAX_WAITING={s.sched_max_waiting} must be at least 1"),
         (not all(0 <= m < 1 for m in marks) or list(marks) != sorted(marks),
          "the scheduler's watermarks must be fractions with KVB_SCHED_CRITICAL <= KVB_SCHED_HARD <= KVB_SCHED_SOFT "
