@@ -320,3 +320,37 @@ def test_a_configured_secret_key_keeps_the_public_key_across_restarts(settings):
     assert any("KVB_CACHE_SERVER_PUBLIC_KEY" in p for p in problems)
     assert any("KVB_CACHE_SERVER_SECRET_KEY_ENV" in p for p in problems)
     assert not [p for p in settings.replace(cache_server_public_key=public).validate() if "PUBLIC_KEY" in p]
+
+
+def test_across_hosts_a_fixed_key_pair_and_a_shared_secret_from_the_settings(settings, tmp_path, monkeypatch):
+    """Docs/Security.md's recipe, with the real command and the engine's own store: the server binds every
+    interface with its secret key and the shared secret named by settings; a client 'on another host' (no
+    files of the server's) reaches it at 127.0.0.2 with only the public key and the secret, also after the
+    server restarts (same key pair)."""
+    public, secret = (k.decode() for k in zmq.curve_keypair())
+    port = int(local_url().rpartition(":")[2])
+    server_settings = settings.replace(cache_server_token_env="KVB_TEST_CS_TOKEN",
+                                       cache_server_secret_key_env="KVB_TEST_CS_SECRET_KEY")
+    env = server_env(server_settings, KVB_TEST_CS_TOKEN="across-hosts-secret", KVB_TEST_CS_SECRET_KEY=secret)
+    url = f"tcp://0.0.0.0:{port}"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "engine-host"))   # the client sees no key or token file
+    engine_settings = server_settings.replace(store_url=f"tcp://127.0.0.2:{port}", cache_server_public_key=public,
+                                              cache_server_secret_key_env="")
+    for round_ in ("first", "restarted"):
+        server = ServerProcess(env, url, log_path=tmp_path / f"{round_}.log")
+        try:
+            assert f"CURVE public key {public}" in server.log_path.read_text()   # the same key, both times
+            store = RemoteStore.from_settings(engine_settings, namespace="ns",
+                                              environ={"KVB_TEST_CS_TOKEN": "across-hosts-secret"})
+            try:
+                assert store.put(f"{round_}-key-16bytes"[:16].encode(), OBJECT, META)
+                found = store.get(f"{round_}-key-16bytes"[:16].encode())
+                assert found is not None and bytes(found.blob) == OBJECT
+                if found.release is not None:   # same host here: a shared-memory loan
+                    found.release()
+                assert store.stats()["refused"] == 0
+            finally:
+                store.close()
+            assert server.terminate() == 0
+        finally:
+            server.close()
