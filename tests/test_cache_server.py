@@ -148,7 +148,7 @@ def test_the_token_comes_from_the_variable_the_setting_names(settings):
 
     named = settings.replace(cache_server_token_env="KVB_TEST_SECRET_HOLDER")
     assert read_token(named, {"KVB_TEST_SECRET_HOLDER": "abc"}) == "abc"
-    with pytest.raises(BadSettings, match="KVB_TEST_SECRET_HOLDER is not set"):
+    with pytest.raises(BadSettings, match="KVB_CACHE_SERVER_TOKEN_ENV names KVB_TEST_SECRET_HOLDER"):
         read_token(named, {})
 
 

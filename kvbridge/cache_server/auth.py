@@ -27,6 +27,7 @@ from pathlib import Path
 from kvbridge.errors import BadSettings
 from kvbridge.settings import Settings
 from kvbridge.settings.checks import is_loopback_host
+from kvbridge.settings.secrets import secret_from
 
 
 REFUSED_TOKEN = ("the cache server refused the connection: wrong or missing token. By default only the OS user who "
@@ -59,14 +60,8 @@ def check_bind_url(url: str, token: str = "", *, encrypted: bool = False) -> Non
 
 def read_token(settings: Settings, environ=None) -> str:
     """The shared secret from the variable KVB_CACHE_SERVER_TOKEN_ENV names ('' when none is configured)."""
-    environ = os.environ if environ is None else environ
-    name = settings.cache_server_token_env
-    if not name:
-        return ""
-    token = environ.get(name, "")
-    if not token:
-        raise BadSettings(f"KVB_CACHE_SERVER_TOKEN_ENV names {name}, but {name} is not set or empty")
-    return token
+    return secret_from("KVB_CACHE_SERVER_TOKEN_ENV", settings.cache_server_token_env, environ,
+                       unset_hint="leave KVB_CACHE_SERVER_TOKEN_ENV empty for the owner-only token file")
 
 
 def token_dir() -> Path:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from kvbridge.cache_server.auth import (UntrustedFile, read_private_file, token_
 from kvbridge.cache_server.connection import CacheServerRefused
 from kvbridge.errors import BadSettings
 from kvbridge.settings import Settings
+from kvbridge.settings.secrets import secret_from
 
 log = logging.getLogger("kvbridge.cache_server")
 KEY_FILE_MAGIC = "kvbridge cache-server key v1"
@@ -103,14 +103,12 @@ def client_key_pair(token: str) -> KeyPair:
 # -- the server's side ----------------------------------------------------------------------------------
 def server_keys(settings: Settings, environ: Mapping[str, str] | None = None) -> KeyPair:
     """The configured key pair (the variable KVB_CACHE_SERVER_SECRET_KEY_ENV names), else a fresh one."""
-    environ = os.environ if environ is None else environ
     name = settings.cache_server_secret_key_env
     if not name:
         public, secret = zmq.curve_keypair()
         return KeyPair(public.decode(), secret.decode())
-    secret = environ.get(name, "").strip()
-    if not secret:
-        raise BadSettings(f"{SECRET_KEY_SETTING} names {name}, but {name} is not set or empty")
+    secret = secret_from(SECRET_KEY_SETTING, name, environ,
+                         unset_hint=f"leave {SECRET_KEY_SETTING} empty for a new key pair at each start").strip()
     problem = z85_key_problem(secret)
     if problem:   # the value itself is never echoed: it is a secret
         raise BadSettings(f"the secret key in {name} (named by {SECRET_KEY_SETTING}) {problem}; make a pair with "
