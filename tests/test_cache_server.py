@@ -244,7 +244,8 @@ def test_bad_input_is_a_counted_error_reply_and_the_server_keeps_serving(server,
         assert wrong_body.code == Code.BAD_REQUEST and "lookup" in wrong_body.error
         big = b"\0" * (settings.cache_server_max_message_bytes + 1)
         oversized = raw_request(server.url, [protocol.encode_request(5, client.instance_id, Kind.STORE_INLINE,
-                                                                     protocol.StoreInline(b"o" * 16, protocol.WireMeta.of(META))), big])
+                                                                     protocol.StoreInline(b"o" * 16, protocol.WireMeta.of(META))), big],
+                                timeout_ms=60_000)   # 256 MiB through CURVE, on a busy machine
         assert oversized.code == Code.TOO_LARGE and "KVB_CACHE_SERVER_MAX_MESSAGE_BYTES" in oversized.error
         assert client.ping().server_id == server.server_id
     errors = server.metrics.value
