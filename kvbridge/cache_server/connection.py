@@ -187,7 +187,7 @@ class Connection:
     def _follow_keys(self) -> None:
         """A socket for the wanted keys: the old one goes (its unanswered requests time out), a new one connects."""
         keys = self._keys
-        if keys == self._dealer_keys:   # a socket exists exactly when there are keys
+        if keys is self._dealer_keys or keys == self._dealer_keys:   # a socket exists exactly when there are keys
             return
         from kvbridge.cache_server.curve import apply_client   # late: curve imports this module's errors
 
