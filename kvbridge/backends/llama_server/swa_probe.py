@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import uuid
 
+from kvbridge.backends.llama_server.api import LlamaServerError
+from kvbridge.errors import StateTransferError
 from kvbridge.formats.llama_state import LayoutError, assemble_state, decode_chunk, encode_chunk, parse_state
 from kvbridge.formats.slot_file import SlotFileError, build_slot_file, write_in_place
 
@@ -40,13 +42,14 @@ def swa_full_refusal(backend) -> str:
         saved = backend.save_state()
         state = parse_state(saved.data, traits.n_layer, window=traits.n_swa)
         n = state.n_cells
-        chunk = decode_chunk(encode_chunk(state, 0, n, list(saved.token_ids)[:n]), state.geometry)
+        ids = (list(saved.token_ids or ()) + [0] * n)[:n]   # any ids do: only the cells' layout is probed
+        chunk = decode_chunk(encode_chunk(state, 0, n, ids), state.geometry)
         # more cells than the small cache holds with any usual ubatch (up to 4096), but not the whole of a
         # huge context: the probe's state is assembled in memory and written to a slot file
         cells = min(backend.n_ctx, traits.n_swa + PROBE_SPARE_CELLS)
         pieces = [(chunk, n)] * (cells // n) + ([(chunk, cells % n)] if cells % n else [])
         filled = assemble_state(state.geometry, pieces)
-        filled_tokens = (list(saved.token_ids)[:n] * (cells // n + 1))[:cells]
+        filled_tokens = (ids * (cells // n + 1))[:cells]
         name = f"kvb-swa-probe-{uuid.uuid4().hex}.bin"
         path = backend.slot_dir / name
         try:
@@ -54,11 +57,11 @@ def swa_full_refusal(backend) -> str:
             refused = ""
             try:
                 backend._post_json("/slots/0?action=restore", {"filename": name})
-            except Exception as exc:   # noqa: BLE001 - the refusal is the answer; its text goes in the message
+            except LlamaServerError as exc:   # the refusal is the answer; its text goes in the message
                 refused = str(exc)
         finally:
             path.unlink(missing_ok=True)
-    except (LayoutError, SlotFileError) as exc:   # the engine's own layout check reports this model later
+    except (LayoutError, SlotFileError, StateTransferError) as exc:   # the engine's own checks report these later
         log.info("sliding-window cache probe skipped: %s", exc)
         return ""
     finally:
