@@ -7,7 +7,10 @@ Modules, in reading order: protocol (every wire message), calls (what a handler 
 module + compose (DiscoverableModule, the plugin contract, composition by dependency graph),
 shm + pages + pool (the shared-memory segment; page states and watermarks; the paged L1 with leases),
 server_store (L1 in front of the ordinary L2 tiers, the background disk writer), server (the
-ROUTER loop), modules/ (the built-ins: lookup, storage, management, metrics), plugin_modules/
-(opt-in: kv_events), connection (the client's socket thread), client (CacheClient), remote_store (the store interface CachedEngine uses),
-auth (the shared secret and the bind rule), liveness (when each client was last seen), cli (the command).
+ROUTER loop), clients (who said hello, when each was last heard), modules/ (the built-ins: lookup,
+storage, management, metrics), plugin_modules/ (opt-in: kv_events), connection (the client's socket
+thread), session (the keys a client trusts, its hello, back-off and refusals), client (CacheClient),
+remote_store (the store interface CachedEngine uses), auth (the shared secret, its files and the bind
+rule), curve (CURVE key pairs, the key file, the ZAP handler), liveness (when each client was last
+seen), cli (the command).
 """
