@@ -21,7 +21,9 @@ from tests.redis_helpers import needs_redis
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_faults_never_give_a_wrong_answer_and_everything_comes_back(make_settings):
-    report = soak(seconds=45, n_clients=2, seed=3, interval_s=4.0, settings=make_settings())
+    # at least 5 faults whatever the machine's load (4 came in 45 s on a loaded one: each takes its own time)
+    report = soak(seconds=45, n_clients=2, seed=3, interval_s=4.0, settings=make_settings(), min_faults=5,
+                  min_serve_answers=5)
     print(report.table())
     assert sum(report.faults.values()) >= 5
     # the first fault is a clean restart (a new key pair and token): the engines answered after it, re-authenticated

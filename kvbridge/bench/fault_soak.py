@@ -195,7 +195,12 @@ class _Client:
 
 
 def soak(seconds: float, n_clients: int = 2, seed: int = 1, interval_s: float = 5.0,
-         settings: Settings | None = None, with_serve: bool = True) -> SoakReport:
+         settings: Settings | None = None, with_serve: bool = True, min_faults: int = 0,
+         min_serve_answers: int = 0) -> SoakReport:
+    """Inject faults for `seconds`, and on past that until `min_faults` were injected (a loaded machine
+    makes each fault's own time longer: a clean stop flushes L1), but never past four times `seconds`;
+    then wait (up to RECOVERY_S) for every client, and serve, to answer again, and for serve to have
+    answered `min_serve_answers` in all (its cold answers come first, and take longer on a loaded machine)."""
     from kvbridge.bench.private_redis import PrivateRedis
     from kvbridge.bench.private_server import PrivateCacheServer
     from kvbridge.cache_server.client import CacheClient
@@ -226,7 +231,8 @@ def soak(seconds: float, n_clients: int = 2, seed: int = 1, interval_s: float = 
             if asker is not None:
                 asker.wait_ready(timeout_s=300)
             deadline = time.monotonic() + seconds
-            while time.monotonic() < deadline:
+            ceiling = time.monotonic() + 4 * seconds
+            while time.monotonic() < deadline or (len(fault_log) < min_faults and time.monotonic() < ceiling):
                 time.sleep(rng.uniform(0.5, 1.5) * interval_s)
                 kind = rng.choice(FAULTS) if fault_log else "server-restart"   # the restart at least once
                 target = rng.randrange(n_clients)
@@ -280,7 +286,9 @@ def soak(seconds: float, n_clients: int = 2, seed: int = 1, interval_s: float = 
                 time.sleep(0.5)
             if asker is not None:
                 back_by = time.monotonic() + RECOVERY_S
-                while time.monotonic() < back_by and not any(t > last_fault and not e for t, _, e in asker.answers):
+                while time.monotonic() < back_by and not (
+                        any(t > last_fault and not e for t, _, e in asker.answers)
+                        and len(asker.answers) >= min_serve_answers):
                     time.sleep(0.5)
                 asker.stop()
                 _read_serve(asker, last_fault, report)
