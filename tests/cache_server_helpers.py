@@ -48,6 +48,25 @@ def running_server(settings, modules: list[dict] = (), token: str = "", url: str
         server.close()
 
 
+def owner_store_after_its_server(settings, how: str, obj: bytes, meta):
+    """The owner's RemoteStore, holding `obj` under key b"o" * 16, whose server then went away: "stopped"
+    (a clean stop removes its key file) or "crashed" (what SIGKILL leaves: the dead server's key file).
+    Returns (url, store); the caller closes the store."""
+    from kvbridge.cache_server.client import CacheClient
+    from kvbridge.cache_server.curve import key_file
+    from kvbridge.cache_server.remote_store import RemoteStore
+
+    with running_server(settings) as server:
+        url = server.url
+        store = RemoteStore(CacheClient(url, timeout_s=2), namespace="ns")
+        assert store.put(b"o" * 16, obj, meta)
+        left_behind = key_file(url).read_text()
+    if how == "crashed":
+        key_file(url).write_text(left_behind)
+        os.chmod(key_file(url), 0o600)
+    return url, store
+
+
 def server_env(settings, **extra) -> dict:
     """The environment a child cache server (or engine) reads its settings from."""
     from kvbridge.settings import settings_to_env

@@ -15,7 +15,8 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from cache_server_helpers import SMALL_POOL, ServerProcess, local_url, running_server, server_env
+from cache_server_helpers import (SMALL_POOL, ServerProcess, local_url, owner_store_after_its_server, running_server,
+                                  server_env)
 from kvbridge.bench.protocol_fuzz import unfinished_multipart
 from kvbridge.bench.squatter import Squatter
 from kvbridge.cache_server.auth import client_token, token_file
@@ -83,14 +84,7 @@ def test_with_no_key_file_and_no_key_configured_the_client_refuses_naming_both(s
 def test_a_squatter_on_the_owners_port_gets_no_byte_and_plants_nothing(settings, curve, owner_server):
     """The owner's server goes away (its key file removed by a clean stop, or left behind by a crash);
     a server that says yes to any hello takes the port. Neither an old client nor a new one sends it anything."""
-    with running_server(settings) as srv:
-        url = srv.url
-        old = RemoteStore(CacheClient(url, timeout_s=2), namespace="ns")
-        assert old.put(b"o" * 16, OBJECT, META)
-        left_behind = key_file(url).read_text()
-    if owner_server == "crashed":   # what SIGKILL leaves: the old server's key file
-        key_file(url).write_text(left_behind)
-        os.chmod(key_file(url), 0o600)
+    url, old = owner_store_after_its_server(settings, owner_server, OBJECT, META)
     squatter = Squatter(url, curve=curve)
     try:
         deadline = time.monotonic() + 10

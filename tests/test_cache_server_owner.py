@@ -24,11 +24,10 @@ import time
 
 import pytest
 
-from cache_server_helpers import running_server
+from cache_server_helpers import owner_store_after_its_server, running_server
 from kvbridge.cache_server.auth import token_file
 from kvbridge.cache_server.client import CacheClient, CacheServerRefused
 from kvbridge.cache_server.curve import key_file
-from kvbridge.cache_server.remote_store import RemoteStore
 from kvbridge.settings import PROJECT_ROOT
 from kvbridge.store.objects import ObjectMeta
 
@@ -134,14 +133,7 @@ def test_a_squatter_of_another_account_gets_no_byte_of_the_owners_kv(guest, make
     its RemoteStore counts misses in bounded time, and the squatter receives nothing."""
     entry, home = guest
     meta = ObjectMeta(namespace="ns", n_tokens=1, tokens_digest=b"", kind="chunk")
-    with running_server(make_settings()) as server:
-        url = server.url
-        store = RemoteStore(CacheClient(url, timeout_s=2), namespace="ns")
-        assert store.put(b"o" * 16, OBJECT, meta)
-        left_behind = key_file(url).read_text()
-    if owner_server == "crashed":   # what SIGKILL leaves: the dead server's key file
-        key_file(url).write_text(left_behind)
-        os.chmod(key_file(url), 0o600)
+    url, store = owner_store_after_its_server(make_settings(), owner_server, OBJECT, meta)
     watch = os.path.join(home, "owner-object.bin")   # for the squatter to look for among what it receives
     with open(watch, "wb") as f:
         f.write(OBJECT)
