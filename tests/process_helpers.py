@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 
 
 def free_port() -> int:
@@ -46,7 +46,7 @@ def stop(proc: subprocess.Popen) -> int:
 
 def start_kvbridge(args: list[str], env: dict, log_path: Path) -> subprocess.Popen:
     with log_path.open("w") as log:
-        return subprocess.Popen([sys.executable, "-m", "kvbridge", *args], cwd=PROJECT_ROOT, stdout=log,
+        return subprocess.Popen([sys.executable, "-m", "kvbridge", *args], cwd=WORK_DIR, stdout=log,
                                 stderr=subprocess.STDOUT, env=env)
 
 

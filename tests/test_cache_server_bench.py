@@ -19,7 +19,7 @@ from kvbridge.bench.cache_server_bench import (bench_inline_vs_socket, bench_res
 from kvbridge.bench.private_server import bench_client, private_cache_server
 from kvbridge.cache_server.remote_store import RemoteStore
 from kvbridge.engine.cached_engine import CachedEngine
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 from kvbridge.store import ObjectMeta
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(120)]
@@ -80,7 +80,7 @@ def test_cli_bench_cache_server_prints_every_figure(tmp_path):
            "KVB_CACHE_SERVER_PAGE_BYTES": "64KiB", "KVB_L2_DIR": str(tmp_path / "l2")}
     out = subprocess.run([sys.executable, "-m", "kvbridge", "bench-cache-server", "--object-mb", "0.2",
                           "--repeats", "2", "--fill", "0.3", "--idle-s", "0.5"],
-                         cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=90)
+                         cwd=WORK_DIR, env=env, capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr[-2000:]
     for words in ("pool pages new to this client", "pool pages this client mapped before", "RSS - pool",
                   "idle with 2 clients"):

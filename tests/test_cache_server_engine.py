@@ -20,7 +20,7 @@ from conftest import needs_model
 from kvbridge.backends import make_backend
 from kvbridge.cache_server.shm import stale_segments
 from kvbridge.engine.cached_engine import CachedEngine
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 from tests.cache_server_helpers import PROJECT, ServerProcess, local_url, server_env
 from tests.cs_engine_child import UNRELATED, doc_prompt
 
@@ -85,7 +85,7 @@ def llama_server_binary():
     from test_llama_server import BINARY
 
     if not BINARY.is_file():
-        subprocess.run([str(PROJECT_ROOT / "scripts" / "build_llama_server.sh")], check=True)
+        subprocess.run([str(WORK_DIR / "scripts" / "build_llama_server.sh")], check=True)
     return BINARY
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from cache_server_helpers import running_server
 from kvbridge.cache_server.client import CacheClient
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 from kvbridge.store.objects import ObjectMeta
 
 PAGE = 64 << 10
@@ -103,7 +103,7 @@ def test_a_paused_writer_dropped_for_silence_cannot_overwrite_another_object(mak
     settings = make_settings(l1_bytes=48 * PAGE, cache_server_page_bytes=PAGE, cache_server_reap_timeout=1.0,
                              cache_server_registration_grace=1.0, l2_enabled=False)
     with running_server(settings) as server:
-        writer = subprocess.Popen(writer_command(server.url, claim), cwd=PROJECT_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        writer = subprocess.Popen(writer_command(server.url, claim), cwd=WORK_DIR, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             prepared = json.loads(writer.stdout.readline())
             real_pid = writer_pid(writer)

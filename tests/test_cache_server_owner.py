@@ -28,7 +28,7 @@ from cache_server_helpers import owner_store_after_its_server, running_server
 from kvbridge.cache_server.auth import token_file
 from kvbridge.cache_server.client import CacheClient, CacheServerRefused
 from kvbridge.cache_server.curve import key_file
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 from kvbridge.store.objects import ObjectMeta
 
 GUEST = "kvb-test-guest"
@@ -95,7 +95,7 @@ def test_another_os_user_cannot_read_plant_or_clear(guest, make_settings):
             [sys.executable, "-c", _GUEST_CLIENT, str(entry.pw_uid), str(entry.pw_gid), home, server.url,
              str(token_file(server.url)), str(key_file(server.url)), str(server.store.segment.path),
              server.keys.public],
-            capture_output=True, text=True, timeout=60, cwd=PROJECT_ROOT)
+            capture_output=True, text=True, timeout=60, cwd=WORK_DIR)
         assert child.returncode == 0, child.stderr[-2000:]
         out = json.loads(child.stdout.strip().splitlines()[-1])
         assert out["uid"] == entry.pw_uid
@@ -141,7 +141,7 @@ def test_a_squatter_of_another_account_gets_no_byte_of_the_owners_kv(guest, make
     args = [url, "--watch", watch] + (["--curve"] if squatter == "curve" else [])
     squat = subprocess.Popen([sys.executable, "-c", _SQUAT_AS_GUEST, str(entry.pw_uid), str(entry.pw_gid), home, *args],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             cwd=PROJECT_ROOT)
+                             cwd=WORK_DIR)
     try:
         assert json.loads(squat.stdout.readline())["uid"] == entry.pw_uid
         assert squat.stdout.readline().strip() == "squatting", squat.stderr.read()[-2000:]

@@ -26,7 +26,7 @@ from kvbridge.cache_server.pool import (
     Watermarks,
 )
 from kvbridge.cache_server.shm import MAGIC, Segment, SegmentUnavailable, stale_segments
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 from kvbridge.store.objects import ObjectMeta
 
 PAGE = 4096
@@ -201,7 +201,7 @@ def test_a_live_servers_segment_is_not_stale_whatever_pid_its_name_carries(tmp_p
     dead = subprocess.Popen(["true"])
     dead.wait()
     name = f"kvbridge-{os.getuid()}-{dead.pid}-0aa0.pool"
-    creator = subprocess.Popen([sys.executable, "-c", _CONTAINED_CREATOR, str(tmp_path), name], cwd=PROJECT_ROOT,
+    creator = subprocess.Popen([sys.executable, "-c", _CONTAINED_CREATOR, str(tmp_path), name], cwd=WORK_DIR,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert creator.stdout.readline().strip() == "ready"

@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 
 from kvbridge.cache_server.client import CacheClient
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 from tests.redis_helpers import RedisServer, needs_redis
 
-SCRIPT = PROJECT_ROOT / "scripts" / "cache_server.sh"
-PID_FILE = PROJECT_ROOT / ".kvbridge-cache-server.pid"
+SCRIPT = WORK_DIR / "scripts" / "cache_server.sh"
+PID_FILE = WORK_DIR / ".kvbridge-cache-server.pid"
 SHM = Path("/dev/shm")
 
 pytestmark = [
@@ -84,7 +84,7 @@ def server_env(tmp_path) -> dict:
 
 
 def script(*args: str, env: dict, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([str(SCRIPT), *args], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run([str(SCRIPT), *args], cwd=WORK_DIR, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -166,7 +166,7 @@ def test_stop_falls_back_to_sigkill_and_removes_the_segment(server_env, stop_aft
 def start_server(env: dict, l2_dir: Path) -> subprocess.Popen:
     """A cache server as a child of this test (so that it can be killed and reaped here)."""
     process = subprocess.Popen([sys.executable, "-m", "kvbridge", "cache-server", "--url",
-                                f"tcp://127.0.0.1:{free_port()}"], cwd=PROJECT_ROOT,
+                                f"tcp://127.0.0.1:{free_port()}"], cwd=WORK_DIR,
                                env={**env, "KVB_L2_DIR": str(l2_dir)},
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = process.stdout.readline()
@@ -180,9 +180,9 @@ def checkout_copy(tmp_path) -> Path:
     root = tmp_path / "checkout"
     (root / "scripts").mkdir(parents=True)
     (root / "output").mkdir()
-    shutil.copy2(PROJECT_ROOT / "scripts" / "cleanup.sh", root / "scripts" / "cleanup.sh")
-    (root / ".venv").symlink_to(PROJECT_ROOT / ".venv")
-    (root / "kvbridge").symlink_to(PROJECT_ROOT / "kvbridge")
+    shutil.copy2(WORK_DIR / "scripts" / "cleanup.sh", root / "scripts" / "cleanup.sh")
+    (root / ".venv").symlink_to(WORK_DIR / ".venv")
+    (root / "kvbridge").symlink_to(WORK_DIR / "kvbridge")
     (root / "output" / "kvbridge-run.csv").write_text("a run result\n")
     return root
 

@@ -19,7 +19,7 @@ import pytest
 
 from cache_server_helpers import local_url
 from kvbridge.cache_server.server import CacheServer
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 from test_cache_server_owner import guest  # noqa: F401  (the fixture: a real unprivileged account)
 
 SHM = Path("/dev/shm")
@@ -75,7 +75,7 @@ def test_another_accounts_entries_do_not_stop_a_non_root_owners_start(guest):  #
         planted_file.write_bytes(b"root's file")
         as_account(entry, "touch", str(own_stale))       # a real stale segment of the owner's
         child = subprocess.run([sys.executable, "-c", _OWNER_SERVER, str(uid), str(entry.pw_gid), home, local_url()],
-                               capture_output=True, text=True, timeout=60, cwd=PROJECT_ROOT)
+                               capture_output=True, text=True, timeout=60, cwd=WORK_DIR)
         assert child.returncode == 0, child.stderr[-3000:]
         assert json.loads(child.stdout.strip().splitlines()[-1])["started"]
         assert planted_link.is_symlink() and os.readlink(planted_link) == str(owners_file)

@@ -182,7 +182,7 @@ def test_validate_degrades_when_an_engine_adapter_does_not_import():
     code = ("import sys; sys.modules['kvbridge.backends.llamacpp'] = None\n"
             "from kvbridge.config import Settings\n"
             "print('\\n'.join(Settings(engine='llamacpp', port=0).validate()))")
-    run = subprocess.run([sys.executable, "-c", code], cwd=config.PROJECT_ROOT, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", code], cwd=config.WORK_DIR, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr
     assert "KVB_ENGINE='llamacpp' is not available: the engine adapters did not all import" in run.stdout
@@ -452,7 +452,7 @@ def test_settings_to_env_round_trips_through_a_file(tmp_path):
 
 
 # -- .env.example -------------------------------------------------------------------------------
-ENV_EXAMPLE = config.PROJECT_ROOT / ".env.example"
+ENV_EXAMPLE = config.WORK_DIR / ".env.example"
 
 
 def test_env_example_documents_every_setting_with_its_default():
@@ -487,7 +487,7 @@ def test_env_example_blocks_parse_and_pass_their_engine_checks(tmp_path, title, 
 
 def test_env_example_names_every_kvb_variable_the_code_or_scripts_read():
     import re
-    root = config.PROJECT_ROOT
+    root = config.WORK_DIR
     example = ENV_EXAMPLE.read_text(encoding="utf-8")
     sources = [*(root / "kvbridge").rglob("*.py"), *(root / "scripts").glob("*.sh"), *(root / "scripts").glob("*.py")]
     names = {name for path in sources for name in re.findall(r"KVB_[A-Z0-9_]*[A-Z0-9]", path.read_text(encoding="utf-8"))}

@@ -15,7 +15,7 @@ import pytest
 from conftest import needs_model
 from kvbridge.backends import make_backend
 from kvbridge.engine.cached_engine import CachedEngine
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 
 from test_llama_server import BINARY as LLAMA_SERVER
 from test_llama_server import our_llama_servers
@@ -40,7 +40,7 @@ def kind(request) -> str:
 def llama_server_binary():
     """The built llama-server (test.sh builds it first; this covers a plain `pytest`); no server may outlive the tests."""
     if not LLAMA_SERVER.is_file():
-        subprocess.run([str(PROJECT_ROOT / "scripts" / "build_llama_server.sh")], check=True)
+        subprocess.run([str(WORK_DIR / "scripts" / "build_llama_server.sh")], check=True)
     yield LLAMA_SERVER
     assert our_llama_servers() == [], "a llama-server child outlived its tests"
 

@@ -19,7 +19,7 @@ from kvbridge.backends.build_check import installed_variant
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.errors import EngineUnavailable
 from kvbridge.gui import handlers
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 
 pytestmark = [needs_model, pytest.mark.live]
 
@@ -49,7 +49,7 @@ def test_gui_connect_shows_the_crash_and_keeps_serving(make_settings, crashing_b
 
 def test_cli_says_what_failed_and_what_to_run(tmp_path):
     env = {**os.environ, "KVB_SMOKE_CRASH_VARIANTS": installed_variant(), "KVB_L2_DIR": str(tmp_path / "l2")}
-    run = subprocess.run([sys.executable, "-m", "kvbridge", "demo"], cwd=PROJECT_ROOT, env=env,
+    run = subprocess.run([sys.executable, "-m", "kvbridge", "demo"], cwd=WORK_DIR, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode > 0, "the CLI died by a signal instead of reporting the crash"
     assert "SIGILL" in run.stderr + run.stdout and "./scripts/setup.sh" in run.stderr + run.stdout

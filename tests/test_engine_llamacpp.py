@@ -16,7 +16,7 @@ from conftest import needs_model
 from kvbridge.backends import make_backend
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.errors import EngineUnavailable
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 
 from test_engine_contract import N_PREDICT, UNRELATED, doc_prompt
 
@@ -45,8 +45,8 @@ def test_restore_in_a_fresh_process_from_l2(make_settings, short_doc):
             r = e.infer({prompt!r}, mode="lmcache", n_predict={N_PREDICT})
             print(json.dumps(r.to_dict()))
     """)
-    out = subprocess.run([sys.executable, "-c", script], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
+    out = subprocess.run([sys.executable, "-c", script], cwd=WORK_DIR, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(WORK_DIR)})
     assert out.returncode == 0, out.stderr[-2000:]
     record = json.loads(out.stdout.strip().splitlines()[-1])
     assert record["tier"] == "L2" and record["matched_tokens"] == record["prompt_tokens"] - 1

@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 
-from kvbridge.settings import DEFAULT_ENV_FILE, PROJECT_ROOT, SOURCE_CHECKOUT, Settings
+from kvbridge.settings import DEFAULT_ENV_FILE, WORK_DIR, SOURCE_CHECKOUT, Settings
 
 
 INSTALLED_SETTINGS = """
@@ -30,7 +30,7 @@ def test_an_installed_package_never_reads_the_current_folders_env_file(tmp_path)
     """The package copied out of the checkout (as a wheel installs it), run in a folder holding a
     `.env`: that file is not read; the user's ~/.config/kvbridge/.env is, and KVB_ENV_FILE names any."""
     site, work, home = tmp_path / "site", tmp_path / "work", tmp_path / "home"
-    shutil.copytree(PROJECT_ROOT / "kvbridge", site / "kvbridge", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(WORK_DIR / "kvbridge", site / "kvbridge", ignore=shutil.ignore_patterns("__pycache__"))
     work.mkdir()
     (work / ".env").write_text("KVB_CHUNK_SIZE=64\n")          # a folder's .env, e.g. a cloned repository's
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVB_", "XDG_")) and k != "PYTHONPATH"}

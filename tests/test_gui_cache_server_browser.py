@@ -15,7 +15,7 @@ import requests
 
 from browser_helpers import (BROWSER_MARKS, CHROMIUM, CHROMIUM_ARGS, clean_env, expect, free_port, stop,
                              sync_playwright, wait_for)
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 
 KV_EVENTS = json.dumps({"module_path": "kvbridge.cache_server.plugin_modules.kv_events"})
 PROMPT = "# Garden rota\n\n" + " ".join(f"Rule {i}: the bed is watered on day {i % 7}." for i in range(10)) + \
@@ -32,7 +32,7 @@ def cache_server(tmp_path):
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvbridge", "cache-server", "--url", url, "--server-module", KV_EVENTS],
-            cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT,
+            cwd=WORK_DIR, stdout=log, stderr=subprocess.STDOUT,
             env=clean_env(KVB_L2_DIR=str(tmp_path / "server-l2"), KVB_L1_BYTES="16MiB",
                           KVB_CACHE_SERVER_PAGE_BYTES="64KiB"))
         try:
@@ -51,7 +51,7 @@ def gui_server(tmp_path, cache_server):
     log_path = tmp_path / "gui.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge", "gui"], cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "kvbridge", "gui"], cwd=WORK_DIR, stdout=log, stderr=subprocess.STDOUT,
             env=clean_env(KVB_PORT=str(port), KVB_HOST="127.0.0.1", KVB_ENGINE="llamacpp",
                           KVB_STORE_URL=cache_server["url"], KVB_L2_DIR=str(tmp_path / "gui-l2"), KVB_CHUNK_SIZE="32",
                           KVB_CTX_SIZE="1024", KVB_N_PREDICT="4", KVB_INPUT_DIR=str(tmp_path / "input"),

@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 from kvbridge.gui import screenshot
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 
 
 def test_help_names_the_options():
-    result = subprocess.run([sys.executable, "-m", "kvbridge.gui.screenshot", "--help"], cwd=PROJECT_ROOT,
+    result = subprocess.run([sys.executable, "-m", "kvbridge.gui.screenshot", "--help"], cwd=WORK_DIR,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert all(option in result.stdout for option in ("--out", "--width", "--height", "--chromium", "--timeout"))
@@ -21,7 +21,7 @@ def test_help_names_the_options():
 
 def test_defaults_are_the_default_window_and_readmes_picture(tmp_path):
     args = screenshot.parse_args([])
-    assert args.out == PROJECT_ROOT / "Docs" / "screenshot-gui.png"
+    assert args.out == WORK_DIR / "Docs" / "screenshot-gui.png"
     assert {"width": args.width, "height": args.height} == screenshot.WINDOW == {"width": 1280, "height": 800}
     args = screenshot.parse_args(["--out", str(tmp_path / "x.png"), "--width", "1024", "--timeout", "60"])
     assert (args.out, args.width, args.height, args.timeout) == (tmp_path / "x.png", 1024, 800, 60)

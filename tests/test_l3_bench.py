@@ -19,7 +19,7 @@ from kvbridge.bench.private_redis import RedisServerMissing, find_redis_server, 
 from kvbridge.bench.runner import empty_faster_tiers, run_scenario
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.errors import BadSettings
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 from kvbridge.store import MemoryTier, TieredStore
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(300)]   # ~30 s quiet; far longer on a loaded machine
@@ -122,7 +122,7 @@ def test_from_tier_needs_that_tier_and_a_request_list(make_settings):
 @needs_redis_server
 def test_cli_bench_l3_prints_the_lookup_part(tmp_path):
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVB_")}, "KVB_OUTPUT_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "kvbridge", "bench-l3", "--parts", "lookup"], cwd=PROJECT_ROOT,
+    out = subprocess.run([sys.executable, "-m", "kvbridge", "bench-l3", "--parts", "lookup"], cwd=WORK_DIR,
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "(c) lookup of 12 hashes" in out.stdout and "target: one round trip: met" in out.stdout
@@ -138,7 +138,7 @@ def test_cli_bench_from_tier_l3_serves_the_warm_hit_from_a_private_redis(tmp_pat
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVB_")}, "KVB_OUTPUT_DIR": str(tmp_path / "out")}
     out = subprocess.run([sys.executable, "-m", "kvbridge", "bench", "--scenario", "doc-qa", "--modes", "lmcache",
                           "--requests", "2", "--chunk-size", "32", "--n-predict", "2", "--document", str(document),
-                          "--from-tier", "L3"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=240)
+                          "--from-tier", "L3"], cwd=WORK_DIR, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "L3 on a private redis-server" in out.stdout
     assert "tiers {'none': 1, 'L3': 1}" in out.stdout, out.stdout[-2000:]

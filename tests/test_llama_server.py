@@ -21,7 +21,7 @@ import pytest
 from kvbridge.backends.base import EngineReport, Prompt
 from kvbridge.backends.llama_server.backend import LlamaServerBackend
 from kvbridge.backends.llama_server.process import built_binary, pinned_llama_cpp_version
-from kvbridge.settings import EMBEDDED_MODEL_PATH, PROJECT_ROOT, Settings
+from kvbridge.settings import EMBEDDED_MODEL_PATH, WORK_DIR, Settings
 from kvbridge.errors import EngineUnavailable
 
 BINARY = built_binary(pinned_llama_cpp_version())
@@ -67,7 +67,7 @@ def process_gone(pid: int) -> bool:
 @pytest.fixture(scope="module", autouse=True)
 def server_binary_and_no_orphans():
     if not BINARY.is_file():  # test.sh builds it first; this covers a plain `pytest`
-        subprocess.run([str(PROJECT_ROOT / "scripts" / "build_llama_server.sh")], check=True)
+        subprocess.run([str(WORK_DIR / "scripts" / "build_llama_server.sh")], check=True)
     yield BINARY
     assert our_llama_servers() == [], "a llama-server child outlived its tests"
 

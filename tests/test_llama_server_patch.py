@@ -20,11 +20,11 @@ import pytest
 from kvbridge.backends.llama_server.backend import LlamaServerBackend, RestoreFailed
 from kvbridge.backends.llama_server.process import built_build_info, pinned_llama_cpp_version
 from kvbridge.formats.slot_file import build_slot_file
-from kvbridge.settings import PROJECT_ROOT, Settings
+from kvbridge.settings import WORK_DIR, Settings
 from conftest import needs_llama_server_and_model
 from test_llama_server import prompt_for, run
 
-PATCHES = sorted((PROJECT_ROOT / "patches" / "llama.cpp").glob("*.patch"))
+PATCHES = sorted((WORK_DIR / "patches" / "llama.cpp").glob("*.patch"))
 
 pytestmark = needs_llama_server_and_model()
 

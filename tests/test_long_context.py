@@ -22,7 +22,7 @@ from kvbridge.engine.records import RequestRecord
 from kvbridge.errors import BadSettings
 from kvbridge.gui import charts
 from kvbridge.gui.export import export_run
-from kvbridge.settings import PROJECT_ROOT, Settings
+from kvbridge.settings import WORK_DIR, Settings
 
 SERIES = [name for name, *_ in charts.CURVE_SERIES]
 
@@ -140,7 +140,7 @@ def test_cli_runs_long_context_without_settings(tmp_path):
     env = {**os.environ, "KVB_OUTPUT_DIR": str(tmp_path), "KVB_L2_DIR": str(tmp_path / "l2"), "KVB_CTX_SIZE": "128"}
     out = subprocess.run([sys.executable, "-m", "kvbridge", "bench", "--scenario", "long-context", "--lengths",
                           "64,128", "--repeats", "1", "--chunk-size", "32", "--n-predict", "4"],
-                         cwd=PROJECT_ROOT, capture_output=True, text=True, env=env, timeout=600)
+                         cwd=WORK_DIR, capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "context raised from 128 to 256 tokens" in out.stdout
     assert "long context: per prompt length" in out.stdout and "lmcache == cold" in out.stdout

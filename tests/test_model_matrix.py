@@ -20,7 +20,7 @@ import pytest
 from cache_server_helpers import running_server
 from kvbridge.backends import make_backend
 from kvbridge.engine.cached_engine import CachedEngine
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 from kvbridge.settings.models import EMBEDDED_MODELS
 
 from test_engine_contract import llama_server_binary  # noqa: F401  (the fixture)
@@ -128,7 +128,7 @@ def test_a_fresh_process_restores_from_l2(make_settings, model):
     child = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(dict(model=model, l2_dir=settings.l2_dir, chunk_size=CHUNK,
                                                        ctx_size=2048, prompt=prompt))],
-        capture_output=True, text=True, timeout=300, cwd=PROJECT_ROOT)
+        capture_output=True, text=True, timeout=300, cwd=WORK_DIR)
     assert child.returncode == 0, child.stderr[-2000:]
     record = json.loads(child.stdout.strip().splitlines()[-1])
     assert record["tier"] == "L2" and record["matched_tokens"] > 512 + CHUNK

@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 
 from kvbridge.backends.llamacpp import model_path_for
-from kvbridge.settings import PROJECT_ROOT, Settings
+from kvbridge.settings import WORK_DIR, Settings
 from kvbridge.settings.models import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_model
 
 GEMMA = EMBEDDED_MODELS["gemma3-270m"]
 SMOLLM2 = EMBEDDED_MODELS["smollm2-135m"]
-PYTHON = PROJECT_ROOT / ".venv" / "bin" / "python"
+PYTHON = WORK_DIR / ".venv" / "bin" / "python"
 
 
 def settings(tmp_path: Path, env: dict[str, str], env_file: str | None = None) -> Settings:
@@ -45,7 +45,7 @@ def model_problems(s: Settings) -> list[str]:
 def test_default_is_smollm2_and_its_path_is_the_embedded_file(tmp_path):
     s = settings(tmp_path, {})
     assert s.model == DEFAULT_MODEL == "smollm2-135m"
-    assert s.resolved_model_path() == SMOLLM2.path == PROJECT_ROOT / "models" / SMOLLM2.file
+    assert s.resolved_model_path() == SMOLLM2.path == WORK_DIR / "models" / SMOLLM2.file
     assert model_problems(s) == []
 
 
@@ -103,7 +103,7 @@ def test_serve_reports_the_gguf_file_stem(tmp_path):
 
 # -- the table, as scripts read it --------------------------------------------------------------------
 def test_models_json_matches_the_table():
-    out = subprocess.run([sys.executable, "-m", "kvbridge.settings.models", "json"], cwd=PROJECT_ROOT,
+    out = subprocess.run([sys.executable, "-m", "kvbridge.settings.models", "json"], cwd=WORK_DIR,
                          capture_output=True, text=True, timeout=60, check=True).stdout
     printed = json.loads(out)
     assert list(printed) == list(EMBEDDED_MODELS)
@@ -114,13 +114,13 @@ def test_models_json_matches_the_table():
 
 
 def test_models_module_without_a_command_is_a_usage_error():
-    done = subprocess.run([sys.executable, "-m", "kvbridge.settings.models"], cwd=PROJECT_ROOT,
+    done = subprocess.run([sys.executable, "-m", "kvbridge.settings.models"], cwd=WORK_DIR,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "usage" in done.stderr
 
 
 # -- scripts/setup.sh, in a copy of the checkout ---------------------------------------------------------
-SETUP = PROJECT_ROOT / "scripts" / "setup.sh"
+SETUP = WORK_DIR / "scripts" / "setup.sh"
 
 
 def test_setup_help_names_the_model_option():
@@ -153,11 +153,11 @@ def checkout(tmp_path, offline_env) -> Path:
     root = tmp_path / "checkout"
     (root / "scripts").mkdir(parents=True)
     for name in ("setup.sh", "build_variants.py"):
-        shutil.copy2(PROJECT_ROOT / "scripts" / name, root / "scripts" / name)
+        shutil.copy2(WORK_DIR / "scripts" / name, root / "scripts" / name)
     for name in ("requirements.txt", "pyproject.toml"):   # the build stamp covers both
-        shutil.copy2(PROJECT_ROOT / name, root / name)
-    shutil.copytree(PROJECT_ROOT / "kvbridge", root / "kvbridge", ignore=shutil.ignore_patterns("__pycache__"))
-    (root / ".venv").symlink_to(PROJECT_ROOT / ".venv")
+        shutil.copy2(WORK_DIR / name, root / name)
+    shutil.copytree(WORK_DIR / "kvbridge", root / "kvbridge", ignore=shutil.ignore_patterns("__pycache__"))
+    (root / ".venv").symlink_to(WORK_DIR / ".venv")
     (root / "models").mkdir()
     (root / "models" / SMOLLM2.file).symlink_to(SMOLLM2.path)
     check = subprocess.run([str(PYTHON), str(root / "scripts" / "build_variants.py"), "check"], cwd=root,

@@ -19,9 +19,9 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 
-PYPROJECT = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())
+PYPROJECT = tomllib.loads((WORK_DIR / "pyproject.toml").read_text())
 PIN = re.compile(r"^([A-Za-z0-9_.\-]+)==(\S+)")
 
 
@@ -51,7 +51,7 @@ RUNTIME_GROUPS = ("", "llama", "gui", "serve", "cache-server", "redis")
                                                   ("requirements-test.txt", ("test",))])
 def test_every_pin_is_declared_and_inside_its_range(requirements, groups):
     """The scripts install the pins, pip resolves the ranges: the same packages, each pin inside its range."""
-    pinned, wanted = pins(PROJECT_ROOT / requirements), declared(*groups)
+    pinned, wanted = pins(WORK_DIR / requirements), declared(*groups)
     assert sorted(pinned) == sorted(wanted), (
         f"{requirements} pins {sorted(set(pinned) - set(wanted))} that pyproject.toml does not declare, and "
         f"pyproject.toml declares {sorted(set(wanted) - set(pinned))} that {requirements} does not pin")
@@ -77,7 +77,7 @@ def installed(tmp_path_factory):
     wheels, venv, work = tmp / "wheels", tmp / "venv", tmp / "work"
     work.mkdir()
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check", "--no-deps",
-                            "-w", str(wheels), str(PROJECT_ROOT)], capture_output=True, text=True, timeout=600)
+                            "-w", str(wheels), str(WORK_DIR)], capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = wheels.glob("kvbridge-*.whl")
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 from kvbridge.settings.models import EMBEDDED_MODELS, DEFAULT_MODEL
 
-README = PROJECT_ROOT / "README.md"
+README = WORK_DIR / "README.md"
 
 
 def readme_python_example() -> str:
@@ -30,7 +30,7 @@ def readme_python_example() -> str:
 def test_the_readme_example_restores_on_the_second_question(tmp_path):
     env = {key: value for key, value in os.environ.items() if not key.startswith("KVB_")}
     env.update(KVB_L2_DIR=str(tmp_path / "l2"), KVB_OUTPUT_DIR=str(tmp_path / "output"))
-    done = subprocess.run([sys.executable, "-c", readme_python_example()], cwd=PROJECT_ROOT, env=env,
+    done = subprocess.run([sys.executable, "-c", readme_python_example()], cwd=WORK_DIR, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = re.findall(r"(\d+) ms, (\d+) of (\d+) tokens restored from (\w+)", done.stdout)

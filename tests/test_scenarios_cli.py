@@ -12,7 +12,7 @@ from conftest import needs_model
 from kvbridge.backends import make_backend
 from kvbridge.backends.llamacpp import LlamaCppBackend
 from kvbridge.backends.registry import EngineSpec, register_engine
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.errors import BadSettings, StateTransferError
 from kvbridge.bench.runner import parse_modes, run_scenario
@@ -93,7 +93,7 @@ def test_engine_restart_scenario_restores_from_l2(make_settings, short_doc):
 
 
 def test_cli_help_lists_the_commands():
-    out = subprocess.run([sys.executable, "-m", "kvbridge", "--help"], cwd=PROJECT_ROOT, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "kvbridge", "--help"], cwd=WORK_DIR, capture_output=True, text=True)
     assert out.returncode == 0
     for command in ("gui", "bench", "bench-store", "bench-restore", "namespace", "engines"):
         assert command in out.stdout
@@ -106,7 +106,7 @@ def test_cli_bench_writes_csv_json_and_html(tmp_path):
     env = {**os.environ, "KVB_OUTPUT_DIR": str(tmp_path), "KVB_L2_DIR": str(tmp_path / "l2"), "KVB_CTX_SIZE": "2048"}
     out = subprocess.run([sys.executable, "-m", "kvbridge", "bench", "--scenario", "system-prompt", "--requests", "2",
                           "--modes", "cold,lmcache", "--chunk-size", "64", "--n-predict", "4"],
-                         cwd=PROJECT_ROOT, capture_output=True, text=True, env=env, timeout=600)
+                         cwd=WORK_DIR, capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "speedup vs cold" in out.stdout
     written = sorted(p.suffix for p in tmp_path.iterdir() if p.is_file())
@@ -118,7 +118,7 @@ def test_cli_bench_writes_csv_json_and_html(tmp_path):
 
 def test_cli_bad_engine_is_a_readable_error():
     env = {**os.environ, "KVB_ENGINE": "warp-drive"}
-    out = subprocess.run([sys.executable, "-m", "kvbridge", "namespace"], cwd=PROJECT_ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "kvbridge", "namespace"], cwd=WORK_DIR, capture_output=True,
                          text=True, env=env)
     assert out.returncode != 0
     assert "warp-drive" in (out.stdout + out.stderr) and "Traceback" not in out.stderr

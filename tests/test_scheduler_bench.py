@@ -15,7 +15,7 @@ import pytest
 from conftest import needs_model
 from kvbridge.__main__ import main
 from kvbridge.bench.scheduler_bench import bench_swap_vs_recompute
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 from test_llama_server import BINARY as LLAMA_SERVER
 from test_llama_server import BUILDABLE, our_llama_servers
 
@@ -66,7 +66,7 @@ def test_a_missing_llama_server_is_said_before_our_scheduler_runs(capsys, monkey
 def llama_server_binary():
     """The built llama-server (test.sh builds it first; this covers a plain `pytest`); none may outlive the tests."""
     if not LLAMA_SERVER.is_file():
-        subprocess.run([str(PROJECT_ROOT / "scripts" / "build_llama_server.sh")], check=True)
+        subprocess.run([str(WORK_DIR / "scripts" / "build_llama_server.sh")], check=True)
     yield LLAMA_SERVER
     assert our_llama_servers() == [], "a llama-server child outlived its tests"
 

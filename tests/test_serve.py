@@ -301,9 +301,9 @@ def test_a_key_variable_that_is_empty_stops_the_start_with_its_name(tmp_path):
     import subprocess
     import sys
 
-    from kvbridge.settings import PROJECT_ROOT
+    from kvbridge.settings import WORK_DIR
 
-    done = subprocess.run([sys.executable, "-m", "kvbridge", "serve", "--port", str(free_port())], cwd=PROJECT_ROOT,
+    done = subprocess.run([sys.executable, "-m", "kvbridge", "serve", "--port", str(free_port())], cwd=WORK_DIR,
                           env=clean_env(KVB_L2_DIR=str(tmp_path / "l2"), KVB_SERVE_API_KEY_ENV="SERVE_TEST_KEY"),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "SERVE_TEST_KEY" in done.stderr and "empty or not set" in done.stderr

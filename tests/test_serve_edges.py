@@ -24,7 +24,7 @@ import requests
 
 from conftest import needs_model
 from kvbridge.serve.protocol import parse_generation
-from kvbridge.settings import PROJECT_ROOT, Settings
+from kvbridge.settings import WORK_DIR, Settings
 from process_helpers import clean_env, free_port
 from test_serve import Served
 
@@ -204,7 +204,7 @@ def test_a_bind_beyond_loopback_without_a_key_stops_the_start(tmp_path, how):
     args = ["--host", "0.0.0.0"] if how == "--host" else []
     env = {"KVB_SERVE_HOST": "0.0.0.0"} if how == "KVB_SERVE_HOST" else {}
     done = subprocess.run([sys.executable, "-m", "kvbridge", "serve", "--port", str(free_port()), *args],
-                          cwd=PROJECT_ROOT, env=clean_env(KVB_L2_DIR=str(tmp_path / "l2"), **env),
+                          cwd=WORK_DIR, env=clean_env(KVB_L2_DIR=str(tmp_path / "l2"), **env),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0, done.stdout + done.stderr
     assert "KVB_SERVE_HOST" in done.stderr and "KVB_SERVE_API_KEY_ENV" in done.stderr, done.stderr

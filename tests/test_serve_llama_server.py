@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 from process_helpers import clean_env, free_port
 from test_llama_server import pytestmark  # noqa: F401  (the same live marker and skip conditions)
 from test_llama_server import server_binary_and_no_orphans  # noqa: F401  (autouse: build if needed, no orphans)
@@ -40,7 +40,7 @@ def test_serve_through_llama_server_restores_the_document_and_answers_as_cold(tm
 @pytest.mark.parametrize("engine", ["ollama", "cloud"])
 def test_a_shadow_engine_is_refused_with_a_reason(tmp_path, engine):
     done = subprocess.run([sys.executable, "-m", "kvbridge", "serve", "--engine", engine, "--port", str(free_port())],
-                          cwd=PROJECT_ROOT, env=clean_env(KVB_L2_DIR=str(tmp_path / "l2")), capture_output=True,
+                          cwd=WORK_DIR, env=clean_env(KVB_L2_DIR=str(tmp_path / "l2")), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2
     assert "shadow engine" in done.stderr and "--engine scheduler" in done.stderr

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from kvbridge.settings import EMBEDDED_MODEL_PATH, PROJECT_ROOT
+from kvbridge.settings import EMBEDDED_MODEL_PATH, WORK_DIR
 
-SCRIPT = PROJECT_ROOT / "scripts" / "serve.sh"
-PID_FILE = PROJECT_ROOT / ".kvbridge-serve.pid"
+SCRIPT = WORK_DIR / "scripts" / "serve.sh"
+PID_FILE = WORK_DIR / ".kvbridge-serve.pid"
 READY = "KVBridge serve ready on "   # the contract with kvbridge/serve: this, then http://HOST:PORT as bound
 
 pytestmark = [
@@ -123,7 +123,7 @@ def checkout(tmp_path) -> Path:
     setup = root / "scripts" / "setup.sh"
     setup.write_text('#!/usr/bin/env bash\necho "$@" >"$(dirname "$0")/../setup-args"\n')
     setup.chmod(0o755)
-    (root / ".venv").symlink_to(PROJECT_ROOT / ".venv")
+    (root / ".venv").symlink_to(WORK_DIR / ".venv")
     (root / "kvbridge" / "__init__.py").write_text("")
     (root / "kvbridge" / "__main__.py").write_text(FAKE_SERVE)
     return root
@@ -232,7 +232,7 @@ def test_restart_passes_its_arguments_on(checkout, env, stop_afterwards):
 
 def test_stop_sh_names_a_running_serve(checkout, env, stop_afterwards):
     """The GUI's stop.sh leaves the endpoint running and says so (its PID file is not the GUI's)."""
-    shutil.copy2(PROJECT_ROOT / "scripts" / "stop.sh", checkout / "scripts" / "stop.sh")
+    shutil.copy2(WORK_DIR / "scripts" / "stop.sh", checkout / "scripts" / "stop.sh")
     assert run(checkout, "start", "--port", str(free_port()), env=env).returncode == 0
     pid, _ = recorded(checkout / ".kvbridge-serve.pid")
     stopped = subprocess.run([str(checkout / "scripts" / "stop.sh")], cwd=checkout, env=env, capture_output=True,
@@ -250,8 +250,8 @@ def serve_command_missing() -> str:
     """Why the real endpoint cannot run here, or "" (asked once, of the CLI itself)."""
     if not EMBEDDED_MODEL_PATH.is_file():
         return f"embedded model {EMBEDDED_MODEL_PATH} missing: run ./scripts/setup.sh"
-    probe = subprocess.run([str(PROJECT_ROOT / ".venv" / "bin" / "python"), "-m", "kvbridge", "serve", "--help"],
-                           cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=60)
+    probe = subprocess.run([str(WORK_DIR / ".venv" / "bin" / "python"), "-m", "kvbridge", "serve", "--help"],
+                           cwd=WORK_DIR, capture_output=True, text=True, timeout=60)
     if probe.returncode != 0:
         return f"`python -m kvbridge serve` is not a command of this checkout: {probe.stderr.strip()[-200:]}"
     return ""
@@ -273,7 +273,7 @@ def real_env(tmp_path) -> dict:
 def test_the_real_endpoint_starts_answers_and_stops(real_env):
     port = free_port()   # through --port, not the environment: arguments reach the server
     url = f"http://127.0.0.1:{port}"
-    started = run(PROJECT_ROOT, "start", "--port", str(port), env=real_env, timeout=200)
+    started = run(WORK_DIR, "start", "--port", str(port), env=real_env, timeout=200)
     try:
         assert started.returncode == 0, started.stdout + started.stderr
         assert "running in the background (pid " in started.stdout and f"base_url {url}/v1" in started.stdout
@@ -281,12 +281,12 @@ def test_the_real_endpoint_starts_answers_and_stops(real_env):
         assert recorded_url == url and alive(pid)
         assert requests.get(url + "/health", timeout=10).status_code == 200   # at once: no wait, no retry
 
-        status = run(PROJECT_ROOT, "status", env=real_env)
+        status = run(WORK_DIR, "status", env=real_env)
         assert status.returncode == 0 and f"running (pid {pid}) on {url}" in status.stdout
-        again = run(PROJECT_ROOT, "start", "--port", str(free_port()), env=real_env)
+        again = run(WORK_DIR, "start", "--port", str(free_port()), env=real_env)
         assert again.returncode == 1 and f"already running (pid {pid} on {url})" in again.stderr
     finally:
-        stopped = run(PROJECT_ROOT, "stop", env=real_env, timeout=120)
+        stopped = run(WORK_DIR, "stop", env=real_env, timeout=120)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert "stopped." in stopped.stdout and "SIGKILL" not in stopped.stdout   # SIGTERM was enough
     assert not alive(pid) and not PID_FILE.exists() and not port_answers(port)
@@ -299,7 +299,7 @@ def test_the_real_endpoint_on_a_port_in_use_fails_with_its_log(real_env):
     with socket.socket() as taken:   # the port is in use: the server cannot bind and exits
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        started = run(PROJECT_ROOT, "start", "--port", str(taken.getsockname()[1]), env=real_env, timeout=200)
+        started = run(WORK_DIR, "start", "--port", str(taken.getsockname()[1]), env=real_env, timeout=200)
     try:
         assert started.returncode == 1, started.stdout + started.stderr
         assert "exited before it answered" in started.stderr and "Address already in use" in started.stderr
@@ -308,4 +308,4 @@ def test_the_real_endpoint_on_a_port_in_use_fails_with_its_log(real_env):
         assert "running in the background" not in started.stdout and not PID_FILE.exists()
     finally:
         if PID_FILE.exists():
-            run(PROJECT_ROOT, "stop", "--timeout", "0", env=real_env)
+            run(WORK_DIR, "stop", "--timeout", "0", env=real_env)

@@ -19,7 +19,7 @@ import requests
 
 from conftest import needs_model
 from kvbridge.serve.tenants import key_digest
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 from test_serve import DOCUMENT, Served, doc_messages
 
 openai = pytest.importorskip("openai", reason="the openai SDK is not installed (requirements.txt)")
@@ -195,7 +195,7 @@ def test_a_tenants_file_holding_a_key_in_clear_stops_the_start_naming_it(tmp_pat
 
 def test_the_digest_command():
     done = subprocess.run([sys.executable, "-m", "kvbridge.serve.tenants", "digest"], input="key-of-bob\n",
-                          capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=60)
+                          capture_output=True, text=True, cwd=WORK_DIR, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == key_digest("key-of-bob")
 
 

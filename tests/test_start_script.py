@@ -9,9 +9,9 @@ import urllib.request
 
 import pytest
 
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 
-PID_FILE = PROJECT_ROOT / ".kvbridge.pid"
+PID_FILE = WORK_DIR / ".kvbridge.pid"
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(PID_FILE.exists(), reason=f"a KVBridge GUI of this checkout is running ({PID_FILE}); "
@@ -26,8 +26,8 @@ def free_port() -> int:
 
 
 def run_script(name: str, *args: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(PROJECT_ROOT / "scripts" / name), *args],
-                          cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([str(WORK_DIR / "scripts" / name), *args],
+                          cwd=WORK_DIR, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_background_start_prints_the_url_only_when_it_answers(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 
-from kvbridge.settings import PROJECT_ROOT, Settings
+from kvbridge.settings import WORK_DIR, Settings
 from kvbridge.errors import BadSettings
 from kvbridge.engine.hashing import tokens_digest
 from kvbridge.store import DiskTier, LRUPolicy, MemoryTier, ObjectMeta, StoredObject, TieredStore
@@ -400,7 +400,7 @@ print(json.dumps({"too_big": too_big, "small": small, "stats": store.stats()}))
 
 def test_write_failure_is_a_counted_non_store(tmp_path):
     """A write the OS refuses (here EFBIG from a file-size limit, like ENOSPC) loses only that object."""
-    done = subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT, str(tmp_path / "l2")], cwd=PROJECT_ROOT,
+    done = subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT, str(tmp_path / "l2")], cwd=WORK_DIR,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)

@@ -23,7 +23,7 @@ from kvbridge.store import DiskTier, MemoryTier, ObjectMeta, StoreFault, TieredS
 from kvbridge.store import diskformat
 from kvbridge.store.diskformat import FILE_SUFFIX, TEMP_SUFFIX, read_header_file
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+WORK_DIR = Path(__file__).resolve().parents[1]
 NS = "test-namespace"
 
 
@@ -192,7 +192,7 @@ DiskTier(sys.argv[1], 1 << 30).put(bytes.fromhex(sys.argv[2]), b"x" * (1 << 20),
 def start_hanging_writer(directory: Path, k: bytes) -> subprocess.Popen:
     """A real process stopped inside DiskTier.put, its temp file written and not yet renamed."""
     writer = subprocess.Popen([sys.executable, "-c", HANGING_WRITER, str(directory), k.hex()],
-                              cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              cwd=WORK_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = writer.stdout.readline()
     if line != "writing\n":
         writer.kill()

@@ -8,7 +8,7 @@ import time
 
 from blake3 import blake3
 
-from kvbridge.settings import PROJECT_ROOT
+from kvbridge.settings import WORK_DIR
 from kvbridge.store import DiskTier, MemoryTier, TieredStore
 
 N_SHARED = 4        # keys both writers keep rewriting, each with its own content
@@ -58,7 +58,7 @@ def test_two_processes_share_one_l2_directory(tmp_path):
         subprocess.Popen(
             [sys.executable, "-c", WRITER, str(directory), name, str(go_file), str(N_SHARED), str(N_OWN), str(SIZE),
              str(RUN_SECONDS)],
-            cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            cwd=WORK_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for name in ("alpha", "beta")
     ]
     deadline = time.time() + 60

@@ -28,7 +28,7 @@ from blake3 import blake3
 from kvbridge.store import DiskTier, MemoryTier, ObjectMeta, TieredStore
 from kvbridge.store.diskformat import FILE_SUFFIX, TEMP_SUFFIX, read_header_file
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+WORK_DIR = Path(__file__).resolve().parents[1]
 NS = "stress"
 SEED = 20240901
 N_THREADS = 4
@@ -188,11 +188,11 @@ class Worker:
 def start_peer(directory: Path, go_file: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", PEER, str(directory), str(go_file), str(PEER_OPS),
                              str(PEER_L2_BYTES), str(SEED)],
-                            cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=WORK_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def kill_a_writer_mid_put(directory: Path) -> None:
-    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(directory)], cwd=PROJECT_ROOT,
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(directory)], cwd=WORK_DIR,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = writer.stdout.readline()

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbridge.settings import PROJECT_ROOT, Settings, settings_to_env
+from kvbridge.settings import WORK_DIR, Settings, settings_to_env
 
 QUESTIONS = ["Who leads the operations team?", "How deep are the wells?", "When is the annual meeting held?",
              "What happens when turbidity is high?"]
@@ -111,7 +111,7 @@ class _ServeAsker:
                    KVB_SERVE_MAX_TOKENS="12")
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "serve", "--port", "0"], env=env,
-                                         cwd=PROJECT_ROOT,
+                                         cwd=WORK_DIR,
                                          stdout=log, stderr=subprocess.STDOUT)
         self.url = ""
         self.answers: list[tuple[float, bool, str]] = []   # (time, equal to cold, error)
@@ -187,7 +187,7 @@ class _Client:
         self.proc = subprocess.Popen([sys.executable, "-m", "kvbridge.bench.fault_soak", "--client",
                                       "--out", str(self.out), "--stop", str(self.directory / "stop"),
                                       "--seed", str(self.seed + self.index)],
-                                     env=self.env, cwd=PROJECT_ROOT, stdout=log, stderr=log)
+                                     env=self.env, cwd=WORK_DIR, stdout=log, stderr=log)
 
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:
@@ -221,7 +221,7 @@ def soak(seconds: float, n_clients: int = 2, seed: int = 1, interval_s: float = 
         server = PrivateCacheServer(base, directory)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVB_")}
         env.update(settings_to_env(base.replace(store_url=server.url)))
-        env["PYTHONPATH"] = str(PROJECT_ROOT)
+        env["PYTHONPATH"] = str(WORK_DIR)
         clients = [_Client(i, directory, env, seed) for i in range(n_clients)]
         asker = _ServeAsker(directory, env) if with_serve else None
         started = time.monotonic()

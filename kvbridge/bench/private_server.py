@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.settings import PROJECT_ROOT, Settings, settings_to_env
+from kvbridge.settings import WORK_DIR, Settings, settings_to_env
 
 log = logging.getLogger(__name__)
 STARTUP_S = 60.0
@@ -41,12 +41,12 @@ class PrivateCacheServer:
         server_settings = settings.replace(l2_dir=str(directory / "l2"), store_url="")
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVB_")}
         env.update(settings_to_env(server_settings))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(WORK_DIR), env.get("PYTHONPATH")]))
         self.engine_settings = settings.replace(store_url=self.url)
         self.pool_bytes = settings.l1_bytes // settings.cache_server_page_bytes * settings.cache_server_page_bytes
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "cache-server", "--url", self.url],
-                                     env=env, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=self._log)
+                                     env=env, cwd=WORK_DIR, stdout=subprocess.PIPE, stderr=self._log)
         try:
             self._wait_ready()
         except BaseException:

@@ -58,7 +58,7 @@ from kvbridge.bench.report import write_result_json
 from kvbridge.bench.scenarios import build_requests, builtin_document
 from kvbridge.bench.scheduler_compare import llama_server_binary
 from kvbridge.errors import EngineUnavailable, KVBridgeError
-from kvbridge.settings import PROJECT_ROOT, Settings, settings_to_env
+from kvbridge.settings import WORK_DIR, Settings, settings_to_env
 
 OURS, THEIRS = "ours", "llama-server"
 CTX_SIZE = 4096          # ours: the longest prompt + answer (the document with a question is ~1.8k tokens)
@@ -115,7 +115,7 @@ class OurServe:
             offset = self.log_path.stat().st_size if self.log_path.exists() else 0
             with self.log_path.open("ab") as log:
                 self.proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "serve", "--port", str(port)],
-                                             cwd=PROJECT_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                             cwd=WORK_DIR, env=env, stdout=log, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL)
             self.url = f"http://127.0.0.1:{port}"
             if self._wait_ready(offset):

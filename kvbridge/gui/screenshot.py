@@ -20,13 +20,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvbridge.settings import PROJECT_ROOT, Settings
+from kvbridge.settings import WORK_DIR, Settings
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic"]
 WINDOW = {"width": 1280, "height": 800}   # the default window: the screenshot's and the browser tests'
-SCREENSHOT = PROJECT_ROOT / "Docs" / "screenshot-gui.png"
+SCREENSHOT = WORK_DIR / "Docs" / "screenshot-gui.png"
 
 
 def free_port() -> int:

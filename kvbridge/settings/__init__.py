@@ -9,12 +9,12 @@ from kvbridge.settings.core import (DEFAULT_ENV_FILE, EMBEDDED_MODEL_FILE, EMBED
                                     SETTING_NAMES, SIZE_FIELDS, Problems, Settings, env_name, format_size, parse_size,
                                     setting_fields, settings_to_env)
 from kvbridge.settings.envfile import is_variable_name, looks_like_secret, update_env_file
-from kvbridge.settings.paths import DATA_HOME, PROJECT_ROOT, SOURCE_CHECKOUT, WORK_DIR, setup_command
+from kvbridge.settings.paths import DATA_HOME, SOURCE_CHECKOUT, WORK_DIR, setup_command
 from kvbridge.settings.presets import CLOUD_PRESETS, CloudPreset
 
 __all__ = [
     "CLOUD_PRESETS", "DATA_HOME", "DEFAULT_ENV_FILE", "EMBEDDED_MODEL_FILE", "EMBEDDED_MODEL_PATH", "PATH_FIELDS",
-    "PROJECT_ROOT", "Problems", "SETTING_NAMES", "SIZE_FIELDS", "SOURCE_CHECKOUT", "WORK_DIR", "CloudPreset", "Settings",
+    "Problems", "SETTING_NAMES", "SIZE_FIELDS", "SOURCE_CHECKOUT", "WORK_DIR", "CloudPreset", "Settings",
     "env_name", "format_size", "is_variable_name", "looks_like_secret", "parse_size", "setting_fields",
     "settings_to_env", "setup_command", "update_env_file", "url_problem",
 ]

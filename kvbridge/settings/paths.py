@@ -49,7 +49,6 @@ SOURCE_CHECKOUT: Path | None = _PACKAGE_PARENT if _is_checkout(_PACKAGE_PARENT) 
 WORK_DIR: Path = SOURCE_CHECKOUT or Path.cwd()
 DEFAULT_ENV_FILE: Path = (SOURCE_CHECKOUT or user_config_dir()) / ".env"
 DATA_HOME: Path = SOURCE_CHECKOUT or user_data_dir()
-PROJECT_ROOT: Path = WORK_DIR   # the name older code and the tests use: the checkout, or the work folder
 BUILD_RECORD: Path = (SOURCE_CHECKOUT / ".venv" if SOURCE_CHECKOUT else Path(sys.prefix)) / "kvbridge-build.json"
 SETUP_COMMAND = "./scripts/setup.sh" if SOURCE_CHECKOUT else "kvbridge setup"
 

@@ -22,7 +22,7 @@ from kvbridge.cache_server.protocol import (Code, CommitManyReply, FlushReply, K
 
 log = logging.getLogger("kvbridge.cache_server")
 MAINTENANCE_INTERVAL_S = 1.0
-MAX_KEYS_PER_RETRIEVE = 4096
+MAX_KEYS_PER_CALL = 4096   # keys (retrieve_many) or objects (store_prepare_many) one call may name
 
 
 class StorageModule(DiscoverableModule):
@@ -71,8 +71,8 @@ class StorageModule(DiscoverableModule):
         KVB_CACHE_SERVER_MAX_MESSAGE_BYTES, checked before anything is read, so one small request cannot
         make the server build a reply of many gigabytes."""
         body = call.body
-        if len(body.keys) > MAX_KEYS_PER_RETRIEVE:
-            raise RequestFailed(Code.BAD_REQUEST, f"retrieve_many takes at most {MAX_KEYS_PER_RETRIEVE} keys")
+        if len(body.keys) > MAX_KEYS_PER_CALL:
+            raise RequestFailed(Code.BAD_REQUEST, f"retrieve_many takes at most {MAX_KEYS_PER_CALL} keys")
         if len(set(body.keys)) != len(body.keys):
             raise RequestFailed(Code.BAD_REQUEST, f"retrieve_many names {len(body.keys) - len(set(body.keys))} "
                                                   "key(s) more than once; ask for each key once")
@@ -128,8 +128,8 @@ class StorageModule(DiscoverableModule):
         return Answer(self._prepare_one(call.body, call))
 
     def prepare_many(self, call: Call) -> Answer:
-        if len(call.body.items) > MAX_KEYS_PER_RETRIEVE:
-            raise RequestFailed(Code.BAD_REQUEST, f"store_prepare_many takes at most {MAX_KEYS_PER_RETRIEVE} objects")
+        if len(call.body.items) > MAX_KEYS_PER_CALL:
+            raise RequestFailed(Code.BAD_REQUEST, f"store_prepare_many takes at most {MAX_KEYS_PER_CALL} objects")
         return Answer(PrepareManyReply([self._prepare_one(item, call) for item in call.body.items]))
 
     def _prepare_one(self, body, call: Call) -> PrepareReply:
