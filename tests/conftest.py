@@ -69,6 +69,6 @@ def make_settings(tmp_path):
 
 @pytest.fixture(scope="session")
 def short_doc() -> str:
-    from kvbridge.bench.scenarios import builtin_document
+    from kvbridge.bench.common.scenarios import builtin_document
 
     return builtin_document()[:SHORT_DOC_CHARS]

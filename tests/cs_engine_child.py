@@ -20,7 +20,7 @@ UNRELATED = [{"role": "user", "content": "Write a haiku about autumn leaves fall
 
 
 def doc_prompt() -> list[dict]:
-    from kvbridge.bench.scenarios import builtin_document
+    from kvbridge.bench.common.scenarios import builtin_document
 
     doc = builtin_document()[:1200]
     return [{"role": "system", "content": "Answer from the document."},

@@ -12,7 +12,7 @@ import json
 import sys
 
 from kvbridge.backends import make_backend
-from kvbridge.bench.scenarios import DOC_QA_SYSTEM, HANDBOOK_QUESTIONS, builtin_document
+from kvbridge.bench.common.scenarios import DOC_QA_SYSTEM, HANDBOOK_QUESTIONS, builtin_document
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.settings import Settings
 

@@ -71,7 +71,7 @@ def gemma(tmp_path_factory):
 
 
 def handbook_tokens(backend, n: int) -> list[int]:
-    from kvbridge.bench.scenarios import builtin_document
+    from kvbridge.bench.common.scenarios import builtin_document
 
     return backend.tokenize(builtin_document())[:n]
 

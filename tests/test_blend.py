@@ -188,7 +188,7 @@ def test_blends_placement_of_exact_kv_answers_as_cold_token_for_token(engine):
     """Cold's own cells of three passages, put back through blend's placement (scratch sequence, seq_cp into
     the answer) where they were computed: the placement itself loses nothing, so what blend loses against
     cold is the passages' stale context alone (Docs/Research.md section 16)."""
-    from kvbridge.bench.blend_bench import place_exact
+    from kvbridge.bench.probes.blend_bench import place_exact
 
     runner = engine._blend_runner()
     prompt = engine.prepare(rag(engine, ["p07", "p03", "p11"], "What is the longest tunnel on the route?"))
@@ -201,7 +201,7 @@ def test_blends_placement_of_exact_kv_answers_as_cold_token_for_token(engine):
 
 
 def test_the_answering_passage_is_the_one_sharing_the_questions_rare_tokens(engine):
-    from kvbridge.bench.blend_bench import relevant_passage
+    from kvbridge.bench.probes.blend_bench import relevant_passage
 
     corpus = load_corpus()
     for prompt in build_prompts(corpus, SEP, n_prompts=6, n_passages=4, seed=9):
@@ -213,7 +213,7 @@ def test_the_answering_passage_is_the_one_sharing_the_questions_rare_tokens(engi
 
 
 def test_an_answer_holds_the_expected_fact_with_case_and_spacing_ignored():
-    from kvbridge.bench.report import holds_fact
+    from kvbridge.bench.common.report import holds_fact
 
     assert holds_fact("The longest tunnel on the route is the Kessel  Tunnel, 640 m.", "the Kessel Tunnel")
     assert holds_fact("It seats 96\npassengers.", "96 passengers")
@@ -248,8 +248,8 @@ def test_rag_prompts_are_seeded_and_hold_the_answering_passage():
 
 
 def test_the_rag_scenario_compares_blend_with_cold_on_shuffled_passages(engine):
-    from kvbridge.bench.report import format_summary, summarize
-    from kvbridge.bench.runner import run_scenario
+    from kvbridge.bench.common.report import format_summary, summarize
+    from kvbridge.bench.common.runner import run_scenario
 
     records = list(run_scenario(engine, "rag", ["cold", "blend"], n_requests=2, n_predict=6))
     assert [r.mode for r in records] == ["cold", "cold", "blend", "blend"] and not any(r.error for r in records)
@@ -270,7 +270,7 @@ def test_the_blend_bench_prints_the_curve_and_llama_servers_cache_reuse_beside_i
     import json
 
     from kvbridge.backends.llama_server.process import built_binary, pinned_llama_cpp_version
-    from kvbridge.bench import blend_bench
+    from kvbridge.bench.probes import blend_bench
 
     if not built_binary(pinned_llama_cpp_version()).is_file():
         pytest.skip("llama-server is not built: run ./scripts/build_llama_server.sh")

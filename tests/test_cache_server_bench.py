@@ -16,7 +16,7 @@ from conftest import needs_model
 from kvbridge.backends import make_backend
 from kvbridge.bench.cache_server_bench import (bench_inline_vs_socket, bench_restore_through_server,
                                                bench_store_both_ways, fresh_key, measure_idle_cpu, measure_server_memory)
-from kvbridge.bench.private_server import bench_client, private_cache_server
+from kvbridge.bench.common.private_server import bench_client, private_cache_server
 from kvbridge.cache_server.remote_store import RemoteStore
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.settings import WORK_DIR

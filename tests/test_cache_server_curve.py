@@ -17,8 +17,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from cache_server_helpers import (SMALL_POOL, ServerProcess, local_url, owner_store_after_its_server, running_server,
                                   server_env)
-from kvbridge.bench.protocol_fuzz import unfinished_multipart
-from kvbridge.bench.squatter import Squatter
+from kvbridge.bench.probes.protocol_fuzz import unfinished_multipart
+from kvbridge.bench.probes.squatter import Squatter
 from kvbridge.cache_server.auth import client_token, token_file
 from kvbridge.cache_server.client import CacheClient, CacheServerRefused, CacheServerUnavailable
 from kvbridge.cache_server.curve import ServerNotAuthenticated, apply_client, client_keys, key_file, server_keys

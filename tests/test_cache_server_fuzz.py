@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cache_server_helpers import ServerProcess, local_url, server_env
-from kvbridge.bench.protocol_fuzz import fuzz, squat_round, unfinished_multipart
+from kvbridge.bench.probes.protocol_fuzz import fuzz, squat_round, unfinished_multipart
 from kvbridge.cache_server.curve import key_file
 from kvbridge.cache_server.client import CacheClient
 from kvbridge.store.objects import ObjectMeta

@@ -113,7 +113,7 @@ def test_another_os_user_cannot_read_plant_or_clear(guest, make_settings):
 
 _SQUAT_AS_GUEST = r"""
 import json, os, sys
-from kvbridge.bench.squatter import parse_args, run   # before the uid drops (the venv is root's)
+from kvbridge.bench.probes.squatter import parse_args, run   # before the uid drops (the venv is root's)
 uid, gid, home, *argv = sys.argv[1:]
 args = parse_args(argv)
 os.setgroups([]); os.setgid(int(gid)); os.setuid(int(uid))

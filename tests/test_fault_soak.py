@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import needs_model
-from kvbridge.bench.fault_soak import soak
+from kvbridge.bench.probes.fault_soak import soak
 from tests.redis_helpers import needs_redis
 
 

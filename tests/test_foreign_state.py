@@ -12,7 +12,8 @@ import pytest
 import requests
 
 from kvbridge.backends import make_backend
-from kvbridge.backends.llama_server.backend import SLOT_ID, LlamaServerBackend
+from kvbridge.backends.llama_server.backend import LlamaServerBackend
+from kvbridge.backends.llama_server.slots import SLOT_ID
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.settings import Settings
 from kvbridge.store import TieredStore

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import needs_model
-from kvbridge.bench.scheduler_workloads import get_workload
+from kvbridge.bench.common.scheduler_workloads import get_workload
 from kvbridge.gui.lab import LabSession, lab_view, start_lab, stop_lab, workload_defaults
 
 pytestmark = [needs_model, pytest.mark.timeout(300)]

@@ -15,8 +15,8 @@ import pytest
 from conftest import needs_model
 from kvbridge.backends import make_backend
 from kvbridge.bench.l3_bench import format_bench_l3, run_bench_l3
-from kvbridge.bench.private_redis import RedisServerMissing, find_redis_server, private_redis
-from kvbridge.bench.runner import empty_faster_tiers, run_scenario
+from kvbridge.bench.common.private_redis import RedisServerMissing, find_redis_server, private_redis
+from kvbridge.bench.common.runner import empty_faster_tiers, run_scenario
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.errors import BadSettings
 from kvbridge.settings import WORK_DIR

@@ -192,7 +192,7 @@ def test_state_bytes_equal_the_in_process_engine(backend, settings):
 
 
 def test_a_corrupt_state_is_refused_not_restored(backend):
-    from kvbridge.backends.llama_server.backend import RestoreFailed
+    from kvbridge.backends.llama_server.slots import RestoreFailed
 
     prompt = prompt_for(backend, QUESTION)
     run(backend, prompt, native=False, n_predict=2)
@@ -301,7 +301,7 @@ def test_unreachable_attach_url_names_the_setting(settings):
 
 def test_server_errors_carry_the_servers_own_message(backend):
     from kvbridge.backends.base import SeqState
-    from kvbridge.backends.llama_server.backend import SLOT_REF_MAGIC, RestoreFailed
+    from kvbridge.backends.llama_server.slots import SLOT_REF_MAGIC, RestoreFailed
 
     missing = SeqState(data=SLOT_REF_MAGIC + struct.pack("<I", 3) + b"kvb-slot-missing.bin", n_tokens=3)
     with pytest.raises(RestoreFailed, match=r"llama-server /slots/0\?action=restore failed \(\d+\): .*restore") as err:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.backends.llama_server.backend import LlamaServerBackend, RestoreFailed
+from kvbridge.backends.llama_server.backend import LlamaServerBackend
+from kvbridge.backends.llama_server.slots import RestoreFailed
 from kvbridge.backends.llama_server.process import built_build_info, pinned_llama_cpp_version
 from kvbridge.formats.slot_file import build_slot_file
 from kvbridge.settings import WORK_DIR, Settings

@@ -15,8 +15,8 @@ from conftest import needs_model
 from kvbridge.backends import make_backend
 from kvbridge.bench.long_context import (DEFAULT_LENGTHS, QUESTIONS, LengthRow, LongContextRecord, build_prompts,
                                          length_rows, long_context_document, parse_lengths, settings_for)
-from kvbridge.bench.runner import run_scenario
-from kvbridge.bench.scenarios import build_requests, get_scenario
+from kvbridge.bench.common.runner import run_scenario
+from kvbridge.bench.common.scenarios import build_requests, get_scenario
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.engine.records import RequestRecord
 from kvbridge.errors import BadSettings

@@ -57,7 +57,7 @@ def kind(request) -> str:
 
 def long_doc(engine: CachedEngine) -> str:
     """The built-in handbook cut to ~640 tokens: past Gemma 3's 512-token window plus a chunk."""
-    from kvbridge.bench.scenarios import builtin_document
+    from kvbridge.bench.common.scenarios import builtin_document
 
     tokens = engine.backend.tokenize(builtin_document())
     return engine.backend.detokenize(tokens[1:640])
@@ -168,7 +168,7 @@ def test_the_scheduler_shares_and_restores_on_every_model(make_settings, model):
     """The scheduler's own llama.cpp context on each model: a shared document is prefilled once
     (seq_cp on both of Gemma 3's caches) and a new scheduler restores the stored prompt from the store,
     all of it: the window rows before Gemma's last window were captured through a scratch sequence."""
-    from kvbridge.bench.scenarios import builtin_document
+    from kvbridge.bench.common.scenarios import builtin_document
     from kvbridge.scheduler import Scheduler
 
     settings = make_settings(model=model, sched_kv_cells=2048, sched_max_running=2, sched_cached_prefixes=2,
@@ -249,7 +249,7 @@ def test_the_scheduler_swaps_out_and_back_in_whole_on_every_model(make_settings,
 
     import numpy as np
 
-    from kvbridge.bench.scenarios import builtin_document
+    from kvbridge.bench.common.scenarios import builtin_document
     from kvbridge.formats.llama_state import parse_state
     from kvbridge.scheduler import Scheduler
     from kvbridge.scheduler import scheduler as scheduler_module

@@ -100,7 +100,7 @@ CHECK = """
 import json, kvbridge
 from kvbridge import CachedEngine, Settings, make_backend
 from kvbridge.settings import DATA_HOME, SOURCE_CHECKOUT, WORK_DIR
-from kvbridge.bench.scenarios import scenario_specs
+from kvbridge.bench.common.scenarios import scenario_specs
 import importlib.util
 print(json.dumps({"version": kvbridge.__version__, "file": kvbridge.__file__, "checkout": str(SOURCE_CHECKOUT),
                   "data_home": str(DATA_HOME), "work_dir": str(WORK_DIR), "problems": Settings.from_env().validate(),

@@ -15,8 +15,8 @@ from kvbridge.backends.registry import EngineSpec, register_engine
 from kvbridge.settings import WORK_DIR
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.errors import BadSettings, StateTransferError
-from kvbridge.bench.runner import parse_modes, run_scenario
-from kvbridge.bench.scenarios import build_requests, list_documents, scenario_specs
+from kvbridge.bench.common.runner import parse_modes, run_scenario
+from kvbridge.bench.common.scenarios import build_requests, list_documents, scenario_specs
 
 
 def test_registry_has_the_four_demo_scenarios():
@@ -125,7 +125,7 @@ def test_cli_bad_engine_is_a_readable_error():
 
 
 def test_summary_reports_speedups_and_shadow_agreement():
-    from kvbridge.bench.report import format_summary, summarize
+    from kvbridge.bench.common.report import format_summary, summarize
     from kvbridge.engine.records import RequestRecord
 
     def rec(mode, i, ttft, matched=0, cached=None, predicted=None):

@@ -156,7 +156,7 @@ def test_a_request_needing_most_of_the_budget_still_runs_when_it_is_alone(make_s
     settings = make_settings(sched_kv_cells=512, sched_block_tokens=16, sched_cached_prefixes=1, n_predict=8,
                              ctx_size=512)
     with Scheduler(settings) as scheduler:
-        from kvbridge.bench.scenarios import builtin_document
+        from kvbridge.bench.common.scenarios import builtin_document
 
         doc = builtin_document()[:2400]
         while len(scheduler._prompt_tokens(chat(doc, QUESTIONS[0]))) > 470:   # ~92% of the 512 cells

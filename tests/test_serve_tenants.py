@@ -202,7 +202,7 @@ def test_the_digest_command():
 def test_the_tenant_benchmark_runs_and_shows_the_isolation(make_settings):
     """kvbridge.bench.tenant_bench with one small document: bob's request reuses nothing of alice's,
     alice's second and carol's (her group) reuse the document."""
-    from kvbridge.bench.tenant_bench import format_report, run_tenant_bench
+    from kvbridge.bench.probes.tenant_bench import format_report, run_tenant_bench
 
     result = run_tenant_bench(make_settings(serve_max_tokens=16), documents=1, doc_chars=1500)
     assert result["bob (other tenant)"]["cached_tokens"] == [0]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import needs_model
-from kvbridge.bench.tenant_timing import format_report, ks_test, roc_auc, run_tenant_timing
+from kvbridge.bench.probes.tenant_timing import format_report, ks_test, roc_auc, run_tenant_timing
 
 pytest.importorskip("openai", reason="the openai SDK is not installed (requirements.txt)")
 

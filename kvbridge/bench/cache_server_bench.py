@@ -1,7 +1,7 @@
 """What the cache server costs, next to the plainest way to do the same work.
 
 Place in the flow: an engine's RemoteStore -> CacheClient -> a private cache server (a child process,
-kvbridge.bench.private_server) -> its shared-memory L1 and an L2 in a temp dir. **This module times
+kvbridge.bench.common.private_server) -> its shared-memory L1 and an L2 in a temp dir. **This module times
 those steps.** Every figure is a ratio measured side by side in one run, since the machine is shared:
 
 - bench_restore_through_server: a 2k-token restore through the server's shared memory against the
@@ -28,8 +28,8 @@ from typing import Sequence
 
 import numpy as np
 
-from kvbridge.bench.private_server import PrivateCacheServer, bench_client, private_cache_server
-from kvbridge.bench.report import plain_copy_ms, stored_prefix
+from kvbridge.bench.common.private_server import PrivateCacheServer, bench_client, private_cache_server
+from kvbridge.bench.common.report import plain_copy_ms, stored_prefix
 from kvbridge.bench.store_bench import _paired_median_ms
 from kvbridge.errors import KVBridgeError
 from kvbridge.settings import Settings

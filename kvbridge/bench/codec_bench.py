@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvbridge.bench.scenarios import build_requests
+from kvbridge.bench.common.scenarios import build_requests
 from kvbridge.bench.store_bench import _paired_median_ms
 from kvbridge.engine.chunks import common_prefix_length
 from kvbridge.settings import Settings

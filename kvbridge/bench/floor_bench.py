@@ -32,8 +32,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from kvbridge.bench.report import fmt, is_warm, median_or_none, plain_copy_ms, ratio
-from kvbridge.bench.runner import empty_faster_tiers, run_scenario
+from kvbridge.bench.common.report import fmt, is_warm, median_or_none, plain_copy_ms, ratio
+from kvbridge.bench.common.runner import empty_faster_tiers, run_scenario
 from kvbridge.engine.records import RequestRecord
 from kvbridge.engine.stages import STAGES, stages_of
 from kvbridge.errors import BadSettings
@@ -129,13 +129,13 @@ def path_engine(path: str, settings: Settings, workdir: Path) -> Iterator:
         with _engine(settings, "llama-server") as engine:
             yield engine, None
     elif path == "cache-server":
-        from kvbridge.bench.private_server import private_cache_server
+        from kvbridge.bench.common.private_server import private_cache_server
 
         with private_cache_server(settings.replace(l2_dir=str(workdir / "cs-l2"))) as server, \
                 _engine(server.engine_settings.replace(l2_dir=settings.l2_dir), "llama.cpp") as engine:
             yield engine, None
     elif path == "l3":
-        from kvbridge.bench.private_redis import private_redis
+        from kvbridge.bench.common.private_redis import private_redis
         from kvbridge.store import TieredStore
 
         with private_redis() as redis:
@@ -197,7 +197,7 @@ def run_path(path: str, settings: Settings, model: str, run: int, workdir: Path,
             cold_texts.update({r.request_index: r.text for r in records if r.mode == "cold" and not r.error})
         summarise_records(result, records, engine.geometry, cold_texts)
         if profile:
-            from kvbridge.bench.scenarios import build_requests
+            from kvbridge.bench.common.scenarios import build_requests
 
             last = [r for r in build_requests("doc-qa", n_requests, document) if r.action != "restart"][-1]
             result.profile = profile_request(engine, last.messages, before)

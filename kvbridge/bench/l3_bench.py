@@ -8,7 +8,7 @@ is not set; the bench writes under its own key prefix and removes what it wrote.
 - doc_qa_from_l3 (a): the doc-qa scenario, cold vs lmcache, every warm hit served by L3
   (runner.empty_faster_tiers, the same hook as `bench --from-tier L3`); the oracle: lmcache = cold;
 - bench_restore_from_l3 (b): a 2k-token restore from L3 against plain redis-py GETs of the same values;
-- lookup_round_trips (c) and lookups_with_l3_down (d): kvbridge.bench.l3_probes;
+- lookup_round_trips (c) and lookups_with_l3_down (d): kvbridge.bench.l3_wire;
 - codecs: kvbridge.bench.codec_bench (e).
 
 Deliberately left out: a Redis Cluster, a server on another host (loopback only) and any timing
@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from kvbridge.bench.cache_server_bench import restored_keys
-from kvbridge.bench.l3_probes import l3_down_both_ways, l3_tier, lookup_round_trips
-from kvbridge.bench.report import format_table, is_warm, stored_prefix, summarize, write_result_json
-from kvbridge.bench.runner import ProgressFn, empty_faster_tiers, run_scenario
+from kvbridge.bench.l3_wire import l3_down_both_ways, l3_tier, lookup_round_trips
+from kvbridge.bench.common.report import format_table, is_warm, stored_prefix, summarize, write_result_json
+from kvbridge.bench.common.runner import ProgressFn, empty_faster_tiers, run_scenario
 from kvbridge.errors import KVBridgeError
 from kvbridge.settings import Settings
 from kvbridge.store import TieredStore
@@ -143,7 +143,7 @@ def run_bench_l3(settings: Settings, make_engine: Callable, parts: Sequence[str]
     make_engine(settings, l2_dir) -> a CachedEngine (the CLI's _make_engine). The engine's store is
     L1 + a fresh L2 + L3 under a bench prefix (KVB_L3_PREFIX + "-bench-<pid>"), removed afterwards.
     """
-    from kvbridge.bench.private_redis import private_redis
+    from kvbridge.bench.common.private_redis import private_redis
 
     result: dict = {"parts": list(parts)}
     with contextlib.ExitStack() as stack:

@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from kvbridge.bench.report import fmt, is_warm, median_or_none, plain_copy_ms, ratio
+from kvbridge.bench.common.report import fmt, is_warm, median_or_none, plain_copy_ms, ratio
 from kvbridge.engine.records import RequestRecord
 from kvbridge.errors import BadSettings
 from kvbridge.formats.llama_state import assembled_size

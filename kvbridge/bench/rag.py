@@ -4,7 +4,7 @@ Place in the flow: `bench --scenario rag` (or the GUI's scenario list) -> run_sc
 -> CachedEngine.infer per request (cold, lmcache, blend) -> the bench's table and summary, whose
 "answers = cold" line is the agreement of each mode with the cold answer to the same prompt, and
 "answers stating the expected fact" the task's own quality: the question's answer from the corpus
-appears in the reply (kvbridge.bench.report.holds_fact), for cold as for the modes that reuse.
+appears in the reply (kvbridge.bench.common.report.holds_fact), for cold as for the modes that reuse.
 
 The corpus (kvbridge/data/rag_corpus.json, written for the project) is an operations handbook of an
 invented mountain railway cut into 16 passages of ~250 tokens, and 24 questions whose answer sits in

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from kvbridge.bench.scenarios import builtin_document
+from kvbridge.bench.common.scenarios import builtin_document
 from kvbridge.settings import Settings
 
 

@@ -1,6 +1,6 @@
 """The scheduler against llama-server on the same workloads, in one run (issue 12, section 4).
 
-Place in the flow: a Workload (kvbridge.bench.scheduler_workloads: chat requests, each with a
+Place in the flow: a Workload (kvbridge.bench.common.scheduler_workloads: chat requests, each with a
 priority and an arrival time) runs on one engine, then on the other, never both at once:
 
 - **ours**: kvbridge.scheduler.Scheduler with the workload's LabDefaults (KV cells, running
@@ -42,7 +42,7 @@ import requests
 from kvbridge.backends.llama_server.api import LlamaServerError, sse_events
 from kvbridge.backends.llama_server.process import (BUILD_SCRIPT, ServerProcess, built_binary, free_port,
                                                     pinned_llama_cpp_version)
-from kvbridge.bench.scheduler_workloads import TimedRequest, Workload, priority_burst, shared_system_prompt
+from kvbridge.bench.common.scheduler_workloads import TimedRequest, Workload, priority_burst, shared_system_prompt
 from kvbridge.errors import EngineUnavailable, KVBridgeError
 from kvbridge.settings import Settings
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvbridge.bench.report import write_result_json
+from kvbridge.bench.common.report import write_result_json
 from kvbridge.bench.scheduler_compare import OURS, THEIRS
 
 

@@ -21,7 +21,7 @@ port, started and stopped by this module, one at a time (never both up at once):
 
 Both are asked the same way: `chat.completions` with `stream=True`, `temperature=0`, a fixed
 `max_tokens` and `stream_options={"include_usage": True}`, on the Document Q&A messages (the
-built-in handbook and its questions, kvbridge.bench.scenarios). TTFT is measured by the client:
+built-in handbook and its questions, kvbridge.bench.common.scenarios). TTFT is measured by the client:
 from just before the SDK call to the first chunk carrying content. `cached_tokens` is what each
 server reports (ours: the tokens restored or shared instead of prefilled); ours also names the tier
 that served the prompt (X-KVBridge-Tier).
@@ -54,8 +54,8 @@ from typing import Callable, Iterator
 import requests
 
 from kvbridge.backends.llama_server.process import ServerProcess, free_port
-from kvbridge.bench.report import write_result_json
-from kvbridge.bench.scenarios import build_requests, builtin_document
+from kvbridge.bench.common.report import write_result_json
+from kvbridge.bench.common.scenarios import build_requests, builtin_document
 from kvbridge.bench.scheduler_compare import llama_server_binary
 from kvbridge.errors import EngineUnavailable, KVBridgeError
 from kvbridge.settings import WORK_DIR, Settings, settings_to_env

@@ -36,7 +36,7 @@ from kvbridge.gui.server_panel import ServerView, server_view
 from kvbridge.settings import Settings
 from kvbridge.errors import KVBridgeError
 from kvbridge.engine.records import DEFAULT_MODES, MODES
-from kvbridge.bench.scenarios import get_scenario
+from kvbridge.bench.common.scenarios import get_scenario
 
 __all__ = ["AppState", "build_app", "launch_app", "main"]
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from kvbridge.bench.scheduler_workloads import WORKLOADS, LabDefaults, TimedRequest, Workload, get_workload
+from kvbridge.bench.common.scheduler_workloads import WORKLOADS, LabDefaults, TimedRequest, Workload, get_workload
 from kvbridge.errors import KVBridgeError
 from kvbridge.gui.charts import format_bytes
 from kvbridge.gui.handlers import Outcome, failure_message

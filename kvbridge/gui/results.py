@@ -1,6 +1,6 @@
 """What the GUI's scenario, results and export panels do: runs streamed request by request.
 
-Place in the flow: Run in kvbridge.gui.app -> **run_stream** -> kvbridge.bench.runner.run_scenario ->
+Place in the flow: Run in kvbridge.gui.app -> **run_stream** -> kvbridge.bench.common.runner.run_scenario ->
 CachedEngine.infer per request -> a ResultsView (table, charts, summary) after every request.
 No Gradio here. A failing run keeps the records it already produced; a new run replaces the
 shown results only once its first record arrives.
@@ -20,9 +20,9 @@ from kvbridge.gui.charts import ModeSummary, mode_summaries, run_figures
 from kvbridge.errors import BadSettings, KVBridgeError
 from kvbridge.gui.export import export_run
 from kvbridge.engine.records import MODES, RECORD_FIELDS, RequestRecord
-from kvbridge.bench.report import summarize
-from kvbridge.bench.runner import run_scenario
-from kvbridge.bench.scenarios import get_scenario, list_documents, scenario_specs
+from kvbridge.bench.common.report import summarize
+from kvbridge.bench.common.runner import run_scenario
+from kvbridge.bench.common.scenarios import get_scenario, list_documents, scenario_specs
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""What several benchmarks (and the GUI) share: scenarios, the runner, the report, workloads, private servers."""
