@@ -1,28 +1,25 @@
 """LlamaServerBackend: llama.cpp's own HTTP server, with full KV through its slot files.
 
-Place in the flow: prompt -> tokens (`POST /tokenize`) -> chunk hashes -> lookup -> **restore: write
-a slot file, `POST /slots/0?action=restore`** -> suffix prefill + generate (`POST /completion`,
-streaming, prompt sent as token ids) -> **store: `action=save`, read the slot file** -> chunks.
+Place in the flow: prompt -> tokens (`POST /tokenize`) -> chunk hashes -> lookup -> restore (a slot
+file, see slots.py) -> **suffix prefill + generate (`POST /completion`, streaming, prompt sent as
+token ids)** -> store (`action=save`, see slots.py) -> chunks.
 
-Slot files carry the same sequence-state bytes as llama-cpp-python's in-process API (see
-kvbridge.formats.slot_file), so with the same model, cache types and V layout both engines share
-one namespace and one set of stored chunks. The server runs with one slot (`-np 1`), `--cache-ram 0`
-(its own RAM prompt cache would blur what our store saves) and a private `--slot-save-path`.
+This module is the adapter itself: lifecycle, prompts, generation and what the KV is keyed by. The
+server it talks to is started or attached in launch.py; KV leaves and returns through slot files in
+slots.py (SlotKV). Slot files carry the same sequence-state bytes as llama-cpp-python's in-process
+API (see kvbridge.formats.slot_file), so with the same model, cache types and V layout both engines
+share one namespace and one set of stored chunks. The server runs with one slot (`-np 1`),
+`--cache-ram 0` (its own RAM prompt cache would blur what our store saves) and a private
+`--slot-save-path`.
 
 Attached to a server whose slot directory is not on this machine (KVB_LLAMA_SERVER_URL without
-KVB_LLAMA_SERVER_SLOT_DIR), the KV bytes cannot be read: save_state() then keeps the slot file on
-the server under a content name and returns a reference (`SeqState.data` starts with SLOT_REF_MAGIC,
-`self.kv_by_reference` is True); restore_state() restores that file by name.
+KVB_LLAMA_SERVER_SLOT_DIR), the KV bytes cannot be read: `self.kv_by_reference` is True and slot
+files stay on the server under content names (see slots.py).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import secrets
-import struct
 import threading
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -30,32 +27,27 @@ from typing import Iterator, Sequence
 import requests
 
 from kvbridge.settings import Settings
-from kvbridge.errors import BadSettings, EngineUnavailable, KVBridgeError, StateTransferError
-from kvbridge.backends.base import Backend, EngineReport, Message, Prompt, Sampling, SeqState, WindowCapture
+from kvbridge.errors import BadSettings, EngineUnavailable, KVBridgeError
+from kvbridge.backends.base import Backend, EngineReport, Message, Prompt, Sampling
 from kvbridge.backends.model_traits import traits_of_file
 from kvbridge.formats.architectures import ModelTraits
 from kvbridge.backends.chat_template import ChatTemplate
-from kvbridge.backends.llama_server.process import (
-    ServerProcess, build_advice, built_binary, built_build_info, free_port, pinned_llama_cpp_version, port_is_free)
-from kvbridge.backends.llama_server.api import LlamaServerError, fill_report, slot_timing, sse_events
+from kvbridge.backends.llama_server.process import ServerProcess, built_build_info, pinned_llama_cpp_version
+from kvbridge.backends.llama_server.api import LlamaServerError, fill_report, sse_events
 from kvbridge.backends.llama_server.identity import ServerIdentity, server_identity
+from kvbridge.backends.llama_server.launch import attach_to, start_own_server
+from kvbridge.backends.llama_server.slots import SLOT_ID, SlotKV
 from kvbridge.backends.llama_server.swa_probe import swa_full_refusal
-from kvbridge.backends.llamacpp import (cache_type_problems, swa_fingerprint, check_model_file, ggml_type_id, model_file_problems,
-                                       model_path_for)
+from kvbridge.backends.llamacpp import cache_type_problems, swa_fingerprint, model_file_problems
 from kvbridge.backends.registry import EngineSpec, register_engine
-from kvbridge.formats.slot_file import MappedSlotFile, SlotFileError, build_slot_file, read_slot_file, write_in_place
 
-SLOT_ID = 0
-SLOT_REF_MAGIC = b"KVBSLOTREF1\0"   # SeqState.data of a remote slot file: magic, u32 n_tokens, file name
 HTTP_TIMEOUT_S = 30.0               # tokenize, props, slot actions
 STREAM_TIMEOUT_S = (5.0, 600.0)     # /completion: connect, then the longest silence (a long cold prefill)
 
 
-class RestoreFailed(StateTransferError):
-    """llama-server refused a slot file (or it could not be written here); the engine recomputes."""
+class LlamaServerBackend(SlotKV, Backend):
+    """The engine adapter: lifecycle, prompts and generation here; slot-file KV in SlotKV (slots.py)."""
 
-
-class LlamaServerBackend(Backend):
     key = "llama-server"
     kv_mode = "full"
 
@@ -81,19 +73,13 @@ class LlamaServerBackend(Backend):
         self.binary: Path | None = None
         self.n_ctx = settings.ctx_size
         self.build_info = ""
-        self.last_save_ms: float | None = None      # llama-server's own timings of the last slot action
-        self.last_restore_ms: float | None = None
         self._http = requests.Session()
         self._context: list[int] = []
         self._props: dict = {}                     # GET /props of the server we talk to
         self.identity: ServerIdentity | None = None  # what the server reports about its model
         self._template: ChatTemplate | None = None
-        self._n_restored: int | None = None        # the server's own count from the last restore action
-        self._task_seed: int | None = None         # the seed our last /completion sent (marks its task)
         self._lock = threading.Lock()
-        self._restore_name = f"kvb-restore-{uuid.uuid4().hex}.bin"
-        self._mapped: MappedSlotFile | None = None   # the restore file while the engine assembles into it
-        self._file_tokens: list[int] | None = None  # tokens of the complete state in the restore file
+        self._init_slot_kv()
         self._traits: tuple[Path, ModelTraits] | None = None   # (model file, what llama.cpp says of it)
 
     @property
@@ -107,9 +93,12 @@ class LlamaServerBackend(Backend):
             if self.base_url:
                 return
             if self.settings.llama_server_url:
-                self._attach(self.settings.llama_server_url.rstrip("/"))
+                url = self.settings.llama_server_url.rstrip("/")
+                self.slot_dir = attach_to(self._http, url, self.settings)
+                self.base_url = url
             else:
-                self._start_own()
+                self.server, self.binary, self.model_path = start_own_server(self.settings, self._traits_of)
+                self.base_url, self.slot_dir = self.server.url, self.server.slot_dir
             try:
                 self._read_props()
                 refusal = swa_full_refusal(self) if self.server is None else ""   # ours runs with --swa-full
@@ -119,73 +108,6 @@ class LlamaServerBackend(Backend):
                 self._release()  # a half-started engine would leave its server running
                 raise
             self._context = []
-
-    def _start_own(self) -> None:
-        binary = self._resolve_binary()
-        model = model_path_for(self.settings)
-        check_model_file(model)
-        ggml_type_id(self.settings.cache_type_k, "KVB_CACHE_TYPE_K")
-        ggml_type_id(self.settings.cache_type_v, "KVB_CACHE_TYPE_V")
-        chosen_port = self.settings.llama_server_port
-        if chosen_port and not port_is_free(chosen_port):
-            raise EngineUnavailable(
-                f"Port {chosen_port} on 127.0.0.1 is already in use (KVB_LLAMA_SERVER_PORT); "
-                f"choose another port or 0 for any free one.")
-        threads = str(self.settings.resolved_threads())
-        args = [
-            "--model", str(model), "--ctx-size", str(self.settings.ctx_size),
-            "--threads", threads, "--threads-batch", threads,
-            "--parallel", "1", "--cache-ram", "0",
-            "--flash-attn", "on" if self.settings.flash_attn else "off",
-            "--cache-type-k", self.settings.cache_type_k.lower(),
-            "--cache-type-v", self.settings.cache_type_v.lower(),
-            # the in-process engine's batch sizes, so both evaluate prompts the same way
-            "--batch-size", "512", "--ubatch-size", "512",
-            "--no-webui", "--no-warmup",
-        ]
-        if self._traits_of(model).n_swa:
-            # every cell of the sliding-window cache is kept, so earlier window rows can be captured
-            # (capture_window) and the server trims a restored prompt like any other (see Docs/Models.md)
-            args.append("--swa-full")
-        for attempt in (1, 2):
-            server = ServerProcess(binary, args, "127.0.0.1", chosen_port or free_port())
-            server.start()
-            try:
-                server.wait_healthy(self.settings.llama_start_timeout)
-                break
-            except EngineUnavailable as exc:
-                # a free port can be taken between our probe and the server's bind: try another once
-                if chosen_port or attempt == 2 or "KVB_LLAMA_SERVER_PORT" not in str(exc):
-                    raise
-        self.server, self.binary, self.model_path = server, binary, model
-        self.base_url, self.slot_dir = server.url, server.slot_dir
-
-    def _resolve_binary(self) -> Path:
-        if self.settings.llama_server_bin:
-            binary = Path(self.settings.llama_server_bin).expanduser()
-            where = f"KVB_LLAMA_SERVER_BIN={self.settings.llama_server_bin}"
-        else:
-            binary = built_binary(pinned_llama_cpp_version())
-            where = "the default build location; KVB_LLAMA_SERVER_BIN can point at another binary"
-        if not binary.is_file():
-            raise EngineUnavailable(f"llama-server binary {binary} does not exist ({where}). "
-                                    f"{build_advice()}.")
-        if not binary.stat().st_mode & 0o111:
-            raise EngineUnavailable(f"llama-server binary {binary} is not executable ({where}).")
-        return binary
-
-    def _attach(self, url: str) -> None:
-        try:
-            ok = self._http.get(f"{url}/health", timeout=5).status_code == 200
-        except requests.RequestException as exc:
-            raise EngineUnavailable(f"No llama-server answers at {url} (KVB_LLAMA_SERVER_URL): {exc}") from exc
-        if not ok:
-            raise EngineUnavailable(f"llama-server at {url} (KVB_LLAMA_SERVER_URL) is not healthy (still loading?).")
-        slot_dir = self.settings.llama_server_slot_dir
-        if slot_dir and not Path(slot_dir).expanduser().is_dir():
-            raise EngineUnavailable(f"KVB_LLAMA_SERVER_SLOT_DIR={slot_dir} is not a directory on this machine.")
-        self.base_url = url
-        self.slot_dir = Path(slot_dir).expanduser() if slot_dir else None
 
     def _read_props(self) -> None:
         props = self._get_json("/props")
@@ -208,12 +130,7 @@ class LlamaServerBackend(Backend):
             self._release()
 
     def _release(self) -> None:
-        self._file_tokens = None
-        if self._mapped is not None:
-            self._mapped.close()
-            self._mapped = None
-        if self.slot_dir is not None:
-            (self.slot_dir / self._restore_name).unlink(missing_ok=True)
+        self._release_slot_kv()
         if self.server is not None:
             self.server.stop()
             self.server = None
@@ -326,28 +243,11 @@ class LlamaServerBackend(Backend):
         # the slot keeps the prompt and every generated token it evaluated (all but the last)
         self._context = tokens + generated[:-1]
 
-    def _new_task_seed(self) -> int:
-        self._task_seed = secrets.randbelow(0xFFFFFFFF)   # 0xFFFFFFFF itself means "random" to llama.cpp
-        return self._task_seed
-
-    def _slot_last_ran_ours(self) -> bool | None:
-        """Whether the slot's latest task is our last /completion (its seed is ours); None: cannot tell."""
-        try:
-            slots = self._get_json("/slots")
-        except LlamaServerError:
-            return None   # a server started with --no-slots
-        slot = next((s for s in slots if isinstance(s, dict) and s.get("id") == SLOT_ID), None) \
-            if isinstance(slots, list) else None
-        seed = ((slot or {}).get("params") or {}).get("seed")
-        if seed is None or self._task_seed is None:
-            return None
-        return int(seed) == self._task_seed and not slot.get("is_processing")
-
     def reset_native_cache(self) -> None:
         self._post_json(f"/slots/{SLOT_ID}?action=erase", {})
         self._context = []
 
-    # full KV access ------------------------------------------------------------------------
+    # what the KV is keyed by ---------------------------------------------------------------
     def kv_fingerprint(self) -> dict[str, str]:
         """The in-process engine's keys, so equal configurations give one namespace.
 
@@ -388,135 +288,9 @@ class LlamaServerBackend(Backend):
         model = self.model_file()
         return self._traits_of(model) if model is not None else None
 
-    def capture_window(self, n_tokens: int) -> WindowCapture | None:
-        """Truncate the slot to its first n_tokens (a one-token request that reuses them: the server
-        re-evaluates the last one) and save it: the slot file's sliding-window cache then holds the window
-        ending there. The re-evaluated position is not trusted (trusted_end = n_tokens - 1)."""
-        context = list(self._context)
-        if self.slot_dir is None or n_tokens < 2 or n_tokens > len(context):
-            return None
-        tokens = context[:n_tokens]
-        body = {"prompt": tokens, "n_predict": 1, "cache_prompt": True, "id_slot": SLOT_ID, "stream": False,
-                "temperature": 0.0, "seed": self._new_task_seed()}
-        try:
-            self._post_json("/completion", body)
-        except LlamaServerError as exc:
-            raise StateTransferError(f"llama-server did not truncate its slot: {exc}") from exc
-        self._context = tokens
-        state = self.save_state()
-        if state.token_ids is None or list(state.token_ids[:n_tokens]) != tokens:
-            return None   # the slot ran another client's task in between: nothing of it is ours
-        return WindowCapture(data=state.data, whole_state=True, trusted_end=n_tokens - 1)
-
     def context_tokens(self) -> list[int]:
         return list(self._context)
 
-    def save_state(self) -> SeqState:
-        if self.kv_by_reference:
-            return self._save_by_reference()
-        name = f"kvb-save-{uuid.uuid4().hex}.bin"
-        path = self.slot_dir / name
-        try:
-            result = self._post_json(f"/slots/{SLOT_ID}?action=save", {"filename": name})
-            self.last_save_ms = slot_timing(result, "save_ms")
-            slot = read_slot_file(path, seq_id=SLOT_ID)
-        except LlamaServerError as exc:
-            raise StateTransferError(f"llama-server did not save its slot: {exc}") from exc
-        except (OSError, SlotFileError) as exc:
-            raise StateTransferError(f"could not read llama-server's slot file {path}: {exc}") from exc
-        finally:
-            path.unlink(missing_ok=True)
-        # The slot file's own ids say whose KV this is: another client may have used the slot since
-        # our /completion, and then these are its tokens, not ours (CachedEngine stores nothing).
-        ids = slot.tokens[: slot.n_cells]
-        self._context = ids
-        return SeqState(data=slot.state, n_tokens=slot.n_cells, token_ids=tuple(ids))
-
-    def _save_by_reference(self) -> SeqState:
-        """Save the slot on the server under a name derived from its tokens: equal tokens, equal KV,
-        so a name is only ever rewritten with the same content and saved files do not pile up."""
-        if not self._context:
-            raise StateTransferError("the slot's tokens are unknown (nothing generated since start); not saved")
-        digest = hashlib.blake2b(json.dumps(self._context).encode(), digest_size=16).hexdigest()
-        name = f"kvb-slot-{digest}.bin"
-        try:
-            result = self._post_json(f"/slots/{SLOT_ID}?action=save", {"filename": name})
-        except LlamaServerError as exc:
-            raise StateTransferError(f"llama-server did not save its slot: {exc}") from exc
-        self.last_save_ms = slot_timing(result, "save_ms")
-        # The slot file cannot be read from here, so whose KV it holds is checked after the save: the
-        # slot must hold as many tokens as ours and its latest task must still be our /completion.
-        # () tells CachedEngine the state is someone else's. (A file of ours overwritten that way is
-        # harmless: it carries the ids it was saved with, and llama-server reuses KV only for those.)
-        ours = int(result.get("n_saved", -1)) == len(self._context) and self._slot_last_ran_ours()
-        token_ids = tuple(self._context) if ours else (() if ours is False else None)
-        # the count travels inside the reference: a store may re-wrap the state with fewer token ids
-        ref = SLOT_REF_MAGIC + struct.pack("<I", len(self._context)) + name.encode()
-        return SeqState(data=ref, n_tokens=len(self._context), token_ids=token_ids)
-
-    def state_buffer(self, size: int, tokens: Sequence[int]):
-        """Map the restore slot file and hand out the spot where its state goes (saves one 40 MB copy)."""
-        if self.slot_dir is None:
-            return None
-        if self._mapped is None:
-            self._mapped = MappedSlotFile(self.slot_dir / self._restore_name)
-        self._file_tokens = None   # the file is being rebuilt
-        return self._mapped.buffer(tokens, size)
-
-    def reuse_last_restore(self, tokens: Sequence[int]) -> bool:
-        """Restore the restore file again when it starts with `tokens` (document Q&A: every question
-        restores the same document prefix), skipping assembly and the file write. Extra tokens at its
-        end are trimmed by the server's own prefix matching on the next request, as after any restore
-        (a sliding-window model's file too: it holds every cell of both caches, see assemble_state)."""
-        tokens = [int(t) for t in tokens]
-        held = self._file_tokens
-        if self.slot_dir is None or held is None or len(held) < len(tokens) or held[: len(tokens)] != tokens:
-            return False
-        self._restore_file(self._restore_name, wanted=len(tokens))
-        self._context = list(held)
-        return True
-
-    def restore_state(self, state: SeqState, tokens: Sequence[int]) -> None:
-        tokens = [int(t) for t in tokens]
-        head = len(SLOT_REF_MAGIC)
-        if bytes(state.data[:head]) == SLOT_REF_MAGIC:
-            name = bytes(state.data[head + 4:]).decode()
-            self._restore_file(name, wanted=len(tokens))
-            self._context = []  # the server's slot holds tokens we no longer list
-            return
-        if self.slot_dir is None:
-            raise RestoreFailed("this llama-server's slot directory is not on this machine (KVB_LLAMA_SERVER_SLOT_DIR)")
-        # one file per backend, rewritten in place for every restore (see write_in_place); removed by stop()
-        path = self.slot_dir / self._restore_name
-        mapped = self._mapped
-        self._file_tokens = None
-        try:
-            if mapped is not None and mapped.holds(state.data) and mapped.tokens == tokens:
-                mapped.finish()     # the state was assembled straight into the file
-            else:
-                write_in_place(path, build_slot_file(state.data, tokens))
-        except (OSError, SlotFileError) as exc:
-            raise RestoreFailed(f"cannot write a slot file: {exc}") from exc
-        self._restore_file(self._restore_name, wanted=len(tokens))
-        self._context = tokens
-        self._file_tokens = tokens   # the file is complete and the server took it
-
-    def _restore_file(self, name: str, wanted: int) -> None:
-        """`action=restore` of one slot file; the server's own count of restored tokens (`n_restored`,
-        the first `wanted` of them: a reused restore file may hold more) is what held_tokens() reports."""
-        self._n_restored = None
-        try:
-            result = self._post_json(f"/slots/{SLOT_ID}?action=restore", {"filename": name})
-        except LlamaServerError as exc:
-            self._context = []
-            raise RestoreFailed(str(exc)) from exc
-        self.last_restore_ms = slot_timing(result, "restore_ms")
-        self._n_restored = min(int(result.get("n_restored", 0)), wanted)
-
-    def held_tokens(self) -> int | None:
-        """The server's own count from the last restore action (CachedEngine compares it with what it
-        restored; a mismatch is counted as restore_ineffective and the prompt is recomputed)."""
-        return self._n_restored
 
 
 register_engine(EngineSpec(
