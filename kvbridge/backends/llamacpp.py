@@ -23,6 +23,7 @@ from kvbridge.backends.base import Backend, EngineReport, Message, Prompt, Sampl
 from kvbridge.backends.model_traits import traits_of_model
 from kvbridge.backends.chat_template import ChatTemplate, template_of_llama
 from kvbridge.backends.registry import EngineSpec, register_engine
+from kvbridge.backends.text_decoding import Utf8Decoder
 from kvbridge.formats.llama_state import KV_CACHE_TYPES, UNQUANTISED_KV_TYPES
 
 def ggml_type_id(name: str, variable: str) -> int:
@@ -333,29 +334,6 @@ class LlamaCppBackend(Backend):
         llm.input_ids[:n] = list(tokens)
         llm.n_tokens = n
         llm._requires_eval = True  # logits are stale: Llama.generate must decode at least one token
-
-
-class Utf8Decoder:
-    """Joins token bytes so multi-byte characters split across tokens come out whole."""
-
-    def __init__(self):
-        self.pending = b""
-
-    def feed(self, piece: bytes) -> str:
-        data = self.pending + piece
-        for cut in range(len(data), max(len(data) - 4, -1), -1):
-            try:
-                text = data[:cut].decode("utf-8")
-            except UnicodeDecodeError:
-                continue
-            self.pending = data[cut:]
-            return text
-        self.pending = data
-        return ""
-
-    def flush(self) -> str:
-        text, self.pending = self.pending.decode("utf-8", errors="replace"), b""
-        return text
 
 
 register_engine(EngineSpec(

@@ -41,13 +41,15 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvbridge.backends.llama_context import BATCH_TOKENS, LlamaContext, Sampler
-from kvbridge.backends.llamacpp import Utf8Decoder
+from kvbridge.backends.text_decoding import Utf8Decoder
 from kvbridge.blend.passages import (FoundPassage, blend_namespace, check_passage, instruction_key, passage_key,
                                      passage_meta)
+from kvbridge.engine.layout import probe_geometry, probe_state_on_sequence
 from kvbridge.engine.segments import segment_spans
 from kvbridge.errors import KVBridgeError, StateTransferError
-from kvbridge.formats.llama_state import (KVGeometry, LayoutError, assemble_state, assembled_size, encode_chunk,
-                                         parse_state)
+from kvbridge.formats.architectures import KVSupport
+from kvbridge.formats.llama_chunks import assemble_state, assembled_size, encode_chunk
+from kvbridge.formats.llama_state import KVGeometry, LayoutError, parse_state
 from kvbridge.settings import Settings
 
 ANSWER, SCRATCH = 0, 1
@@ -133,16 +135,12 @@ class BlendRunner:
                                "KV cache cannot (llama_memory_can_shift is false); use lmcache with this model")
 
     def _probe(self) -> KVGeometry:
+        """The plain layout (a sliding-window model was refused above) proven on a probe in the scratch sequence."""
         name = self.ctx.model_path.name
-        tokens = self.ctx.tokenize(PROBE)
-        self.ctx.seq_rm(SCRATCH)
-        self._decode(SCRATCH, tokens, 0, want_logits=False)
         try:
-            return parse_state(self.ctx.save_seq(SCRATCH)).geometry
+            return probe_geometry(None, KVSupport("plain"), lambda: probe_state_on_sequence(self.ctx, SCRATCH, PROBE))
         except LayoutError as exc:
             raise BlendRefused(f"blend mode does not understand {name}'s KV layout: {exc}") from exc
-        finally:
-            self.ctx.seq_rm(SCRATCH)
 
     def under(self, namespace: str) -> "BlendRunner":
         """This runner on another namespace's passages (a cache salt's): the same context, geometry and

@@ -28,6 +28,7 @@ from kvbridge.cache_server.client import CacheClient, CacheServerError, CacheSer
 from kvbridge.cache_server.auth import read_token
 from kvbridge.settings import Settings
 from kvbridge.store.objects import LookupResult, ObjectMeta, StoredObject, StoreFault, check_key
+from kvbridge.store.opening import STORE_URL_KIND, RemoteStoreKind, register_remote_store
 
 log = logging.getLogger("kvbridge.cache_server.client")
 
@@ -213,3 +214,7 @@ class RemoteStore:
                 else "refused" if isinstance(exc, CacheServerRefused) else "server_errors")
         self._counts[name] += 1
         log.warning("cache server %s: %s counted as a miss (%s)", self.client.url, what, exc)
+
+
+register_remote_store(RemoteStoreKind(STORE_URL_KIND, RemoteStore.from_settings,
+                                      "a KVBridge cache server at KVB_STORE_URL: its tiers, shared by every engine"))

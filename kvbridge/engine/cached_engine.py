@@ -24,29 +24,21 @@ from kvbridge.errors import BadSettings, EmptyPrompt, KVBridgeError, StateTransf
 from kvbridge.engine.segments import no_passages_note, tokenize_segments
 from kvbridge.engine.hashing import make_hasher
 from kvbridge.engine.chunks import ChunkKV, ForeignState, ShadowIndex
-from kvbridge.formats.architectures import ModelTraits, kv_support
-from kvbridge.formats.llama_state import KVGeometry, LayoutError, parse_state
+from kvbridge.formats.architectures import ModelTraits
+from kvbridge.formats.llama_state import KVGeometry, LayoutError
 from kvbridge.store.serde import remember_geometry
 from kvbridge.engine.metrics import Metrics
-from kvbridge.engine.namespace import file_sha256, kv_namespace, sha_cache_file, short_namespace
+from kvbridge.engine.layout import decide_layout
+from kvbridge.engine.namespace import namespace_for, short_namespace
 from kvbridge.engine.records import MODES, RequestRecord
 from kvbridge.engine.stages import StageTimer
-from kvbridge.store import TieredStore
+from kvbridge.store import TieredStore, open_store
 from kvbridge.store.objects import StoreFault
 
 log = logging.getLogger(__name__)
 # The probe learns the KV layout and warms the engine up: the first large prefill after a start is
 # several times slower (buffers are allocated), which would otherwise inflate the first cold request.
 PROBE_TEXT = " ".join(["KV layout probe and warm-up."] * 24)
-
-
-def open_store(settings: Settings):
-    """The embedded TieredStore, or, with KVB_STORE_URL set, the cache server there (its tiers, not ours)."""
-    if settings.store_url:
-        from kvbridge.cache_server.remote_store import RemoteStore
-
-        return RemoteStore.from_settings(settings)
-    return TieredStore.from_settings(settings)
 
 
 class CachedEngine:
@@ -116,18 +108,18 @@ class CachedEngine:
                 self.backend.reset_native_cache()
 
     def _open_namespace(self) -> None:
-        model = self.backend.model_file()
-        model_sha = file_sha256(model, sha_cache_file(self.settings.l2_dir)) if model is not None else None
         kv_layout = None
         if self.backend.kv_mode == "full":
-            self.geometry, self.kv_refusal = self._decide_layout()
-            kv_layout = ("refused" if self.kv_refusal else
-                         self.geometry.digest().hex()[:16] if self.geometry else "snapshot")
+            # what the model is decides which layout is expected (kvbridge.engine.layout); whole snapshots remain
+            # only for a plain model on a llama-server whose slot files are not on this machine
+            self.traits = self.backend.model_traits()
+            decision = decide_layout(self.traits, self._probe_state, by_reference=self.backend.kv_by_reference)
+            self.geometry, self.kv_refusal = decision.geometry, decision.refusal
+            kv_layout = decision.namespace_key
             if self.geometry is not None:
                 remember_geometry(self.geometry)   # the int8 codec finds a chunk's K and V rows by it
-        self.namespace = kv_namespace(self.backend.kv_fingerprint(), model_sha256=model_sha, kv_layout=kv_layout,
-                                      lossy_codecs=getattr(self.store, "lossy_codecs", []),
-                                      chunk_size=self.settings.chunk_size)
+        self.namespace = namespace_for(self.settings, fingerprint=self.backend.kv_fingerprint(),
+                                       model_path=self.backend.model_file(), kv_layout=kv_layout, store=self.store)
         self.hasher = make_hasher(self.settings.chunk_size, self.namespace, self.settings.prefer_lmcache_hasher)
         seed = getattr(self.hasher, "seed", b"")
         if self.backend.kv_mode == "full" and not self.kv_refusal:
@@ -136,33 +128,8 @@ class CachedEngine:
         elif self.backend.kv_mode != "full":
             self._index = ShadowIndex(self.store, self.namespace, seed, self.settings.chunk_size)
 
-    def _decide_layout(self) -> tuple[KVGeometry | None, str]:
-        """(geometry, refusal): what the model is decides which layout is expected (kv_support); a probe
-        state must then parse as exactly that layout. Whole snapshots remain only for a plain model on a
-        llama-server whose slot files are not on this machine (the bytes cannot be read here)."""
-        self.traits = self.backend.model_traits()
-        if self.traits is None:
-            return None, "the engine did not say what kind of model it runs, so no KV layout can be proven; it runs uncached"
-        support = kv_support(self.traits)
-        if support.refused:
-            log.warning("KV caching refused: %s", support.reason)
-            return None, support.reason
-        if self.backend.kv_by_reference:
-            if support.window:
-                return None, (f"the {self.traits.architecture} model's sliding-window cache cannot be restored from whole "
-                              "snapshots kept on the server (set KVB_LLAMA_SERVER_SLOT_DIR to its slot directory "
-                              "for chunked KV); it runs uncached")
-            return None, ""
-        try:
-            return self._probe_geometry(support.window), ""
-        except LayoutError as exc:
-            reason = (f"the {self.traits.architecture} model's KV state is not the {support.layout} layout "
-                      f"llama.cpp writes for it ({exc}); it runs uncached")
-            log.warning("KV caching refused: %s", reason)
-            return None, reason
-
-    def _probe_geometry(self, window: int) -> KVGeometry:
-        """Learn the engine's KV layout from a tiny real state; LayoutError when it is not the expected one."""
+    def _probe_state(self):
+        """A tiny real state of the engine (the probe also warms it up); the engine's cache is dropped after."""
         # at most half the context, so the smallest context the settings allow still starts
         tokens = self.backend.tokenize(PROBE_TEXT)[: max(2, self.settings.ctx_size // 2)]
         prompt = Prompt(text=PROBE_TEXT, tokens=tuple(tokens))
@@ -170,7 +137,7 @@ class CachedEngine:
         for _ in self.backend.generate(prompt, n_predict=1, temperature=0.0, use_native_cache=False, report=report):
             pass
         try:
-            return parse_state(self.backend.save_state().data, self.traits.n_layer, window=window).geometry
+            return self.backend.save_state().data
         finally:
             self.backend.reset_native_cache()
 

@@ -3,7 +3,8 @@
 Objects stored under one namespace are never restored under another: the model file's sha256,
 the K/V cache types, the V layout, the state format, the engine library's version and the chunk
 size all go into it. Two engines with identical KV (llama-cpp-python in-process and the llama-server
-built from the same llama.cpp) get the same namespace and so share stored chunks.
+built from the same llama.cpp) get the same namespace and so share stored chunks. namespace_for is
+the one builder CachedEngine and the scheduler use.
 """
 from __future__ import annotations
 
@@ -83,6 +84,16 @@ def kv_namespace(fingerprint: dict[str, str], *, model_sha256: str | None, kv_la
     if lossy_codecs:
         fingerprint["kv_codec"] = "+".join(lossy_codecs)
     return build_namespace(fingerprint, chunk_size)
+
+
+def namespace_for(settings, *, fingerprint: dict[str, str], model_path: Path | None, kv_layout: str | None,
+                  store) -> str:
+    """The namespace an engine names its objects with: its fingerprint, the model file's sha256 (cached beside
+    KVB_L2_DIR; none for a model not on this machine), the KV layout's key, the lossy codecs of `store`'s tiers
+    and KVB_CHUNK_SIZE."""
+    model_sha = file_sha256(model_path, sha_cache_file(settings.l2_dir)) if model_path is not None else None
+    return kv_namespace(fingerprint, model_sha256=model_sha, kv_layout=kv_layout,
+                        lossy_codecs=getattr(store, "lossy_codecs", []), chunk_size=settings.chunk_size)
 
 
 def sha_cache_file(l2_dir: str) -> Path:

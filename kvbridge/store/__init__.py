@@ -7,7 +7,8 @@
     obj = store.get(chunk_hash)               # StoredObject(blob, meta, tier) or None
 
 Modules, in reading order: objects (what is stored), policy (LRU by bytes with pins), tiers (the
-interface and L1), diskformat (the L2 file), disk (L2), tiered (TieredStore).
+interface and L1), diskformat (the L2 file), disk (L2), tiered (TieredStore), opening (open_store: the
+embedded store, or a registered remote one when KVB_STORE_URL is set).
 
 Errors: a storage fault never escapes get/put/lookup; it is a counted miss or skipped write in
 stats(). The one storage exception callers may see is StoreFault (from clear(), when the disk
@@ -26,6 +27,7 @@ from kvbridge.store.objects import (
     StoreFault,
     UnstorableObject,
 )
+from kvbridge.store.opening import open_store
 from kvbridge.store.policy import LRUPolicy
 from kvbridge.store.tiered import TieredStore
 from kvbridge.store.tiers import MemoryTier, Tier
@@ -40,6 +42,7 @@ __all__ = [
     "MemoryTier",
     "ObjectMeta",
     "ObjectVanished",
+    "open_store",
     "StoredObject",
     "StoreFault",
     "Tier",
