@@ -14,7 +14,7 @@ from kvbridge.engine.records import RequestRecord
 from kvbridge.errors import BadSettings
 from kvbridge.settings import Settings
 
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 DOC_QA_SYSTEM = "You answer questions about the document you are given. Answer briefly, using only the document."
 
 HANDBOOK_QUESTIONS = [

@@ -1,0 +1,44 @@
+"""`kvbridge namespace`, `engines` and `scenarios`: what is configured, what there is to choose from."""
+from __future__ import annotations
+
+from kvbridge.cli.command import Command
+from kvbridge.cli.common import add_engine_options, make_engine, settings_from
+
+
+def run_namespace(args) -> int:
+    settings = settings_from(args)
+    with make_engine(settings) as engine:
+        status = engine.status()
+        print(f"engine:    {status['label']} ({status['location']}), {status['kv_mode'].upper()}")
+        print(f"namespace: {status['namespace']}")
+        print(f"short:     {status['namespace_short']}")
+        print(f"KV layout: {status['kv_layout']}")
+        if status.get("model"):
+            print(f"model:     {status['model']}")
+        if status.get("kv_refusal"):
+            print(f"refused:   {status['kv_refusal']}")
+    return 0
+
+
+def run_engines(args) -> int:
+    from kvbridge.backends import engine_specs
+
+    for spec in engine_specs():
+        aliases = f" (aliases: {', '.join(spec.aliases)})" if spec.aliases else ""
+        print(f"{spec.key:13} {spec.cls.kv_mode.upper():6} {spec.label}{aliases}\n{'':20} {spec.blurb}")
+    return 0
+
+
+def run_scenarios(args) -> int:
+    from kvbridge.bench.common.scenarios import scenario_specs
+
+    for sc in scenario_specs():
+        print(f"{sc.key:15} {sc.title}: {sc.description}")
+    return 0
+
+
+NAMESPACE = Command("namespace",
+                    "start the configured engine and print its namespace (what its stored KV is keyed under)",
+                    run_namespace, add_engine_options)
+ENGINES = Command("engines", "list the engines in the registry", run_engines)
+SCENARIOS = Command("scenarios", "list the demo scenarios", run_scenarios)
