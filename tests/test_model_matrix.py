@@ -252,12 +252,12 @@ def test_the_scheduler_swaps_out_and_back_in_whole_on_every_model(make_settings,
     from kvbridge.bench.common.scenarios import builtin_document
     from kvbridge.formats.llama_state import parse_state
     from kvbridge.scheduler import Scheduler
-    from kvbridge.scheduler import scheduler as scheduler_module
+    from kvbridge.scheduler.lifecycle import Lifecycle
 
     settings = make_settings(model=model, sched_kv_cells=2048, sched_max_running=1, sched_cached_prefixes=0,
                              n_predict=24, ctx_size=1024, chunk_size=CHUNK)
     saved: dict[str, bytes] = {}
-    preempt, start = scheduler_module.Scheduler._preempt, scheduler_module.Scheduler._start
+    preempt, start = Lifecycle.preempt, Lifecycle.start
 
     def spying_preempt(self, request, why):
         saved["out"] = bytes(self._ctx.save_seq(request.seq))
@@ -268,8 +268,8 @@ def test_the_scheduler_swaps_out_and_back_in_whole_on_every_model(make_settings,
         if resumed:
             saved["in"] = bytes(self._ctx.save_seq(request.seq))
 
-    monkeypatch.setattr(scheduler_module.Scheduler, "_preempt", spying_preempt)
-    monkeypatch.setattr(scheduler_module.Scheduler, "_start", spying_start)
+    monkeypatch.setattr(Lifecycle, "preempt", spying_preempt)
+    monkeypatch.setattr(Lifecycle, "start", spying_start)
     doc = builtin_document()[:2800]
     started = threading.Event()
     with Scheduler(settings) as scheduler:

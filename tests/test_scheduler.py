@@ -13,7 +13,8 @@ import pytest
 from conftest import needs_model
 from kvbridge.formats.llama_state import parse_state
 from kvbridge.scheduler import QueueFull, RequestRefused, Scheduler
-from kvbridge.scheduler import scheduler as scheduler_module
+from kvbridge.scheduler.lifecycle import Lifecycle
+from kvbridge.scheduler.streaming import Streamer
 
 pytestmark = [needs_model, pytest.mark.timeout(300)]
 
@@ -62,7 +63,7 @@ def test_a_preempted_request_resumes_with_the_same_kv_and_finishes(make_settings
                              ctx_size=1024)
     saved_out: dict[int, bytes] = {}
     saved_in: dict[int, bytes] = {}
-    preempt, start = scheduler_module.Scheduler._preempt, scheduler_module.Scheduler._start
+    preempt, start = Lifecycle.preempt, Lifecycle.start
 
     def spying_preempt(self, request, why):
         saved_out[request.id] = bytes(self._ctx.save_seq(request.seq))
@@ -73,8 +74,8 @@ def test_a_preempted_request_resumes_with_the_same_kv_and_finishes(make_settings
         if resumed:
             saved_in[request.id] = bytes(self._ctx.save_seq(request.seq))
 
-    monkeypatch.setattr(scheduler_module.Scheduler, "_preempt", spying_preempt)
-    monkeypatch.setattr(scheduler_module.Scheduler, "_start", spying_start)
+    monkeypatch.setattr(Lifecycle, "preempt", spying_preempt)
+    monkeypatch.setattr(Lifecycle, "start", spying_start)
     started = threading.Event()
     with Scheduler(settings) as scheduler:
         low = scheduler.submit(chat(short_doc, QUESTIONS[0]), priority=1, on_token=lambda piece: started.set())
@@ -203,13 +204,13 @@ def test_greedy_answers_equal_solo_cold_runs_across_sharing_eviction_and_preempt
     settings = make_settings(cache_type_k="f32", cache_type_v="f32", sched_kv_cells=2048, sched_max_running=1,
                              sched_cached_prefixes=1, n_predict=16, ctx_size=1024)
     generated: dict[int, list[int]] = {}
-    on_token = scheduler_module.Scheduler._on_token
+    on_token = Streamer.on_token
 
     def spying_on_token(self, request, token):
         generated.setdefault(request.id, []).append(token)
         on_token(self, request, token)
 
-    monkeypatch.setattr(scheduler_module.Scheduler, "_on_token", spying_on_token)
+    monkeypatch.setattr(Streamer, "on_token", spying_on_token)
     # two document chats: the second shares the first's cells. A third would share cells the second
     # had shared in turn, and decoding over such a chain moved logits by 0.1 even with f32 K/V, while
     # its prompt KV stayed bit-identical to a solo prefill (Research.md §11)

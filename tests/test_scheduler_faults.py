@@ -12,9 +12,10 @@ import pytest
 
 from conftest import needs_model
 from kvbridge.scheduler import Scheduler
-from kvbridge.scheduler import scheduler as scheduler_module
+from kvbridge.scheduler.lifecycle import Lifecycle
+from kvbridge.scheduler.streaming import Streamer
 from kvbridge.backends.llama_context import LlamaContext
-from kvbridge.scheduler.swap import SwapSpace
+from kvbridge.scheduler.sequence_store import SequenceStore
 from test_scheduler import QUESTIONS, chat, only_cached_blocks_left, solo_greedy
 
 pytestmark = [needs_model, pytest.mark.timeout(300)]
@@ -72,7 +73,7 @@ def test_a_refused_swap_in_recomputes_its_generated_tokens_and_answers_as_a_solo
     the tokens it had generated, and answer exactly as the same request alone on an empty context."""
     settings = make_settings(cache_type_k="f32", cache_type_v="f32", sched_kv_cells=2048, sched_max_running=1,
                              sched_cached_prefixes=1, sched_block_tokens=16, n_predict=16, ctx_size=1024)
-    load_seq, swap_restore = LlamaContext.load_seq, SwapSpace.restore
+    load_seq, swap_restore = LlamaContext.load_seq, SequenceStore.restore
     refusals = {"left": 0, "done": 0}
 
     def restore_then_refuse(self, tokens, ticket=None, at_least=0):
@@ -88,17 +89,17 @@ def test_a_refused_swap_in_recomputes_its_generated_tokens_and_answers_as_a_solo
             data = view[:len(view) * 3 // 4]
         load_seq(self, seq, data)
 
-    monkeypatch.setattr(SwapSpace, "restore", restore_then_refuse)
+    monkeypatch.setattr(SequenceStore, "restore", restore_then_refuse)
     monkeypatch.setattr(LlamaContext, "load_seq", refusing_load_seq)
     generated: list[int] = []
-    on_token = scheduler_module.Scheduler._on_token
+    on_token = Streamer.on_token
 
     def spying_on_token(self, request, token):
         if request.priority == 1:
             generated.append(token)
         on_token(self, request, token)
 
-    monkeypatch.setattr(scheduler_module.Scheduler, "_on_token", spying_on_token)
+    monkeypatch.setattr(Streamer, "on_token", spying_on_token)
     document = chat(short_doc, QUESTIONS[0])
     started = threading.Event()
     with Scheduler(settings) as scheduler:

@@ -4,8 +4,8 @@
 (kvbridge.backends.llama_context) and, per repeat, times interleaved in one run:
 
 - swap: save the sequence's KV (llama_state_seq_get_data), store it as chunk and tail objects
-  (SwapSpace.swap_out, the path a preemption takes), free its cells, restore it into an empty
-  sequence (SwapSpace.restore + load), as a resumed request does;
+  (SequenceStore.swap_out, the path a preemption takes), free its cells, restore it into an empty
+  sequence (SequenceStore.restore + load), as a resumed request does;
 - recompute: free the cells and prefill the same tokens again (what a scheduler that cannot swap,
   or llama-server after a slot is taken, pays).
 
@@ -33,7 +33,7 @@ def bench_swap_vs_recompute(settings: Settings, prompt_tokens: int = 2048, repea
         ctx, swap = scheduler._ctx, scheduler.swap
         document = builtin_document()
         tokens = ctx.tokenize(document + "\n\n" + document)[:prompt_tokens]   # the handbook is ~1.7k tokens
-        seq = scheduler._free_seqs[0]
+        seq = scheduler.seqs.free[0]
 
         def prefill() -> None:
             for start in range(0, len(tokens), BATCH_TOKENS):

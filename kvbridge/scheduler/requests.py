@@ -1,4 +1,4 @@
-"""What the scheduler keeps per request and per cached prefix.
+"""What the scheduler keeps per request and per cached prefix, and its three queues of requests.
 
 A request's context is its prompt followed by what it generated; the KV of context[:kv_tokens] sits
 in its llama.cpp sequence, and `pending` (context[kv_tokens:]) is what the next batches feed: the
@@ -16,7 +16,8 @@ from kvbridge.backends.llama_context import Sampler
 from kvbridge.backends.llamacpp import Utf8Decoder
 from kvbridge.engine.records import RequestRecord
 from kvbridge.scheduler.ledger import Holding
-from kvbridge.scheduler.swap import SwapTicket
+from kvbridge.scheduler.sequence_store import SwapTicket
+
 
 @dataclass
 class Request:
@@ -87,3 +88,26 @@ class CachedPrefix:
     @property
     def holder(self) -> str:
         return f"prefix-{self.id}"
+
+
+@dataclass
+class Queues:
+    """Who runs, who waits to be admitted, who waits swapped out: the lists every part of the loop reads
+    (changed in place, so each part may hold them)."""
+
+    running: list[Request] = field(default_factory=list)
+    waiting: list[Request] = field(default_factory=list)
+    swapped: list[Request] = field(default_factory=list)
+
+    def everyone(self) -> list[Request]:
+        return self.running + self.waiting + self.swapped
+
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting or self.swapped)
+
+    def remove_everywhere(self, request: Request) -> None:
+        for queue_ in (self.running, self.waiting, self.swapped):
+            queue_[:] = [r for r in queue_ if r is not request]
+
+    def salts_in_use(self) -> set[str]:
+        return {r.salt for r in self.everyone()}

@@ -1,4 +1,5 @@
-"""The store as the scheduler's swap space and long-term memory, in CachedEngine's own object format.
+"""A cache salt's view of the store: the scheduler's swap space and long-term memory for sequences,
+in CachedEngine's own object format (the scheduler's restorer, kvbridge.scheduler.restorer, calls it).
 
 A sequence's KV leaves llama.cpp as `llama_state_seq_get_data` bytes and is cut into content-addressed
 chunk and tail objects by ChunkKV (the same objects CachedEngine's lmcache mode stores, under the
@@ -13,9 +14,9 @@ way round. Three uses:
 - swap-in and admission: the longest stored prefix of a context is restored into a sequence;
 - a prompt's KV is stored after its prefill on a background thread (off the TTFT path).
 
-One space per cache salt (its namespace seeds every key), all of them sharing one background writer
-and one assembly buffer (`SwapShared`): a new salt costs a hasher and an entry in a bounded table
-(kvbridge.scheduler.salts), never a thread or a 40 MB buffer of its own.
+One SequenceStore per cache salt (its namespace seeds every key), all of them sharing one background
+writer and one assembly buffer (`SequenceStoreShared`): a new salt costs a hasher and an entry in a
+bounded table (kvbridge.scheduler.salts), never a thread or a 40 MB buffer of its own.
 """
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ class SwapTicket:
         self.pins.close()
 
 
-class SwapShared:
-    """What every salt's space shares: one writer thread (prompts stored in order, a bounded queue) and one
+class SequenceStoreShared:
+    """What every salt's SequenceStore shares: one writer thread (prompts stored in order, a bounded queue) and one
     assembly buffer (restores run one at a time, on the scheduler's loop)."""
 
     def __init__(self, write_queue: int = 16) -> None:
@@ -66,14 +67,17 @@ class SwapShared:
         self.buffer.close()
 
 
-class SwapSpace:
+class SequenceStore:
+    """One namespace's (one cache salt's) sequences in the store: swapped-out ones, pinned until they
+    resume, and finished prompts, stored behind the loop; both restored by the longest stored prefix."""
+
     def __init__(self, store, settings: Settings, namespace: str, geometry: KVGeometry,
-                 shared: SwapShared | None = None) -> None:
+                 shared: SequenceStoreShared | None = None) -> None:
         self.store = store
         self.hasher = make_hasher(settings.chunk_size, namespace, settings.prefer_lmcache_hasher)
         self.seed = getattr(self.hasher, "seed", b"")
         self._own_shared = shared is None
-        self.shared = shared if shared is not None else SwapShared()
+        self.shared = shared if shared is not None else SequenceStoreShared()
         self.kv = ChunkKV(store, namespace, self.seed, settings.chunk_size, geometry, buffer=self.shared.buffer)
         self.kv.prefault_scratch = False
 
@@ -83,7 +87,7 @@ class SwapSpace:
     # -- swap -----------------------------------------------------------------------------------------
     def swap_out(self, data, tokens: list[int], capture: Callable[[int], WindowCapture | None] | None = None) -> SwapTicket:
         """Store a context's KV (chunks, and its tail under a key of its own) and pin the objects.
-        `capture`: a sliding-window model's earlier window rows (Scheduler._window_captures)."""
+        `capture`: a sliding-window model's earlier window rows (Restorer.window_captures)."""
         hashes = self.hashes(tokens)
         c = self.kv.chunk_size
         whole = len(tokens) // c
@@ -140,18 +144,18 @@ class SwapSpace:
         self.shared.writer.drain()
 
     def close(self) -> None:
-        """Closes the shared writer and buffer only when this space made them (the scheduler closes its own)."""
+        """Closes the shared writer and buffer only when this store made them (the scheduler closes its own)."""
         self.kv.close()
         if self._own_shared:
             self.shared.close()
 
 
 def _store_prompt_job(job) -> None:
-    """The shared writer's job: one prompt's KV into its salt's space (a failure is logged by the writer
+    """The shared writer's job: one prompt's KV into its salt's SequenceStore (a failure is logged by the writer
     and costs a later miss, never the scheduler's loop)."""
-    space, data, tokens, capture = job
-    space.kv.store_prompt(SeqState(data=data, n_tokens=len(tokens), token_ids=tuple(tokens)), tokens,
-                          space.hashes(tokens), capture=capture)
+    sequences, data, tokens, capture = job
+    sequences.kv.store_prompt(SeqState(data=data, n_tokens=len(tokens), token_ids=tuple(tokens)), tokens,
+                              sequences.hashes(tokens), capture=capture)
 
 
 def swap_tail_key(boundary: bytes, tail_tokens: Sequence[int]) -> bytes:
