@@ -1,0 +1,140 @@
+"""Between llama.cpp's sequences and the store: restore what resident cells do not hold, store prompts
+and swapped-out sequences, and fall back to recompute when llama.cpp refuses a restored state.
+
+A new sequence first shares the longest resident run (kvbridge.scheduler.prefix_cache); the store's
+copy of a longer prefix (chunks, then the tail) replaces it when it brings at least half a block
+more. A preempted request's whole context is swapped out (pinned) and restored by the same path when
+it resumes; if the store could not take it, it is recomputed from its tokens. A restore llama.cpp
+refuses is recomputed from the cells the sequence really holds (`restore_failed`). Each cache salt
+has a SequenceStore of its own (kvbridge.scheduler.sequence_store), found through `store_for`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from kvbridge.backends.base import WindowCapture
+from kvbridge.errors import KVBridgeError, StateTransferError
+from kvbridge.formats.llama_state import parse_state
+from kvbridge.scheduler.events import Journal
+from kvbridge.scheduler.prefix_cache import PrefixCache
+from kvbridge.scheduler.requests import Request
+from kvbridge.scheduler.sequence_store import SequenceStore, SwapTicket
+from kvbridge.scheduler.sequences import SequencePool
+
+log = logging.getLogger(__name__)
+
+
+class Restorer:
+    def __init__(self, ctx, pool: SequencePool, cache: PrefixCache, store_for: Callable[[str], SequenceStore],
+                 window: int, chunk_size: int, journal: Journal) -> None:
+        self._ctx = ctx
+        self.pool = pool
+        self.ledger = pool.ledger
+        self.cache = cache
+        self.store_for = store_for      # a cache salt's SequenceStore
+        self.window = window            # the model's sliding window (0: none)
+        self.chunk_size = chunk_size
+        self.journal = journal
+
+    # -- into a sequence ------------------------------------------------------------------------------
+    def reuse(self, request: Request, resumed: bool) -> tuple[int, str]:
+        """Fill the request's new sequence with the longest resident run (shared), replaced by the store's
+        copy when that is longer: (tokens the sequence holds, where they came from)."""
+        source, shared = self.cache.share_into(request)
+        if resumed and request.swap is not None and not request.swap.complete:
+            return shared, "resident" if shared else "none"   # the store could not take it at swap-out
+        kv, tier, restore_ms = self._restore_beyond(request, source, shared)
+        if resumed:
+            request.record.swap_in_ms += restore_ms
+        return kv, tier
+
+    def _restore_beyond(self, request: Request, source, shared: int) -> tuple[int, str, float]:
+        """Restore the context's longest stored prefix into the request's sequence when it beats the
+        `shared` cells from `source`: (tokens the sequence holds then, their tier, ms spent restoring)."""
+        kept = shared, "resident" if shared else "none", 0.0
+        enough = shared + self.ledger.block_tokens // 2    # less is not worth replacing the shared cells
+        if len(request.context) - 1 <= enough:
+            return kept     # the resident run covers all the store could give
+        start = time.perf_counter()
+        plan = self.store_for(request.salt).restore(request.context, request.swap, at_least=enough)
+        if plan.matched_tokens <= enough or plan.state is None:
+            return kept
+        self.pool.empty(request)   # the store's copy replaces the shared cells: one sequence, one source
+        try:
+            self._ctx.load_seq(request.seq, plan.state.data)
+            held = self._ctx.seq_len(request.seq)
+            if held != plan.matched_tokens:
+                raise StateTransferError(f"the sequence holds {held} positions after restoring {plan.matched_tokens}")
+        except KVBridgeError as exc:
+            kv = self._recompute_after_failed_restore(request, source, shared, exc)
+            return kv, "resident" if kv else "none", (time.perf_counter() - start) * 1e3
+        self.ledger.grow(request.held, plan.matched_tokens, request.holder)
+        self.journal.counters["restored_tokens"] += plan.matched_tokens
+        self.journal.event("restore", request, f"{plan.matched_tokens} tokens from {plan.tier}")
+        return plan.matched_tokens, plan.tier, (time.perf_counter() - start) * 1e3
+
+    def _recompute_after_failed_restore(self, request: Request, source, shared: int, exc: Exception) -> int:
+        """llama.cpp refused the state (no room for its cells near capacity, or a layout it does not
+        take) after the sequence gave up its shared cells for it. Share them again (no new cells, which
+        the cache is short of) and recompute the rest; the count returned is what the sequence really
+        holds, so the next decode continues at cells that are there, not past missing ones."""
+        log.warning("restore into sequence %d failed (%s); recomputing past %d shared tokens", request.seq, exc, shared)
+        self.journal.counters["restore_failed"] += 1
+        request.record.restore_ok = False
+        request.record.add_note(f"restore failed ({exc}); recomputed")
+        self.pool.empty(request)   # whatever a refused load left behind
+        if shared > 0:
+            self.pool.share(request, source, shared)
+        held = self._ctx.seq_len(request.seq)
+        if held != shared:     # the cells are not what the ledger says: recompute all of it
+            self.pool.empty(request)
+            held = 0
+        self.journal.event("restore-failed", request,
+                           f"{exc}; {held} tokens kept, {len(request.context) - held} recomputed")
+        return held
+
+    # -- out of a sequence ----------------------------------------------------------------------------
+    def swap_out(self, request: Request, n_tokens: int) -> SwapTicket:
+        """Store the first n_tokens of the request's context from its sequence, pinned until it resumes."""
+        data = self._ctx.save_seq(request.seq)
+        capture = self.window_captures(request.seq, data)
+        return self.store_for(request.salt).swap_out(data, request.context[:n_tokens], capture)
+
+    def worth_storing(self, request: Request) -> bool:
+        """What it reused came from the store or from a sequence whose prompt was stored, so only what
+        lies beyond is new: worth storing unless every whole chunk is there already and the rest is a
+        few tokens (a new question after a shared document). That tail would cost a copy of the whole
+        sequence's state (tens of MB) and a tail object of up to a chunk to save recomputing a few
+        tokens, and on a 2-core machine it competes with the next request's prefill."""
+        if request.blend:
+            return False   # blended KV never becomes exact chunks (its passages are stored by BlendPlacer.store)
+        reused, n = request.record.matched_tokens, len(request.prompt)
+        new_tokens = n - reused
+        c = self.chunk_size
+        return new_tokens > 1 and not (reused // c >= n // c and new_tokens < c // 4)
+
+    def store_prompt(self, request: Request) -> None:
+        """Queue the request's prompt KV for the store's background writer, once, when it is due."""
+        if request.store_pending and request.seq is not None:
+            request.store_pending = False
+            data = self._ctx.save_seq(request.seq)
+            self.store_for(request.salt).store_behind(data, request.prompt, self.window_captures(request.seq, data))
+
+    def window_captures(self, seq: int, data) -> Callable[[int], WindowCapture | None] | None:
+        """Sliding-window models: a saved state holds the window rows of its last positions only; the
+        earlier windows are read now, on this thread (llama.cpp's context is not shared), through a
+        free sequence id, for ChunkKV.store_prompt to take later (its capture calls, precomputed:
+        each asks one position past the rows still missing). None: no window, or no free sequence."""
+        window = self.window
+        if not window or not self.pool.free:
+            return None
+        start = parse_state(data, window=window).window_start
+        scratch = self.pool.free[-1]
+        captured: dict[int, WindowCapture] = {}
+        while start > 0:
+            end = start + 1
+            captured[end] = WindowCapture(self._ctx.save_window(seq, scratch, end), whole_state=False, trusted_end=end)
+            start = max(0, end - window)
+        return captured.get
