@@ -18,6 +18,7 @@ os.environ["HOME"] = str(_PRIVATE_HOME)
 os.environ["XDG_CACHE_HOME"] = str(_PRIVATE_HOME / ".cache")
 
 from kvbridge.backends import registry as engine_registry  # noqa: E402  (after HOME is private)
+from kvbridge.settings import engines as engine_table  # noqa: E402
 from kvbridge.settings import EMBEDDED_MODEL_PATH, Settings  # noqa: E402
 from kvbridge.settings import core as settings_core  # noqa: E402
 
@@ -48,10 +49,10 @@ def isolated(monkeypatch, tmp_path):
         monkeypatch.delenv(name)
     monkeypatch.setattr(settings_core, "DEFAULT_ENV_FILE", tmp_path / "no-project.env")
     engine_registry.engine_specs()   # the built-in adapters register now, so they are part of the snapshot
-    engines = dict(engine_registry._ENGINES)
+    engines = dict(engine_table._ENGINES)
     yield
-    engine_registry._ENGINES.clear()
-    engine_registry._ENGINES.update(engines)
+    engine_table._ENGINES.clear()
+    engine_table._ENGINES.update(engines)
 
 
 @pytest.fixture

@@ -178,7 +178,7 @@ def run_python(code: str) -> str:
 
 def test_the_embedded_store_loads_no_cache_server_code():
     """With KVB_STORE_URL unset nothing changes: importing and using the engine core loads no ZMQ client."""
-    code = ("import sys; from kvbridge.engine.cached_engine import CachedEngine, open_store\n"
+    code = ("import sys; from kvbridge.engine.cached_engine import CachedEngine; from kvbridge.store import open_store\n"
             "print(','.join(sorted(m for m in sys.modules if m.startswith('kvbridge.cache_server') or m == 'zmq')))")
     assert run_python(code) == ""
 
@@ -186,7 +186,7 @@ def test_the_embedded_store_loads_no_cache_server_code():
 def test_the_engine_core_loads_no_adapter():
     """Importing CachedEngine must not import any engine adapter (the core never needs one for a type)."""
     code = ("import sys; from kvbridge import CachedEngine, Settings, make_backend; CachedEngine, Settings\n"
-            "from kvbridge.backends.registry import BUILTIN_ADAPTERS\n"
+            "from kvbridge.settings.engines import BUILTIN_ADAPTERS\n"
             "loaded = sorted(m for m in sys.modules for a in BUILTIN_ADAPTERS if m == a or m.startswith(a + '.'))\n"
             "print(','.join(loaded))")
     assert run_python(code) == ""

@@ -40,7 +40,7 @@ def engine_problems(engine_key: str, settings: Settings, environ: dict[str, str]
 
 
 def registered(key: str) -> bool:
-    from kvbridge.backends import known_engine_names
+    from kvbridge.settings.engines import known_engine_names
     return key in known_engine_names()
 
 
@@ -169,7 +169,7 @@ def test_problems_do_not_affect_equality_or_repr_and_replace_drops_fixed_ones(tm
 
 # -- validate() ---------------------------------------------------------------------------------
 def test_unknown_engine_lists_the_registered_ones():
-    from kvbridge.backends import known_engine_names
+    from kvbridge.settings.engines import known_engine_names
     problems = problems_of(Settings(engine="warp-drive"))
     message = next(p for p in problems if "warp-drive" in p)
     assert "KVB_ENGINE" in message

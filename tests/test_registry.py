@@ -1,10 +1,11 @@
 """The engine registry is the only list of engines: keys, aliases, clear errors for unknown names."""
 import pytest
 
-from kvbridge.backends import engine_specs, known_engine_names, make_backend, resolve_engine
+from kvbridge.backends import engine_specs, make_backend, resolve_engine
 from kvbridge.backends.base import Backend
 from kvbridge.backends.registry import EngineSpec, register_engine
 from kvbridge.errors import UnknownEngineError
+from kvbridge.settings.engines import known_engine_names
 
 
 def test_llamacpp_registered_with_aliases():

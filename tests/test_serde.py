@@ -13,7 +13,10 @@ import pytest
 
 from conftest import needs_model
 from kvbridge.errors import BadSettings
-from kvbridge.formats.llama_state import KVGeometry, ParsedState, decode_chunk, encode_chunk, parse_state
+from kvbridge.formats.llama_chunks import decode_chunk, encode_chunk
+from kvbridge.formats.llama_state import KVGeometry, ParsedState, parse_state
+from kvbridge.settings import codecs as codec_table
+from kvbridge.settings.codecs import UnknownCodecError, codec_names
 from kvbridge.store import DiskTier
 from kvbridge.store.objects import CorruptObject, ObjectMeta
 from kvbridge.store.serde import (
@@ -21,9 +24,7 @@ from kvbridge.store.serde import (
     CodecMeta,
     CodecOptions,
     TierCodec,
-    UnknownCodecError,
     base,
-    codec_names,
     get_codec,
     register_codec,
     remember_geometry,
@@ -40,10 +41,10 @@ LOSSLESS = ["raw", "zstd"]
 def codec_registry():
     """A fake codec or a geometry a test registers is gone after it."""
     codec_names()
-    saved, geometries = dict(base._CODECS), dict(base._GEOMETRIES)
+    saved, geometries = dict(codec_table._CODECS), dict(base._GEOMETRIES)
     yield
-    base._CODECS.clear()
-    base._CODECS.update(saved)
+    codec_table._CODECS.clear()
+    codec_table._CODECS.update(saved)
     base._GEOMETRIES.clear()
     base._GEOMETRIES.update(geometries)
 

@@ -1,26 +1,22 @@
 """The engine registry: the only list of engines. The GUI, the CLI and Settings.validate() read it.
 
-The built-in adapters are imported on the first question asked of the registry, not when the
-package is imported, so the engine core can import `kvbridge.backends.base` for its types without
-loading any adapter. An adapter that fails to import is remembered with its error: the other
-engines keep working, and asking for one that is missing names the broken adapter.
+The table itself lives one layer down, in kvbridge.settings.engines, so that Settings.validate() can
+check KVB_ENGINE and run the engine's own `Backend.settings_problems` without importing the backends;
+that module also names the built-in adapters (BUILTIN_ADAPTERS) and imports them on the first question
+asked of the table, not when this package is imported, so the engine core can import
+`kvbridge.backends.base` for its types without loading any adapter. This module is the engine side of
+the table: what an engine is (EngineSpec: its Backend class, label, blurb and GUI fields), how an
+adapter adds one (register_engine) and how a backend is built from a name (make_backend).
 """
 from __future__ import annotations
 
-import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 from kvbridge.backends.base import Backend
-from kvbridge.errors import UnknownEngineError
 from kvbridge.settings import Settings
-
-# Each module registers its engine(s) with register_engine() when imported.
-BUILTIN_ADAPTERS = (
-    "kvbridge.backends.llamacpp",
-    "kvbridge.backends.llama_server",
-    "kvbridge.backends.ollama",
-    "kvbridge.backends.cloud",
-)
+from kvbridge.settings import engines as engine_table
 
 
 @dataclass(frozen=True)
@@ -32,66 +28,30 @@ class EngineSpec:
     aliases: tuple[str, ...] = field(default_factory=tuple)
     fields: tuple[str, ...] = field(default_factory=tuple)  # Settings fields the GUI shows for it
 
-
-_ENGINES: dict[str, EngineSpec] = {}
-_BROKEN_ADAPTERS: dict[str, str] = {}    # module -> "ErrorType: message"
-_builtins_loaded = False
-
-
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    _builtins_loaded = True
-    for module in BUILTIN_ADAPTERS:
-        try:
-            importlib.import_module(module)
-        except Exception as error:  # noqa: BLE001 - one broken adapter must not hide the others; reported by resolve_engine
-            _BROKEN_ADAPTERS[module] = f"{type(error).__name__}: {error}"
+    def settings_problems(self, settings: Settings, environ: Mapping[str, str]) -> list[str]:
+        """The engine's own checks, which Settings.validate() runs after the general ones."""
+        return self.cls.settings_problems(settings, environ)
 
 
 def register_engine(spec: EngineSpec) -> EngineSpec:
-    taken = {a for s in _ENGINES.values() if s.key != spec.key for a in (s.key, *s.aliases)}
-    clash = {spec.key, *spec.aliases} & taken
-    if clash:
-        raise ValueError(f"engine name(s) {sorted(clash)} already registered")
-    _ENGINES[spec.key] = spec
+    """Add an engine under its key and aliases; a name another engine holds is a ValueError."""
+    engine_table.add_engine(spec)
     return spec
 
 
 def unregister_engine(key: str) -> None:
     """Remove an engine (tests register fakes and remove them again)."""
-    _ENGINES.pop(key, None)
+    engine_table.remove_engine(key)
 
 
+# Only register_engine adds to the table, so every entry in it is an EngineSpec.
 def engine_specs() -> list[EngineSpec]:
-    _load_builtins()
-    return list(_ENGINES.values())
-
-
-def known_engine_names() -> list[str]:
-    return [n for s in engine_specs() for n in (s.key, *s.aliases)]
-
-
-def broken_adapters() -> dict[str, str]:
-    """Built-in adapter modules that did not import, with the error each raised."""
-    _load_builtins()
-    return dict(_BROKEN_ADAPTERS)
+    return cast("list[EngineSpec]", engine_table.registered_engines())
 
 
 def resolve_engine(name: str) -> EngineSpec:
-    wanted = (name or "").strip().lower()
-    specs = engine_specs()
-    for spec in specs:
-        if wanted == spec.key or wanted in spec.aliases:
-            return spec
-    if _BROKEN_ADAPTERS:
-        broken = "; ".join(f"{module} ({error})" for module, error in _BROKEN_ADAPTERS.items())
-        raise UnknownEngineError(
-            f"KVB_ENGINE={name!r} is not available: the engine adapters did not all import: {broken}. "
-            f"Engines that did: {', '.join(known_engine_names()) or 'none'}.")
-    known = ", ".join(f"{s.key} (aliases: {', '.join(s.aliases)})" if s.aliases else s.key for s in specs)
-    raise UnknownEngineError(f"Unknown engine {name!r} (KVB_ENGINE). Known engines: {known}.")
+    """The engine named by a key or an alias (any case); UnknownEngineError listing the known ones."""
+    return cast(EngineSpec, engine_table.find_engine(name))
 
 
 def make_backend(kind: str, settings: Settings) -> Backend:

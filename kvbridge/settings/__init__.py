@@ -1,8 +1,9 @@
 """The settings layer: one frozen `Settings`, its checks, the `.env` writer and the cloud presets.
 
 The first step of every run (environment + `.env` -> Settings -> validate()). This package imports
-nothing of the engine, the store or the adapters at module level; `Settings.validate()` asks the
-engine registry for engine-specific checks with a function-level import.
+nothing of the engine, the store or the adapters: the names KVB_ENGINE and the tiers' codecs may take
+live here, in tables the higher layers fill (`engines`, filled by kvbridge.backends.registry, and
+`codecs`, filled by kvbridge.store.serde), each loading its built-in modules by name on first lookup.
 """
 from kvbridge.settings.checks import url_problem
 from kvbridge.settings.core import (DEFAULT_ENV_FILE, EMBEDDED_MODEL_FILE, EMBEDDED_MODEL_PATH, PATH_FIELDS,

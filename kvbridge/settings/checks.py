@@ -3,9 +3,10 @@
 The middle of the settings flow (`.env` + environment -> Settings -> checks -> messages in the CLI
 and GUI). The checks here hold for every engine (ranges, ports, URLs). What only one engine needs
 (a model file, cache types, an API key variable) lives on that engine's `Backend.settings_problems`,
-and `settings_problems()` reaches it through the registry with a function-level import, so the
-settings layer imports nothing of the engines, the store or the adapters at module level. Every
-check returns messages written for a person, naming the KVB_ variable to change, and never raises.
+and `settings_problems()` reaches it through the table of engines in kvbridge.settings.engines; the
+codec names come from the table in kvbridge.settings.codecs. So the settings layer imports nothing of
+the engines, the store or the adapters (those tables are filled by the layers above). Every check
+returns messages written for a person, naming the KVB_ variable to change, and never raises.
 """
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from typing import TYPE_CHECKING
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from kvbridge.errors import UnknownEngineError
+from kvbridge.settings.codecs import UnknownCodecError, codec_class
+from kvbridge.settings.engines import EngineEntry, find_engine
 from kvbridge.settings.models import model_name_problem
 
 if TYPE_CHECKING:
@@ -25,10 +29,10 @@ if TYPE_CHECKING:
 def settings_problems(s: Settings, environ: Mapping[str, str]) -> list[str]:
     """Every check for `s`: the general ones, then those of the engine KVB_ENGINE resolves to."""
     problems = _value_problems(s)
-    engine_cls, engine_problems = _resolve_engine_class(s.engine)
+    engine, engine_problems = _resolve_engine(s.engine)
     problems += engine_problems
-    if engine_cls is not None:
-        problems += engine_cls.settings_problems(s, environ)
+    if engine is not None:
+        problems += engine.settings_problems(s, environ)
     return problems
 
 
@@ -179,12 +183,10 @@ def l3_url_problem(url: str) -> str | None:
 
 def _l3_problems(s: Settings) -> list[str]:
     """The remote tier and the codecs of the persistent tiers."""
-    from kvbridge.store.serde import UnknownCodecError, get_codec
-
     problems = []
     for var, name in (("KVB_L2_SERDE", s.l2_serde), ("KVB_L3_SERDE", s.l3_serde)):
         try:
-            get_codec(name, setting=var)
+            codec_class(name, setting=var)
         except UnknownCodecError as error:
             problems.append(str(error))
     rules = (
@@ -224,15 +226,12 @@ def _scheduler_problems(s: Settings) -> list[str]:
     return [message for failed, message in rules if failed]
 
 
-def _resolve_engine_class(name: str) -> tuple[type | None, list[str]]:
-    """The Backend class KVB_ENGINE names, or None and why not (the registry imports settings: imported here)."""
+def _resolve_engine(name: str) -> tuple[EngineEntry | None, list[str]]:
+    """The registered engine KVB_ENGINE names, or None and why not."""
     if not name.strip():
         return None, []  # reported by _value_problems
-    from kvbridge.backends.registry import resolve_engine
-    from kvbridge.errors import UnknownEngineError
-
     try:
-        return resolve_engine(name).cls, []
+        return find_engine(name), []
     except UnknownEngineError as error:
         return None, [str(error)]
 

@@ -9,16 +9,14 @@ Place in the flow: ... -> encode_chunk -> tier put -> **TierCodec.encode** -> th
 header (ObjectMeta with codec and lossy) + the stored bytes; tier get -> header and checksum checks
 -> **TierCodec.decode** -> decode_chunk -> assemble. The tier's header (kvbridge.store.diskformat,
 also for L3 values) is what detects damage; codecs only transform bytes. Modules, in reading
-order: base (the Codec interface and the registry), tier (how a tier applies its codec), then one
-module per codec: raw, zstd, int8 (lossy).
+order: base (the Codec interface, and register_codec, which adds a codec to the table in
+kvbridge.settings.codecs, the home of UnknownCodecError and codec_names), tier (how a tier applies
+its codec), then one module per codec: raw, zstd, int8 (lossy).
 """
 from kvbridge.store.serde.base import (
     Codec,
     CodecMeta,
     CodecOptions,
-    UnknownCodecError,
-    broken_codecs,
-    codec_names,
     get_codec,
     known_geometry,
     register_codec,
@@ -32,9 +30,6 @@ __all__ = [
     "CodecMeta",
     "CodecOptions",
     "TierCodec",
-    "UnknownCodecError",
-    "broken_codecs",
-    "codec_names",
     "get_codec",
     "known_geometry",
     "register_codec",

@@ -5,35 +5,22 @@ Codecs are stateless and configured once: a tier's TierCodec (kvbridge.store.ser
 by KVB_L2_SERDE or KVB_L3_SERDE and gets CodecOptions from KVB_ZSTD_LEVEL. `lossless` is a class
 attribute read in two places only: TierCodec marks what a lossy codec wrote (ObjectMeta.lossy), and
 the engine adds a lossy codec to the namespace fingerprint (kvbridge.engine.cached_engine), since
-it changes what is restored. Adding a codec is one module that calls register_codec() plus one
-line in BUILTIN_CODECS.
+it changes what is restored. The table of codecs lives one layer down (kvbridge.settings.codecs),
+so the settings checks read the same names without importing the store; adding a codec is one
+module that calls register_codec() plus one line in that module's BUILTIN_CODECS.
 """
 from __future__ import annotations
 
-import importlib
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
-from kvbridge.errors import BadSettings
+from kvbridge.settings import codecs as codec_table
 
 if TYPE_CHECKING:
     from kvbridge.formats.llama_state import KVGeometry
 
-# Each module registers its codec(s) with register_codec() when imported.
-BUILTIN_CODECS = (
-    "kvbridge.store.serde.raw",
-    "kvbridge.store.serde.zstd",
-    "kvbridge.store.serde.int8",
-)
 CODEC_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}\Z")   # short ASCII: every object's ObjectMeta.codec
-
-
-class UnknownCodecError(BadSettings, KeyError):
-    """get_codec() got a name no codec is registered under; the message lists the known ones."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return self.args[0] if self.args else "unknown KV codec"
 
 
 @dataclass(frozen=True)
@@ -97,56 +84,21 @@ def known_geometry(digest: bytes) -> "KVGeometry | None":
     return _GEOMETRIES.get(bytes(digest))
 
 
-_CODECS: dict[str, type[Codec]] = {}
-_BROKEN_CODECS: dict[str, str] = {}     # module -> "ErrorType: message"
-_builtins_loaded = False
-
-
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    _builtins_loaded = True
-    for module in BUILTIN_CODECS:
-        try:
-            importlib.import_module(module)
-        except ImportError as error:    # e.g. zstandard not installed: the other codecs keep working
-            _BROKEN_CODECS[module] = f"{type(error).__name__}: {error}"
-
-
 def register_codec(cls: type[Codec]) -> type[Codec]:
     """Add a codec class under cls.name (usable as a class decorator)."""
     if not CODEC_NAME.match(cls.name or ""):
         raise ValueError(f"codec name {cls.name!r} must match {CODEC_NAME.pattern}")
-    if _CODECS.get(cls.name, cls) is not cls:
-        raise ValueError(f"codec name {cls.name!r} already registered")
-    _CODECS[cls.name] = cls
+    codec_table.add_codec(cls.name, cls)
     return cls
 
 
 def unregister_codec(name: str) -> None:
     """Remove a codec (tests register fakes and remove them again)."""
-    _CODECS.pop(name, None)
-
-
-def codec_names() -> list[str]:
-    _load_builtins()
-    return sorted(_CODECS)
-
-
-def broken_codecs() -> dict[str, str]:
-    """Built-in codec modules that did not import, with the error each raised."""
-    _load_builtins()
-    return dict(_BROKEN_CODECS)
+    codec_table.remove_codec(name)
 
 
 def get_codec(name: str, options: CodecOptions | None = None, setting: str | None = None) -> Codec:
-    """The codec registered as `name`, configured; `setting` names the variable the name came from."""
-    _load_builtins()
-    cls = _CODECS.get(name)
-    if cls is None:
-        where = f" (from {setting})" if setting else ""
-        broken = "".join(f"; {module} did not load: {error}" for module, error in _BROKEN_CODECS.items())
-        raise UnknownCodecError(f"unknown KV codec {name!r}{where}; known codecs: "
-                                f"{', '.join(sorted(_CODECS)) or 'none'}{broken}")
+    """The codec registered as `name`, configured; UnknownCodecError (kvbridge.settings.codecs) naming
+    `setting`, the variable the name came from, when there is none."""
+    cls = cast("type[Codec]", codec_table.codec_class(name, setting))   # register_codec adds only Codec classes
     return cls(options or CodecOptions())

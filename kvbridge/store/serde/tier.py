@@ -17,7 +17,8 @@ from dataclasses import replace
 from typing import Any
 
 from kvbridge.store.objects import CorruptObject, ObjectMeta
-from kvbridge.store.serde.base import Codec, CodecMeta, CodecOptions, UnknownCodecError, get_codec
+from kvbridge.settings.codecs import UnknownCodecError
+from kvbridge.store.serde.base import Codec, CodecMeta, CodecOptions, get_codec
 
 log = logging.getLogger(__name__)
 
