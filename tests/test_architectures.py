@@ -21,7 +21,8 @@ from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.engine.chunks import ChunkKV
 from kvbridge.engine.hashing import make_hasher
 from kvbridge.formats.architectures import ModelTraits, kv_support
-from kvbridge.formats.llama_state import LayoutError, assemble_state, assembled_size, encode_chunk, parse_state
+from kvbridge.formats.llama_chunks import assemble_state, assembled_size, encode_chunk
+from kvbridge.formats.llama_state import LayoutError, parse_state
 from kvbridge.settings.models import EMBEDDED_MODELS
 from kvbridge.store import TieredStore
 
@@ -182,7 +183,8 @@ def test_without_captured_window_rows_nothing_unprovable_is_stored(gemma, tmp_pa
 
 def test_assembly_writes_only_the_window_cells():
     """A hand-built two-cache geometry: the assembled sliding-window cache holds positions n-window..n-1."""
-    from kvbridge.formats.llama_state import ChunkView, KVGeometry
+    from kvbridge.formats.llama_chunks import ChunkView
+    from kvbridge.formats.llama_state import KVGeometry
 
     g = KVGeometry(0, 2, (1, 1), (4, 4), (1, 1), (4, 4), (0, 0), (0, 0), sections=(1, 1), window=3)
     views = []

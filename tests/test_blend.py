@@ -116,7 +116,7 @@ def test_a_shifted_passage_matches_a_prefill_at_the_new_position(engine):
 
 
 def _state_of(parsed):
-    from kvbridge.formats.llama_state import assemble_state, decode_chunk, encode_chunk
+    from kvbridge.formats.llama_chunks import assemble_state, decode_chunk, encode_chunk
 
     payload = encode_chunk(parsed, 0, parsed.n_cells, [0] * parsed.n_cells)
     view = decode_chunk(payload, parsed.geometry)

@@ -9,7 +9,8 @@ import pytest
 from conftest import needs_model
 from kvbridge.backends import make_backend
 from kvbridge.backends.base import EngineReport, Prompt
-from kvbridge.formats.llama_state import LayoutError, assemble_state, decode_chunk, encode_chunk, parse_state
+from kvbridge.formats.llama_chunks import assemble_state, decode_chunk, encode_chunk
+from kvbridge.formats.llama_state import LayoutError, parse_state
 
 pytestmark = [needs_model, pytest.mark.live]
 

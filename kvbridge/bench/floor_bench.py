@@ -84,7 +84,7 @@ class PathResult:
 def summarise_records(result: PathResult, records: Sequence[RequestRecord], geometry,
                       cold_texts: dict[int, str]) -> PathResult:
     """Fill `result` from one path's records: warm medians, restore, the copy it is held to, stages, oracle."""
-    from kvbridge.formats.llama_state import assembled_size
+    from kvbridge.formats.llama_chunks import assembled_size
 
     done = [r for r in records if not r.error]
     native = [r for r in done if r.mode == "native" and is_warm(r)]

@@ -29,7 +29,7 @@ import numpy as np
 from kvbridge.bench.common.report import fmt, is_warm, median_or_none, plain_copy_ms, ratio
 from kvbridge.engine.records import RequestRecord
 from kvbridge.errors import BadSettings
-from kvbridge.formats.llama_state import assembled_size
+from kvbridge.formats.llama_chunks import assembled_size
 from kvbridge.settings import Settings
 
 DOCUMENT_PATH = Path(__file__).resolve().parents[1] / "data" / "cold_store_manual.md"

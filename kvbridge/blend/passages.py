@@ -23,7 +23,8 @@ import numpy as np
 from blake3 import blake3
 
 from kvbridge.engine.hashing import pack_tokens, tokens_digest
-from kvbridge.formats.llama_state import ChunkView, KVGeometry, LayoutError, decode_chunk
+from kvbridge.formats.llama_chunks import ChunkView, decode_chunk
+from kvbridge.formats.llama_state import KVGeometry, LayoutError
 from kvbridge.store.objects import ObjectMeta
 
 BLEND_TAG = "blend=passage-v1"     # joins the exact namespace: the blend namespace

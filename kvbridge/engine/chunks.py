@@ -28,8 +28,9 @@ from kvbridge.backends.base import SeqState, WindowCapture
 from kvbridge.engine.assembly_buffer import AssemblyBuffer
 from kvbridge.engine.hashing import tail_key, tokens_digest
 from kvbridge.engine.stages import StageTimer
-from kvbridge.formats.llama_state import (ChunkView, KVGeometry, LayoutError, ParsedState, assemble_state, assembled_size,
-                                         decode_chunk, encode_chunk, parse_state, parse_window_rows, with_window_rows)
+from kvbridge.formats.llama_chunks import ChunkView, assemble_state, assembled_size, decode_chunk, encode_chunk
+from kvbridge.formats.llama_state import (KVGeometry, LayoutError, ParsedState, parse_state, parse_window_rows,
+                                         with_window_rows)
 from kvbridge.store import ObjectMeta, ObjectVanished, StoredObject, TieredStore
 
 log = logging.getLogger(__name__)

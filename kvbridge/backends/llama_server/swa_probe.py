@@ -21,7 +21,8 @@ import uuid
 
 from kvbridge.backends.llama_server.api import LlamaServerError
 from kvbridge.errors import StateTransferError
-from kvbridge.formats.llama_state import LayoutError, assemble_state, decode_chunk, encode_chunk, parse_state
+from kvbridge.formats.llama_chunks import assemble_state, decode_chunk, encode_chunk
+from kvbridge.formats.llama_state import LayoutError, parse_state
 from kvbridge.formats.slot_file import SlotFileError, build_slot_file, write_in_place
 
 log = logging.getLogger(__name__)

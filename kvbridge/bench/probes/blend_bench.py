@@ -40,7 +40,8 @@ from kvbridge.bench.common.report import holds_fact, write_result_json
 from kvbridge.blend.passages import FoundPassage
 from kvbridge.blend.runner import ANSWER, SCRATCH, BlendResult, BlendRunner
 from kvbridge.engine.segments import segment_spans
-from kvbridge.formats.llama_state import assemble_state, decode_chunk, encode_chunk, parse_state
+from kvbridge.formats.llama_chunks import assemble_state, decode_chunk, encode_chunk
+from kvbridge.formats.llama_state import parse_state
 from kvbridge.settings import Settings
 from kvbridge.store.objects import ObjectMeta
 

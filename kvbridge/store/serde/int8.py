@@ -54,7 +54,7 @@ CHUNK_KINDS = ("chunk", "tail")
 
 def _registered_geometry(payload: Any) -> "KVGeometry | None":
     """The geometry an engine registered for the digest in this chunk's header (None: not a chunk, or unknown)."""
-    from kvbridge.formats.llama_state import CHUNK_MAGIC, _CHUNK_HEADER
+    from kvbridge.formats.llama_chunks import CHUNK_MAGIC, _CHUNK_HEADER
 
     if memoryview(payload).nbytes < _CHUNK_HEADER.size:
         return None
@@ -135,7 +135,8 @@ class Int8Codec(Codec):
     blurb = "lossy: f16/f32 K and V as int8 with a per-token scale (about half the bytes)"
 
     def encode(self, payload: Any, meta: CodecMeta | None = None) -> bytes:
-        from kvbridge.formats.llama_state import LayoutError, decode_chunk
+        from kvbridge.formats.llama_chunks import decode_chunk
+        from kvbridge.formats.llama_state import LayoutError
 
         if meta is not None and meta.kind not in CHUNK_KINDS:
             return _stored(f"a {meta.kind} object is not a chunk payload", payload)
@@ -182,7 +183,7 @@ class Int8Codec(Codec):
             raise CorruptObject(f"int8: {error}") from error
 
     def _decode(self, buf: memoryview) -> bytes:
-        from kvbridge.formats.llama_state import CHUNK_MAGIC, _CHUNK_HEADER
+        from kvbridge.formats.llama_chunks import CHUNK_MAGIC, _CHUNK_HEADER
 
         magic, version, mode, extra_len = _SUB.unpack_from(buf, 0)
         if magic != MAGIC or version != VERSION or mode not in (MODE_QUANTISED, MODE_STORED):

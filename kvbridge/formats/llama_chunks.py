@@ -1,0 +1,213 @@
+"""Chunk payloads of a llama.cpp sequence state: cut a parsed state into chunks, check them, assemble them back.
+
+Place in the flow: ... -> generate -> save_state -> parse_state (kvbridge.formats.llama_state) ->
+**encode_chunk per chunk** -> store; lookup -> fetch -> **decode_chunk -> assemble_state: one valid
+sequence state** -> restore_state -> suffix prefill.
+
+A chunk payload is our own format: a header (CHUNK_MAGIC, cell count, token-id count, the digest
+of the KV geometry it was cut under), the chunk's token ids (to confirm a hit), then K and V rows of
+every layer. Every cell's K row and V elements are independent of the others, so cells cut at any
+position concatenate again into the layout llama.cpp reads (described in llama_state).
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvbridge.formats.llama_state import STATE_IO_MAGIC, KVGeometry, LayoutError, ParsedState
+
+CHUNK_MAGIC = b"KVBCHNK1"     # our per-chunk payload; bump the digit when the payload layout changes
+_CHUNK_HEADER = struct.Struct("<8sII16s")   # magic, n_cells, n_token_ids, geometry digest
+
+
+def encode_chunk(state: ParsedState, start: int, stop: int, token_ids: Sequence[int]) -> bytes:
+    """The payload for cells [start, stop): header, the token ids (to confirm a hit), K then V per layer."""
+    n = stop - start
+    if not 0 <= start < stop <= state.n_cells or len(token_ids) != n:
+        raise LayoutError("chunk range and token ids disagree")
+    g = state.geometry
+    if g.window and start < state.window_start:
+        raise LayoutError(f"the sliding-window rows of positions {start}..{state.window_start - 1} were not "
+                          "captured; a chunk without them could not be restored exactly")
+    windowed = g.windowed_layers
+    ws = state.window_start
+
+    def cells(il: int) -> tuple[int, int]:
+        return (start - ws, stop - ws) if il in windowed else (start, stop)
+
+    parts = [_CHUNK_HEADER.pack(CHUNK_MAGIC, n, n, g.digest()),
+             np.asarray(token_ids, dtype="<i4").tobytes()]
+    for il, layer in enumerate(state.k):
+        a, b = cells(il)
+        parts.append(layer[a:b].tobytes())
+    for il, layer in enumerate(state.v):
+        a, b = cells(il)
+        parts.append(layer[:, a:b].tobytes() if g.v_trans else layer[a:b].tobytes())
+    return b"".join(parts)
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    """A decoded chunk payload (views into the stored bytes, no copies)."""
+
+    n_cells: int
+    token_ids: np.ndarray
+    k: list[np.ndarray]
+    v: list[np.ndarray]
+
+
+def decode_chunk(payload: bytes, geometry: KVGeometry) -> ChunkView:
+    """Check a chunk payload against the engine's geometry and return views; LayoutError if it is not ours."""
+    if len(payload) < _CHUNK_HEADER.size:
+        raise LayoutError("chunk payload too short")
+    magic, n_cells, n_ids, digest = _CHUNK_HEADER.unpack_from(payload, 0)
+    if magic != CHUNK_MAGIC or digest != geometry.digest() or n_ids != n_cells or n_cells == 0:
+        raise LayoutError("chunk payload from another format or KV geometry")
+    expected = _CHUNK_HEADER.size + 4 * n_cells + n_cells * geometry.bytes_per_cell
+    if len(payload) != expected:
+        raise LayoutError(f"chunk payload is {len(payload)} bytes, expected {expected}")
+    buf = memoryview(payload)
+    off = _CHUNK_HEADER.size
+    ids = np.frombuffer(buf, dtype="<i4", count=n_cells, offset=off)
+    off += 4 * n_cells
+    k, v = [], []
+    for row in geometry.k_rows:
+        k.append(np.frombuffer(buf, np.uint8, n_cells * row, off).reshape(n_cells, row))
+        off += n_cells * row
+    for row, el, embd in zip(geometry.v_rows, geometry.v_els, geometry.v_embds):
+        arr = np.frombuffer(buf, np.uint8, n_cells * row, off)
+        v.append(arr.reshape(embd, n_cells, el) if geometry.v_trans else arr.reshape(n_cells, row))
+        off += n_cells * row
+    return ChunkView(n_cells, ids, k, v)
+
+
+def _section_cells(geometry: KVGeometry, n_cells: int, window_only: bool) -> list[tuple[range, int]]:
+    """(layer indices, first cell) of each cache in a restore of n_cells cells: every cell, or with
+    window_only, for the sliding-window cache the last `window` positions (what llama.cpp writes)."""
+    out, at = [], 0
+    for count in geometry.section_layers:
+        layers = range(at, at + count)
+        windowed = window_only and geometry.window and at + count == geometry.n_layer
+        first = max(0, n_cells - geometry.window) if windowed else 0
+        out.append((layers, first))
+        at += count
+    return out
+
+
+def assembled_size(geometry: KVGeometry, n_cells: int, window_only: bool = False) -> int:
+    """Bytes of a sequence state holding n_cells cells of this geometry."""
+    g = geometry
+    size = 8
+    for layers, first in _section_cells(g, n_cells, window_only):
+        cells = n_cells - first
+        size += 8 + 12 * cells + 8 + sum(24 + cells * (g.k_rows[i] + g.v_rows[i]) for i in layers)
+    return size
+
+
+def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]], seq_id: int = 0,
+                   out: np.ndarray | None = None, run: Callable[[list[Callable[[], None]]], None] | None = None,
+                   window_only: bool = False, first_pos: int = 0) -> memoryview:
+    """Concatenate the first `keep` cells of each chunk into one valid sequence state for `seq_id`.
+
+    Writes into `out` (a uint8 buffer at least assembled_size() long, reused across restores to avoid
+    page faults) or a fresh buffer, and returns a writable memoryview of exactly the state (ctypes can
+    point into it: no second copy). `run` executes the per-layer copy jobs, e.g. on two threads
+    (numpy releases the GIL while copying); by default they run here, one after another.
+
+    A sliding-window cache gets every cell too, by default: the context then has the cell layout a
+    cold prefill leaves in a full-size SWA cache (swa_full), and llama.cpp's CPU kernels, whose
+    rounding depends on how many cells attention runs over, answer as after that prefill. Given
+    only the window's cells (window_only, exactly the bytes llama.cpp itself writes), Gemma 3 answered
+    1 of 12 document questions differently from both cold and native reuse (Docs/Research.md §13).
+
+    first_pos: the position of the first cell (blend mode restores a passage where it was computed,
+    after its instruction, into a scratch sequence, then shifts it; kvbridge.blend.runner).
+    """
+    keeps = [keep for _, keep in pieces]
+    if not pieces or any(keep < 1 or keep > view.n_cells for view, keep in pieces):
+        raise LayoutError("nothing to assemble, or a keep count outside its chunk")
+    n = sum(keeps)
+    g = geometry
+    size = assembled_size(g, n, window_only)
+    if out is None or len(out) < size:
+        out = np.empty(size, dtype=np.uint8)
+    out = out[:size]
+    out[:8] = np.frombuffer(struct.pack("<Ii", STATE_IO_MAGIC, seq_id), np.uint8)
+    off = 8
+    jobs: list[Callable[[], None]] = []
+    for layers, first in _section_cells(g, n, window_only):
+        off = _write_section(out, off, g, pieces, layers, first, n, seq_id, jobs, first_pos)
+    assert off == size
+    if run is None:
+        for job in jobs:
+            job()
+    else:
+        run(jobs)
+    return memoryview(out)
+
+
+def _write_section(out: np.ndarray, off: int, g: KVGeometry, pieces: Sequence[tuple[ChunkView, int]],
+                   layers: range, first: int, n: int, seq_id: int, jobs: list, first_pos: int = 0) -> int:
+    """One cache's cells first..n-1: headers written now, the row copies appended to `jobs`."""
+    cells = n - first
+    out[off: off + 8] = np.frombuffer(struct.pack("<II", 1, cells), np.uint8)
+    off += 8
+    meta = out[off: off + 12 * cells].view("<i4").reshape(cells, 3)
+    meta[:, 0] = np.arange(first + first_pos, n + first_pos, dtype="<i4")
+    meta[:, 1] = 1
+    meta[:, 2] = seq_id
+    off += 12 * cells
+    out[off: off + 8] = np.frombuffer(struct.pack("<II", g.v_trans, len(layers)), np.uint8)
+    off += 8
+    spans = _spans(pieces, first)   # (piece index, lo, hi): which cells of which chunk, in order
+    for il in layers:
+        row = g.k_rows[il]
+        out[off: off + 12] = np.frombuffer(struct.pack("<iQ", g.k_types[il], row), np.uint8)
+        off += 12
+        jobs.append(_rows_job(out[off: off + cells * row].reshape(cells, row),
+                              [(pieces[p][0].k[il], lo, hi) for p, lo, hi in spans]))
+        off += cells * row
+    for il in layers:
+        row = g.v_rows[il]
+        if g.v_trans:
+            el, embd = g.v_els[il], g.v_embds[il]
+            out[off: off + 12] = np.frombuffer(struct.pack("<iII", g.v_types[il], el, embd), np.uint8)
+            off += 12
+            # (embd, cells*el) 2-D views: each dimension's run is one contiguous block per chunk
+            dst = out[off: off + cells * row].reshape(embd, cells * el)
+            jobs.append(_rows_job(dst, [(pieces[p][0].v[il].reshape(embd, pieces[p][0].n_cells * el), lo * el, hi * el)
+                                        for p, lo, hi in spans], columns=True))
+        else:
+            out[off: off + 12] = np.frombuffer(struct.pack("<iQ", g.v_types[il], row), np.uint8)
+            off += 12
+            jobs.append(_rows_job(out[off: off + cells * row].reshape(cells, row),
+                                  [(pieces[p][0].v[il], lo, hi) for p, lo, hi in spans]))
+        off += cells * row
+    return off
+
+
+def _spans(pieces: Sequence[tuple[ChunkView, int]], first: int) -> list[tuple[int, int, int]]:
+    spans, at = [], 0
+    for p, (_, keep) in enumerate(pieces):
+        lo = max(0, first - at)
+        if lo < keep:
+            spans.append((p, lo, keep))
+        at += keep
+    return spans
+
+
+def _rows_job(dst: np.ndarray, sources: list[tuple[np.ndarray, int, int]], columns: bool = False) -> Callable[[], None]:
+    """Copy src[lo:hi] of each source one after another into dst's rows (or columns)."""
+    def job() -> None:
+        at = 0
+        for src, lo, hi in sources:
+            width = hi - lo
+            if columns:
+                dst[:, at: at + width] = src[:, lo:hi]
+            else:
+                dst[at: at + width] = src[lo:hi]
+            at += width
+    return job

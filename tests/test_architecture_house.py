@@ -1,0 +1,223 @@
+"""The house: packages in layers that import downwards only, counting every import, small modules, one home per fact.
+
+tests/test_architecture.py reads the module-level import graph (what runs when a module is imported).
+This file is stricter about packages: an import inside a function counts too (a late import is still a
+dependency of the code), and so does one under `if TYPE_CHECKING:`. Top-level modules (`__main__`,
+`config`, `errors`) count as packages; `kvbridge/__init__.py` is the facade that names the public API.
+
+A lower package finds the code of a higher one only through a registry: the higher one registers
+itself, and the lower one's table of built-in plugin modules (a string per module, loaded on first
+lookup, as `kvbridge.settings.engines.BUILTIN_ADAPTERS` does) says where to look. Those tables are
+listed in PLUGIN_TABLES, and each module they name must itself import the registry it plugs into.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent / "kvbridge"
+MAX_MODULE_LINES = 500
+
+# lowest first: a package may import only packages before it in this list
+LAYERS = (
+    "kvbridge.errors",
+    "kvbridge.settings",
+    "kvbridge.config",
+    "kvbridge.formats",
+    "kvbridge.store",
+    "kvbridge.backends",
+    "kvbridge.engine",
+    "kvbridge.cache_server",
+    "kvbridge.blend",
+    "kvbridge.scheduler",
+    "kvbridge.serve",
+    "kvbridge.bench",
+    "kvbridge.gui",
+    "kvbridge.cli",
+    "kvbridge.__main__",
+)
+
+
+def _package_of(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE_DIR.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imports_anywhere(path: Path, module: str) -> set[str]:
+    """Every kvbridge module name an import statement anywhere in the file names (functions and TYPE_CHECKING too)."""
+    is_package = path.name == "__init__.py"
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                names.add(".".join(base + ([node.module] if node.module else [])))
+            else:
+                names.add(node.module or "")
+    return {n for n in names if n.startswith("kvbridge.")}
+
+
+def package_graph() -> dict[str, dict[str, list[str]]]:
+    """package -> {package it imports: ["module imports target", ...]}, the facade left out."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for module, path in _modules().items():
+        if module == "kvbridge":
+            continue
+        source = _package_of(module)
+        for target in _imports_anywhere(path, module):
+            dest = _package_of(target)
+            if dest != source:
+                graph.setdefault(source, {}).setdefault(dest, []).append(f"{module} imports {target}")
+    return graph
+
+
+def _package_cycles(graph: dict[str, dict[str, list[str]]]) -> list[str]:
+    """Each pair of packages that reach each other, with the imports that make the first reach the second."""
+    def reaches(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), {}):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    return sorted(f"{a} -> {b} ({'; '.join(sorted(why)[:3])}) and back" for a, edges in graph.items()
+                  for b, why in edges.items() if a in reaches(b))
+
+
+def test_the_package_checker_can_fail():
+    graph = {"kvbridge.engine": {"kvbridge.blend": ["kvbridge.engine.x imports kvbridge.blend.y"]},
+             "kvbridge.blend": {"kvbridge.store": ["..."]}, "kvbridge.store": {"kvbridge.engine": ["..."]}}
+    assert len(_package_cycles(graph)) == 3
+
+
+def test_no_two_packages_import_each_other_counting_imports_in_functions():
+    assert _package_cycles(package_graph()) == []
+
+
+def test_every_package_has_a_layer():
+    packages = {_package_of(m) for m in _modules() if m != "kvbridge"}
+    assert sorted(packages - set(LAYERS)) == []
+
+
+def test_packages_import_only_the_layers_below_them():
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    wrong = sorted(f"{why[0]} ({source} is not above {dest})" for source, edges in package_graph().items()
+                   for dest, why in edges.items() if rank.get(dest, -1) >= rank.get(source, -1))
+    assert wrong == []
+
+
+def test_no_module_is_over_500_lines():
+    long = sorted(f"{path.relative_to(PACKAGE_DIR.parent)}: {n} lines" for path in PACKAGE_DIR.rglob("*.py")
+                  if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES)
+    assert long == []
+
+
+# --- the stable public names ---------------------------------------------------------------------
+
+STABLE_NAMES = (
+    ("kvbridge", "CachedEngine"),
+    ("kvbridge", "Settings"),
+    ("kvbridge", "make_backend"),
+    ("kvbridge.__main__", "main"),
+    ("kvbridge.cache_server.client", "CacheClient"),
+    ("kvbridge.store.objects", "ObjectMeta"),
+    ("kvbridge.engine.records", "RequestRecord"),
+)
+
+
+@pytest.mark.parametrize("module, name", STABLE_NAMES, ids=[f"{m}.{n}" for m, n in STABLE_NAMES])
+def test_the_stable_names_stay_importable(module, name):
+    assert getattr(importlib.import_module(module), name) is not None
+
+
+def test_main_returns_the_exit_code(capsys):
+    """`kvbridge.__main__.main(argv)` returns the exit code (no SystemExit for a command that ran)."""
+    from kvbridge.__main__ import main
+
+    assert main([]) == 0
+    assert "commands:" in capsys.readouterr().out
+    assert main(["scenarios"]) == 0
+    assert "doc-qa" in capsys.readouterr().out
+
+
+# --- one home per fact ---------------------------------------------------------------------------
+
+def _calls_of(name: str) -> list[str]:
+    """Modules (outside formats/, where the layout facts are defined) whose code calls `name(...)`."""
+    found = []
+    for module, path in _modules().items():
+        if module.startswith("kvbridge.formats"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == name:
+                found.append(module)
+                break
+    return sorted(found)
+
+
+def _definitions_of(name: str) -> list[str]:
+    found = []
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+                found.append(module)
+    return sorted(found)
+
+
+@pytest.mark.parametrize("call, home", [
+    ("kv_support", "kvbridge.engine.layout"),        # which layout a model's KV must have, or its refusal
+    ("kv_namespace", "kvbridge.engine.namespace"),   # the namespace every key lives under
+])
+def test_each_fact_is_worked_out_in_one_home(call, home):
+    assert _calls_of(call) == [home]
+
+
+def test_the_geometry_is_probed_in_one_place():
+    """Only engine.layout turns a probe's state into a KVGeometry (CachedEngine, the scheduler and blend ask it)."""
+    takers = []
+    for module, path in _modules().items():
+        if module.startswith("kvbridge.formats"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr == "geometry" and isinstance(node.value, ast.Call)
+                    and getattr(node.value.func, "id", None) == "parse_state"):
+                takers.append(module)
+    assert sorted(takers) == ["kvbridge.engine.layout"]
+
+
+@pytest.mark.parametrize("name, home", [
+    ("open_store", "kvbridge.store.opening"),
+    ("Utf8Decoder", "kvbridge.backends.text_decoding"),
+    ("decide_layout", "kvbridge.engine.layout"),
+    ("namespace_for", "kvbridge.engine.namespace"),
+])
+def test_each_shared_name_is_defined_once(name, home):
+    assert _definitions_of(name) == [home]
+
+
+def test_the_engine_blend_and_scheduler_use_no_engine_adapter():
+    """The adapters are the registry's to load: the core and the modes above it import none of them."""
+    from kvbridge.settings.engines import BUILTIN_ADAPTERS
+
+    wrong = sorted(why for source in ("kvbridge.engine", "kvbridge.blend", "kvbridge.scheduler")
+                   for why in package_graph().get(source, {}).get("kvbridge.backends", [])
+                   if any(why.endswith(f" {a}") or f" {a}." in why for a in BUILTIN_ADAPTERS))
+    assert wrong == []
