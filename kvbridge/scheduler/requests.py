@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvbridge.backends.llama_context import Sampler
-from kvbridge.backends.llamacpp import Utf8Decoder
+from kvbridge.backends.text_decoding import Utf8Decoder
 from kvbridge.engine.records import RequestRecord
 from kvbridge.scheduler.ledger import Holding
 from kvbridge.scheduler.sequence_store import SwapTicket

@@ -25,13 +25,11 @@ from kvbridge.backends.base import Message
 from kvbridge.backends.llama_context import LlamaContext, Sampler
 from kvbridge.backends.llamacpp import llama_cpp_fingerprint
 from kvbridge.backends.model_traits import traits_of_model
-from kvbridge.engine.cached_engine import open_store
-from kvbridge.engine.namespace import file_sha256, kv_namespace, sha_cache_file
+from kvbridge.engine.layout import decide_layout, probe_state_on_sequence
+from kvbridge.engine.namespace import namespace_for
 from kvbridge.engine.records import RequestRecord
 from kvbridge.engine.segments import no_passages_note
 from kvbridge.errors import EngineUnavailable, KVBridgeError
-from kvbridge.formats.architectures import kv_support
-from kvbridge.formats.llama_state import parse_state
 from kvbridge.scheduler import events
 from kvbridge.scheduler.blend_placement import BlendPlacer
 from kvbridge.scheduler.intake import RequestRefused, check_queue, check_request, prompt_tokens
@@ -47,6 +45,7 @@ from kvbridge.scheduler.sequence_store import SequenceStore, SequenceStoreShared
 from kvbridge.scheduler.sequences import SequencePool
 from kvbridge.scheduler.streaming import Streamer
 from kvbridge.settings import Settings
+from kvbridge.store import open_store
 from kvbridge.store.serde import remember_geometry
 
 log = logging.getLogger(__name__)
@@ -65,12 +64,11 @@ class Scheduler:
         self.store = store if store is not None else open_store(s)
         self._own_store = store is None
         traits = traits_of_model(self._ctx.model)
-        self._geometry = geometry = self._probe_geometry(traits)
-        remember_geometry(geometry)
-        model_sha = file_sha256(self._ctx.model_path, sha_cache_file(s.l2_dir))
-        self.namespace = kv_namespace(llama_cpp_fingerprint(s, traits), model_sha256=model_sha,
-                                      kv_layout=geometry.digest().hex()[:16],
-                                      lossy_codecs=getattr(self.store, "lossy_codecs", []), chunk_size=s.chunk_size)
+        layout = self._decide_layout(traits)
+        self._geometry = geometry = layout.geometry
+        remember_geometry(geometry)   # the int8 codec finds a chunk's K and V rows by it
+        self.namespace = namespace_for(s, fingerprint=llama_cpp_fingerprint(s, traits), model_path=self._ctx.model_path,
+                                       kv_layout=layout.namespace_key, store=self.store)
         self._store_shared = SequenceStoreShared()   # one writer thread and one restore buffer for every salt
         self._swaps = SaltStores(lambda salt: SequenceStore(self.store, s, salt_namespace(self.namespace, salt),
                                                             geometry, shared=self._store_shared), s.sched_max_salts)
@@ -92,22 +90,17 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="kvbridge-scheduler", daemon=True)
         self._thread.start()
 
-    def _probe_geometry(self, traits):
-        """The KV layout of this model and cache type, from a tiny real state (as CachedEngine learns it);
-        a model whose layout KVBridge refuses (kvbridge.formats.architectures) cannot be scheduled."""
-        support = kv_support(traits)
-        if support.refused:
+    def _decide_layout(self, traits):
+        """The KV layout of this model and cache type, proven on a tiny real state in a free sequence
+        (kvbridge.engine.layout, as CachedEngine learns it); a model whose layout KVBridge refuses cannot
+        be scheduled."""
+        layout = decide_layout(traits, lambda: probe_state_on_sequence(self._ctx, self.seqs.free[0], PROBE_TEXT))
+        if layout.refusal:
             self._ctx.close()
             if self._own_store:
                 self.store.close()
-            raise EngineUnavailable(f"The scheduler cannot run {self._ctx.model_path.name}: {support.reason.split(';')[0]}.")
-        seq = self.seqs.free[0]
-        tokens = self._ctx.tokenize(PROBE_TEXT)
-        if self._ctx.decode([(t, i, seq, i == len(tokens) - 1) for i, t in enumerate(tokens)]) != 0:
-            raise KVBridgeError("llama.cpp could not decode the scheduler's probe prompt")
-        geometry = parse_state(self._ctx.save_seq(seq), traits.n_layer, window=support.window).geometry
-        self._ctx.seq_rm(seq)
-        return geometry
+            raise EngineUnavailable(f"The scheduler cannot run {self._ctx.model_path.name}: {layout.refusal.split(';')[0]}.")
+        return layout
 
     # -- the public API -------------------------------------------------------------------------------
     def __enter__(self) -> "Scheduler":
