@@ -19,7 +19,8 @@ from blake3 import blake3
 
 from kvbridge.settings import Settings
 from kvbridge.store import DiskTier, MemoryTier, ObjectMeta, TieredStore
-from kvbridge.store.redis_tier import VALUE_MAGIC, RedisTier, redact
+from kvbridge.store.redis_link import redact
+from kvbridge.store.redis_tier import VALUE_MAGIC, RedisTier
 from tests.redis_helpers import RedisCluster, RedisServer, needs_redis
 
 pytestmark = [needs_redis, pytest.mark.timeout(120)]

@@ -10,7 +10,8 @@ from __future__ import annotations
 import threading
 import time
 
-from kvbridge.store.redis_tier import RedisTier, _Breaker
+from kvbridge.store.redis_link import _Breaker
+from kvbridge.store.redis_tier import RedisTier
 from tests.redis_helpers import RedisServer, needs_redis
 
 

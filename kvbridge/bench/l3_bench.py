@@ -153,7 +153,7 @@ def run_bench_l3(settings: Settings, make_engine: Callable, parts: Sequence[str]
             url = server.url
             result["server"] = f"a private redis-server on {url} (pid {server.pid}), stopped after the run"
         else:
-            from kvbridge.store.redis_tier import redact
+            from kvbridge.store.redis_link import redact
 
             result["server"] = f"KVB_L3_URL {redact(url)}"
         prefix = f"{settings.l3_prefix}-bench-{os.getpid()}"
