@@ -7,8 +7,9 @@
     obj = store.get(chunk_hash)               # StoredObject(blob, meta, tier) or None
 
 Modules, in reading order: objects (what is stored), policy (LRU by bytes with pins), tiers (the
-interface and L1), diskformat (the L2 file), disk (L2), tiered (TieredStore), opening (open_store: the
-embedded store, or a registered remote one when KVB_STORE_URL is set).
+interface and L1), diskformat (the L2 file), disk (L2), tiered (TieredStore: construction and reading,
+with tiered_writing and tiered_upkeep), redis_tier and redis_link (L3: the tier, its connection),
+opening (open_store: the embedded store, or a registered remote one when KVB_STORE_URL is set).
 
 Errors: a storage fault never escapes get/put/lookup; it is a counted miss or skipped write in
 stats(). The one storage exception callers may see is StoreFault (from clear(), when the disk

@@ -30,7 +30,7 @@ from redis.retry import Retry
 
 from kvbridge.store.objects import StoreFault
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvbridge.store.redis_tier")   # the L3 tier's one logger, as before it was split
 
 FIRST_BACKOFF_S, MOST_BACKOFF_S = 1.0, 30.0
 READ_SIZE = 4 << 20              # bytes per socket read (redis-py's default is 64 KiB)

@@ -18,6 +18,9 @@ recomputes. get/put/lookup/contains/flush raise no storage error at all (a full 
 write, a bad file a counted miss); clear() raises StoreFault when the disk cannot even be listed.
 Bad arguments are ValueError/TypeError (bugs, not faults).
 
+Modules: tiered (this one: the store, construction and reading), tiered_writing (put, write-behind,
+eviction with demotion, pins), tiered_upkeep (clear, flush, close, stats).
+
 Thread-safe: one lock guards the policies and counters; payload I/O (disk reads, writes) runs
 outside it, protected by pinning so an object being read is never evicted. Each tier is thread-safe
 on its own and is the truth about what it holds; after any tier call that may have changed a key
@@ -30,9 +33,8 @@ import logging
 import threading
 import time
 from collections import Counter
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import Iterable, Iterator, Sequence
+from dataclasses import replace
+from typing import Iterable, Sequence
 
 from kvbridge.settings import Settings, env_name
 from kvbridge.errors import BadSettings
@@ -50,19 +52,18 @@ from kvbridge.store.objects import (
 )
 from kvbridge.store.policy import LRUPolicy
 from kvbridge.store.serde.tier import TierCodec
+from kvbridge.store.tiered_upkeep import TierUpkeep
+from kvbridge.store.tiered_writing import Level, TierWrites
 from kvbridge.store.tiers import MemoryTier, Tier
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Level:
-    tier: Tier
-    policy: LRUPolicy
+class TieredStore(TierWrites, TierUpkeep):
+    """Content-addressed objects across tiers. `namespace`, when set, is the one expected by default.
 
-
-class TieredStore:
-    """Content-addressed objects across tiers. `namespace`, when set, is the one expected by default."""
+    Construction and reading are here; writing, eviction and pins are TierWrites' (tiered_writing),
+    clear, flush, close and stats TierUpkeep's (tiered_upkeep)."""
 
     shared = False   # tiers of this process (L2 files excepted): an engine restart may empty L1
 
@@ -71,7 +72,7 @@ class TieredStore:
         if len(set(names)) != len(names) or TIER_NONE in names:
             raise ValueError(f"tier names must be unique and not {TIER_NONE!r}: {names}")
         self.namespace = namespace
-        self._levels = [_Level(tier, LRUPolicy(tier.capacity())) for tier in tiers]
+        self._levels = [Level(tier, LRUPolicy(tier.capacity())) for tier in tiers]
         self._lock = threading.RLock()
         self._counts: Counter[str] = Counter()
         self._hits: Counter[str] = Counter()
@@ -288,7 +289,7 @@ class TieredStore:
             return index
         return None
 
-    def _read(self, level: _Level, key: bytes) -> tuple[bytes, ObjectMeta] | None:
+    def _read(self, level: Level, key: bytes) -> tuple[bytes, ObjectMeta] | None:
         """tier.get with every storage fault turned into a counted miss."""
         try:
             found = level.tier.get(key)
@@ -296,7 +297,7 @@ class TieredStore:
             found = fault
         return self._read_result(level, key, found)
 
-    def _read_result(self, level: _Level, key: bytes,
+    def _read_result(self, level: Level, key: bytes,
                      found: tuple[bytes, ObjectMeta] | StoreFault | None) -> tuple[bytes, ObjectMeta] | None:
         """A tier's answer for one key, a fault turned into a counted miss."""
         if isinstance(found, CorruptObject):
@@ -319,261 +320,6 @@ class TieredStore:
     def _miss(self) -> None:
         self._count("misses")
         return None
-
-    # -- writing ---------------------------------------------------------------------------------
-    def put(self, key: bytes, blob: bytes, meta: ObjectMeta) -> bool:
-        """Store or replace. False when no tier took it (too large, disk full): counted, not raised."""
-        key = check_key(key)
-        if not isinstance(blob, bytes) and not (isinstance(blob, memoryview) and self._all_persistent):
-            blob = bytes(blob)   # a RAM tier keeps what it is given, so it must own it; a disk tier only writes it out
-        if not isinstance(meta, ObjectMeta):
-            raise TypeError(f"meta must be an ObjectMeta, got {type(meta).__name__}")
-        self._count("puts")
-        stored = False
-        for index, level in enumerate(self._levels):
-            if stored and not level.tier.persistent:
-                continue  # already in a faster tier; only persistent tiers get a write-through copy
-            if level.tier.remote:
-                stored = self._queue_write(index, key, blob, meta, "written_behind") or stored
-            elif self._put_into(index, key, blob, meta):
-                stored = True
-        if not stored:
-            self._count("put_failures")
-        return stored
-
-    def put_many(self, items: list[tuple[bytes, bytes, ObjectMeta]]) -> list[bool]:
-        """put() for each (key, blob, meta) (a remote store stores them in one round trip)."""
-        return [self.put(key, blob, meta) for key, blob, meta in items]
-
-    def _queue_write(self, index: int, key: bytes, blob, meta: ObjectMeta, counter: str) -> bool:
-        """A copy for level `index`, written behind the request; False (counted) when the queue is full."""
-        if not isinstance(blob, bytes) and not (isinstance(blob, memoryview) and blob.readonly and blob.obj is not None
-                                                and isinstance(blob.obj, bytes)):
-            blob = bytes(blob)   # the caller's buffer (the cache server's pages) is not ours to keep
-        if self._behind.submit((index, key, blob, meta, counter)):
-            return True
-        self._count("behind_dropped")
-        log.debug("%s: write-behind queue full, %s not written", self._levels[index].tier.name, key.hex()[:16])
-        return False
-
-    def _write_behind(self, job) -> None:
-        index, key, blob, meta, counter = job
-        if self._put_into(index, key, blob, meta):
-            self._count(counter)
-
-    def _put_into(self, index: int, key: bytes, blob: bytes, meta: ObjectMeta) -> bool:
-        level = self._levels[index]
-        if not level.policy.fits(len(blob)):
-            return False
-        if not level.tier.put(key, blob, meta):  # I/O outside the lock
-            self._count("write_errors")
-            return False
-        with self._lock:
-            if self._sync_locked(level, key) is None:
-                return False  # a concurrent clear() or eviction removed it in the meantime
-            self._doomed[level.tier.name].discard(key)  # new content after a clear is wanted
-            demoted = self._evict_locked(index)
-        self._demote_all(index + 1, demoted)
-        return True
-
-    def _evict_locked(self, index: int) -> list[tuple[bytes, bytes, ObjectMeta]]:
-        """Evict LRU victims until the level fits; return those the next level should receive."""
-        level = self._levels[index]
-        below = self._levels[index + 1] if index + 1 < len(self._levels) else None
-        demoted = []
-        for key in level.policy.victims():
-            if below is not None and key not in below.policy:
-                # Reads the payload under the lock: free for RAM; a future tier below disk should
-                # hand victims out by path instead.
-                found = self._read(level, key)
-                if found is not None:
-                    demoted.append((key, *found))
-            level.tier.remove(key)
-            if self._sync_locked(level, key) is None:  # else its file would not go (logged): kept
-                self._evictions[level.tier.name] += 1
-        return demoted
-
-    def _sync_locked(self, level: _Level, key: bytes) -> int | None:
-        """Copy the tier's truth about key into the policy (as most recent); its size, None when absent."""
-        size = level.tier.size(key)
-        if size is None:
-            level.policy.on_remove(key)
-        else:
-            level.policy.on_put(key, size)
-        return size
-
-    def _unpin_locked(self, level: _Level, key: bytes) -> None:
-        """Release one pin; the last one on an object cleared while pinned deletes it now."""
-        level.policy.unpin(key)
-        doomed = self._doomed[level.tier.name]
-        if key in doomed and not level.policy.is_pinned(key):
-            doomed.discard(key)
-            level.tier.remove(key)
-            self._sync_locked(level, key)
-
-    def _demote_all(self, index: int, demoted: list[tuple[bytes, bytes, ObjectMeta]]) -> None:
-        if index >= len(self._levels):
-            return
-        for key, blob, meta in demoted:
-            if self._levels[index].tier.remote:
-                self._queue_write(index, key, blob, meta, "demotions")
-            elif self._put_into(index, key, blob, meta):
-                self._count("demotions")
-
-    def quiet(self):
-        """A context in which the write-behind queue starts no new write (CachedEngine holds it around a
-        request, so an L3 copy or an L2 promotion never competes with a prefill for a core)."""
-        return self._behind.hold()
-
-    @contextmanager
-    def pinned(self, keys: Iterable[bytes]) -> Iterator[None]:
-        """Keep these objects from being evicted (from any tier) while the block runs."""
-        keys = [check_key(key) for key in keys]
-        with self._lock:
-            for level in self._levels:
-                for key in keys:
-                    level.policy.pin(key)
-        try:
-            yield
-        finally:
-            with self._lock:
-                for level in self._levels:
-                    for key in keys:
-                        self._unpin_locked(level, key)
-
-    # -- housekeeping ----------------------------------------------------------------------------
-    def clear(self, tier_name: str) -> None:
-        """Empty one tier ("L1", "L2", "L3"); L2 loses every object file in its directory, L3 every
-        KVBridge key under its prefix on the server (every host's).
-
-        An object pinned at that moment (a restore is reading it) is deleted when its last pin is
-        released, not before: the reader that pinned it gets its data, as the pin promised. Until
-        then it is still served; stats()["clear_deferred"] counts these. A put of such an object
-        after the clear keeps the new copy. Raises StoreFault when the disk cannot be listed.
-        """
-        level = self._level_named(tier_name)
-        if level.tier.remote:
-            # The network part runs outside the lock, so a slow or dead L3 holds no other store call
-            # (the tier bounds it by its own timeout; an unreachable L3 raises StoreFault at once).
-            with self._lock:
-                pinned = {key for key in level.policy.pinned_keys() if level.tier.contains(key)}
-            try:
-                level.tier.clear(keep=pinned)
-            finally:
-                with self._lock:
-                    self._resync_after_clear_locked(level, pinned)
-            return
-        with self._lock:
-            pinned = {key for key in level.policy.pinned_keys() if level.tier.contains(key)}
-            try:
-                level.tier.clear(keep=pinned)
-            finally:
-                self._resync_after_clear_locked(level, pinned)
-
-    def _resync_after_clear_locked(self, level: _Level, pinned: set[bytes]) -> None:
-        """The policy follows what the tier holds after a clear; pinned survivors go when unpinned."""
-        present = {key: size for key, size, _ in level.tier.entries()}
-        for key in level.policy.keys_oldest_first():
-            if key not in present:
-                level.policy.on_remove(key)
-        for key, size in present.items():
-            if key not in level.policy:
-                level.policy.on_put(key, size)
-        deferred = pinned & present.keys()
-        self._doomed[level.tier.name] |= deferred
-        self._counts["clear_deferred"] += len(deferred)
-
-    def flush(self) -> int:
-        """Write every object held only in non-persistent tiers to the persistent ones; returns how many."""
-        self._behind.drain()
-        persistent = [index for index, level in enumerate(self._levels) if level.tier.persistent]
-        written = 0
-        for level in self._levels:
-            if level.tier.persistent:
-                continue
-            for key in level.tier.keys():
-                with self._lock:
-                    missing = [index for index in persistent if key not in self._levels[index].policy]
-                found = self._read(level, key) if missing else None
-                if found is None:
-                    continue
-                for index in missing:
-                    written += self._put_into(index, key, *found)
-        return written
-
-    def drain(self, timeout_s: float = 30.0) -> bool:
-        """Wait until the writes queued behind requests are done; False when `timeout_s` passed first."""
-        return self._behind.drain(timeout_s)
-
-    def close(self) -> None:
-        """Finish queued remote writes (bounded), release memory held by the tiers (L1 empties); what is
-        on disk and in L3 stays. Idempotent."""
-        dropped = self._behind.close(timeout_s=10.0)
-        with self._lock:
-            self._counts["behind_dropped"] += dropped
-            for level in self._levels:
-                level.tier.close()
-                if not level.tier.persistent:
-                    level.policy.clear()
-                    self._doomed[level.tier.name].clear()
-
-    def bytes_by_namespace(self) -> dict[str, dict[str, int]]:
-        """{namespace: {tier name: bytes}} of every object the tiers hold (a remote tier: those this process
-        knows of). The per-tenant "bytes held" of serve's /metrics."""
-        held: dict[str, dict[str, int]] = {}
-        for tier in self.tiers:
-            for namespace, size in tier.bytes_by_namespace().items():
-                held.setdefault(namespace, {})[tier.name] = size
-        return held
-
-    def stats(self) -> dict:
-        """Plain numbers for the GUI and CLI: per tier, then hit/miss/fault counters."""
-        with self._lock:
-            tiers = {
-                level.tier.name: {
-                    "objects": len(level.policy),
-                    "bytes": level.policy.bytes_used,
-                    "capacity": level.policy.capacity,
-                    "hits": self._hits[level.tier.name],
-                    "evictions": self._evictions[level.tier.name],
-                    "location": level.tier.location,
-                    **({"codec": level.tier.codec.label()} if getattr(level.tier, "codec", None) is not None else {}),
-                    **({"remote": level.tier.health()} if level.tier.remote else {}),
-                }
-                for level in self._levels
-            }
-            counts = self._counts
-            return {
-                "namespace": self.namespace,
-                "tiers": tiers,
-                "hits": {name: self._hits[name] for name in tiers},
-                "misses": counts["misses"],
-                "evictions": sum(self._evictions.values()),
-                "corrupt": counts["corrupt"] + sum(level.tier.corrupt_found for level in self._levels),
-                "temp_files_removed": sum(level.tier.temp_files_removed for level in self._levels),
-                "foreign": counts["foreign"],
-                "vanished": counts["vanished"],
-                "read_errors": counts["read_errors"],
-                "remote_errors": counts["remote_errors"],
-                "puts": counts["puts"],
-                "put_failures": counts["put_failures"],
-                "write_errors": counts["write_errors"],
-                "promotions": counts["promotions"],
-                "demotions": counts["demotions"],
-                "discovered": counts["discovered"],
-                "clear_deferred": counts["clear_deferred"],
-                "lookups": counts["lookups"],
-                "written_behind": counts["written_behind"],
-                "behind_dropped": counts["behind_dropped"],
-                "behind_queue": self._behind.pending,
-            }
-
-    def _level_named(self, tier_name: str) -> _Level:
-        for level in self._levels:
-            if level.tier.name == tier_name:
-                return level
-        known = ", ".join(level.tier.name for level in self._levels)
-        raise ValueError(f"unknown tier {tier_name!r}; this store has: {known}")
 
     def _count(self, name: str) -> None:
         with self._lock:
