@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from kvbridge.bench.common.scenarios import builtin_document
-from kvbridge.bench.serve_bench import OurServe, require_openai_sdk
+from kvbridge.bench.common.private_serve import OurServe, require_openai_sdk
 from kvbridge.settings import Settings
 
 KEYS = {"alice": "bench-key-alice", "bob": "bench-key-bob", "carol": "bench-key-carol"}

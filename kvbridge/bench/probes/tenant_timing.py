@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbridge.bench.serve_bench import OurServe, require_openai_sdk
+from kvbridge.bench.common.private_serve import OurServe, require_openai_sdk
 from kvbridge.settings import Settings
 
 CHUNK_TOKENS = 32   # KVB_CHUNK_SIZE of the bench's serve: short documents are stored as whole chunks, not a tail
