@@ -140,8 +140,8 @@ def run_bench_l3(settings: Settings, make_engine: Callable, parts: Sequence[str]
                  say: Callable[[str], None] = print) -> dict:
     """Every part asked for, on one L3 server (KVB_L3_URL, else a private redis-server) and one engine.
 
-    make_engine(settings, l2_dir) -> a CachedEngine (the CLI's _make_engine). The engine's store is
-    L1 + a fresh L2 + L3 under a bench prefix (KVB_L3_PREFIX + "-bench-<pid>"), removed afterwards.
+    make_engine(settings, l2_dir) -> a CachedEngine (the CLI's, kvbridge.cli.common.make_engine). The engine's
+    store is L1 + a fresh L2 + L3 under a bench prefix (KVB_L3_PREFIX + "-bench-<pid>"), removed afterwards.
     """
     from kvbridge.bench.common.private_redis import private_redis
 
