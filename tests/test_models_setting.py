@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.backends.llamacpp import model_path_for
+from kvbridge.backends.llama_cpp_model import model_path_for
 from kvbridge.settings import WORK_DIR, Settings
 from kvbridge.settings.models import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_model
 

@@ -19,7 +19,7 @@ import numpy as np
 from kvbridge.backends.base import Message
 from kvbridge.backends.build_check import ensure_llama_cpp_runs
 from kvbridge.backends.chat_template import template_of_llama
-from kvbridge.backends.llamacpp import check_model_file, ggml_type_id, model_path_for
+from kvbridge.backends.llama_cpp_model import check_model_file, ggml_type_id, model_path_for
 from kvbridge.errors import EngineUnavailable, StateTransferError
 from kvbridge.settings import Settings
 

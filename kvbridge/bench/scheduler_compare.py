@@ -178,7 +178,7 @@ def llama_server_binary(settings: Settings) -> Path:
 
 
 def llama_server_args(workload: Workload, settings: Settings) -> list[str]:
-    from kvbridge.backends.llamacpp import model_path_for
+    from kvbridge.backends.llama_cpp_model import model_path_for
 
     d = workload.defaults
     return ["-m", str(model_path_for(settings)), "-c", str(d.kv_cells), "-np", str(d.max_running), "--kv-unified",
@@ -312,7 +312,7 @@ def shared_prefix_tokens(workload: Workload, settings: Settings) -> int:
     """Tokens every prompt of the workload starts with (its shared system prompt as rendered), as
     our engines tokenize them."""
     from kvbridge.backends.gguf_vocab import GGUFVocab
-    from kvbridge.backends.llamacpp import model_path_for
+    from kvbridge.backends.llama_cpp_model import model_path_for
 
     vocab = GGUFVocab(model_path_for(settings))
     prompts = [vocab.tokenize(vocab.render(list(r.messages))) for r in workload.requests]

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 from kvbridge.backends.base import Message
 from kvbridge.backends.llama_context import LlamaContext, Sampler
-from kvbridge.backends.llamacpp import llama_cpp_fingerprint
+from kvbridge.backends.llama_cpp_model import llama_cpp_fingerprint
 from kvbridge.backends.model_traits import traits_of_model
 from kvbridge.engine.layout import decide_layout, probe_state_on_sequence
 from kvbridge.engine.namespace import namespace_for

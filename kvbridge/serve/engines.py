@@ -103,7 +103,7 @@ class ServeEngine:
     name = ""
 
     def __init__(self, settings: Settings) -> None:
-        from kvbridge.backends.llamacpp import model_path_for
+        from kvbridge.backends.llama_cpp_model import model_path_for
 
         self.settings = settings
         self.model_path: Path = model_path_for(settings)

@@ -38,7 +38,7 @@ from kvbridge.backends.llama_server.identity import ServerIdentity, server_ident
 from kvbridge.backends.llama_server.launch import attach_to, start_own_server
 from kvbridge.backends.llama_server.slots import SLOT_ID, SlotKV
 from kvbridge.backends.llama_server.swa_probe import swa_full_refusal
-from kvbridge.backends.llamacpp import cache_type_problems, swa_fingerprint, model_file_problems
+from kvbridge.backends.llama_cpp_model import cache_type_problems, swa_fingerprint, model_file_problems
 from kvbridge.backends.registry import EngineSpec, register_engine
 
 HTTP_TIMEOUT_S = 30.0               # tokenize, props, slot actions

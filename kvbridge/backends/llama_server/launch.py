@@ -16,7 +16,7 @@ from kvbridge.errors import EngineUnavailable
 from kvbridge.formats.architectures import ModelTraits
 from kvbridge.backends.llama_server.process import (
     ServerProcess, build_advice, built_binary, free_port, pinned_llama_cpp_version, port_is_free)
-from kvbridge.backends.llamacpp import check_model_file, ggml_type_id, model_path_for
+from kvbridge.backends.llama_cpp_model import check_model_file, ggml_type_id, model_path_for
 
 
 def start_own_server(settings: Settings, traits_of: Callable[[Path], ModelTraits]) -> tuple[ServerProcess, Path, Path]:
