@@ -214,7 +214,7 @@ def test_the_waiting_limit_holds_for_submits_from_many_threads(make_settings, mo
     settings = make_settings(sched_kv_cells=1024, sched_max_running=1, sched_cached_prefixes=0, sched_max_waiting=2,
                              n_predict=64, ctx_size=512)
     with Scheduler(settings) as scheduler:
-        monkeypatch.setattr(scheduler, "_admit_waiting", lambda: None)   # the queue only grows by submits
+        monkeypatch.setattr(scheduler.policy, "admit_waiting", lambda: None)   # the queue only grows by submits
         tokenize = scheduler._prompt_tokens
 
         def slow_tokenize(prompt):

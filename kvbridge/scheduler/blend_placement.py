@@ -84,7 +84,7 @@ class BlendPlacer:
         self.journal.counters["blend_reused_tokens"] += result.reused_tokens
         return kv, result.tier if result.reused_tokens else "none"
 
-    def store(self, request: Request) -> None:
+    def store_passages(self, request: Request) -> None:
         """After a blend answer: the passages it computed, each from its own prefill after the instruction."""
         placement = request.blend_placement
         if placement is None or not placement.missing or request.seq is None or not self.pool.free:

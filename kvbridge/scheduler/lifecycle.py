@@ -23,7 +23,7 @@ from kvbridge.scheduler.sequences import SequencePool
 class Lifecycle:
     def __init__(self, ctx, queues: Queues, pool: SequencePool, cache: PrefixCache, restorer: Restorer,
                  blend: BlendPlacer, chunk_size: int, journal: Journal) -> None:
-        self._ctx = ctx
+        self._ctx = ctx   # the context the moved sequences live in (the tests read their state through it)
         self.queues = queues
         self.pool = pool
         self.cache = cache
@@ -131,7 +131,7 @@ class Lifecycle:
             request.future.set_result(record)   # first: what follows is housekeeping, not the answer's time
         self.restorer.store_prompt(request)
         if request.blend:
-            self.blend.store(request)
+            self.blend.store_passages(request)
         self.cache.keep(request)
         self.pool.free_holder(request)
 

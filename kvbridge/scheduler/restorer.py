@@ -109,7 +109,7 @@ class Restorer:
         sequence's state (tens of MB) and a tail object of up to a chunk to save recomputing a few
         tokens, and on a 2-core machine it competes with the next request's prefill."""
         if request.blend:
-            return False   # blended KV never becomes exact chunks (its passages are stored by BlendPlacer.store)
+            return False   # blended KV never becomes exact chunks (its passages are stored by BlendPlacer.store_passages)
         reused, n = request.record.matched_tokens, len(request.prompt)
         new_tokens = n - reused
         c = self.chunk_size
