@@ -221,3 +221,33 @@ def test_the_engine_blend_and_scheduler_use_no_engine_adapter():
                    for why in package_graph().get(source, {}).get("kvbridge.backends", [])
                    if any(why.endswith(f" {a}") or f" {a}." in why for a in BUILTIN_ADAPTERS))
     assert wrong == []
+
+
+# --- the benchmark registry and the command line ---------------------------------------------------
+
+def test_every_bench_command_is_a_registry_row_and_reads_its_help_there():
+    """`kvbridge bench*` commands are the registry's rows: the same names, the help from `measures`, a module that imports."""
+    from kvbridge.bench.registry import BENCH_COMMANDS
+    from kvbridge.cli.commands import BY_NAME
+
+    cli_benches = sorted(name for name in BY_NAME if name.startswith("bench"))
+    assert cli_benches == sorted(row.name for row in BENCH_COMMANDS)
+    for row in BENCH_COMMANDS:
+        assert BY_NAME[row.name].help == row.measures, row.name
+        assert row.baseline.strip(), f"{row.name} names no baseline"
+        importlib.import_module(row.module)
+
+
+def test_research_probes_are_not_commands():
+    from kvbridge.cli.commands import BY_NAME
+
+    probes = sorted(p.stem for p in (PACKAGE_DIR / "bench" / "probes").glob("*.py") if p.stem != "__init__")
+    assert probes, "no research probe found in kvbridge/bench/probes"
+    assert not {p.replace("_", "-") for p in probes} & set(BY_NAME)
+
+
+def test_main_only_dispatches():
+    """`__main__` holds no command: each command's parser and body live in a module of kvbridge/cli/."""
+    tree = ast.parse((PACKAGE_DIR / "__main__.py").read_text())
+    functions = sorted(node.name for node in tree.body if isinstance(node, ast.FunctionDef))
+    assert functions == ["main"]
