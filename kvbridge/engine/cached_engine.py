@@ -3,12 +3,14 @@
 prompt -> tokens -> chunk hashes -> lookup (L1, L2) -> restore -> prefill only the suffix ->
 generate -> store new chunks and the tail (after generation, off the TTFT path).
 
-Modes, as in LMCache-style testbeds:
+Each request runs in a mode asked of the registry in kvbridge.engine.modes, as in LMCache-style testbeds:
 - cold:    the engine's own cache is dropped before every request; full prefill; the baseline.
 - native:  the engine's own in-context prefix reuse only (what a user has today).
 - lmcache: the engine's own cache is dropped first (eviction by another session, or a restart);
            full engines restore the longest stored prefix from our store, shadow engines index the
            prompt and predict the reuse, next to the engine's own cached-token count.
+These three exact prefix modes run here (run_exact_prefix); other modes plug in from above (blend:
+kvbridge.blend.mode) and keep what they need per engine through mode_runner().
 The backend's `kv_mode` is checked here and nowhere else.
 """
 from __future__ import annotations
@@ -20,8 +22,8 @@ from typing import Callable, Sequence
 
 from kvbridge.backends.base import Backend, EngineReport, Message, Prompt
 from kvbridge.settings import Settings
-from kvbridge.errors import BadSettings, EmptyPrompt, KVBridgeError, StateTransferError
-from kvbridge.engine.segments import no_passages_note, tokenize_segments
+from kvbridge.errors import EmptyPrompt, KVBridgeError, StateTransferError
+from kvbridge.engine.segments import tokenize_segments
 from kvbridge.engine.hashing import make_hasher
 from kvbridge.engine.chunks import ChunkKV, ForeignState, ShadowIndex
 from kvbridge.formats.architectures import ModelTraits
@@ -30,7 +32,8 @@ from kvbridge.store.serde import remember_geometry
 from kvbridge.engine.metrics import Metrics
 from kvbridge.engine.layout import decide_layout
 from kvbridge.engine.namespace import namespace_for, short_namespace
-from kvbridge.engine.records import MODES, RequestRecord
+from kvbridge.engine.modes import ModeRequest, ModeSpec, mode_spec
+from kvbridge.engine.records import RequestRecord
 from kvbridge.engine.stages import StageTimer
 from kvbridge.store import TieredStore, open_store
 from kvbridge.store.objects import StoreFault
@@ -55,7 +58,7 @@ class CachedEngine:
         self.hasher = None
         self._kv: ChunkKV | None = None
         self._index: ShadowIndex | None = None
-        self._blend = None   # kvbridge.blend.runner.BlendRunner, made by the first blend request
+        self._mode_runners: dict[str, object] = {}   # what a mode keeps per engine (blend: its runner), by mode
         self._lock = threading.RLock()   # one request at a time per engine
         self.started = False
 
@@ -79,9 +82,9 @@ class CachedEngine:
         self.stop()
         if self._kv is not None:
             self._kv.close()
-        if self._blend is not None:
-            self._blend.close()
-            self._blend = None
+        for runner in self._mode_runners.values():
+            runner.close()
+        self._mode_runners.clear()
         self.store.close()
 
     def __enter__(self) -> "CachedEngine":
@@ -194,8 +197,7 @@ class CachedEngine:
               temperature: float = 0.0, *, scenario: str = "", label: str = "", request_index: int = 0,
               on_text: Callable[[str], None] | None = None) -> RequestRecord:
         """Run one request in `mode`; errors the user must act on end up in record.error, never raised."""
-        if mode not in MODES:
-            raise BadSettings(f"Unknown mode {mode!r}; use one of {', '.join(MODES)}.")
+        spec = mode_spec(mode)
         n_predict = self.settings.n_predict if n_predict is None else n_predict
         record = RequestRecord(mode=mode, engine=self.backend.key, kv_mode=self.backend.kv_mode,
                                scenario=scenario, label=label, request_index=request_index)
@@ -205,7 +207,7 @@ class CachedEngine:
             t0 = time.perf_counter()
             try:
                 with self.store.quiet():   # the store's writes behind earlier requests wait until this one is answered
-                    self._run(prompt, mode, n_predict, temperature, record, t0, on_text)
+                    self._run(prompt, spec, n_predict, temperature, record, t0, on_text)
             except KVBridgeError as exc:
                 record.error = str(exc)
                 self.metrics.inc("errors")
@@ -213,7 +215,7 @@ class CachedEngine:
         self._record_metrics(record)
         return record
 
-    def _run(self, prompt, mode, n_predict, temperature, record: RequestRecord, t0: float, on_text) -> None:
+    def _run(self, prompt, spec: ModeSpec, n_predict, temperature, record: RequestRecord, t0: float, on_text) -> None:
         said = prompt.strip() if isinstance(prompt, str) else any(str(m.get("content") or "").strip() for m in prompt)
         if not said:
             raise EmptyPrompt("The prompt is empty: type a question or pick a scenario; there is nothing to answer.")
@@ -227,11 +229,28 @@ class CachedEngine:
         record.approx = p.approx_tokens
         if p.approx_tokens:
             record.add_note("approx: token figures from an approximate tokenizer")
-        if mode == "blend":
-            if len(p.segments) >= 3:
-                return self._run_blend(p, n_predict, temperature, record, t0, timer, on_text)
-            mode = record.mode = "lmcache"
-            record.add_note(no_passages_note(self.settings.blend_separator))
+        spec.run(self, ModeRequest(p, n_predict, temperature, record, t0, timer, on_text))
+
+    def mode_runner(self, mode: str):
+        """What `mode` keeps on this engine (blend: its BlendRunner, a second llama.cpp context), made on first
+        use by the mode (which may refuse, with a message for a person) and closed with the engine."""
+        with self._lock:
+            if mode not in self._mode_runners:
+                spec = mode_spec(mode)
+                if spec.make_runner is None:
+                    raise ValueError(f"mode {mode!r} keeps nothing per engine")
+                self._mode_runners[mode] = spec.make_runner(self)
+            return self._mode_runners[mode]
+
+    def _blend_runner(self):
+        """The blend mode's runner on this engine (the blend tests and bench reach it by this name)."""
+        return self.mode_runner("blend")
+
+    def run_exact_prefix(self, request: ModeRequest) -> None:
+        """The exact prefix modes (cold, native, lmcache; record.mode says which): restore the longest stored
+        prefix where the mode asks it, prefill the rest, generate, store after the answer."""
+        p, record, timer, t0 = request.prompt, request.record, request.timer, request.t0
+        mode, tokens = record.mode, list(p.tokens)
         with timer.stage("hash"):
             hashes = self.hasher.chunk_hashes(tokens)
         record.chunks_total = len(hashes)
@@ -261,15 +280,15 @@ class CachedEngine:
         pieces: list[str] = []
         first = True
         engine_started = time.perf_counter()
-        for piece in self.backend.generate(p, n_predict=n_predict, temperature=temperature,
+        for piece in self.backend.generate(p, n_predict=request.n_predict, temperature=request.temperature,
                                            use_native_cache=(mode != "cold"), report=report):
             if first:
                 record.ttft_ms = (time.perf_counter() - t0) * 1000
                 engine_ms = (time.perf_counter() - engine_started) * 1000
                 first = False
             pieces.append(piece)
-            if on_text is not None and piece:
-                on_text(piece)
+            if request.on_text is not None and piece:
+                request.on_text(piece)
         if first:   # nothing generated: TTFT is when the engine finished
             record.ttft_ms = (time.perf_counter() - t0) * 1000
             engine_ms = (time.perf_counter() - engine_started) * 1000
@@ -289,39 +308,6 @@ class CachedEngine:
             self.metrics.inc("restore_ineffective")
         if mode == "lmcache" and not (full and self.kv_refusal):
             self._store_after(tokens, hashes, record)
-
-    def _blend_runner(self):
-        """The blend runner of this engine, made on first use (a second llama.cpp context of the same model)."""
-        from kvbridge.blend.runner import BlendRunner
-
-        if self.backend.key != "llamacpp":
-            raise BadSettings(f"blend mode runs on the in-process engine (KVB_ENGINE=llamacpp), not on {self.backend.key}; "
-                              "through serve, send X-KVBridge-Blend: on to the scheduler")
-        if self.kv_refusal:
-            raise BadSettings(f"blend mode needs exact KV access, and this model's is refused: {self.kv_refusal}")
-        if self._blend is None:
-            self._blend = BlendRunner(self.settings, self.store, self.namespace)
-        return self._blend
-
-    def _run_blend(self, p: Prompt, n_predict: int, temperature: float, record: RequestRecord, t0: float,
-                   timer: StageTimer, on_text) -> None:
-        runner = self._blend_runner()
-        recompute = self.settings.blend_recompute_tokens
-        result = runner.run(p.tokens, p.segments, recompute=recompute, n_predict=n_predict,
-                            temperature=temperature, on_text=on_text, t0=t0,
-                            recompute_at=self.settings.blend_recompute_at)
-        result.fill_record(record, len(p.segments), recompute, self.settings.blend_recompute_at)
-        record.ttft_ms = result.ttft_ms
-        record.text = result.text
-        record.gen_tokens = len(result.tokens)
-        record.prefill_tokens = result.recomputed_tokens
-        record.tier = result.tier
-        record.stored_objects = result.stored_segments
-        record.tokenize_ms = timer.ms["tokenize"]
-        record.hash_ms = timer.ms["hash"]
-        record.prefill_ms = result.prefill_ms
-        record.first_token_ms = max(0.0, result.ttft_ms - record.tokenize_ms - record.hash_ms - result.fetch_ms
-                                    - result.assemble_ms - result.handoff_ms - result.prefill_ms)
 
     def _restore(self, tokens: list[int], hashes: list[bytes], record: RequestRecord, timer: StageTimer) -> int:
         """Find and confirm the stored prefix (lookup, fetch), assemble it and hand it to the engine."""

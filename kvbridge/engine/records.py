@@ -1,10 +1,10 @@
-"""RequestRecord: what one request cost and where its KV came from. The GUI, the bench and exports read it."""
+"""RequestRecord: what one request cost and where its KV came from. The GUI, the bench and exports read it.
+
+Its `mode` is one of the engine's modes (kvbridge.engine.modes: mode_names()).
+"""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-
-MODES = ("cold", "native", "lmcache", "blend")
-DEFAULT_MODES = ("cold", "native", "lmcache")   # blend is approximate by design: run only when chosen
 
 
 @dataclass

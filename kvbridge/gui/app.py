@@ -35,7 +35,7 @@ from kvbridge.gui.lab_tab import TABLE_CLASS as LAB_TABLE_CLASS, build_lab_tab
 from kvbridge.gui.server_panel import ServerView, server_view
 from kvbridge.settings import Settings
 from kvbridge.errors import KVBridgeError
-from kvbridge.engine.records import DEFAULT_MODES, MODES
+from kvbridge.engine.modes import default_mode_names, mode_names
 from kvbridge.bench.common.scenarios import get_scenario
 
 __all__ = ["AppState", "build_app", "launch_app", "main"]
@@ -126,7 +126,7 @@ def _scenario_panel(ui: SimpleNamespace, state: AppState) -> None:
     first = scenarios[0][1] if scenarios else None
     ui.scenario = gr.Dropdown(scenarios, value=first, label="Scenario", elem_id="kvb-scenario")
     ui.description = gr.Markdown(scenario_description(first) if first else "")
-    ui.modes = gr.CheckboxGroup(list(MODES), value=list(DEFAULT_MODES), label="Modes to run", info=MODE_HELP,
+    ui.modes = gr.CheckboxGroup(list(mode_names()), value=list(default_mode_names()), label="Modes to run", info=MODE_HELP,
                                 elem_id="kvb-modes")
     with gr.Row():
         ui.n_requests = gr.Number(value=_default_requests(first), precision=0, minimum=1, label="Requests per mode",
@@ -167,7 +167,7 @@ def _prompt_panel(ui: SimpleNamespace, settings: Settings) -> None:
     ui.prompt = gr.Textbox(lines=4, max_lines=8, label="Prompt", elem_id="kvb-prompt",
                            placeholder="Ask anything; send it twice in lmcache mode to see a restore.")
     with gr.Row():
-        ui.prompt_mode = gr.Radio(list(MODES), value="lmcache", label="Mode", elem_id="kvb-prompt-mode")
+        ui.prompt_mode = gr.Radio(list(mode_names()), value="lmcache", label="Mode", elem_id="kvb-prompt-mode")
         ui.prompt_tokens = gr.Number(value=settings.n_predict, precision=0, minimum=1, elem_id="kvb-prompt-tokens",
                                      **setting_input("n_predict", note="starts here; changes this prompt only"))
     ui.send_btn = gr.Button("Send", variant="primary", elem_id="kvb-send")

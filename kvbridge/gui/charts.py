@@ -13,7 +13,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import plotly.graph_objects as go
 
-from kvbridge.engine.records import MODES, RequestRecord
+from kvbridge.engine.modes import mode_names
+from kvbridge.engine.records import RequestRecord
 
 MODE_COLORS = {"cold": "#94a3b8", "native": "#10b981", "lmcache": "#2563eb"}
 # Tier names and their order come from the store (records' `tier`, stats()["tiers"]); colours go by
@@ -45,7 +46,8 @@ class ModeSummary:
 def ordered_modes(records: Iterable[RequestRecord]) -> list[str]:
     """Modes present in the records, in the canonical order (cold, native, lmcache, then others)."""
     present = {r.mode for r in records}
-    return [m for m in MODES if m in present] + sorted(present - set(MODES))
+    modes = mode_names()
+    return [m for m in modes if m in present] + sorted(present - set(modes))
 
 
 def tier_order(records: Iterable[RequestRecord], tier_names: Sequence[str] = ()) -> list[str]:

@@ -19,7 +19,8 @@ from kvbridge.gui.store_panel import store_stats
 from kvbridge.gui.charts import ModeSummary, mode_summaries, run_figures
 from kvbridge.errors import BadSettings, KVBridgeError
 from kvbridge.gui.export import export_run
-from kvbridge.engine.records import MODES, RECORD_FIELDS, RequestRecord
+from kvbridge.engine.modes import mode_names
+from kvbridge.engine.records import RECORD_FIELDS, RequestRecord
 from kvbridge.bench.common.report import summarize
 from kvbridge.bench.common.runner import run_scenario
 from kvbridge.bench.common.scenarios import get_scenario, list_documents, scenario_specs
@@ -161,11 +162,12 @@ def check_run_request(state: AppState, modes: Sequence[str], n_requests: Any) ->
     problems = []
     if state.engine is None:
         problems.append("Connect an engine first (Engine panel, Connect).")
-    unknown = [m for m in modes if m not in MODES]
+    known = mode_names()
+    unknown = [m for m in modes if m not in known]
     if not modes:
-        problems.append(f"Pick at least one mode ({', '.join(MODES)}).")
+        problems.append(f"Pick at least one mode ({', '.join(known)}).")
     elif unknown:
-        problems.append(f"Unknown mode(s) {', '.join(unknown)}; the modes are {', '.join(MODES)}.")
+        problems.append(f"Unknown mode(s) {', '.join(unknown)}; the modes are {', '.join(known)}.")
     if n_requests not in (None, ""):
         try:
             if int(n_requests) < 1:
@@ -208,7 +210,7 @@ def run_stream(
         yield results_view(state, "A run or request is already using the engine; press Stop or wait.", ok=False)
         return
     n = int(n_requests) if n_requests not in (None, "") else None
-    modes = [m for m in MODES if m in modes]
+    modes = [m for m in mode_names() if m in modes]
     new_records: list[RequestRecord] = []
     try:
         state.stop_event.clear()
@@ -261,8 +263,8 @@ def free_prompt(state: AppState, prompt: str, mode: str, n_predict: Any = None) 
         return FreePromptResult("Connect an engine first.", False, "", empty)
     if not (prompt or "").strip():
         return FreePromptResult("Type a prompt first.", False, "", empty)
-    if mode not in MODES:
-        return FreePromptResult(f"Pick a mode: {', '.join(MODES)}.", False, "", empty)
+    if mode not in mode_names():
+        return FreePromptResult(f"Pick a mode: {', '.join(mode_names())}.", False, "", empty)
     try:
         n = int(n_predict) if n_predict not in (None, "") else None
     except (TypeError, ValueError):

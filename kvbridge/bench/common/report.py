@@ -9,7 +9,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
-from kvbridge.engine.records import MODES, RequestRecord
+from kvbridge.engine.modes import mode_names
+from kvbridge.engine.records import RequestRecord
 from kvbridge.engine.stages import STAGE_LABELS, STAGES, stages_gap_ms, stages_of
 
 
@@ -35,7 +36,7 @@ def summarize(records: Sequence[RequestRecord]) -> dict:
     """Per mode: mean and median TTFT, speedups against cold, warm-hit medians and hit rates (plain numbers)."""
     out: dict = {}
     ok = [r for r in records if not r.error]
-    by_mode = {m: [r for r in ok if r.mode == m] for m in MODES if any(r.mode == m for r in ok)}
+    by_mode = {m: [r for r in ok if r.mode == m] for m in mode_names() if any(r.mode == m for r in ok)}
     for mode, rs in by_mode.items():
         ttfts = [r.ttft_ms for r in rs]
         warm = [r for r in rs if is_warm(r)]

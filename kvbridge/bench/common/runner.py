@@ -6,7 +6,8 @@ from typing import Callable, Iterator, Sequence
 
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.errors import BadSettings, KVBridgeError
-from kvbridge.engine.records import MODES, RequestRecord
+from kvbridge.engine.modes import mode_names
+from kvbridge.engine.records import RequestRecord
 from kvbridge.bench.common.scenarios import ScenarioOptions, build_requests, get_scenario
 
 ProgressFn = Callable[[int, int, str], None]   # (done, total, what)
@@ -15,9 +16,9 @@ BeforeRequestFn = Callable[[str], None]        # (mode), called before each requ
 
 def parse_modes(modes: str | Sequence[str]) -> list[str]:
     items = [m.strip().lower() for m in (modes.split(",") if isinstance(modes, str) else modes) if m.strip()]
-    bad = [m for m in items if m not in MODES]
+    bad = [m for m in items if m not in mode_names()]
     if bad or not items:
-        raise BadSettings(f"Unknown mode(s) {', '.join(bad) or '(none given)'}; use any of {', '.join(MODES)}.")
+        raise BadSettings(f"Unknown mode(s) {', '.join(bad) or '(none given)'}; use any of {', '.join(mode_names())}.")
     return items
 
 
