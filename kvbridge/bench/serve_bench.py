@@ -91,7 +91,7 @@ def our_settings(settings: Settings, l2_dir: Path) -> Settings:
 
 
 def llama_server_args(settings: Settings) -> list[str]:
-    from kvbridge.backends.llamacpp import model_path_for
+    from kvbridge.backends.llama_cpp_model import model_path_for
 
     return ["-m", str(model_path_for(settings)), "-c", str(KV_CELLS), "-t", str(settings.resolved_threads())]
 
@@ -164,7 +164,7 @@ def document_text(document_chars: int | None) -> str:
 def run_bench_serve(settings: Settings, *, questions: int = 12, repeats: int = 3, max_tokens: int = 16,
                     document_chars: int | None = None, progress: Callable[[str], None] = lambda line: None) -> dict:
     """Both phases on both servers; the whole result as plain data (format_bench_serve prints it)."""
-    from kvbridge.backends.llamacpp import model_path_for
+    from kvbridge.backends.llama_cpp_model import model_path_for
 
     require_openai_sdk()
     binary = llama_server_binary(settings)   # said before anything starts
