@@ -18,12 +18,14 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "kvbridge"
 # layer -> the kvbridge packages (or modules) it may import at module level, besides itself
 ALLOWED = {
     "kvbridge.errors": set(),
-    "kvbridge.settings": {"kvbridge.errors"},
+    # the plugin tables' loader (tests/test_architecture_house.py: how a layer finds the code plugged into it)
+    "kvbridge.plugins": set(),
+    "kvbridge.settings": {"kvbridge.errors", "kvbridge.plugins"},
     "kvbridge.formats": {"kvbridge.errors"},
-    "kvbridge.store": {"kvbridge.errors", "kvbridge.settings"},
+    "kvbridge.store": {"kvbridge.errors", "kvbridge.settings", "kvbridge.plugins"},
     "kvbridge.backends": {"kvbridge.errors", "kvbridge.settings", "kvbridge.formats"},
-    "kvbridge.engine": {"kvbridge.errors", "kvbridge.settings", "kvbridge.formats", "kvbridge.store",
-                        "kvbridge.backends.base", "kvbridge.backends.registry"},
+    "kvbridge.engine": {"kvbridge.errors", "kvbridge.plugins", "kvbridge.settings", "kvbridge.formats",
+                        "kvbridge.store", "kvbridge.backends.base", "kvbridge.backends.registry"},
     # the cache server sits beside the engine: it holds tiers (store) and never touches an engine
     "kvbridge.cache_server": {"kvbridge.errors", "kvbridge.settings", "kvbridge.store"},
     # the scheduler drives llama.cpp itself (the in-process adapter's model checks and chat template)

@@ -7,8 +7,9 @@ dependency of the code), and so does one under `if TYPE_CHECKING:`. Top-level mo
 
 A lower package finds the code of a higher one only through a registry: the higher one registers
 itself, and the lower one's table of built-in plugin modules (a string per module, loaded on first
-lookup, as `kvbridge.settings.engines.BUILTIN_ADAPTERS` does) says where to look. Those tables are
-listed in PLUGIN_TABLES, and each module they name must itself import the registry it plugs into.
+lookup, through `kvbridge.plugins.PluginModules`) says where to look. Those tables are listed in
+PLUGIN_TABLES: each names modules of a higher layer only, and each module named fills that table
+when imported (so the dependency in code runs from the plugin to its host, never back).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ MAX_MODULE_LINES = 500
 # lowest first: a package may import only packages before it in this list
 LAYERS = (
     "kvbridge.errors",
+    "kvbridge.plugins",
     "kvbridge.settings",
     "kvbridge.config",
     "kvbridge.formats",
@@ -251,3 +253,56 @@ def test_main_only_dispatches():
     tree = ast.parse((PACKAGE_DIR / "__main__.py").read_text())
     functions = sorted(node.name for node in tree.body if isinstance(node, ast.FunctionDef))
     assert functions == ["main"]
+
+
+# --- plugin tables: the one way a lower layer reaches code above it -------------------------------
+
+PLUGIN_TABLES = (   # (the module holding the table, the table, a function listing what was registered)
+    ("kvbridge.settings.engines", "BUILTIN_ADAPTERS", "known_engine_names"),
+    ("kvbridge.settings.codecs", "BUILTIN_CODECS", "codec_names"),
+    ("kvbridge.store.opening", "BUILTIN_REMOTE_STORES", None),
+    ("kvbridge.engine.modes", "BUILTIN_MODE_PLUGINS", "mode_names"),
+)
+
+
+def test_a_module_names_a_higher_layer_only_in_a_plugin_table():
+    """A string that names a kvbridge module of a higher layer (something importlib could load) stands only in
+    a plugin table: no lower package reaches upwards by a name hidden elsewhere."""
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    listed = {plugin for host, table, _ in PLUGIN_TABLES for plugin in getattr(importlib.import_module(host), table)}
+    known = set(_modules())
+    wrong = []
+    for module, path in _modules().items():
+        if module == "kvbridge":
+            continue   # the facade names the public API's homes
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in known:
+                target = _package_of(node.value)
+                if rank.get(target, -1) > rank[_package_of(module)] and node.value not in listed:
+                    wrong.append(f"{module} names {node.value}")
+    assert sorted(wrong) == []
+
+
+@pytest.mark.parametrize("host, table, _", PLUGIN_TABLES, ids=[t[0] for t in PLUGIN_TABLES])
+def test_a_plugin_table_names_only_modules_of_higher_layers(host, table, _):
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    for plugin in getattr(importlib.import_module(host), table):
+        assert rank[_package_of(plugin)] > rank[_package_of(host)], f"{plugin} is not above {host}"
+
+
+RAW_TABLES = {"kvbridge.settings.engines": "_ENGINES", "kvbridge.settings.codecs": "_CODECS",
+              "kvbridge.store.opening": "_KINDS", "kvbridge.engine.modes": "_MODES"}
+
+
+@pytest.mark.parametrize("host, table", [t[:2] for t in PLUGIN_TABLES], ids=[t[0] for t in PLUGIN_TABLES])
+def test_each_plugin_registers_into_its_host_when_imported(host, table):
+    """Importing one plugin module (in a fresh interpreter, after its host alone) adds to the host's table."""
+    raw = RAW_TABLES[host]
+    for plugin in getattr(importlib.import_module(host), table):
+        code = (f"import {host} as h\nbefore = len(h.{raw})\nimport {plugin}\n"
+                f"print(before, len(h.{raw}))")
+        out = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE_DIR.parent, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        before, after = map(int, out.stdout.split()[-2:])
+        assert after > before, f"importing {plugin} registered nothing in {host}.{raw}"

@@ -9,7 +9,6 @@ its error; the other modes keep working. The GUI, the bench and the CLI list mod
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -17,6 +16,7 @@ from kvbridge.backends.base import Prompt
 from kvbridge.engine.records import RequestRecord
 from kvbridge.engine.stages import StageTimer
 from kvbridge.errors import BadSettings
+from kvbridge.plugins import PluginModules
 
 if TYPE_CHECKING:
     from kvbridge.engine.cached_engine import CachedEngine
@@ -59,20 +59,7 @@ _MODES: dict[str, ModeSpec] = {spec.name: spec for spec in (
              "engines restore the longest stored prefix from our store, shadow engines index the prompt and predict "
              "the reuse", _exact_prefix),
 )}
-_BROKEN_PLUGINS: dict[str, str] = {}    # module -> "ErrorType: message"
-_plugins_loaded = False
-
-
-def _load_plugins() -> None:
-    global _plugins_loaded
-    if _plugins_loaded:
-        return
-    _plugins_loaded = True
-    for module in BUILTIN_MODE_PLUGINS:
-        try:
-            importlib.import_module(module)
-        except Exception as error:  # noqa: BLE001 - one broken mode must not hide the others; reported by mode_spec
-            _BROKEN_PLUGINS[module] = f"{type(error).__name__}: {error}"
+_PLUGINS = PluginModules(BUILTIN_MODE_PLUGINS)   # a broken mode module is named by mode_spec
 
 
 def register_mode(spec: ModeSpec) -> ModeSpec:
@@ -86,7 +73,7 @@ def unregister_mode(name: str) -> None:
 
 
 def mode_specs() -> list[ModeSpec]:
-    _load_plugins()
+    _PLUGINS.load()
     return list(_MODES.values())
 
 
@@ -102,13 +89,13 @@ def default_mode_names() -> tuple[str, ...]:
 
 def broken_mode_plugins() -> dict[str, str]:
     """Built-in mode modules that did not import, with the error each raised."""
-    _load_plugins()
-    return dict(_BROKEN_PLUGINS)
+    _PLUGINS.load()
+    return dict(_PLUGINS.broken)
 
 
 def mode_spec(name: str) -> ModeSpec:
     specs = {spec.name: spec for spec in mode_specs()}
     if name in specs:
         return specs[name]
-    broken = "".join(f" ({module} did not import: {error})" for module, error in _BROKEN_PLUGINS.items())
+    broken = "".join(f" ({module} did not import: {error})" for module, error in _PLUGINS.broken.items())
     raise BadSettings(f"Unknown mode {name!r}; use one of {', '.join(specs)}.{broken}")

@@ -9,9 +9,8 @@ module does not import here (zstandard not installed) is unknown to both, named 
 """
 from __future__ import annotations
 
-import importlib
-
 from kvbridge.errors import BadSettings
+from kvbridge.plugins import PluginModules
 
 # Each module registers its codec(s) with kvbridge.store.serde.register_codec() when imported.
 BUILTIN_CODECS = (
@@ -29,20 +28,8 @@ class UnknownCodecError(BadSettings, KeyError):
 
 
 _CODECS: dict[str, type] = {}           # name -> its kvbridge.store.serde.Codec class
-_BROKEN_CODECS: dict[str, str] = {}     # module -> "ErrorType: message"
-_builtins_loaded = False
-
-
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    _builtins_loaded = True
-    for module in BUILTIN_CODECS:
-        try:
-            importlib.import_module(module)
-        except ImportError as error:    # e.g. zstandard not installed: the other codecs keep working
-            _BROKEN_CODECS[module] = f"{type(error).__name__}: {error}"
+# a codec whose library is missing (zstandard not installed) is reported by codec_class; the others keep working
+_BUILTINS = PluginModules(BUILTIN_CODECS, tolerate=ImportError)
 
 
 def add_codec(name: str, cls: type) -> None:
@@ -57,23 +44,23 @@ def remove_codec(name: str) -> None:
 
 
 def codec_names() -> list[str]:
-    _load_builtins()
+    _BUILTINS.load()
     return sorted(_CODECS)
 
 
 def broken_codecs() -> dict[str, str]:
     """Built-in codec modules that did not import, with the error each raised."""
-    _load_builtins()
-    return dict(_BROKEN_CODECS)
+    _BUILTINS.load()
+    return dict(_BUILTINS.broken)
 
 
 def codec_class(name: str, setting: str | None = None) -> type:
     """The codec class registered as `name`; UnknownCodecError naming `setting` (the variable it came from)."""
-    _load_builtins()
+    _BUILTINS.load()
     cls = _CODECS.get(name)
     if cls is None:
         where = f" (from {setting})" if setting else ""
-        broken = "".join(f"; {module} did not load: {error}" for module, error in _BROKEN_CODECS.items())
+        broken = "".join(f"; {module} did not load: {error}" for module, error in _BUILTINS.broken.items())
         raise UnknownCodecError(f"unknown KV codec {name!r}{where}; known codecs: "
                                 f"{', '.join(sorted(_CODECS)) or 'none'}{broken}")
     return cls

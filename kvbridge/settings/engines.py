@@ -12,11 +12,11 @@ the broken adapter. What the table holds is the registry's `EngineSpec`; this la
 """
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from kvbridge.errors import UnknownEngineError
+from kvbridge.plugins import PluginModules
 
 if TYPE_CHECKING:
     from kvbridge.settings.core import Settings
@@ -45,20 +45,7 @@ class EngineEntry(Protocol):
 
 
 _ENGINES: dict[str, EngineEntry] = {}
-_BROKEN_ADAPTERS: dict[str, str] = {}    # module -> "ErrorType: message"
-_builtins_loaded = False
-
-
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    _builtins_loaded = True
-    for module in BUILTIN_ADAPTERS:
-        try:
-            importlib.import_module(module)
-        except Exception as error:  # noqa: BLE001 - one broken adapter must not hide the others; reported by find_engine
-            _BROKEN_ADAPTERS[module] = f"{type(error).__name__}: {error}"
+_ADAPTERS = PluginModules(BUILTIN_ADAPTERS)   # a broken adapter is reported by find_engine
 
 
 def add_engine(entry: EngineEntry) -> None:
@@ -75,7 +62,7 @@ def remove_engine(key: str) -> None:
 
 
 def registered_engines() -> list[EngineEntry]:
-    _load_builtins()
+    _ADAPTERS.load()
     return list(_ENGINES.values())
 
 
@@ -86,8 +73,8 @@ def known_engine_names() -> list[str]:
 
 def broken_adapters() -> dict[str, str]:
     """Built-in adapter modules that did not import, with the error each raised."""
-    _load_builtins()
-    return dict(_BROKEN_ADAPTERS)
+    _ADAPTERS.load()
+    return dict(_ADAPTERS.broken)
 
 
 def find_engine(name: str) -> EngineEntry:
@@ -97,8 +84,8 @@ def find_engine(name: str) -> EngineEntry:
     for entry in entries:
         if wanted == entry.key or wanted in entry.aliases:
             return entry
-    if _BROKEN_ADAPTERS:
-        broken = "; ".join(f"{module} ({error})" for module, error in _BROKEN_ADAPTERS.items())
+    if _ADAPTERS.broken:
+        broken = _ADAPTERS.broken_summary()
         raise UnknownEngineError(
             f"KVB_ENGINE={name!r} is not available: the engine adapters did not all import: {broken}. "
             f"Engines that did: {', '.join(known_engine_names()) or 'none'}.")

@@ -11,11 +11,11 @@ KVB_STORE_URL loads no ZeroMQ). A module that fails to import is remembered with
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Callable
 
 from kvbridge.errors import BadSettings
+from kvbridge.plugins import PluginModules
 from kvbridge.settings import Settings
 from kvbridge.store.tiered import TieredStore
 
@@ -33,8 +33,7 @@ class RemoteStoreKind:
 
 
 _KINDS: dict[str, RemoteStoreKind] = {}
-_BROKEN_MODULES: dict[str, str] = {}    # module -> "ErrorType: message"
-_builtins_loaded = False
+_BUILTINS = PluginModules(BUILTIN_REMOTE_STORES)   # a broken module is named by remote_store_kind
 
 
 def register_remote_store(kind: RemoteStoreKind) -> RemoteStoreKind:
@@ -42,23 +41,11 @@ def register_remote_store(kind: RemoteStoreKind) -> RemoteStoreKind:
     return kind
 
 
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    _builtins_loaded = True
-    for module in BUILTIN_REMOTE_STORES:
-        try:
-            importlib.import_module(module)
-        except Exception as error:  # noqa: BLE001 - reported by remote_store_kind, with the module's name
-            _BROKEN_MODULES[module] = f"{type(error).__name__}: {error}"
-
-
 def remote_store_kind(name: str) -> RemoteStoreKind:
-    _load_builtins()
+    _BUILTINS.load()
     if name in _KINDS:
         return _KINDS[name]
-    broken = "; ".join(f"{module} ({error})" for module, error in _BROKEN_MODULES.items())
+    broken = _BUILTINS.broken_summary()
     raise BadSettings(f"No remote store of kind {name!r} is available"
                       + (f": its module did not import: {broken}" if broken else "") + ".")
 
