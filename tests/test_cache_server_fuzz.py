@@ -1,10 +1,10 @@
-"""The protocol fuzzer (kvbridge.bench.protocol_fuzz) against a real cache server process, bounded for
+"""The protocol fuzzer (kvbridge.bench.probes.protocol_fuzz) against a real cache server process, bounded for
 CI: a few thousand seeded malformed and adversarial messages, hostile frame sizes and unfinished
 multipart messages, then what a user would check. The server is alive, every parsable message of the
 member got an answer and the stranger (no token) none, a real client reads back intact what it stored
 before, nothing of the fuzzer's session is left (no lease, no pending or quarantined page once it
 said goodbye), and the server's memory stayed bounded. Then the server stops and a squatter takes its
-port: the owner's client refuses it and it receives nothing. `python -m kvbridge.bench.protocol_fuzz`
+port: the owner's client refuses it and it receives nothing. `python -m kvbridge.bench.probes.protocol_fuzz`
 runs a longer round (Docs/Research.md).
 """
 from __future__ import annotations

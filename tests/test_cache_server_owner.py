@@ -9,7 +9,7 @@ cannot read the owner's token or key file, so its client refuses to connect; eve
 server's public key (not a secret) it is turned away in the handshake; it cannot open the
 shared-memory segment; nothing it does stores, reads or clears anything. As a squatter: while the
 owner's server is down it takes the owner's port with a server that says yes to any hello
-(kvbridge.bench.squatter), and no byte of the owner's KV reaches it.
+(kvbridge.bench.probes.squatter), and no byte of the owner's KV reaches it.
 """
 from __future__ import annotations
 

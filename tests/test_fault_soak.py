@@ -1,11 +1,11 @@
-"""The fault-injection soak (kvbridge.bench.fault_soak), bounded for CI: two engine processes and a
+"""The fault-injection soak (kvbridge.bench.probes.fault_soak), bounded for CI: two engine processes and a
 `serve` process on the embedded model asking questions through a real cache server with L3 on a real
 Redis, while the driver
 SIGSTOPs and SIGKILLs the engines and the cache server, restarts the cache server cleanly under the
 clients (a new CURVE key pair and token: every client must authenticate to it again), pauses and
 kills Redis and fills the shared-memory pool. What a user checks: no answer differs from its cold answer, every engine answers
 again after the last fault, and nothing (lease, pending page, segment of a dead server) is left.
-`python -m kvbridge.bench.fault_soak --seconds 300` is the longer run (Docs/Research.md §14).
+`python -m kvbridge.bench.probes.fault_soak --seconds 300` is the longer run (Docs/Research.md §14).
 """
 from __future__ import annotations
 

@@ -200,7 +200,7 @@ def test_the_digest_command():
 
 
 def test_the_tenant_benchmark_runs_and_shows_the_isolation(make_settings):
-    """kvbridge.bench.tenant_bench with one small document: bob's request reuses nothing of alice's,
+    """kvbridge.bench.probes.tenant_bench with one small document: bob's request reuses nothing of alice's,
     alice's second and carol's (her group) reuse the document."""
     from kvbridge.bench.probes.tenant_bench import format_report, run_tenant_bench
 

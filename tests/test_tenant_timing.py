@@ -1,4 +1,4 @@
-"""The timing side channel between tenants (kvbridge.bench.tenant_timing), run small: a real `serve`
+"""The timing side channel between tenants (kvbridge.bench.probes.tenant_timing), run small: a real `serve`
 with a victim, an attacker (another tenant) and an insider (the victim's cache group), the official
 openai SDK as their client. The attacker's probes reuse nothing of the victim's (the contract, exact);
 its ROC AUC stays near chance, while the insider's, where reuse is on purpose, shows the channel.
