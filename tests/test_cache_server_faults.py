@@ -100,7 +100,7 @@ def test_a_shadow_engines_prediction_gives_back_what_the_server_lent(make_settin
     """ShadowIndex.predict reads a tail index object through the cache server's shared memory: the read
     lease is released at once, not left for the lease timeout (every shadow request leaked one)."""
     from kvbridge.cache_server.remote_store import RemoteStore
-    from kvbridge.engine.chunks import ShadowIndex
+    from kvbridge.engine.shadow_index import ShadowIndex
     from kvbridge.engine.hashing import make_hasher
 
     settings = make_settings(l1_bytes=8 * PAGE, cache_server_page_bytes=PAGE, l2_enabled=False)

@@ -25,7 +25,8 @@ from kvbridge.settings import Settings
 from kvbridge.errors import EmptyPrompt, KVBridgeError, StateTransferError
 from kvbridge.engine.segments import tokenize_segments
 from kvbridge.engine.hashing import make_hasher
-from kvbridge.engine.chunks import ChunkKV, ForeignState, ShadowIndex
+from kvbridge.engine.chunks import ChunkKV, ForeignState
+from kvbridge.engine.shadow_index import ShadowIndex
 from kvbridge.formats.architectures import ModelTraits
 from kvbridge.formats.llama_state import KVGeometry, LayoutError
 from kvbridge.store.serde import remember_geometry

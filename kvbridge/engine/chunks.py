@@ -13,13 +13,14 @@ match, the tail's longest common token prefix with the new prompt is restored to
 trimmed: reuse is token-granular like llama.cpp's own cache, and deduplicated like LMCache.
 
 Where the layout is not understood (kvbridge.formats.llama_state.LayoutError), whole-sequence snapshots are kept
-instead (kind "snapshot"), and the engine's own prefix matching trims them after a restore.
+instead (kind "snapshot"), and the engine's own prefix matching trims them after a restore. What a lookup
+found is a RestorePlan (restore_plan); shadow engines keep the same hashes and tails as token ids only
+(shadow_index).
 """
 from __future__ import annotations
 
 import logging
 import struct
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -27,11 +28,12 @@ import numpy as np
 from kvbridge.backends.base import SeqState, WindowCapture
 from kvbridge.engine.assembly_buffer import AssemblyBuffer
 from kvbridge.engine.hashing import tail_key, tokens_digest
+from kvbridge.engine.restore_plan import RestorePlan, owned
 from kvbridge.engine.stages import StageTimer
 from kvbridge.formats.llama_chunks import ChunkView, assemble_state, assembled_size, decode_chunk, encode_chunk
 from kvbridge.formats.llama_state import (KVGeometry, LayoutError, ParsedState, parse_state, parse_window_rows,
                                          with_window_rows)
-from kvbridge.store import ObjectMeta, ObjectVanished, StoredObject, TieredStore
+from kvbridge.store import ObjectMeta, ObjectVanished, TieredStore
 
 log = logging.getLogger(__name__)
 TAIL_DEPTH = 2          # tails kept at the last TAIL_DEPTH chunk boundaries of each stored prompt
@@ -41,36 +43,6 @@ _SNAPSHOT_MAGIC = b"KVBSNAP1"
 
 class ForeignState(Exception):
     """A saved engine state whose own token ids are not the prompt's: nothing of it may be stored."""
-
-
-@dataclass
-class RestorePlan:
-    """What a lookup found: the confirmed pieces (or a snapshot state) and how many prompt tokens they cover."""
-
-    state: SeqState | None = None      # set by assemble() (or directly, for a whole snapshot)
-    pieces: list = field(default_factory=list)   # (ChunkView, keep) in order; views point into `blobs`
-    blobs: list = field(default_factory=list)    # the fetched bytes, kept alive while views use them
-    tokens: list[int] = field(default_factory=list)
-    chunks_hit: int = 0
-    matched_tokens: int = 0
-    tier: str = "none"
-    notes: list[str] = field(default_factory=list)
-    borrowed: list = field(default_factory=list)  # objects whose blob views memory on loan (release them)
-    lossy: set[str] = field(default_factory=set)   # lossy codecs the restored KV passed through (ObjectMeta.lossy)
-    fetched: dict[str, int] = field(default_factory=dict)   # bytes read per tier (objects used or not)
-    hot: bool = False   # the state is the one already assembled in the scratch buffer (ChunkKV._hot_plan)
-    store_calls: int = 0                                      # lookup and fetch calls on the store
-
-    def release(self) -> None:
-        """Return every loaned blob (a cache server's shared-memory lease); idempotent."""
-        borrowed, self.borrowed = self.borrowed, []
-        for obj in borrowed:
-            obj.release()
-
-
-def _count_fetched(plan: RestorePlan, obj) -> None:
-    if obj is not None:
-        plan.fetched[obj.tier] = plan.fetched.get(obj.tier, 0) + len(obj.blob)
 
 
 def common_prefix_length(a: np.ndarray | Sequence[int], b: Sequence[int]) -> int:
@@ -169,9 +141,9 @@ class ChunkKV:
         if (not self.hot_restores or hot is None or not wanted * c <= len(hot) <= limit
                 or common_prefix_length(hot, tokens) < len(hot)):
             return False
-        obj = self._borrow(plan, self.store.get(tail_at, namespace=self.namespace))
+        obj = plan.borrow(self.store.get(tail_at, namespace=self.namespace))
         plan.store_calls += 1
-        _count_fetched(plan, obj)
+        plan.count_fetched(obj)
         _, keep = self._tail_keep(obj, tokens, wanted * c, limit, plan)
         reach = wanted * c + keep
         if reach > len(hot) or reach == 0:
@@ -190,11 +162,11 @@ class ChunkKV:
     def _fetch_chunks(self, plan: RestorePlan, tokens: Sequence[int], hashes: Sequence[bytes], limit: int,
                       boundary_key: dict[bytes, bytes], wanted: int, tail_at: bytes) -> None:
         c = self.chunk_size
-        fetched = [self._borrow(plan, obj)
+        fetched = [plan.borrow(obj)
                    for obj in self.store.get_many(list(hashes[:wanted]) + [tail_at], namespace=self.namespace)]
         plan.store_calls += 1
         for obj in fetched:
-            _count_fetched(plan, obj)
+            plan.count_fetched(obj)
         for i, obj in enumerate(fetched[:wanted]):
             view = self._confirmed(obj, tokens[i * c:(i + 1) * c], plan)
             if view is None:
@@ -209,9 +181,9 @@ class ChunkKV:
             obj = fetched[-1]
         else:
             prev = hashes[plan.chunks_hit - 1] if plan.chunks_hit else self.seed
-            obj = self._borrow(plan, self.store.get(boundary_key.get(prev) or tail_key(prev), namespace=self.namespace))
+            obj = plan.borrow(self.store.get(boundary_key.get(prev) or tail_key(prev), namespace=self.namespace))
             plan.store_calls += 1
-            _count_fetched(plan, obj)
+            plan.count_fetched(obj)
         view, keep = self._tail_keep(obj, tokens, start, limit, plan)
         if keep > 0:
             plan.pieces.append((view, keep))
@@ -271,31 +243,12 @@ class ChunkKV:
             return None, 0
         return view, max(0, min(common_prefix_length(view.token_ids, tokens[start:]), limit - start))
 
-    @staticmethod
-    def _borrow(plan: RestorePlan, obj):
-        """Note an object whose blob is on loan, so the plan returns it however it ends."""
-        if obj is not None and obj.release is not None:
-            plan.borrowed.append(obj)
-        return obj
-
     def _decoded(self, blob: bytes, plan: RestorePlan) -> ChunkView | None:
         try:
             return decode_chunk(blob, self.geometry)
         except LayoutError as exc:
             plan.notes.append(f"stored object rejected ({exc}); recomputed")
             return None
-
-    @staticmethod
-    def _owned(obj):
-        """A loaned object copied into bytes of our own at once (snapshots go to the engine as they are)."""
-        if obj is None or obj.release is None:
-            return obj
-        try:
-            blob = bytes(obj.blob)
-            intact = obj.intact is None or obj.intact()
-        finally:
-            obj.release()
-        return StoredObject(blob, obj.meta, obj.tier) if intact else None
 
     def _confirmed(self, obj, expected: Sequence[int], plan: RestorePlan) -> ChunkView | None:
         """A hash hit is trusted only when the object's token ids equal the prompt's."""
@@ -314,7 +267,7 @@ class ChunkKV:
         keys = [tail_key(hashes[-1])] if hashes else []
         keys.append(tail_key(self.seed))
         for key in keys:
-            obj = self._owned(self.store.get(key, namespace=self.namespace))
+            obj = owned(self.store.get(key, namespace=self.namespace))
             if obj is None or obj.meta.kind != "snapshot":
                 continue
             magic, n_ids = _SNAPSHOT_HEADER.unpack_from(obj.blob, 0)
@@ -441,44 +394,3 @@ class ChunkKV:
     def _put(self, key: bytes, blob: bytes, ids: Sequence[int], kind: str) -> int:
         result = self.store.put(*self._item(key, blob, ids, kind))
         return 0 if result is False else 1
-
-
-class ShadowIndex:
-    """For shadow engines: the same hashes and tails, holding token ids only, to predict reuse."""
-
-    def __init__(self, store: TieredStore, namespace: str, seed: bytes, chunk_size: int):
-        self.store = store
-        self.namespace = namespace
-        self.seed = seed
-        self.chunk_size = chunk_size
-
-    def predict(self, tokens: Sequence[int], hashes: Sequence[bytes]) -> tuple[int, int, str]:
-        """(chunks hit, predicted reusable tokens, tier) for a prompt."""
-        found = self.store.lookup(list(hashes), namespace=self.namespace)
-        k = found.n_hit
-        tier = found.tiers[-1] if k else "none"
-        # a cache server lends the object (a read lease on shared memory): read it, then give it back
-        obj = ChunkKV._owned(self.store.get(tail_key(hashes[k - 1] if k else self.seed), namespace=self.namespace))
-        extra = 0
-        if obj is not None and obj.meta.kind == "index":
-            ids = np.frombuffer(obj.blob, dtype="<u4")
-            extra = common_prefix_length(ids, tokens[k * self.chunk_size:])
-            tier = self.store.slower(tier, obj.tier)
-        return k, k * self.chunk_size + extra, tier
-
-    def record(self, tokens: Sequence[int], hashes: Sequence[bytes]) -> int:
-        c = self.chunk_size
-        n = len(tokens)
-        n_full = n // c
-        stored = 0
-        for i in range(n_full):
-            if not self.store.contains(hashes[i]):
-                stored += self._put(hashes[i], tokens[i * c:(i + 1) * c])
-        for j in range(n_full, max(n_full - TAIL_DEPTH, -1), -1):
-            if j * c < n:
-                stored += self._put(tail_key(hashes[j - 1] if j else self.seed), tokens[j * c:n])
-        return stored
-
-    def _put(self, key: bytes, ids: Sequence[int]) -> int:
-        meta = ObjectMeta(namespace=self.namespace, n_tokens=len(ids), tokens_digest=tokens_digest(ids), kind="index")
-        return 0 if self.store.put(key, np.asarray(ids, dtype="<u4").tobytes(), meta) is False else 1
