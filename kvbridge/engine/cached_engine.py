@@ -35,7 +35,7 @@ from kvbridge.engine.layout import decide_layout
 from kvbridge.engine.namespace import namespace_for, short_namespace
 from kvbridge.engine.modes import ModeRequest, ModeSpec, mode_spec
 from kvbridge.engine.records import RequestRecord
-from kvbridge.engine.stages import StageTimer
+from kvbridge.engine.stages import StageTimer, record_stages
 from kvbridge.store import TieredStore, open_store
 from kvbridge.store.objects import StoreFault
 
@@ -293,7 +293,7 @@ class CachedEngine:
         if first:   # nothing generated: TTFT is when the engine finished
             record.ttft_ms = (time.perf_counter() - t0) * 1000
             engine_ms = (time.perf_counter() - engine_started) * 1000
-        self._record_stages(record, timer, report, engine_ms)
+        record_stages(record, timer, report, engine_ms)
         record.text = "".join(pieces)
         record.gen_tokens = report.completion_tokens if report.completion_tokens is not None else len(pieces)
         record.engine_cached_tokens = report.engine_cached_tokens
@@ -369,18 +369,6 @@ class CachedEngine:
         record.matched_tokens = plan.matched_tokens
         record.tier = plan.tier
         return plan.matched_tokens
-
-    @staticmethod
-    def _record_stages(record: RequestRecord, timer: StageTimer, report: EngineReport, engine_ms: float) -> None:
-        """The stages into the record: ours as timed, the engine's as it reported them (an engine that
-        reports no prefill time is all prefill; one that reports no first-token time gets the rest)."""
-        prefill = report.prefill_ms if report.prefill_ms is not None else engine_ms
-        first_token = report.first_token_ms if report.first_token_ms is not None else max(0.0, engine_ms - prefill)
-        timer.add("prefill", prefill)
-        timer.add("first_token", first_token)
-        for stage, ms in timer.ms.items():
-            setattr(record, f"{stage}_ms", ms)
-        record.restore_ms = record.assemble_ms + record.handoff_ms
 
     def _store_after(self, tokens: list[int], hashes: list[bytes], record: RequestRecord) -> None:
         """After generation: keep the prompt's cells as chunk and tail objects (full) or index it (shadow)."""

@@ -59,3 +59,15 @@ def stages_gap_ms(record) -> float:
     """TTFT minus the sum of the stages: the time on the way to the first token no stage accounts for."""
     ttft = record["ttft_ms"] if isinstance(record, dict) else record.ttft_ms
     return ttft - sum(stages_of(record).values())
+
+
+def record_stages(record, timer: StageTimer, report, engine_ms: float) -> None:
+    """The stages into a RequestRecord: ours as timed, the engine's as its EngineReport says (an engine that
+    reports no prefill time is all prefill; one that reports no first-token time gets the rest)."""
+    prefill = report.prefill_ms if report.prefill_ms is not None else engine_ms
+    first_token = report.first_token_ms if report.first_token_ms is not None else max(0.0, engine_ms - prefill)
+    timer.add("prefill", prefill)
+    timer.add("first_token", first_token)
+    for stage, ms in timer.ms.items():
+        setattr(record, f"{stage}_ms", ms)
+    record.restore_ms = record.assemble_ms + record.handoff_ms
