@@ -5,6 +5,8 @@
 A prompt's segments (instruction, passages, question; tokenized the same way in every mode) are
 cut by kvbridge.engine.segments. Modules here, in reading order: passages (how a passage's KV is
 keyed and stored), runner (placing stored passages at new positions, recomputing a few tokens of
-each, storing new ones after the answer). CachedEngine and the scheduler make a runner on first use.
+each, storing new ones after the answer), result (what a placement left and what an answer cost),
+mode (blend as an engine mode: registered with kvbridge.engine.modes, it runs a blend request on a
+CachedEngine). CachedEngine (through the mode) and the scheduler make a runner on first use.
 Blended KV is approximate: it has its own namespace and record mode, and it is never the default.
 """

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -44,6 +43,7 @@ from kvbridge.backends.llama_context import BATCH_TOKENS, LlamaContext, Sampler
 from kvbridge.backends.text_decoding import Utf8Decoder
 from kvbridge.blend.passages import (FoundPassage, blend_namespace, check_passage, instruction_key, passage_key,
                                      passage_meta)
+from kvbridge.blend.result import BlendResult, Placement
 from kvbridge.engine.layout import probe_geometry, probe_state_on_sequence
 from kvbridge.engine.segments import segment_spans
 from kvbridge.errors import KVBridgeError, StateTransferError
@@ -66,40 +66,6 @@ RUN_SEQS = 8
 
 class BlendRefused(KVBridgeError):
     """This model or engine cannot run blend mode; the message says why, for a person."""
-
-
-@dataclass
-class BlendResult:
-    text: str = ""
-    tokens: list[int] = field(default_factory=list)
-    first_logits: np.ndarray | None = None   # the distribution of the first generated token
-    ttft_ms: float = 0.0
-    total_ms: float = 0.0
-    reused_segments: int = 0      # passages (and the instruction) placed from the store
-    stored_segments: int = 0      # stored after the answer
-    recomputed_tokens: int = 0    # prompt tokens decoded for this answer
-    reused_tokens: int = 0        # prompt tokens whose KV came from the store
-    fetch_ms: float = 0.0         # reading stored segments and checking them
-    assemble_ms: float = 0.0      # building each segment's sequence state
-    handoff_ms: float = 0.0       # into llama.cpp: set_data, drop the recomputed cells, shift, share
-    prefill_ms: float = 0.0       # decoding the prompt tokens not reused
-    fetch_bytes: int = 0
-    tier: str = "none"
-    notes: list[str] = field(default_factory=list)
-
-    def fill_record(self, record, n_segments: int, recompute: int, recompute_at: str) -> None:
-        """What the placement reused, where from and what it cost, into a RequestRecord, with the note
-        that says so (CachedEngine and the scheduler both record a blend request this way)."""
-        record.matched_tokens = self.reused_tokens
-        record.fetch_bytes, record.fetch_ms = self.fetch_bytes, self.fetch_ms
-        record.assemble_ms, record.handoff_ms = self.assemble_ms, self.handoff_ms
-        record.restore_ms = self.assemble_ms + self.handoff_ms
-        passages = n_segments - 2
-        record.add_note(f"blend: {self.reused_segments} of {passages + 1} segments reused (instruction and "
-                        f"{passages} passages), {self.recomputed_tokens} prompt tokens recomputed "
-                        f"({recompute} per reused passage, at its {recompute_at})")
-        for note in self.notes:
-            record.add_note(note)
 
 
 class BlendRunner:
@@ -449,16 +415,6 @@ class BlendRunner:
             what = "instruction" if is_instruction else "passage"
             if self.store.put(key, payload, passage_meta(self.namespace, segment, f"blend {what}")):
                 result.stored_segments += 1
-
-
-@dataclass
-class Placement:
-    """Where BlendRunner.place left a sequence: positions 0..kv_tokens-1 hold KV, `pending` comes next."""
-
-    kv_tokens: int
-    pending: list[int]
-    instruction: list[int]
-    missing: list[tuple[int, int]]   # segments (start, end) computed for this answer, to store after it
 
 
 class _Scratch:

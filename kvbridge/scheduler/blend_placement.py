@@ -49,7 +49,8 @@ class BlendPlacer:
         tier). Needs a free sequence for a moment, and takes more where there are (one per later passage,
         up to RUN_SEQS) to decode every passage's recomputed tokens at once; without one free sequence, or
         when llama.cpp has no room, it computes everything."""
-        from kvbridge.blend.runner import RUN_SEQS, BlendResult
+        from kvbridge.blend.result import BlendResult
+        from kvbridge.blend.runner import RUN_SEQS
 
         if not self.pool.free:
             request.record.add_note("blend: no free sequence to place passages through; computed in full")

@@ -38,7 +38,8 @@ import numpy as np
 from kvbridge.bench.rag import DEFAULT_SEED, build_prompts, load_corpus, warmup_prompts
 from kvbridge.bench.common.report import holds_fact, write_result_json
 from kvbridge.blend.passages import FoundPassage
-from kvbridge.blend.runner import ANSWER, SCRATCH, BlendResult, BlendRunner
+from kvbridge.blend.result import BlendResult
+from kvbridge.blend.runner import ANSWER, SCRATCH, BlendRunner
 from kvbridge.engine.segments import segment_spans
 from kvbridge.formats.llama_chunks import assemble_state, decode_chunk, encode_chunk
 from kvbridge.formats.llama_state import parse_state
