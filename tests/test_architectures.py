@@ -37,7 +37,9 @@ needs_smol = pytest.mark.skipif(not SMOL.path.is_file(), reason=f"{SMOL.path} mi
     (ModelTraits("qwen2", 24, 0, False, False), "plain", ""),
     (ModelTraits("gemma3", 18, 512, False, False), "sliding-window", ""),
     (ModelTraits("mamba", 24, 0, True, False), "refused", "mamba architecture is recurrent"),
-    (ModelTraits("granitehybrid", 40, 0, False, True), "refused", "granitehybrid architecture is hybrid"),
+    (ModelTraits("granitehybrid", 40, 0, False, True), "recurrent", ""),
+    (ModelTraits("mamba2", 24, 0, True, False), "recurrent", ""),
+    (ModelTraits("jamba", 32, 0, False, True), "refused", "jamba architecture is hybrid"),
     (ModelTraits("qwen3next", 48, 0, False, True), "refused", "qwen3next"),
     (ModelTraits("gpt-oss", 24, 128, False, False), "refused", "gpt-oss architecture uses sliding-window"),
     (ModelTraits("llama4", 48, 8192, False, False), "refused", "llama4"),
@@ -208,7 +210,7 @@ class _HybridBackend(LlamaCppBackend):
     """The real in-process engine on SmolLM2, told by its traits that the model is hybrid."""
 
     def model_traits(self):
-        return ModelTraits("granitehybrid", 30, 0, False, True)
+        return ModelTraits("jamba", 30, 0, False, True)
 
 
 @needs_smol
@@ -216,13 +218,13 @@ class _HybridBackend(LlamaCppBackend):
 def test_a_refused_model_runs_uncached_counted_and_noted(make_settings, short_doc):
     settings = make_settings()
     with CachedEngine(settings, _HybridBackend(settings)) as engine:
-        assert "granitehybrid" in engine.kv_refusal and engine.status()["kv_layout"] == "refused: uncached"
+        assert "jamba" in engine.kv_refusal and engine.status()["kv_layout"] == "refused: uncached"
         prompt = [{"role": "user", "content": short_doc[:400] + "\n\nWho leads the team?"}]
         first = engine.infer(prompt, mode="lmcache", n_predict=6)
         again = engine.infer(prompt, mode="lmcache", n_predict=6)
         cold = engine.infer(prompt, mode="cold", n_predict=6)
         assert first.stored_objects == 0 and again.matched_tokens == 0 and again.text == cold.text
-        assert "KV caching refused" in again.notes and "granitehybrid" in again.notes
+        assert "KV caching refused" in again.notes and "jamba" in again.notes
         assert engine.metrics.snapshot()["counters"]["kv_refused"] == 2
         assert engine.store.stats()["tiers"]["L1"]["objects"] == 0
         assert "refused" in engine.namespace

@@ -98,6 +98,10 @@ class Backend:
     # True when state_buffer() hands out the engine's own memory (then KVBridge keeps no assembly buffer)
     assembles_in_place: ClassVar[bool] = False
     prompts_leave_machine: ClassVar[bool] = False  # True: prompts go to another party (the GUI shows a notice)
+    # True: generate() can prefill in chunk-aligned steps and keep the recurrent state at each boundary
+    # (boundary_state), which a recurrent or hybrid model's chunks need
+    captures_recurrent: ClassVar[bool] = False
+    boundary_step = 0   # set by CachedEngine: capture every this many prompt tokens (0: never)
 
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -194,6 +198,12 @@ class Backend:
         n_tokens - 1, after truncating the context to its first n_tokens (later cells are dropped: call it
         with decreasing n_tokens, after save_state). None: this engine cannot (nothing of the window is
         stored then that the state alone does not hold)."""
+        return None
+
+    def boundary_state(self, n_tokens: int) -> "bytes | memoryview | None":
+        """Recurrent and hybrid models: the recurrent state the last generate() captured after its prompt's first
+        n_tokens (llama.cpp state bytes with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY), or None when it took none
+        there. Captured at every multiple of boundary_step and one token before the prompt's end."""
         return None
 
     @property

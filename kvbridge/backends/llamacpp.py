@@ -29,6 +29,7 @@ from kvbridge.backends.text_decoding import Utf8Decoder
 class LlamaCppBackend(Backend):
     key = "llamacpp"
     kv_mode = "full"
+    captures_recurrent = True
 
     @classmethod
     def settings_problems(cls, settings: Settings, environ: Mapping[str, str]) -> list[str]:
@@ -39,6 +40,7 @@ class LlamaCppBackend(Backend):
         self.llm = None
         self.model_path: Path | None = None
         self._template: ChatTemplate | None = None
+        self._boundaries: dict[int, bytes] = {}   # recurrent state after the last prompt's first n tokens, by n
 
     # lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -120,7 +122,9 @@ class LlamaCppBackend(Backend):
                               f"the context of {llm.n_ctx()} tokens (KVB_CTX_SIZE).")
         if not use_native_cache:
             self.reset_native_cache()
-        cached = self._reusable_prefix(tokens)
+        self._boundaries.clear()
+        stepped = self.boundary_step > 0
+        cached = self._extendable_prefix(tokens) if stepped else self._reusable_prefix(tokens)
         report.engine_cached_tokens = cached
         report.engine_prefill_tokens = len(tokens) - cached
         report.prompt_tokens = len(tokens)
@@ -129,6 +133,10 @@ class LlamaCppBackend(Backend):
         produced = 0
         sampling = Sampling.for_temperature(temperature)
         self._eval_ms = 0.0
+        if stepped:
+            # the whole prompt is evaluated here, in steps that end where chunks end; Llama.generate then finds
+            # it cached and samples at once (it could not cut a recurrent state back to re-evaluate a token)
+            self._prefill_by_boundaries(tokens, cached)
         for token in llm.generate(tokens, temp=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                                   min_p=sampling.min_p, repeat_penalty=sampling.repeat_penalty, reset=True):
             if report.prefill_ms is None:
@@ -156,6 +164,46 @@ class LlamaCppBackend(Backend):
                 break
             n += 1
         return min(n, len(tokens) - 1)
+
+    def _extendable_prefix(self, tokens: list[int]) -> int:
+        """Recurrent state cannot be cut back: the context is kept only when the prompt continues all of it
+        (after a restore, or a previous prompt) by at least one token; otherwise it is dropped."""
+        llm = self._llm
+        held = llm.n_tokens
+        if 0 < held < len(tokens) and [int(t) for t in llm.input_ids[:held]] == tokens[:held]:
+            return held
+        self.reset_native_cache()
+        return 0
+
+    def _prefill_by_boundaries(self, tokens: list[int], start: int) -> None:
+        """Evaluate tokens[start:] in steps ending at each multiple of boundary_step and one token before the
+        end, keeping the recurrent state (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) after each (boundary_state)."""
+        import llama_cpp
+
+        llm, step, n = self._llm, self.boundary_step, len(tokens)
+        ends = sorted({*range((start // step + 1) * step, n, step), n - 1, n} - set(range(start + 1)))
+        ctx = llm._ctx.ctx
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+
+        def capture(at: int) -> None:
+            started = time.perf_counter()
+            size = llama_cpp.llama_state_seq_get_size_ext(ctx, 0, flags)
+            buf = (ctypes.c_uint8 * size)()
+            if llama_cpp.llama_state_seq_get_data_ext(ctx, buf, size, 0, flags) == size:
+                self._boundaries[at] = bytes(buf)
+            self._eval_ms += (time.perf_counter() - started) * 1000   # the capture is part of the prefill
+
+        if start:
+            capture(start)   # where a restore ended: its objects are stored again as they were
+        at = start
+        for end in ends:
+            llm.eval(tokens[at:end])
+            at = end
+            if end < n:
+                capture(end)
+
+    def boundary_state(self, n_tokens: int) -> bytes | None:
+        return self._boundaries.get(n_tokens)
 
     def reset_native_cache(self) -> None:
         import llama_cpp

@@ -59,6 +59,7 @@ class CachedEngine:
         self.hasher = None
         self._kv: ChunkKV | None = None
         self._index: ShadowIndex | None = None
+        self._boundary_step = 0   # recurrent models: the engine captures its state every chunk in lmcache mode
         self._mode_runners: dict[str, object] = {}   # what a mode keeps per engine (blend: its runner), by mode
         self._lock = threading.RLock()   # one request at a time per engine
         self.started = False
@@ -117,8 +118,11 @@ class CachedEngine:
             # what the model is decides which layout is expected (kvbridge.engine.layout); whole snapshots remain
             # only for a plain model on a llama-server whose slot files are not on this machine
             self.traits = self.backend.model_traits()
-            decision = decide_layout(self.traits, self._probe_state, by_reference=self.backend.kv_by_reference)
+            decision = decide_layout(self.traits, self._probe_state, by_reference=self.backend.kv_by_reference,
+                                     captures_recurrent=self.backend.captures_recurrent)
             self.geometry, self.kv_refusal = decision.geometry, decision.refusal
+            # a recurrent state is kept where each chunk ends while the engine prefills (Backend.boundary_state)
+            self._boundary_step = self.settings.chunk_size if self.geometry and self.geometry.recurrent else 0
             kv_layout = decision.namespace_key
             if self.geometry is not None:
                 remember_geometry(self.geometry)   # the int8 codec finds a chunk's K and V rows by it
@@ -280,6 +284,8 @@ class CachedEngine:
         report = EngineReport()
         pieces: list[str] = []
         first = True
+        # only a request whose prompt is stored afterwards pays for the recurrent captures
+        self.backend.boundary_step = self._boundary_step if mode == "lmcache" else 0
         engine_started = time.perf_counter()
         for piece in self.backend.generate(p, n_predict=request.n_predict, temperature=request.temperature,
                                            use_native_cache=(mode != "cold"), report=report):
@@ -377,10 +383,12 @@ class CachedEngine:
             if self.backend.kv_mode == "full":
                 before = self._kv.incomplete
                 record.stored_objects = self._kv.store_prompt(self.backend.save_state(), tokens, hashes,
-                                                              capture=self.backend.capture_window)
+                                                              capture=self.backend.capture_window,
+                                                              boundary=self.backend.boundary_state)
                 if self._kv.incomplete > before:
+                    what = "recurrent state at their end" if self.geometry.recurrent else "sliding-window rows"
                     record.add_note(f"{self._kv.incomplete - before} object(s) not stored: the engine no longer held "
-                                    "their sliding-window rows")
+                                    f"their {what}")
                     self.metrics.inc("store_window_incomplete", self._kv.incomplete - before)
             else:
                 record.stored_objects = self._index.record(tokens, hashes)

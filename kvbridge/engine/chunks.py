@@ -12,6 +12,10 @@ inside the previous prompt's last full chunk still reuses up to the divergence. 
 match, the tail's longest common token prefix with the new prompt is restored too and the rest
 trimmed: reuse is token-granular like llama.cpp's own cache, and deduplicated like LMCache.
 
+A recurrent or hybrid model's state cannot be cut by position: each chunk carries the recurrent state
+captured where it ends (Backend.boundary_state), the one tail ends one token before the prompt's end
+(where the engine captured too), and a restore ends where a whole stored piece ends.
+
 Where the layout is not understood (kvbridge.formats.llama_state.LayoutError), whole-sequence snapshots are kept
 instead (kind "snapshot"), and the engine's own prefix matching trims them after a restore. What a lookup
 found is a RestorePlan (restore_plan); shadow engines keep the same hashes and tails as token ids only
@@ -31,8 +35,8 @@ from kvbridge.engine.hashing import tail_key, tokens_digest
 from kvbridge.engine.restore_plan import RestorePlan, owned
 from kvbridge.engine.stages import StageTimer
 from kvbridge.formats.llama_chunks import ChunkView, assemble_state, assembled_size, decode_chunk, encode_chunk
-from kvbridge.formats.llama_state import (KVGeometry, LayoutError, ParsedState, parse_state, parse_window_rows,
-                                         with_window_rows)
+from kvbridge.formats.llama_state import (KVGeometry, LayoutError, ParsedState, RecurrentSection, parse_recurrent_capture,
+                                         parse_state, parse_window_rows, with_window_rows)
 from kvbridge.store import ObjectMeta, ObjectVanished, TieredStore
 
 log = logging.getLogger(__name__)
@@ -241,7 +245,10 @@ class ChunkKV:
         view = self._decoded(obj.blob, plan)
         if view is None:
             return None, 0
-        return view, max(0, min(common_prefix_length(view.token_ids, tokens[start:]), limit - start))
+        keep = max(0, min(common_prefix_length(view.token_ids, tokens[start:]), limit - start))
+        if self.geometry.recurrent and keep < view.n_cells:
+            return None, 0   # a recurrent section cannot be cut: the whole tail or none of it
+        return view, keep
 
     def _decoded(self, blob: bytes, plan: RestorePlan) -> ChunkView | None:
         try:
@@ -287,15 +294,22 @@ class ChunkKV:
         return plan
 
     # store -------------------------------------------------------------------------------
+    def _parse(self, data) -> ParsedState:
+        g = self.geometry
+        return parse_state(data, window=g.window, cell_ext=g.cell_ext, recurrent=bool(g.recurrent),
+                           attention=g.n_layer > 0)
+
     def store_prompt(self, state: SeqState, tokens: Sequence[int], hashes: Sequence[bytes],
-                     capture: Callable[[int], WindowCapture | None] | None = None) -> int:
+                     capture: Callable[[int], WindowCapture | None] | None = None,
+                     boundary: Callable[[int], "bytes | memoryview | None"] | None = None) -> int:
         """Split the prompt's cells of `state` into chunk and tail objects; put the ones not yet stored.
 
         Raises ForeignState, storing nothing, unless the engine's own token ids for the state begin
         with the prompt's: another client may have used a shared llama-server slot in between.
         A sliding-window model's state holds the window's rows of its last positions only: `capture`
         (Backend.capture_window) fetches those of earlier positions, and an object whose rows were
-        not all captured is not stored (counted in self.incomplete).
+        not all captured is not stored (counted in self.incomplete). A recurrent model's chunks and tail
+        need the recurrent state captured where each ends (`boundary`: Backend.boundary_state).
         """
         n = len(tokens)
         if state.token_ids is None or tuple(state.token_ids[:n]) != tuple(int(t) for t in tokens):
@@ -305,13 +319,15 @@ class ChunkKV:
         if self.geometry is None:
             return self._store_snapshot(state, tokens, hashes)
         try:
-            parsed = parse_state(state.data, window=self.geometry.window)
+            parsed = self._parse(state.data)
         except LayoutError as exc:
             log.warning("saved KV state not understood (%s); not stored", exc)
             return 0
         if parsed.geometry != self.geometry or parsed.n_cells < n:
             log.warning("saved KV state does not match the engine's geometry or prompt; not stored")
             return 0
+        if self.geometry.recurrent:
+            return self._store_recurrent(parsed, tokens, hashes, boundary)
         c = self.chunk_size
         n_full = n // c
         # Stored chunks form a leading run (each hash names its whole prefix): one lookup says which
@@ -334,6 +350,43 @@ class ChunkKV:
             prev = hashes[j - 1] if j else self.seed
             ids = tokens[j * c:n]
             items.append(self._item(tail_key(prev), encode_chunk(parsed, j * c, n, ids), ids, "tail"))
+        stored = sum(1 for done in self.store.put_many(items) if done)
+        if self.prefault_scratch:
+            self._buffer.reserve(assembled_size(self.geometry, n))
+        return stored
+
+    def _store_recurrent(self, parsed: ParsedState, tokens: Sequence[int], hashes: Sequence[bytes],
+                         boundary: Callable[[int], "bytes | memoryview | None"] | None) -> int:
+        """Chunks whose end the engine captured, and one tail up to the prompt's last token but one (where a
+        repeated prompt restores to: its last token is always recomputed)."""
+        c, n = self.chunk_size, len(tokens)
+        n_full = n // c
+        known = self.store.lookup(list(hashes[:n_full]), namespace=self.namespace).n_hit
+
+        def section(end: int) -> RecurrentSection | None:
+            taken = boundary(end) if boundary is not None else None
+            if taken is None:
+                return None
+            found = parse_recurrent_capture(taken, self.geometry)
+            return found if found.pos == end - 1 else None
+
+        items = []
+        for i in range(known, n_full):
+            rec = section((i + 1) * c)
+            if rec is None:
+                self.incomplete += 1
+                break   # a later chunk is unreachable without this one
+            ids = tokens[i * c:(i + 1) * c]
+            items.append(self._item(hashes[i], encode_chunk(parsed, i * c, (i + 1) * c, ids, rec), ids, "chunk"))
+        j, end = (n - 1) // c, n - 1
+        if end > j * c:
+            rec = section(end)
+            if rec is None:
+                self.incomplete += 1
+            else:
+                ids = tokens[j * c:end]
+                items.append(self._item(tail_key(hashes[j - 1] if j else self.seed),
+                                        encode_chunk(parsed, j * c, end, ids, rec), ids, "tail"))
         stored = sum(1 for done in self.store.put_many(items) if done)
         if self.prefault_scratch:
             self._buffer.reserve(assembled_size(self.geometry, n))
@@ -364,8 +417,10 @@ class ChunkKV:
     def store_tail(self, data, tokens: Sequence[int], start: int, key: bytes,
                    capture: Callable[[int], WindowCapture | None] | None = None) -> bool:
         """Put the cells tokens[start:] of a sequence's saved state as one tail object under `key`."""
+        if self.geometry.recurrent:
+            return False   # no section was captured at the sequence's end (the scheduler refuses these models)
         try:
-            parsed = parse_state(data, window=self.geometry.window)
+            parsed = self._parse(data)
         except LayoutError as exc:
             log.warning("saved KV state not understood (%s); tail not stored", exc)
             return False

@@ -39,14 +39,17 @@ class LayoutDecision:
         return self.geometry.digest().hex()[:16] if self.geometry is not None else "snapshot"
 
 
-def decide_layout(traits: ModelTraits | None, probe_state: ProbeState, *, by_reference: bool = False) -> LayoutDecision:
+def decide_layout(traits: ModelTraits | None, probe_state: ProbeState, *, by_reference: bool = False,
+                  captures_recurrent: bool = False) -> LayoutDecision:
     """The layout of `traits` proven on `probe_state()`, or the refusal. by_reference: the engine's state bytes
     cannot be read here (a llama-server's slot files on another machine), so a plain model keeps whole
-    snapshots and a sliding-window one is refused; nothing is probed."""
+    snapshots and a sliding-window one is refused; nothing is probed. captures_recurrent: the engine keeps
+    the recurrent state at chunk boundaries (Backend.captures_recurrent); without it a recurrent or hybrid
+    model is refused."""
     if traits is None:
         return LayoutDecision(refusal="the engine did not say what kind of model it runs, so no KV layout can be "
                                       "proven; it runs uncached")
-    support = kv_support(traits)
+    support = kv_support(traits, captures_recurrent=captures_recurrent and not by_reference)
     if support.refused:
         log.warning("KV caching refused: %s", support.reason)
         return LayoutDecision(refusal=support.reason, support=support)
@@ -67,8 +70,9 @@ def decide_layout(traits: ModelTraits | None, probe_state: ProbeState, *, by_ref
 
 def probe_geometry(traits: ModelTraits | None, support: KVSupport, probe_state: ProbeState) -> KVGeometry:
     """The geometry of the probe's state parsed as exactly the expected layout; LayoutError when it is not."""
-    n_layer = traits.n_layer if traits is not None else None
-    return parse_state(probe_state(), n_layer, window=support.window).geometry
+    n_layer = None if traits is None else traits.n_layer if support.recurrent else traits.own_kv_layers
+    return parse_state(probe_state(), n_layer, window=support.window, cell_ext=support.cell_ext,
+                       recurrent=support.recurrent, attention=support.attention).geometry
 
 
 class ProbeDecodeFailed(StateTransferError):

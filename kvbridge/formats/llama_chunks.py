@@ -5,9 +5,12 @@ Place in the flow: ... -> generate -> save_state -> parse_state (kvbridge.format
 sequence state** -> restore_state -> suffix prefill.
 
 A chunk payload is our own format: a header (CHUNK_MAGIC, cell count, token-id count, the digest
-of the KV geometry it was cut under), the chunk's token ids (to confirm a hit), then K and V rows of
-every layer. Every cell's K row and V elements are independent of the others, so cells cut at any
-position concatenate again into the layout llama.cpp reads (described in llama_state).
+of the KV geometry it was cut under), the chunk's token ids (to confirm a hit), the cells' extra
+metadata where the model has it (M-RoPE), then K and V rows of every layer, and for a recurrent or
+hybrid model the recurrent section captured where the chunk ends. Every cell's K row and V elements
+are independent of the others, so cells cut at any position concatenate again into the layout
+llama.cpp reads (described in llama_state); a recurrent section cannot be cut, so a restore ends where
+a whole piece ends and takes that piece's section.
 """
 from __future__ import annotations
 
@@ -17,18 +20,23 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvbridge.formats.llama_state import STATE_IO_MAGIC, KVGeometry, LayoutError, ParsedState
+from kvbridge.formats.llama_state import STATE_IO_MAGIC, KVGeometry, LayoutError, ParsedState, RecurrentSection
 
 CHUNK_MAGIC = b"KVBCHNK1"     # our per-chunk payload; bump the digit when the payload layout changes
 _CHUNK_HEADER = struct.Struct("<8sII16s")   # magic, n_cells, n_token_ids, geometry digest
 
 
-def encode_chunk(state: ParsedState, start: int, stop: int, token_ids: Sequence[int]) -> bytes:
-    """The payload for cells [start, stop): header, the token ids (to confirm a hit), K then V per layer."""
+def encode_chunk(state: ParsedState, start: int, stop: int, token_ids: Sequence[int],
+                 recurrent: RecurrentSection | None = None) -> bytes:
+    """The payload for cells [start, stop): header, the token ids (to confirm a hit), the cells' extra bytes,
+    K then V per layer, and (recurrent models) `recurrent`, the section captured after position stop - 1."""
     n = stop - start
     if not 0 <= start < stop <= state.n_cells or len(token_ids) != n:
         raise LayoutError("chunk range and token ids disagree")
     g = state.geometry
+    if g.recurrent and (recurrent is None or recurrent.pos != stop - 1 or len(recurrent.data) != g.recurrent):
+        raise LayoutError(f"the recurrent state after position {stop - 1} was not captured; a chunk without it "
+                          "could not be restored exactly")
     if g.window and start < state.window_start:
         raise LayoutError(f"the sliding-window rows of positions {start}..{state.window_start - 1} were not "
                           "captured; a chunk without them could not be restored exactly")
@@ -40,12 +48,16 @@ def encode_chunk(state: ParsedState, start: int, stop: int, token_ids: Sequence[
 
     parts = [_CHUNK_HEADER.pack(CHUNK_MAGIC, n, n, g.digest()),
              np.asarray(token_ids, dtype="<i4").tobytes()]
+    if g.cell_ext:
+        parts.append(state.ext[start:stop].tobytes())
     for il, layer in enumerate(state.k):
         a, b = cells(il)
         parts.append(layer[a:b].tobytes())
     for il, layer in enumerate(state.v):
         a, b = cells(il)
         parts.append(layer[:, a:b].tobytes() if g.v_trans else layer[a:b].tobytes())
+    if g.recurrent:
+        parts.append(bytes(recurrent.data))
     return b"".join(parts)
 
 
@@ -57,6 +69,13 @@ class ChunkView:
     token_ids: np.ndarray
     k: list[np.ndarray]
     v: list[np.ndarray]
+    ext: np.ndarray | None = None        # (n_cells, cell_ext): the cells' extra metadata (M-RoPE)
+    recurrent: memoryview | None = None  # the recurrent section after the chunk's last position
+
+    @property
+    def recurrent_pos(self) -> int:
+        """The position the recurrent section follows (-1: none)."""
+        return struct.unpack_from("<i", self.recurrent, 4)[0] if self.recurrent is not None else -1
 
 
 def decode_chunk(payload: bytes, geometry: KVGeometry) -> ChunkView:
@@ -66,13 +85,18 @@ def decode_chunk(payload: bytes, geometry: KVGeometry) -> ChunkView:
     magic, n_cells, n_ids, digest = _CHUNK_HEADER.unpack_from(payload, 0)
     if magic != CHUNK_MAGIC or digest != geometry.digest() or n_ids != n_cells or n_cells == 0:
         raise LayoutError("chunk payload from another format or KV geometry")
-    expected = _CHUNK_HEADER.size + 4 * n_cells + n_cells * geometry.bytes_per_cell
+    expected = (_CHUNK_HEADER.size + n_cells * (4 + geometry.cell_ext + geometry.bytes_per_cell)
+                + geometry.recurrent)
     if len(payload) != expected:
         raise LayoutError(f"chunk payload is {len(payload)} bytes, expected {expected}")
     buf = memoryview(payload)
     off = _CHUNK_HEADER.size
     ids = np.frombuffer(buf, dtype="<i4", count=n_cells, offset=off)
     off += 4 * n_cells
+    ext = None
+    if geometry.cell_ext:
+        ext = np.frombuffer(buf, np.uint8, n_cells * geometry.cell_ext, off).reshape(n_cells, geometry.cell_ext)
+        off += n_cells * geometry.cell_ext
     k, v = [], []
     for row in geometry.k_rows:
         k.append(np.frombuffer(buf, np.uint8, n_cells * row, off).reshape(n_cells, row))
@@ -81,13 +105,16 @@ def decode_chunk(payload: bytes, geometry: KVGeometry) -> ChunkView:
         arr = np.frombuffer(buf, np.uint8, n_cells * row, off)
         v.append(arr.reshape(embd, n_cells, el) if geometry.v_trans else arr.reshape(n_cells, row))
         off += n_cells * row
-    return ChunkView(n_cells, ids, k, v)
+    recurrent = buf[off:off + geometry.recurrent] if geometry.recurrent else None
+    return ChunkView(n_cells, ids, k, v, ext, recurrent)
 
 
 def _section_cells(geometry: KVGeometry, n_cells: int, window_only: bool) -> list[tuple[range, int]]:
     """(layer indices, first cell) of each cache in a restore of n_cells cells: every cell, or with
     window_only, for the sliding-window cache the last `window` positions (what llama.cpp writes)."""
     out, at = [], 0
+    if not geometry.n_layer:   # a purely recurrent model: no attention cache
+        return out
     for count in geometry.section_layers:
         layers = range(at, at + count)
         windowed = window_only and geometry.window and at + count == geometry.n_layer
@@ -103,8 +130,8 @@ def assembled_size(geometry: KVGeometry, n_cells: int, window_only: bool = False
     size = 8
     for layers, first in _section_cells(g, n_cells, window_only):
         cells = n_cells - first
-        size += 8 + 12 * cells + 8 + sum(24 + cells * (g.k_rows[i] + g.v_rows[i]) for i in layers)
-    return size
+        size += 8 + (12 + g.cell_ext) * cells + 8 + sum(24 + cells * (g.k_rows[i] + g.v_rows[i]) for i in layers)
+    return size + g.recurrent
 
 
 def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]], seq_id: int = 0,
@@ -125,12 +152,19 @@ def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]]
 
     first_pos: the position of the first cell (blend mode restores a passage where it was computed,
     after its instruction, into a scratch sequence, then shifts it; kvbridge.blend.runner).
+
+    A recurrent model's state ends with the last piece's recurrent section, which must be kept whole
+    and follow the last position restored: a section cannot be cut.
     """
     keeps = [keep for _, keep in pieces]
     if not pieces or any(keep < 1 or keep > view.n_cells for view, keep in pieces):
         raise LayoutError("nothing to assemble, or a keep count outside its chunk")
     n = sum(keeps)
     g = geometry
+    last, last_keep = pieces[-1]
+    if g.recurrent and (first_pos or last_keep != last.n_cells or last.recurrent_pos != n - 1):
+        raise LayoutError(f"a recurrent state restores only where a stored piece ends with its section "
+                          f"(position {n - 1} asked, the last piece's section follows {last.recurrent_pos})")
     size = assembled_size(g, n, window_only)
     if out is None or len(out) < size:
         out = np.empty(size, dtype=np.uint8)
@@ -140,6 +174,9 @@ def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]]
     jobs: list[Callable[[], None]] = []
     for layers, first in _section_cells(g, n, window_only):
         off = _write_section(out, off, g, pieces, layers, first, n, seq_id, jobs, first_pos)
+    if g.recurrent:
+        out[off: off + g.recurrent] = np.frombuffer(last.recurrent, np.uint8)
+        off += g.recurrent
     assert off == size
     if run is None:
         for job in jobs:
@@ -155,11 +192,15 @@ def _write_section(out: np.ndarray, off: int, g: KVGeometry, pieces: Sequence[tu
     cells = n - first
     out[off: off + 8] = np.frombuffer(struct.pack("<II", 1, cells), np.uint8)
     off += 8
-    meta = out[off: off + 12 * cells].view("<i4").reshape(cells, 3)
+    width = 12 + g.cell_ext   # pos, n_seq_id, the cell's extra bytes, seq_id
+    raw = out[off: off + width * cells].reshape(cells, width)
+    meta = raw.view("<i4")
     meta[:, 0] = np.arange(first + first_pos, n + first_pos, dtype="<i4")
     meta[:, 1] = 1
-    meta[:, 2] = seq_id
-    off += 12 * cells
+    meta[:, -1] = seq_id
+    if g.cell_ext:
+        _rows_job(raw[:, 8:8 + g.cell_ext], [(pieces[p][0].ext, lo, hi) for p, lo, hi in _spans(pieces, first)])()
+    off += width * cells
     out[off: off + 8] = np.frombuffer(struct.pack("<II", g.v_trans, len(layers)), np.uint8)
     off += 8
     spans = _spans(pieces, first)   # (piece index, lo, hi): which cells of which chunk, in order

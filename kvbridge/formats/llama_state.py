@@ -24,17 +24,28 @@ are captured separately: with_window_rows), so a restore at any position can giv
 rows it needs; assemble_state (llama_chunks) writes every cell of both caches (the layout a cold prefill leaves in
 a full-size sliding-window cache), or with window_only exactly the cells llama.cpp itself writes.
 
+M-RoPE models (Qwen3.5) write 12 more bytes per cell after n_seq_id (llama_kv_cell_ext: the 2D
+position and the token id); they travel with the chunk as the cell's "ext" bytes.
+
+A recurrent or hybrid model (llama_memory_recurrent / llama_memory_hybrid) ends its state with a
+recurrent section: u32 cell_count (1 for one sequence), i32 pos, u32 n_seq_id (0), u32 s_trans,
+u32 n_layer, then its rows (r then s per layer). Its size does not grow with the sequence: it is the
+state after the last position `pos`, and it cannot be cut. A hybrid state is the attention cache in the
+layout above followed by that section; a purely recurrent one is the section alone.
+`llama_state_seq_get_data_ext(..., LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)` writes the header and the
+section only (parse_recurrent_capture): taken where a chunk ends, it is what that chunk restores.
+
 Every cell's K row and V elements are independent of the others, so cells can be sliced by
 position and concatenated again. What is deliberately not handled (parse raises LayoutError and
-nothing is stored or restored): several streams, cells with extra per-cell data (M-RoPE / PLE
-models), cells shared by several sequences, holes in positions, any layout the model's
-architecture does not announce (kvbridge.formats.architectures decides which is expected).
+nothing is stored or restored): several streams, cells shared by several sequences, holes in
+positions, a transposed recurrent section, any layout the model's architecture does not announce
+(kvbridge.formats.architectures decides which is expected).
 """
 from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -72,6 +83,8 @@ class KVGeometry:
     v_embds: tuple[int, ...]        # transposed V: n_embd_v_gqa; 0 otherwise
     sections: tuple[int, ...] = ()  # layers per cache in write order; () = one plain cache of n_layer
     window: int = 0                 # the last section's sliding window (n_swa); 0 = none
+    cell_ext: int = 0               # extra bytes per cell in the cells' metadata (M-RoPE); 0 = none
+    recurrent: int = 0              # bytes of the recurrent section that ends the state; 0 = none
 
     @property
     def bytes_per_cell(self) -> int:
@@ -94,6 +107,8 @@ class KVGeometry:
                  f"k_rows={self.k_rows!r}, v_types={self.v_types!r}, v_rows={self.v_rows!r}, "
                  f"v_els={self.v_els!r}, v_embds={self.v_embds!r})")
         text = plain if not self.sections else f"{plain}|sections={self.sections!r}|window={self.window}"
+        if self.cell_ext or self.recurrent:
+            text += f"|cell_ext={self.cell_ext}|recurrent={self.recurrent}"
         return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
     def summary(self) -> str:
@@ -102,6 +117,8 @@ class KVGeometry:
         caches = ""
         if self.window:
             caches = f" caches=global:{self.section_layers[0]}+sliding:{self.section_layers[-1]}(window {self.window})"
+        if self.recurrent:
+            caches += f" recurrent={self.recurrent} bytes per chunk boundary"
         return (f"layers={self.n_layer} k_type={k_types} v_type={v_types} v_trans={self.v_trans} "
                 f"bytes/token={self.bytes_per_cell}{caches}")
 
@@ -119,6 +136,8 @@ class ParsedState:
     k: list[np.ndarray]   # per layer (n_cells, k_row) uint8
     v: list[np.ndarray]   # per layer: (n_cells, v_row) uint8, or transposed (n_embd, n_cells, el) uint8
     window_start: int = 0
+    ext: np.ndarray | None = None              # (n_cells, cell_ext) uint8: each cell's extra metadata
+    recurrent: "RecurrentSection | None" = None  # the recurrent section at the state's end
 
 
 class _Reader:
@@ -151,18 +170,22 @@ class _Cache:
     geometry: KVGeometry
     k: list[np.ndarray]
     v: list[np.ndarray]
+    ext: np.ndarray | None = None
 
 
-def _read_cache(r: _Reader, seq_id: int) -> _Cache:
+def _read_cache(r: _Reader, seq_id: int, cell_ext: int = 0) -> _Cache:
     (n_stream,) = r.unpack("<I")
     if n_stream != 1:
         raise LayoutError(f"{n_stream} KV streams; only one is supported")
     (n_cells,) = r.unpack("<I")
     if n_cells == 0:
         raise LayoutError("empty sequence state")
-    meta = r.array(12 * n_cells).view("<i4").reshape(n_cells, 3)  # pos, n_seq_id, seq_id
-    if not (meta[:, 1] == 1).all() or not (meta[:, 2] == seq_id).all():
-        raise LayoutError("cells with extra data or shared by several sequences")
+    width = 12 + cell_ext   # pos, n_seq_id, the cell's extra bytes, seq_id
+    raw = r.array(width * n_cells).reshape(n_cells, width)
+    meta = raw.view("<i4")
+    if not (meta[:, 1] == 1).all() or not (meta[:, -1] == seq_id).all():
+        raise LayoutError("cells with unexpected extra data or shared by several sequences")
+    ext = raw[:, 8:8 + cell_ext] if cell_ext else None
     positions = meta[:, 0]
     order = np.argsort(positions, kind="stable")
     first = int(positions[order[0]])
@@ -204,9 +227,47 @@ def _read_cache(r: _Reader, seq_id: int) -> _Cache:
     if not in_order:  # cells reused after edits: reorder so cell i holds position first + i
         k = [layer[order] for layer in k]
         v = [layer[:, order] if v_trans else layer[order] for layer in v]
+        ext = ext[order] if ext is not None else None
     geometry = KVGeometry(v_trans, n_layer, tuple(k_types), tuple(k_rows), tuple(v_types),
-                          tuple(v_rows), tuple(v_els), tuple(v_embds))
-    return _Cache(first, n_cells, geometry, k, v)
+                          tuple(v_rows), tuple(v_els), tuple(v_embds), cell_ext=cell_ext)
+    return _Cache(first, n_cells, geometry, k, v, ext)
+
+
+_RECURRENT_HEAD = struct.Struct("<IiIII")   # cell_count, pos, n_seq_id, s_trans, n_layer
+
+
+@dataclass(frozen=True)
+class RecurrentSection:
+    """A recurrent section as llama.cpp writes it for one sequence: the state after position `pos`."""
+
+    pos: int
+    n_layer: int       # every layer of the model (the section says so even for layers with no recurrent rows)
+    data: memoryview   # the whole section, header included, exactly as written
+
+
+def _read_recurrent(r: _Reader) -> RecurrentSection:
+    """The recurrent section from r's offset to the end of the state (nothing may follow it)."""
+    start = r.off
+    cell_count, pos, n_seq_id, s_trans, n_layer = r.unpack(_RECURRENT_HEAD.format)
+    if cell_count != 1 or n_seq_id != 0:
+        raise LayoutError(f"a recurrent section with {cell_count} cells and {n_seq_id} sequence ids, not one sequence's")
+    if pos < 0 or s_trans != 0 or n_layer == 0 or n_layer > 4096 or len(r.buf) - r.off < 12:
+        raise LayoutError(f"implausible recurrent section (pos {pos}, s_trans {s_trans}, {n_layer} layers)")
+    r.off = len(r.buf)
+    return RecurrentSection(pos, n_layer, r.buf[start:])
+
+
+def parse_recurrent_capture(data: bytes | memoryview, geometry: KVGeometry) -> RecurrentSection:
+    """A capture taken where a chunk ends (`LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`: the header and the recurrent
+    section only); LayoutError unless it is one sequence's section of this geometry's size."""
+    if not geometry.recurrent:
+        raise LayoutError("the model keeps no recurrent state")
+    r = _Reader(data)
+    _read_header(r)
+    section = _read_recurrent(r)
+    if len(section.data) != geometry.recurrent:
+        raise LayoutError(f"a recurrent section of {len(section.data)} bytes, the engine's is {geometry.recurrent}")
+    return section
 
 
 def _read_header(r: _Reader) -> int:
@@ -216,36 +277,58 @@ def _read_header(r: _Reader) -> int:
     return seq_id
 
 
-def parse_state(data: bytes | memoryview, expected_n_layer: int | None = None, *, window: int = 0) -> ParsedState:
+def parse_state(data: bytes | memoryview, expected_n_layer: int | None = None, *, window: int = 0,
+                cell_ext: int = 0, recurrent: bool = False, attention: bool = True) -> ParsedState:
     """Parse and validate `llama_state_seq_get_data` bytes; raise LayoutError on anything unexpected.
 
     window=0: one plain cache is expected. window=n_swa (> 0): the iSWA layout is expected, exactly
     two caches (global, then sliding-window), the second holding the last positions of the first
-    and no more than `window` of them. What the model is decides which: never the bytes.
+    and no more than `window` of them. cell_ext: extra bytes per cell (M-RoPE). recurrent: a recurrent
+    section ends the state, after a plain attention cache (attention=True: hybrid) or alone (a purely
+    recurrent model), and it must hold the state after the last position. What the model is decides
+    which: never the bytes. expected_n_layer: the layers that keep KV of their own.
     """
     r = _Reader(data)
     seq_id = _read_header(r)
-    base = _read_cache(r, seq_id)
-    if base.first_pos != 0:
-        raise LayoutError("cell positions do not start at 0")
-    caches = [base]
+    caches: list[_Cache] = []
+    if attention:
+        base = _read_cache(r, seq_id, cell_ext)
+        if base.first_pos != 0:
+            raise LayoutError("cell positions do not start at 0")
+        caches.append(base)
     if window:
         if r.off == len(r.buf):
             raise LayoutError("sliding-window model, but the state holds one cache, not two")
-        swa = _read_cache(r, seq_id)
+        swa = _read_cache(r, seq_id, cell_ext)
         end = swa.first_pos + swa.n_cells
         if end != base.n_cells or swa.n_cells > window or swa.geometry.v_trans != base.geometry.v_trans:
             raise LayoutError(f"the sliding-window cache holds positions {swa.first_pos}..{end - 1}, "
                               f"not the last ones of {base.n_cells} within a window of {window}")
         caches.append(swa)
+    section = _read_recurrent(r) if recurrent else None
     if r.off != len(r.buf):
         raise LayoutError(f"{len(r.buf) - r.off} unexpected trailing bytes in sequence state")
+    if section is not None and caches and section.pos != caches[0].n_cells - 1:
+        raise LayoutError(f"the recurrent state is at position {section.pos}, the attention cache ends at "
+                          f"{caches[0].n_cells - 1}")
+    if not caches:   # purely recurrent: no per-position KV at all
+        if expected_n_layer is not None and section.n_layer != expected_n_layer:
+            raise LayoutError(f"{section.n_layer} layers in the recurrent section, model has {expected_n_layer}")
+        geometry = KVGeometry(0, 0, (), (), (), (), (), (), recurrent=len(section.data))
+        return ParsedState(geometry, seq_id, section.pos + 1, [], [], recurrent=section)
     geometry = _joined(caches, window)
-    if expected_n_layer is not None and geometry.n_layer != expected_n_layer:
+    if section is not None:
+        geometry = replace(geometry, recurrent=len(section.data))
+    if expected_n_layer is not None and section is not None and section.n_layer != expected_n_layer:
+        raise LayoutError(f"{section.n_layer} layers in the recurrent section, model has {expected_n_layer}")
+    if expected_n_layer is not None and section is None and geometry.n_layer != expected_n_layer:
         raise LayoutError(f"{geometry.n_layer} layers in state, model has {expected_n_layer}")
+    if expected_n_layer is not None and section is not None and geometry.n_layer >= expected_n_layer:
+        raise LayoutError(f"{geometry.n_layer} attention layers in a hybrid state of {expected_n_layer} layers")
     k = [layer for cache in caches for layer in cache.k]
     v = [layer for cache in caches for layer in cache.v]
-    return ParsedState(geometry, seq_id, base.n_cells, k, v, window_start=caches[-1].first_pos)
+    return ParsedState(geometry, seq_id, caches[0].n_cells, k, v, window_start=caches[-1].first_pos,
+                       ext=caches[0].ext, recurrent=section)
 
 
 def _joined(caches: list[_Cache], window: int) -> KVGeometry:
@@ -255,7 +338,7 @@ def _joined(caches: list[_Cache], window: int) -> KVGeometry:
     return KVGeometry(gs[0].v_trans, sum(g.n_layer for g in gs),
                       *(sum((getattr(g, name) for g in gs), ()) for name in
                         ("k_types", "k_rows", "v_types", "v_rows", "v_els", "v_embds")),
-                      sections=tuple(g.n_layer for g in gs), window=window)
+                      sections=tuple(g.n_layer for g in gs), window=window, cell_ext=gs[0].cell_ext)
 
 
 @dataclass
@@ -283,8 +366,8 @@ def parse_window_rows(data: bytes | memoryview, geometry: KVGeometry, *, whole_s
     r = _Reader(data)
     seq_id = _read_header(r)
     if whole_state:
-        _read_cache(r, seq_id)
-    cache = _read_cache(r, seq_id)
+        _read_cache(r, seq_id, geometry.cell_ext)
+    cache = _read_cache(r, seq_id, geometry.cell_ext)
     if r.off != len(r.buf):
         raise LayoutError(f"{len(r.buf) - r.off} unexpected trailing bytes in sliding-window state")
     layers = geometry.windowed_layers
@@ -328,4 +411,4 @@ def with_window_rows(state: ParsedState, rows: Sequence[WindowRows]) -> ParsedSt
                 v_parts.append(part.v[j][:, a:b] if trans else part.v[j][a:b])
         k[il] = np.concatenate(k_parts, axis=0)
         v[il] = np.concatenate(v_parts, axis=1 if trans else 0)
-    return ParsedState(state.geometry, state.seq_id, state.n_cells, k, v, window_start=start)
+    return replace(state, k=k, v=v, window_start=start)

@@ -70,6 +70,9 @@ def _type_name(type_id: int) -> str:
 
 def _why_not(geometry: "KVGeometry") -> str | None:
     """Why this geometry cannot be quantised, or None."""
+    if geometry.recurrent or geometry.cell_ext:
+        # a recurrent section (or per-cell metadata) is not K/V rows: quantising around it is not worth a format
+        return "a recurrent or per-cell section, which int8 does not quantise"
     for what, types in (("K", geometry.k_types), ("V", geometry.v_types)):
         for t in types:
             if t not in _FLOAT_TYPES:
