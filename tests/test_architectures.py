@@ -1,7 +1,7 @@
 """Which KV layouts are restored, and proof that a restore hands llama.cpp the bytes a cold prefill makes.
 
-- kv_support decides from what llama.cpp says about the model: plain and Gemma 3 accepted,
-  recurrent, hybrid and unproven sliding-window architectures refused (named in the reason).
+- kv_support decides from what llama.cpp says about the model: plain, the proven sliding-window and
+  recurrent/hybrid architectures accepted, unproven ones refused (named in the reason).
 - Crafted states: a layout the model does not announce never parses; a chunk missing window rows is
   never written; an engine whose model is refused stores and restores nothing, counted and noted.
 - On Gemma 3 (real model, in-process): the state assembled from stored chunks for a prefix, given
@@ -41,8 +41,10 @@ needs_smol = pytest.mark.skipif(not SMOL.path.is_file(), reason=f"{SMOL.path} mi
     (ModelTraits("mamba2", 24, 0, True, False), "recurrent", ""),
     (ModelTraits("jamba", 32, 0, False, True), "refused", "jamba architecture is hybrid"),
     (ModelTraits("qwen3next", 48, 0, False, True), "refused", "qwen3next"),
-    (ModelTraits("gpt-oss", 24, 128, False, False), "refused", "gpt-oss architecture uses sliding-window"),
-    (ModelTraits("llama4", 48, 8192, False, False), "refused", "llama4"),
+    (ModelTraits("gpt-oss", 24, 128, False, False), "sliding-window", ""),
+    (ModelTraits("llama4", 48, 8192, False, False), "sliding-window", ""),
+    (ModelTraits("phi3", 32, 2047, False, False), "refused", "phi3 architecture uses sliding-window"),
+    (ModelTraits("falcon-h1", 4, 64, False, True), "refused", "with sliding-window attention"),
 ])
 def test_kv_support_decides_from_the_model(traits, layout, named):
     support = kv_support(traits)

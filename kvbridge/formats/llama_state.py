@@ -323,7 +323,7 @@ def parse_state(data: bytes | memoryview, expected_n_layer: int | None = None, *
         raise LayoutError(f"{section.n_layer} layers in the recurrent section, model has {expected_n_layer}")
     if expected_n_layer is not None and section is None and geometry.n_layer != expected_n_layer:
         raise LayoutError(f"{geometry.n_layer} layers in state, model has {expected_n_layer}")
-    if expected_n_layer is not None and section is not None and geometry.n_layer >= expected_n_layer:
+    if expected_n_layer is not None and section is not None and geometry.n_layer > expected_n_layer:
         raise LayoutError(f"{geometry.n_layer} attention layers in a hybrid state of {expected_n_layer} layers")
     k = [layer for cache in caches for layer in cache.k]
     v = [layer for cache in caches for layer in cache.v]
