@@ -93,6 +93,10 @@ class BlendRunner:
 
         traits = traits_of_model(self.ctx.model)
         name = self.ctx.model_path.name
+        if traits is not None and (traits.recurrent or traits.hybrid):
+            raise BlendRefused(f"blend mode does not run {name}: its recurrent state after a passage depends on "
+                               "everything before the passage, so a stored passage cannot be placed after another "
+                               "instruction; use lmcache, which restores this model's prefixes exactly")
         if traits is not None and traits.n_swa:
             raise BlendRefused(f"blend mode does not run {name} yet: its sliding-window cache would need the window "
                                "rows of every stored passage; use cold, native or lmcache with this model")
