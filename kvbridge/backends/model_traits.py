@@ -9,7 +9,7 @@ import ctypes
 from pathlib import Path
 
 from kvbridge.errors import EngineUnavailable
-from kvbridge.formats.architectures import CELL_EXT_BYTES, MROPE_ROPE_TYPES, ModelTraits
+from kvbridge.formats.architectures import CELL_EXT_BYTES, KV_SHARED_FROM, MROPE_ROPE_TYPES, ModelTraits
 
 
 def traits_of_model(model) -> ModelTraits:
@@ -21,6 +21,8 @@ def traits_of_model(model) -> ModelTraits:
     # later layers that reuse an earlier layer's KV (Gemma 3n) keep none of their own in a state
     shared = _meta(model, f"{architecture}.attention.shared_kv_layers")
     kv_layers = n_layer - int(shared) if shared.isdigit() and 0 < int(shared) < n_layer else 0
+    if not kv_layers and 0 < KV_SHARED_FROM.get(architecture, 0) < n_layer:
+        kv_layers = KV_SHARED_FROM[architecture]
     rope_type = int(llama_cpp.llama_model_rope_type(model))
     return ModelTraits(architecture=architecture, n_layer=n_layer,
                        n_swa=int(llama_cpp.llama_model_n_swa(model)),

@@ -28,6 +28,9 @@ RECURRENT_PROVEN = frozenset({"mamba2", "rwkv7", "lfm2", "granitehybrid", "qwen3
 # position and the token id, 12 bytes) in a sequence state
 MROPE_ROPE_TYPES = frozenset({8, 40})   # LLAMA_ROPE_TYPE_MROPE, LLAMA_ROPE_TYPE_IMROPE
 CELL_EXT_BYTES = 12
+# Architectures whose later layers reuse an earlier layer's KV from a layer llama.cpp fixes in code rather
+# than reading `{arch}.attention.shared_kv_layers` (src/models/gemma3n.cpp: n_layer_kv_from_start = 20)
+KV_SHARED_FROM = {"gemma3n": 20}
 
 
 @dataclass(frozen=True)
