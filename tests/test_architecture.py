@@ -38,6 +38,8 @@ ALLOWED = {
     "kvbridge.bench": {"kvbridge.errors", "kvbridge.settings", "kvbridge.engine", "kvbridge.store",
                        "kvbridge.backends", "kvbridge.formats", "kvbridge.cache_server", "kvbridge.scheduler",
                        "kvbridge.blend"},
+    # the model zoo writes GGUFs (gguf) with the embedded model's tokenizer; it probes them through llama_cpp itself
+    "kvbridge.models": {"kvbridge.errors", "kvbridge.settings"},
     # the OpenAI-compatible endpoint is a front on the scheduler or CachedEngine
     "kvbridge.serve": {"kvbridge.errors", "kvbridge.settings", "kvbridge.engine", "kvbridge.scheduler",
                        "kvbridge.backends"},

@@ -38,6 +38,7 @@ LAYERS = (
     "kvbridge.blend",
     "kvbridge.scheduler",
     "kvbridge.serve",
+    "kvbridge.models",
     "kvbridge.bench",
     "kvbridge.gui",
     "kvbridge.cli",
