@@ -5,7 +5,7 @@ under models/zoo/ (the folder the embedded models live in: the checkout's models
 data folder of an installed package) -> else catalog.make_model writes it.
 
 The file name carries a digest of everything that decides its bytes (GENERATOR_VERSION, the
-architecture, size and seed, the gguf and numpy versions), so a changed generator never serves a
+architecture, its widths at that size, the seed, the gguf and numpy versions), so a changed generator never serves a
 stale file. make_model writes beside the target and renames, so a concurrent test process sees
 either no file or a whole one; two processes racing both write the same bytes, and the last rename wins.
 """
@@ -23,7 +23,8 @@ ZOO_DIR = MODELS_DIR / "zoo"
 
 def model_digest(arch: str, size: str, seed: int) -> str:
     versions = [importlib.metadata.version(package) for package in ("gguf", "numpy")]
-    text = f"zoo v{GENERATOR_VERSION}|{arch}|{size}|{seed}|gguf {versions[0]}|numpy {versions[1]}"
+    text = (f"zoo v{GENERATOR_VERSION}|{arch}|{size}|{zoo_arch(arch).dims(size)}|{seed}"
+            f"|gguf {versions[0]}|numpy {versions[1]}")
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -44,6 +44,10 @@ class ZooArch:
 TIED_HEAD = {size: {"head_tail": 0.3} for size in SIZES}
 # gemma3n caps its logits at 30 (tanh, a constant in llama.cpp): a head that reaches past the cap ties at it.
 CAPPED_HEAD = {size: {"head_gain": 1.5, "head_tail": 0.7} for size in SIZES}
+# At the bench size a 2k-token cold prefill should take seconds, like llama's (~3 s on 2 quiet cores):
+# MoE layers run slowly on the CPU, and gemma3n's 22 layers each carry 4 altup streams.
+BENCH_MOE = {"bench": {"n_layer": 6, "n_ff": 1024}}
+BENCH_GEMMA3N = {"bench": {"n_embd": 256, "n_ff": 1024, "n_head": 4, "n_head_kv": 2}}
 
 ZOO_ARCHITECTURES: tuple[ZooArch, ...] = (
     ZooArch("llama", "attention", "full attention on every layer: KV grows with the prompt (the control)",
@@ -53,19 +57,20 @@ ZOO_ARCHITECTURES: tuple[ZooArch, ...] = (
     ZooArch("gemma3", "sliding-window", "2 windowed : 1 global layers, per-kind rope base",
             attention.build_gemma3, overrides=TIED_HEAD),
     ZooArch("gpt-oss", "sliding-window", "windowed and global layers alternate, attention sinks; MoE FFN",
-            attention.build_gpt_oss),
+            attention.build_gpt_oss, overrides=BENCH_MOE),
     ZooArch("cohere2", "sliding-window", "3 windowed : 1 global layers, parallel attention and FFN",
             attention.build_cohere2, overrides=TIED_HEAD),
     ZooArch("llama4", "sliding-window", "chunked attention (8192-token chunks) on 3 of 4 layers; MoE every 2nd",
             attention.build_llama4),
     ZooArch("gemma3n", "sliding-window", "windowed and global alternate; layers 20-21 reuse the KV of 18-19",
-            attention.build_gemma3n, overrides=CAPPED_HEAD),
+            attention.build_gemma3n,
+            overrides={size: {**CAPPED_HEAD[size], **BENCH_GEMMA3N.get(size, {})} for size in SIZES}),
     ZooArch("lfm2", "hybrid", "short-conv state (3 tokens) per layer, attention KV on every 3rd layer",
             hybrid.build_lfm2),
     ZooArch("granitehybrid", "hybrid", "Mamba-2 state per layer, attention KV on every 3rd layer",
             hybrid.build_granitehybrid),
     ZooArch("qwen3next", "hybrid", "gated delta-net state, gated attention KV on every 4th layer; MoE",
-            hybrid.build_qwen3next),
+            hybrid.build_qwen3next, overrides=BENCH_MOE),
     ZooArch("qwen35", "hybrid", "gated delta-net state, gated attention KV on every 4th layer",
             hybrid.build_qwen35),
     ZooArch("falcon-h1", "hybrid", "attention KV and Mamba-2 state side by side in every layer",
