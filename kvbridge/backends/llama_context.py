@@ -68,6 +68,9 @@ class LlamaContext:
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_cells
         params.n_batch = params.n_ubatch = BATCH_TOKENS
+        # a recurrent or hybrid model's recurrent memory has n_seq_max cells, one per sequence id, each holding
+        # that sequence's whole state: every sequence id the scheduler hands out has room, nothing more is needed
+        # (seq_cp shares a cell; llama.cpp copies it into the destination's own cell at its next decode)
         params.n_seq_max = n_seq
         params.kv_unified = True           # one pool of cells for every sequence: the KV budget
         params.swa_full = True             # a sliding-window model keeps every cell, as the in-process engine does
@@ -157,6 +160,20 @@ class LlamaContext:
         if written != size:
             raise StateTransferError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
         return memoryview(buf).cast("B")
+
+    def save_recurrent(self, seq: int) -> bytes:
+        """A recurrent or hybrid model: the recurrent state of `seq` after its last position
+        (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: the header and the recurrent section, no attention cells), which
+        a chunk ending there carries (kvbridge.engine.chunks). A few KB to a few MB: copied out at once."""
+        llama = self._llama
+        flags = llama.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = llama.llama_state_seq_get_size_ext(self.ctx, seq, flags)
+        buf = np.empty(size, dtype=np.uint8)
+        written = llama.llama_state_seq_get_data_ext(self.ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                                     size, seq, flags)
+        if written != size:
+            raise StateTransferError(f"llama_state_seq_get_data_ext wrote {written} of {size} bytes")
+        return buf.tobytes()
 
     def save_window(self, seq: int, scratch: int, end: int) -> memoryview:
         """A sliding-window model: the window rows of `seq` for the window ending at position end - 1,

@@ -36,8 +36,12 @@ class BlendPlacer:
     def runner_for(self, salt: str):
         """The blend runner of a cache salt (its passages live under that salt's namespace), on this context:
         one runner, seen under each salt's namespace, so a salt costs no runner or buffer of its own."""
-        from kvbridge.blend.runner import BlendRunner
+        from kvbridge.blend.runner import BlendRefused, BlendRunner
 
+        if self.geometry is not None and self.geometry.recurrent:
+            raise BlendRefused(f"blend mode does not run {self._ctx.model_path.name}: its recurrent state cannot take "
+                               "passages placed at other positions; send the request without blend (lmcache reuses "
+                               "its prompt exactly)")
         if self._runner is None:   # raises BlendRefused for a model blend cannot run, on the request that asked
             self._runner = BlendRunner(self.settings, self.store, self.namespace, context=self._ctx,
                                        geometry=self.geometry)

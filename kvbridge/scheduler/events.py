@@ -31,6 +31,7 @@ class Journal:
         self.counters = collections.Counter()
         self._events: collections.deque[Event] = collections.deque(maxlen=5000)
         self._started = time.perf_counter()
+        self.notes: list[str] = []   # what this model changes in the scheduler's ways, for a person (the snapshot's)
 
     def event(self, kind: str, who, detail: str = "") -> None:
         """`who`: a Request or a CachedPrefix (its holder name and label go in the event)."""
@@ -57,4 +58,5 @@ def snapshot(settings, ledger, queues, prefixes, free_seqs, journal: Journal) ->
         "prefixes": prefixes.describe(),
         "free_seqs": sorted(free_seqs),
         "counters": journal.counter_values(),
+        "notes": list(journal.notes),
     }

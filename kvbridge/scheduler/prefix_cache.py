@@ -6,6 +6,11 @@ context or a cached prefix (same cache salt, never blended cells) is copied into
 with seq_cp, no recompute and no copy of cells. A finished prompt stays resident as a cached prefix
 (KVB_SCHED_CACHED_PREFIXES of them at most), evicted least recently used first under pressure; its
 prompt was stored after its prefill, so a restore can bring an evicted one back.
+
+A recurrent or hybrid model (`whole_only`): llama.cpp's seq_cp gives the new sequence the source's whole
+recurrent state, which cannot be cut back to a shorter run, so a resident sequence is shared only when the
+new context extends all of it (a chat's next turn after the previous answer); a finished request is kept
+resident whole, its prompt and answer, and no request waits for another's prefill to share it.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ class PrefixCache:
     """The cached prefixes, and the resident run (theirs or a running request's) a new context shares."""
 
     def __init__(self, ctx, pool: SequencePool, running: list[Request], limit: int, ids: Iterator[int],
-                 journal: Journal) -> None:
+                 journal: Journal, whole_only: bool = False) -> None:
         self._ctx = ctx
         self.pool = pool
         self.ledger = pool.ledger
@@ -35,6 +40,7 @@ class PrefixCache:
         self.limit = limit        # KVB_SCHED_CACHED_PREFIXES
         self._ids = ids           # the scheduler's: a prefix and a request never have the same number
         self.journal = journal
+        self.whole_only = whole_only   # a recurrent model: share a resident sequence only whole
         self.prefixes: list[CachedPrefix] = []
 
     def best_source(self, context: list[int], salt: str):
@@ -48,6 +54,8 @@ class PrefixCache:
                 continue
             tokens = source.context[:source.kv_tokens] if isinstance(source, Request) else source.tokens
             n = common_prefix(tokens, context, limit)
+            if self.whole_only and n < len(tokens):
+                continue   # its recurrent state is past the common run: cannot be shared
             if n > best_len:
                 best, best_len = source, n
         return best, best_len
@@ -68,6 +76,8 @@ class PrefixCache:
         and a block more than any resident sequence holds now): a system prompt many users send at
         once. Waiting costs this request that prefill's time; not waiting would prefill it twice. A
         short common run (a few tokens of chat template) is not worth a wait."""
+        if self.whole_only:
+            return False   # its prefill done, it decodes on: its sequence is no longer a whole prefix of this context
         _, shared = self.best_source(request.context, request.salt)
         limit = len(request.context) - 1
         for other in self.running:
@@ -96,19 +106,24 @@ class PrefixCache:
         last token into the cell it had when it was computed cold, and a longer one continues there.
         llama.cpp's attention sums over cells in SIMD lanes by cell index, so the same token one cell
         further on rounds differently: on an AVX2 machine Gemma 3's repeated answer differed from its
-        cold one at the first tied logit (Docs/Research.md, "Exact on every CPU")."""
-        n = min(len(request.prompt), request.kv_tokens) - 1
+        cold one at the first tied logit (Docs/Research.md, "Exact on every CPU").
+
+        A recurrent model keeps the whole sequence (its recurrent state is after its last position): a later
+        context that extends the prompt and this answer shares it, a repeated prompt restores from the store."""
+        n = request.kv_tokens if self.whole_only else min(len(request.prompt), request.kv_tokens) - 1
+        kept = request.context[:n]
         if self.limit == 0 or n < self.ledger.block_tokens or request.blend:
             return
-        if any(p.salt == request.salt and common_prefix(p.tokens, request.prompt, n) >= n for p in self.prefixes):
-            return   # the same prompt is resident already
+        if any(p.salt == request.salt and common_prefix(p.tokens, kept, n) >= n
+               and (len(p.tokens) == n or not self.whole_only) for p in self.prefixes):
+            return   # the same run is resident already
         if len(self.prefixes) >= self.limit:
             self.evict_coldest()
         if not self.pool.free:
             return
         seq = self.pool.take()
         self._ctx.seq_cp(request.seq, seq, n)
-        prefix = CachedPrefix(next(self._ids), seq, request.prompt[:n], Holding(""), f"prompt of {request.label}",
+        prefix = CachedPrefix(next(self._ids), seq, kept, Holding(""), f"prompt of {request.label}",
                               salt=request.salt)
         prefix.held = self.ledger.share(request.held, prefix.holder, n)
         self.prefixes.append(prefix)

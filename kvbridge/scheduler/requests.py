@@ -51,6 +51,9 @@ class Request:
                                          # swapped or stored as exact chunks)
     blend_placement: Any = None          # kvbridge.blend.runner.Placement: what to store after the answer
     blend_result: Any = None             # kvbridge.blend.runner.BlendResult of the placement
+    # a recurrent or hybrid model: the sequence's recurrent state (PARTIAL_ONLY bytes) after the prompt's first n
+    # tokens, by n, captured where its prefill steps end (each chunk's end, and one token before the prompt's end)
+    boundaries: dict[int, bytes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.pending = list(self.prompt)

@@ -7,6 +7,10 @@ more. A preempted request's whole context is swapped out (pinned) and restored b
 it resumes; if the store could not take it, it is recomputed from its tokens. A restore llama.cpp
 refuses is recomputed from the cells the sequence really holds (`restore_failed`). Each cache salt
 has a SequenceStore of its own (kvbridge.scheduler.sequence_store), found through `store_for`.
+
+A recurrent or hybrid model: a prompt's chunks carry the recurrent states its prefill captured where they
+end (Request.boundaries); a swapped-out sequence comes back from its whole-sequence snapshot; and every
+restore is checked to leave the recurrent state after the last restored position (llama.cpp only warns).
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from typing import Callable
 
 from kvbridge.backends.base import WindowCapture
 from kvbridge.errors import KVBridgeError, StateTransferError
-from kvbridge.formats.llama_state import parse_state
+from kvbridge.formats.llama_state import KVGeometry, LayoutError, parse_recurrent_capture, parse_state
 from kvbridge.scheduler.events import Journal
 from kvbridge.scheduler.prefix_cache import PrefixCache
 from kvbridge.scheduler.requests import Request
@@ -28,7 +32,7 @@ log = logging.getLogger(__name__)
 
 class Restorer:
     def __init__(self, ctx, pool: SequencePool, cache: PrefixCache, store_for: Callable[[str], SequenceStore],
-                 window: int, chunk_size: int, journal: Journal) -> None:
+                 window: int, chunk_size: int, journal: Journal, geometry: KVGeometry | None = None) -> None:
         self._ctx = ctx
         self.pool = pool
         self.ledger = pool.ledger
@@ -37,6 +41,7 @@ class Restorer:
         self.window = window            # the model's sliding window (0: none)
         self.chunk_size = chunk_size
         self.journal = journal
+        self.geometry = geometry if geometry is not None and geometry.recurrent else None   # recurrent models only
 
     # -- into a sequence ------------------------------------------------------------------------------
     def reuse(self, request: Request, resumed: bool) -> tuple[int, str]:
@@ -45,6 +50,10 @@ class Restorer:
         source, shared = self.cache.share_into(request)
         if resumed and request.swap is not None and not request.swap.complete:
             return shared, "resident" if shared else "none"   # the store could not take it at swap-out
+        if resumed and request.swap is not None and request.swap.snapshot is not None:
+            kv, tier, restore_ms = self._restore_snapshot(request, source, shared)
+            request.record.swap_in_ms += restore_ms
+            return kv, tier
         kv, tier, restore_ms = self._restore_beyond(request, source, shared)
         if resumed:
             request.record.swap_in_ms += restore_ms
@@ -63,10 +72,7 @@ class Restorer:
             return kept
         self.pool.empty(request)   # the store's copy replaces the shared cells: one sequence, one source
         try:
-            self._ctx.load_seq(request.seq, plan.state.data)
-            held = self._ctx.seq_len(request.seq)
-            if held != plan.matched_tokens:
-                raise StateTransferError(f"the sequence holds {held} positions after restoring {plan.matched_tokens}")
+            self._load(request.seq, plan.state.data, plan.matched_tokens)
         except KVBridgeError as exc:
             kv = self._recompute_after_failed_restore(request, source, shared, exc)
             return kv, "resident" if kv else "none", (time.perf_counter() - start) * 1e3
@@ -74,6 +80,40 @@ class Restorer:
         self.journal.counters["restored_tokens"] += plan.matched_tokens
         self.journal.event("restore", request, f"{plan.matched_tokens} tokens from {plan.tier}")
         return plan.matched_tokens, plan.tier, (time.perf_counter() - start) * 1e3
+
+    def _restore_snapshot(self, request: Request, source, shared: int) -> tuple[int, str, float]:
+        """A recurrent model's swapped-out sequence back from its whole-sequence snapshot (SequenceStore.swap_out_whole),
+        bit for bit, unless resident cells already hold as much of it."""
+        ticket = request.swap
+        if ticket.n_tokens <= shared:
+            return shared, "resident", 0.0
+        start = time.perf_counter()
+        self.pool.empty(request)
+        try:
+            self._load(request.seq, ticket.snapshot, ticket.n_tokens)
+        except KVBridgeError as exc:
+            kv = self._recompute_after_failed_restore(request, source, shared, exc)
+            return kv, "resident" if kv else "none", (time.perf_counter() - start) * 1e3
+        self.ledger.grow(request.held, ticket.n_tokens, request.holder)
+        self.journal.counters["restored_tokens"] += ticket.n_tokens
+        self.journal.event("restore", request, f"{ticket.n_tokens} tokens from its swap snapshot")
+        return ticket.n_tokens, "snapshot", (time.perf_counter() - start) * 1e3
+
+    def _load(self, seq: int, data, n_tokens: int) -> None:
+        """Put a state of n_tokens positions into the empty sequence `seq`; StateTransferError unless it holds
+        exactly those and, for a recurrent model, its recurrent state follows the last of them (llama.cpp
+        accepts a state whose recurrent position disagrees with its cells, with a warning only)."""
+        self._ctx.load_seq(seq, data)
+        held = self._ctx.seq_len(seq)
+        if held != n_tokens:
+            raise StateTransferError(f"the sequence holds {held} positions after restoring {n_tokens}")
+        if self.geometry is not None:
+            try:
+                pos = parse_recurrent_capture(self._ctx.save_recurrent(seq), self.geometry).pos
+            except LayoutError as exc:
+                raise StateTransferError(f"the restored recurrent state is not understood: {exc}") from exc
+            if pos != n_tokens - 1:
+                raise StateTransferError(f"the restored recurrent state follows position {pos}, not {n_tokens - 1}")
 
     def _recompute_after_failed_restore(self, request: Request, source, shared: int, exc: Exception) -> int:
         """llama.cpp refused the state (no room for its cells near capacity, or a layout it does not
@@ -99,6 +139,8 @@ class Restorer:
     def swap_out(self, request: Request, n_tokens: int) -> SwapTicket:
         """Store the first n_tokens of the request's context from its sequence, pinned until it resumes."""
         data = self._ctx.save_seq(request.seq)
+        if self.geometry is not None:   # a recurrent state cannot be cut into chunks here (SequenceStore.swap_out_whole)
+            return self.store_for(request.salt).swap_out_whole(data, n_tokens)
         capture = self.window_captures(request.seq, data)
         return self.store_for(request.salt).swap_out(data, request.context[:n_tokens], capture)
 
@@ -120,7 +162,9 @@ class Restorer:
         if request.store_pending and request.seq is not None:
             request.store_pending = False
             data = self._ctx.save_seq(request.seq)
-            self.store_for(request.salt).store_behind(data, request.prompt, self.window_captures(request.seq, data))
+            boundaries, request.boundaries = request.boundaries, {}   # the store's now; the request takes no more
+            self.store_for(request.salt).store_behind(data, request.prompt, self.window_captures(request.seq, data),
+                                                      boundaries.get if self.geometry is not None else None)
 
     def window_captures(self, seq: int, data) -> Callable[[int], WindowCapture | None] | None:
         """Sliding-window models: a saved state holds the window rows of its last positions only; the

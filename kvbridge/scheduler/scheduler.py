@@ -10,6 +10,9 @@ The Scheduler is the API and the loop; one thread owns llama.cpp, and each step 
   4. one batch: a token for every decoding sequence plus prefill work for admitted ones (planner);
   5. sampling, streaming, stop checks (streaming); a finished prompt stays resident as a cached
      prefix and is stored (lifecycle, prefix_cache, restorer).
+A recurrent or hybrid model (Mamba 2, LFM2, Granite 4 hybrid, ...) runs as exactly: its prefill pieces end
+where chunks end so its recurrent state is captured there (planner, streaming), a preempted sequence is
+swapped out whole (sequence_store), and resident sequences are shared only whole (prefix_cache).
 Faults degrade, counted: an exception in a step fails only the requests it was changing, and the
 loop goes on. What the lab and serve read is a copy: snapshot() and events() (events).
 """
@@ -66,6 +69,8 @@ class Scheduler:
         traits = traits_of_model(self._ctx.model)
         layout = self._decide_layout(traits)
         self._geometry = geometry = layout.geometry
+        # a recurrent model's state is captured where each chunk ends while it prefills (0: not recurrent)
+        boundary_step = s.chunk_size if geometry.recurrent else 0
         remember_geometry(geometry)   # the int8 codec finds a chunk's K and V rows by it
         self.namespace = namespace_for(s, fingerprint=llama_cpp_fingerprint(s, traits), model_path=self._ctx.model_path,
                                        kv_layout=layout.namespace_key, store=self.store)
@@ -77,14 +82,20 @@ class Scheduler:
         self.journal = events.Journal()
         self._ids = iter(range(1, 1 << 62))   # requests and cached prefixes: one numbering
         self.prefixes = PrefixCache(self._ctx, self.seqs, self.queues.running, s.sched_cached_prefixes, self._ids,
-                                    self.journal)
+                                    self.journal, whole_only=bool(geometry.recurrent))
         self.restorer = Restorer(self._ctx, self.seqs, self.prefixes, self._swap_for, geometry.window, s.chunk_size,
-                                 self.journal)
+                                 self.journal, geometry=geometry)
+        if geometry.recurrent:
+            self.journal.notes.append(
+                f"{traits.architecture} keeps recurrent state: prefill steps end at every {s.chunk_size}-token chunk "
+                "to capture it; resident sequences are shared only when a new context extends all of one; a "
+                "preempted sequence is swapped out as one whole-sequence snapshot")
         self.blend = BlendPlacer(s, self.store, self.namespace, geometry, self._ctx, self.seqs, self.journal)
         self.lifecycle = Lifecycle(self._ctx, self.queues, self.seqs, self.prefixes, self.restorer, self.blend,
                                    s.chunk_size, self.journal)
         self.policy = Policy(self.queues, self.seqs, self.prefixes, self.lifecycle, s.sched_max_running)
-        self.streamer = Streamer(self._ctx, self.ledger, self.lifecycle, self.restorer, self.journal)
+        self.streamer = Streamer(self._ctx, self.ledger, self.lifecycle, self.restorer, self.journal, boundary_step)
+        self._boundary_step = boundary_step
         self._lock = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="kvbridge-scheduler", daemon=True)
@@ -94,7 +105,9 @@ class Scheduler:
         """The KV layout of this model and cache type, proven on a tiny real state in a free sequence
         (kvbridge.engine.layout, as CachedEngine learns it); a model whose layout KVBridge refuses cannot
         be scheduled."""
-        layout = decide_layout(traits, lambda: probe_state_on_sequence(self._ctx, self.seqs.free[0], PROBE_TEXT))
+        # the scheduler captures a recurrent model's state where each chunk ends, as the in-process engine does
+        layout = decide_layout(traits, lambda: probe_state_on_sequence(self._ctx, self.seqs.free[0], PROBE_TEXT),
+                               captures_recurrent=True)
         if layout.refusal:
             self._ctx.close()
             if self._own_store:
@@ -245,7 +258,7 @@ class Scheduler:
             self.policy.relieve_pressure()
             self.policy.resume_swapped()
             self.policy.admit_waiting()
-            batch = plan_batch(self.queues.running)
+            batch = plan_batch(self.queues.running, self._boundary_step)
         if not batch:   # nothing can run now: wait for a submit, a cancel or a finished store
             with self._lock:
                 self._lock.wait(0.02)

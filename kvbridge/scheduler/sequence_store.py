@@ -14,6 +14,13 @@ way round. Three uses:
 - swap-in and admission: the longest stored prefix of a context is restored into a sequence;
 - a prompt's KV is stored after its prefill on a background thread (off the TTFT path).
 
+A recurrent or hybrid model's chunks carry the recurrent state captured where each ends (the
+scheduler's prefill steps end there: `boundary`). A swapped-out sequence of such a model is kept as
+one whole-sequence snapshot instead (`swap_out_whole`): its recurrent state exists only at its
+current position, not at the chunk ends its decode steps passed, and a tail object cannot carry it
+(ChunkKV.store_tail refuses recurrent layouts), while llama.cpp restores a whole-sequence state
+bit for bit.
+
 One SequenceStore per cache salt (its namespace seeds every key), all of them sharing one background
 writer and one assembly buffer (`SequenceStoreShared`): a new salt costs a hasher and an entry in a
 bounded table (kvbridge.scheduler.salts), never a thread or a 40 MB buffer of its own.
@@ -48,9 +55,14 @@ class SwapTicket:
     complete: bool
     pins: ExitStack = field(default_factory=ExitStack)
     tail: tuple[bytes, bytes] | None = None
+    # a recurrent model's swapped-out sequence: its whole llama.cpp state (every attention cell and the
+    # recurrent state after its last position) and how many positions that is
+    snapshot: bytes | None = None
+    n_tokens: int = 0
 
     def release(self) -> None:
         self.pins.close()
+        self.snapshot = None
 
 
 class SequenceStoreShared:
@@ -103,6 +115,13 @@ class SequenceStore:
             raise
         return ticket
 
+    @staticmethod
+    def swap_out_whole(data, n_tokens: int) -> SwapTicket:
+        """A recurrent or hybrid model's preempted sequence: a copy of its whole state, held in this process
+        until it resumes (the store's objects are cut by chunk, and no chunk or tail can carry a recurrent
+        state taken between chunk ends; only this process ever resumes the sequence)."""
+        return SwapTicket(True, snapshot=bytes(data), n_tokens=n_tokens)
+
     def _store_swapped(self, ticket: SwapTicket, data, tokens: list[int], hashes: list[bytes], capture) -> None:
         """Store the pinned objects and mark the ticket complete when the store really holds all of them."""
         c = self.kv.chunk_size
@@ -132,10 +151,12 @@ class SequenceStore:
         return plan
 
     # -- prompts --------------------------------------------------------------------------------------
-    def store_behind(self, data, tokens: list[int], capture: Callable[[int], WindowCapture | None] | None = None) -> bool:
+    def store_behind(self, data, tokens: list[int], capture: Callable[[int], WindowCapture | None] | None = None,
+                     boundary: Callable[[int], bytes | None] | None = None) -> bool:
         """Queue a prompt's KV (a buffer of its own, out of llama.cpp: LlamaContext.save_seq) for storing;
-        False when the queue is full."""
-        if self.shared.writer.submit((self, data, list(tokens), capture)):
+        False when the queue is full. boundary: a recurrent model's states captured where chunks end (by the
+        number of tokens before them), which its chunks carry."""
+        if self.shared.writer.submit((self, data, list(tokens), capture, boundary)):
             return True
         self.shared.skipped_writes += 1
         return False
@@ -153,9 +174,9 @@ class SequenceStore:
 def _store_prompt_job(job) -> None:
     """The shared writer's job: one prompt's KV into its salt's SequenceStore (a failure is logged by the writer
     and costs a later miss, never the scheduler's loop)."""
-    sequences, data, tokens, capture = job
+    sequences, data, tokens, capture, boundary = job
     sequences.kv.store_prompt(SeqState(data=data, n_tokens=len(tokens), token_ids=tuple(tokens)), tokens,
-                              sequences.hashes(tokens), capture=capture)
+                              sequences.hashes(tokens), capture=capture, boundary=boundary)
 
 
 def swap_tail_key(boundary: bytes, tail_tokens: Sequence[int]) -> bytes:

@@ -1,7 +1,8 @@
 """What comes out of a decode: every sequence's new cells accounted, then a token sampled for each
 sequence that asked for logits, streamed to its caller, and checked against the end token, n_predict
 and the stop strings. A prompt's KV is queued for storing right after its first token went out (the
-state copy, tens of MB, stays off the TTFT).
+state copy, tens of MB, stays off the TTFT). A recurrent or hybrid model's sequence whose prefill piece
+ended at a chunk boundary has its recurrent state captured there first, before its next decode moves it on.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 from kvbridge.scheduler.events import Journal
 from kvbridge.scheduler.lifecycle import Lifecycle
-from kvbridge.scheduler.planner import Batch
+from kvbridge.scheduler.planner import Batch, is_boundary
 from kvbridge.scheduler.requests import Request
 from kvbridge.scheduler.restorer import Restorer
 
@@ -18,8 +19,10 @@ log = logging.getLogger(__name__)
 
 
 class Streamer:
-    def __init__(self, ctx, ledger, lifecycle: Lifecycle, restorer: Restorer, journal: Journal) -> None:
+    def __init__(self, ctx, ledger, lifecycle: Lifecycle, restorer: Restorer, journal: Journal,
+                 boundary_step: int = 0) -> None:
         self._ctx = ctx
+        self.boundary_step = boundary_step   # a recurrent model's chunk size: its state is captured there (0: never)
         self.ledger = ledger
         self.lifecycle = lifecycle
         self.restorer = restorer
@@ -37,6 +40,8 @@ class Streamer:
             request.pending = request.pending[n:]
             request.record.prefill_tokens += max(0, min(n, len(request.prompt) - (request.kv_tokens - n)))
             logit_index += n
+            if self.boundary_step and is_boundary(request, self.boundary_step):
+                request.boundaries[request.kv_tokens] = self._ctx.save_recurrent(request.seq)
             if entries[-1][3]:
                 sampled.append((request, logit_index - 1))
         for request, index in sampled:
@@ -55,6 +60,8 @@ class Streamer:
         if not request.prompt_stored and request.kv_tokens >= len(request.prompt):
             request.prompt_stored = True   # its prompt's KV, for a restart or another process
             request.store_pending = self.restorer.worth_storing(request)
+            if not request.store_pending:
+                request.boundaries = {}   # nothing will be stored: the captures are not needed
         self._emit(request, token)
         self.restorer.store_prompt(request)   # after the token went out: the state copy (tens of MB) is off the TTFT
 
