@@ -17,6 +17,11 @@ def run_namespace(args) -> int:
             print(f"model:     {status['model']}")
         if status.get("kv_refusal"):
             print(f"refused:   {status['kv_refusal']}")
+        if engine.traits is not None:
+            from kvbridge.models.matrix_rows import matrix_line
+
+            # the zoo's compatibility matrix (Docs/Compatibility.md): where this architecture restores exactly
+            print(f"matrix:    {matrix_line(engine.traits.architecture)}")
     return 0
 
 

@@ -262,6 +262,10 @@ def engine_status(state: AppState) -> str:
     traits = getattr(engine, "traits", None)
     if backend.kv_mode == "full" and traits is not None:
         line += f"\n\n**Model:** {traits.summary()} · **KV layout:** {engine.status()['kv_layout']}"
+        from kvbridge.models.matrix_rows import matrix_line   # the zoo package loads only once a model runs
+
+        # its architecture's row of the zoo's compatibility matrix (Docs/Compatibility.md)
+        line += f"\n\n**Compatibility matrix:** {matrix_line(traits.architecture)}"
     if getattr(engine, "kv_refusal", ""):
         line += f"\n\n**KV caching refused:** {engine.kv_refusal}. Every request runs uncached (`kv_refused`)."
     if backend.kv_mode == "shadow":
