@@ -38,8 +38,11 @@ ALLOWED = {
     "kvbridge.bench": {"kvbridge.errors", "kvbridge.settings", "kvbridge.engine", "kvbridge.store",
                        "kvbridge.backends", "kvbridge.formats", "kvbridge.cache_server", "kvbridge.scheduler",
                        "kvbridge.blend"},
-    # the model zoo writes GGUFs (gguf) with the embedded model's tokenizer; it probes them through llama_cpp itself
-    "kvbridge.models": {"kvbridge.errors", "kvbridge.settings"},
+    # the model zoo writes GGUFs (gguf) with the embedded model's tokenizer; its compatibility matrix runs
+    # them through every path (engines, the cache server, the scheduler): everything below bench
+    "kvbridge.models": {"kvbridge.errors", "kvbridge.plugins", "kvbridge.settings", "kvbridge.formats",
+                        "kvbridge.store", "kvbridge.backends", "kvbridge.engine", "kvbridge.cache_server",
+                        "kvbridge.blend", "kvbridge.scheduler", "kvbridge.serve"},
     # the OpenAI-compatible endpoint is a front on the scheduler or CachedEngine
     "kvbridge.serve": {"kvbridge.errors", "kvbridge.settings", "kvbridge.engine", "kvbridge.scheduler",
                        "kvbridge.backends"},
