@@ -129,7 +129,8 @@ def test_five_requests_with_preemption_answer_as_cold(zoo_settings, cold, monkey
 
 def test_a_repeated_prompt_restores_from_chunks_as_cold(zoo_settings, cold):
     """The first answer stores chunks with the recurrent state where each ends and a tail one token before the
-    end; the same prompt again (its resident copy cannot be cut back) restores from them."""
+    end; the same prompt again (its resident copy cannot be cut back) restores from them, in the same scheduler
+    and in a fresh one (from L2)."""
     text = prompt(3)
     settings = zoo_settings.replace(sched_max_running=3)
     with Scheduler(settings) as scheduler:
@@ -137,11 +138,14 @@ def test_a_repeated_prompt_restores_from_chunks_as_cold(zoo_settings, cold):
         assert scheduler.drain(60)
         again = scheduler.submit(text).result(timeout=120)
         counters = scheduler.snapshot()["counters"]
-        answers = [first.text, again.text]
+    with Scheduler(settings) as fresh:
+        from_l2 = fresh.submit(text).result(timeout=120)
     assert first.matched_tokens == 0
-    assert again.matched_tokens == again.prompt_tokens - 1 and again.tier != "resident"
+    for record in (again, from_l2):
+        assert record.matched_tokens == record.prompt_tokens - 1 and record.tier != "resident"
+    assert from_l2.tier == "L2"
     assert counters["restored_tokens"] >= again.matched_tokens and counters["restore_failed"] == 0
-    assert answers == [cold.answer(settings, text)] * 2
+    assert [first.text, again.text, from_l2.text] == [cold.answer(settings, text)] * 3
 
 
 def test_a_resident_sequence_is_shared_only_whole(zoo_settings, cold, monkeypatch):

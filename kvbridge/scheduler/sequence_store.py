@@ -57,7 +57,7 @@ class SwapTicket:
     tail: tuple[bytes, bytes] | None = None
     # a recurrent model's swapped-out sequence: its whole llama.cpp state (every attention cell and the
     # recurrent state after its last position) and how many positions that is
-    snapshot: bytes | None = None
+    snapshot: bytes | memoryview | None = None
     n_tokens: int = 0
 
     def release(self) -> None:
@@ -119,8 +119,9 @@ class SequenceStore:
     def swap_out_whole(data, n_tokens: int) -> SwapTicket:
         """A recurrent or hybrid model's preempted sequence: a copy of its whole state, held in this process
         until it resumes (the store's objects are cut by chunk, and no chunk or tail can carry a recurrent
-        state taken between chunk ends; only this process ever resumes the sequence)."""
-        return SwapTicket(True, snapshot=bytes(data), n_tokens=n_tokens)
+        state taken between chunk ends; only this process ever resumes the sequence). `data`: a buffer of its own
+        (LlamaContext.save_seq's), kept without a copy."""
+        return SwapTicket(True, snapshot=data, n_tokens=n_tokens)
 
     def _store_swapped(self, ticket: SwapTicket, data, tokens: list[int], hashes: list[bytes], capture) -> None:
         """Store the pinned objects and mark the ticket complete when the store really holds all of them."""
