@@ -16,9 +16,15 @@ import pytest
 from kvbridge.backends.llama_context import LlamaContext
 from kvbridge.formats.llama_state import parse_state
 from kvbridge.models import zoo_model
-from kvbridge.scheduler import Scheduler
+from kvbridge.scheduler import RequestRefused, Scheduler
+from kvbridge.scheduler.events import Journal
 from kvbridge.scheduler.intake import PromptTokens
+from kvbridge.scheduler.ledger import BlockLedger
 from kvbridge.scheduler.lifecycle import Lifecycle
+from kvbridge.scheduler.planner import plan_batch
+from kvbridge.scheduler.prefix_cache import PrefixCache
+from kvbridge.scheduler.requests import Queues
+from kvbridge.scheduler.sequences import SequencePool
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -172,3 +178,50 @@ def test_a_resident_sequence_is_shared_only_whole(zoo_settings, cold, monkeypatc
     assert third.tier != "resident"
     assert any("shared only" in note for note in notes)
     assert [second.text, third.text] == [cold.answer(zoo_settings, by_text[k]) for k in ("next turn", "first half")]
+
+
+def test_blend_is_refused_with_its_reason_and_the_rest_go_on(zoo_settings, cold):
+    """A blend request would place passages at other positions, which a recurrent state cannot take: it fails
+    on its own future, saying so; a plain request beside it is answered as cold."""
+    sep = zoo_settings.blend_separator
+    with Scheduler(zoo_settings) as scheduler:
+        blend = scheduler.submit(f"Instruction.{sep}First passage.{sep}Second passage.{sep}Question?", blend=True)
+        plain = scheduler.submit(prompt(0))
+        with pytest.raises(RequestRefused, match="recurrent state"):
+            blend.result(timeout=60)
+        assert plain.result(timeout=120).text == cold.answer(zoo_settings, prompt(0))
+
+
+# -- the parts alone, without a model ---------------------------------------------------------------
+def test_a_recurrent_prefill_ends_its_pieces_at_chunk_ends_and_one_token_before_the_prompt_end():
+    from test_scheduler_parts import make_request
+
+    def piece_ends(request, step: int) -> list[int]:
+        ends = []
+        while request.kv_tokens < len(request.prompt):
+            (_, entries), = plan_batch([request], step)
+            request.kv_tokens += len(entries)
+            request.pending = request.pending[len(entries):]
+            ends.append(request.kv_tokens)
+        return ends
+
+    assert piece_ends(make_request(1, list(range(100))), 32) == [32, 64, 96, 99, 100]
+    assert piece_ends(make_request(2, list(range(100))), 0) == [100]   # not a recurrent model
+    stored = make_request(3, list(range(100)))
+    stored.prompt_stored = True   # resumed after its prompt was stored: nothing more to capture
+    assert piece_ends(stored, 32) == [100]
+
+
+def test_a_recurrent_model_shares_a_resident_sequence_only_whole():
+    from test_scheduler_parts import FakeContext, holding, make_request
+
+    ctx = FakeContext()
+    pool = SequencePool(ctx, BlockLedger(1024, 16, 0.25, 0.1, 0.05))
+    queues = Queues()
+    cache = PrefixCache(ctx, pool, queues.running, 2, iter(range(100, 200)), Journal(), whole_only=True)
+    source = make_request(1, list(range(40)))
+    holding(pool, source, 40)
+    queues.running.append(source)
+    assert cache.best_source(list(range(45)), "") == (source, 40)       # extends all of it
+    assert cache.best_source(list(range(20)) + [7, 7], "") == (None, 0)  # would cut its recurrent state
+    assert cache.best_source(list(range(40)), "") == (None, 0)         # its last token is always fed

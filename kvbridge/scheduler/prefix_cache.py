@@ -10,7 +10,9 @@ prompt was stored after its prefill, so a restore can bring an evicted one back.
 A recurrent or hybrid model (`whole_only`): llama.cpp's seq_cp gives the new sequence the source's whole
 recurrent state, which cannot be cut back to a shorter run, so a resident sequence is shared only when the
 new context extends all of it (a chat's next turn after the previous answer); a finished request is kept
-resident whole, its prompt and answer, and no request waits for another's prefill to share it.
+resident whole, its prompt and answer, and no request waits for another's prefill to share it. What
+such a request stores after its answer ends with the last chunk whose recurrent state was captured: chunks
+ending inside the earlier answer (decoded token by token, never captured) are counted incomplete, not stored.
 """
 from __future__ import annotations
 

@@ -82,8 +82,8 @@ class Restorer:
         return plan.matched_tokens, plan.tier, (time.perf_counter() - start) * 1e3
 
     def _restore_snapshot(self, request: Request, source, shared: int) -> tuple[int, str, float]:
-        """A recurrent model's swapped-out sequence back from its whole-sequence snapshot (SequenceStore.swap_out_whole),
-        bit for bit, unless resident cells already hold as much of it."""
+        """A recurrent model's swapped-out sequence back from its whole-sequence snapshot
+        (SequenceStore.swap_out_whole), bit for bit, unless resident cells already hold as much of it."""
         ticket = request.swap
         if ticket.n_tokens <= shared:
             return shared, "resident", 0.0
@@ -139,7 +139,7 @@ class Restorer:
     def swap_out(self, request: Request, n_tokens: int) -> SwapTicket:
         """Store the first n_tokens of the request's context from its sequence, pinned until it resumes."""
         data = self._ctx.save_seq(request.seq)
-        if self.geometry is not None:   # a recurrent state cannot be cut into chunks here (SequenceStore.swap_out_whole)
+        if self.geometry is not None:   # its recurrent state cannot be cut into chunks (SequenceStore.swap_out_whole)
             return self.store_for(request.salt).swap_out_whole(data, n_tokens)
         capture = self.window_captures(request.seq, data)
         return self.store_for(request.salt).swap_out(data, request.context[:n_tokens], capture)
