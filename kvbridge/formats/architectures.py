@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 # Sliding-window architectures whose state layout (a global cache, then a standard sliding-window
 # cache) is tested end to end: restored answers equal cold ones (tests/test_model_matrix.py).
-SLIDING_WINDOW_PROVEN = frozenset({"gemma3", "gemma2", "gpt-oss", "cohere2", "llama4"})
+SLIDING_WINDOW_PROVEN = frozenset({"gemma3", "gemma2", "gpt-oss", "cohere2", "llama4", "gemma3n"})
 # Recurrent and hybrid architectures whose state (attention KV as a plain cache, then one recurrent
 # section per sequence) restores from chunks exactly as a cold prefill (tests/test_zoo_recurrent.py).
 RECURRENT_PROVEN = frozenset({"mamba2", "rwkv7", "lfm2", "granitehybrid", "qwen35", "qwen3next", "falcon-h1"})
