@@ -26,7 +26,7 @@ def plan_batch(running: list[Request], boundary_step: int = 0) -> Batch:
     """Decoding sequences first (one token each), then prefill chunks in priority order. A step
     that carries decode tokens, or prefills of different priorities, takes at most
     SHARED_STEP_PREFILL prefill tokens, so no one waits for a long prefill step. boundary_step: a
-    recurrent model's chunk size (0: none), where a prefill piece must end (next_boundary)."""
+    recurrent model's chunk size (0: none), where a prefill piece must end (to_boundary)."""
     batch = []
     room = BATCH_TOKENS
     ordered = sorted(running, key=lambda r: (len(r.pending) > 1, -r.priority, r.submitted))

@@ -10,7 +10,7 @@ The Scheduler is the API and the loop; one thread owns llama.cpp, and each step 
   4. one batch: a token for every decoding sequence plus prefill work for admitted ones (planner);
   5. sampling, streaming, stop checks (streaming); a finished prompt stays resident as a cached
      prefix and is stored (lifecycle, prefix_cache, restorer).
-A recurrent or hybrid model (Mamba 2, LFM2, Granite 4 hybrid, ...) runs as exactly: its prefill pieces end
+A recurrent or hybrid model (Mamba 2, LFM2, Granite 4 hybrid, ...) runs exactly: its prefill pieces end
 where chunks end so its recurrent state is captured there (planner, streaming), a preempted sequence is
 swapped out whole (sequence_store), and resident sequences are shared only whole (prefix_cache).
 Faults degrade, counted: an exception in a step fails only the requests it was changing, and the

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
+from kvbridge.errors import StateTransferError
 from kvbridge.scheduler.events import Journal
 from kvbridge.scheduler.lifecycle import Lifecycle
 from kvbridge.scheduler.planner import Batch, is_boundary
@@ -41,7 +42,7 @@ class Streamer:
             request.record.prefill_tokens += max(0, min(n, len(request.prompt) - (request.kv_tokens - n)))
             logit_index += n
             if self.boundary_step and is_boundary(request, self.boundary_step):
-                request.boundaries[request.kv_tokens] = self._ctx.save_recurrent(request.seq)
+                self._capture(request)
             if entries[-1][3]:
                 sampled.append((request, logit_index - 1))
         for request, index in sampled:
@@ -51,6 +52,14 @@ class Streamer:
                 log.exception("%s failed after its decode", request.holder)
                 self.journal.counters["faults"] += 1
                 self.lifecycle.abort(request, exc)
+
+    def _capture(self, request: Request) -> None:
+        """The request's recurrent state where its prefill piece ended; one llama.cpp did not give costs only
+        the chunks ending there (not stored: ChunkKV counts them incomplete), never the answer."""
+        try:
+            request.boundaries[request.kv_tokens] = self._ctx.save_recurrent(request.seq)
+        except StateTransferError as exc:
+            log.warning("%s: recurrent state after %d tokens not captured (%s)", request.holder, request.kv_tokens, exc)
 
     def on_token(self, request: Request, token: int) -> None:
         now = time.perf_counter()
