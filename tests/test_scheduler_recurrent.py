@@ -1,7 +1,8 @@
 """The scheduler on recurrent and hybrid models of the zoo (issue 33, Deliver 4): answers equal to a cold
 prefill's while five requests share one context and preempt each other (a hybrid, lfm2, and a purely
-recurrent one, mamba2); a swapped-out sequence comes back bit for bit; a repeated prompt restores from chunks
-that carry the recurrent state captured where each ends; a resident sequence is shared only whole.
+recurrent one, mamba2); a swapped-out sequence comes back bit for bit, one preempted mid-prefill too; a
+repeated prompt restores from chunks that carry the recurrent state captured where each ends (in the same
+scheduler and in a fresh one); a resident sequence is shared only whole; blend is refused with its reason.
 
 The oracle is independent of the scheduler: each prompt alone in a fresh llama.cpp context, prefilled in one
 batch, then greedy decoding (`cold_answer`). Tiny zoo models and short prompts keep each case to seconds.
@@ -9,11 +10,12 @@ batch, then greedy decoding (`cold_answer`). Tiny zoo models and short prompts k
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
 
-from kvbridge.backends.llama_context import LlamaContext
+from kvbridge.backends.llama_context import BATCH_TOKENS, LlamaContext
 from kvbridge.formats.llama_state import parse_state
 from kvbridge.models import zoo_model
 from kvbridge.scheduler import RequestRefused, Scheduler
@@ -40,7 +42,7 @@ def prompt(i: int) -> str:
 
 class ColdOracle:
     """Greedy answers of prompts alone, one llama.cpp context per model (emptied between prompts): the prompt in
-    one batch, then one token at a time."""
+    batches of BATCH_TOKENS, then one token at a time."""
 
     def __init__(self) -> None:
         self._contexts: dict[str, LlamaContext] = {}
@@ -51,10 +53,12 @@ class ColdOracle:
             ctx = self._contexts[settings.model_path] = LlamaContext(settings, 1024, 1)
         tokens = ctx.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         ctx.seq_rm(0)
-        assert ctx.decode([(t, i, 0, i == len(tokens) - 1) for i, t in enumerate(tokens)]) == 0
+        for start in range(0, len(tokens), BATCH_TOKENS):   # in llama.cpp's batches, as a cold prefill is
+            piece = tokens[start:start + BATCH_TOKENS]
+            assert ctx.decode([(t, start + i, 0, start + i == len(tokens) - 1) for i, t in enumerate(piece)]) == 0
         out = []
         for step in range(n_predict):
-            token = int(ctx.logits(len(tokens) - 1 if step == 0 else 0).argmax())
+            token = int(ctx.logits(len(piece) - 1 if step == 0 else 0).argmax())
             if ctx.is_end(token):
                 break
             out.append(token)
@@ -152,6 +156,28 @@ def test_a_repeated_prompt_restores_from_chunks_as_cold(zoo_settings, cold):
     assert from_l2.tier == "L2"
     assert counters["restored_tokens"] >= again.matched_tokens and counters["restore_failed"] == 0
     assert [first.text, again.text, from_l2.text] == [cold.answer(settings, text)] * 3
+
+
+def test_a_prefill_preempted_midway_keeps_its_captures_and_its_prompt_restores(make_settings, cold):
+    """One running slot: an urgent request preempts a long prompt in the middle of its prefill (swapped out whole
+    at a chunk end). Resumed, it goes on capturing where its chunks end, so its prompt, stored after the answer,
+    restores (all but the last token) and answers as cold again."""
+    settings = make_settings(model_path=str(zoo_model("lfm2")), sched_kv_cells=1024, sched_max_running=1,
+                             sched_cached_prefixes=0, sched_block_tokens=16, n_predict=N_PREDICT, ctx_size=1024)
+    long = " ".join(prompt(i) for i in range(5))
+    with Scheduler(settings) as scheduler:
+        low = scheduler.submit(long, priority=1)
+        while not any(r["kv_tokens"] for r in scheduler.snapshot()["running"]):
+            time.sleep(0.002)
+        urgent = scheduler.submit(prompt(1), priority=9)
+        first, other = low.result(timeout=120), urgent.result(timeout=120)
+        assert scheduler.drain(60)
+        again = scheduler.submit(long).result(timeout=120)
+        swapped_out = [int(e["detail"].split()[0]) for e in scheduler.events()
+                       if e["kind"] == "swap-out" and e["request"] == f"req-{first.request_index}"]
+    assert first.preemptions == 1 and swapped_out and 0 < swapped_out[0] < first.prompt_tokens - 1
+    assert again.matched_tokens == again.prompt_tokens - 1
+    assert [first.text, again.text, other.text] == [cold.answer(settings, long)] * 2 + [cold.answer(settings, prompt(1))]
 
 
 def test_a_resident_sequence_is_shared_only_whole(zoo_settings, cold, monkeypatch):
