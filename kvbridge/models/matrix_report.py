@@ -63,6 +63,8 @@ def _bench_table(data: dict) -> list[str]:
         cost = (f"{capture['cost_pct']:+.1f} % ({capture['with_ms']:.0f} vs {capture['without_ms']:.0f} ms)"
                 if capture.get("captures") else "none (no recurrent state)")
         native = f"{ms['native']:.0f}" if "native" in ms else "no native reuse"
+        if t.get("native_reevaluates"):
+            native += " (re-evaluates: no reuse)"
         ratio = f"{t['lmcache_over_native']:.2f}" if "lmcache_over_native" in t else "—"
         checked = "" if not t.get("mismatches") else " (warm ≠ cold: " + "; ".join(t["mismatches"]) + ")"
         lines.append(f"| {arch} | {t['prompt_tokens']} | {ms['cold']:.0f} | {ms['warm_l1']:.0f} | {t['speedup_l1']:.1f}× "
