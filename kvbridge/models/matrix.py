@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"comma-separated paths of {', '.join(PATHS)}, or 'none' (default: all)")
     parser.add_argument("--bench", action="store_true", help="also measure TTFT and capture cost in-process")
     parser.add_argument("--repeats", type=int, default=3, help="--bench: alternated repeats per figure (default 3)")
+    parser.add_argument("--chunk-size", type=int, default=0,
+                        help="--bench: the chunk size to measure with (default: 32 at test size, 256 at bench)")
     parser.add_argument("--json", type=Path, help="merge the rows into this JSON (made if missing)")
     parser.add_argument("--out", type=Path, help="write the markdown page here (from the whole JSON)")
     parser.add_argument("--render-only", action="store_true", help="run nothing: render --json into --out")
@@ -74,14 +76,16 @@ def arch_entry(data: dict, arch: str) -> dict:
     return row
 
 
-def measure_arch(arch: str, model: Path, workdir: Path, size: str, bench: bool, repeats: int) -> tuple[dict, dict]:
+def measure_arch(model: Path, workdir: Path, size: str, bench: bool, repeats: int,
+                 chunk_size: int | None = None) -> tuple[dict, dict]:
     """The in-process engine's layout facts and, with bench, its speed figures."""
-    with in_process_engine(base_settings(model, workdir, size)) as engine:
+    changes = {"chunk_size": chunk_size} if chunk_size else {}
+    with in_process_engine(base_settings(model, workdir, size, **changes)) as engine:
         facts = layout_facts(engine)
         figures = {}
         if bench and not engine.kv_refusal:
-            figures = {"capture": capture_cost(engine, prompt_of(size), repeats),
-                       "ttft": ttft_figures(engine, prompt_of(size), repeats)}
+            ttft = ttft_figures(engine, prompt_of(size), repeats)   # first: it warms both kinds of prefill up
+            figures = {"ttft": ttft, "capture": capture_cost(engine, prompt_of(size), repeats)}
     return facts, figures
 
 
@@ -94,7 +98,8 @@ def run_arch(data: dict, arch: str, args, workdir: Path, stamp: str) -> None:
         if entry.load_error:
             raise KVBridgeError(f"llama.cpp will not load it: {entry.load_error}")
         model = zoo_model(arch, args.size)
-        facts, figures = measure_arch(arch, model, workdir / arch / "facts", args.size, args.bench, args.repeats)
+        facts, figures = measure_arch(model, workdir / arch / "facts", args.size, args.bench, args.repeats,
+                                      args.chunk_size)
     except (KVBridgeError, OSError, ValueError) as exc:
         reason = f"the zoo model does not load: {exc}"
         row["layout"][args.size] = {"load_error": reason}
