@@ -136,17 +136,23 @@ def main(argv: list[str] | None = None) -> int:
     if not args.render_only:
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvb-matrix-"))
-        try:
-            for arch in args.arch_list:
-                run_arch(data, arch, args, workdir, stamp)
-        finally:
-            if args.workdir is None:
-                shutil.rmtree(workdir, ignore_errors=True)
         command = "python -m kvbridge.models.matrix " + " ".join(argv)
         data["runs"] = [r for r in data["runs"] if r["command"] != command][-11:] + [
             {"command": command, "date": stamp, "size": args.size}]
         if args.path_list:
             data["size"] = args.size
+        try:
+            for arch in args.arch_list:
+                run_arch(data, arch, args, workdir, stamp)
+                write(data, args, quiet=True)   # after each architecture: a long run stopped keeps what it measured
+        finally:
+            if args.workdir is None:
+                shutil.rmtree(workdir, ignore_errors=True)
+    write(data, args)
+    return 0
+
+
+def write(data: dict, args, quiet: bool = False) -> None:
     ordered(data)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -155,9 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(page)
-    elif not args.json:
+    elif not args.json and not quiet:
         print(page)
-    return 0
 
 
 if __name__ == "__main__":

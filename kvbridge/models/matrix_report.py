@@ -111,7 +111,10 @@ def render_markdown(data: dict) -> str:
         f"Targets: {TARGETS}. Medians of alternated repeats in one run on this machine (2 cores shared with other "
         "work, so the figures are noisy). Warm TTFT is measured after the context was filled with something "
         "else; every warm answer is checked against the cold one. Capture cost: a cold prefill with the boundary "
-        "captures against one without, alternated.",
+        "captures against one without, alternated (ABBA), the recurrent state copied at every chunk boundary; "
+        "with three repeats a difference within about ±15 % is this machine's noise (a negative cost is noise). "
+        "Native where llama.cpp re-evaluates the prompt (a recurrent state cannot be cut back by one token) is no "
+        "reuse, so no ratio is given there.",
         "",
         *_bench_table(data),
         "",
