@@ -44,7 +44,7 @@ def declared(*groups: str) -> dict[str, Requirement]:
     return {canonicalize_name(r.name): r for r in reqs if canonicalize_name(r.name) != "kvbridge"}
 
 
-RUNTIME_GROUPS = ("", "llama", "gui", "serve", "cache-server", "redis")
+RUNTIME_GROUPS = ("", "llama", "gui", "serve", "cache-server", "redis", "fleet")
 
 
 @pytest.mark.parametrize("requirements, groups", [("requirements.txt", RUNTIME_GROUPS),

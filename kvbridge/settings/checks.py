@@ -313,4 +313,30 @@ def _serve_problems(s: Settings) -> list[str]:
     if s.serve_tenants_file and s.serve_engine != "scheduler":
         rules += ((True, f"KVB_SERVE_TENANTS_FILE needs KVB_SERVE_ENGINE=scheduler (the {s.serve_engine} engine "
                          "cannot keep tenants' caches apart)"),)
-    return [message for failed, message in rules if failed] + ([open_problem] if open_problem else [])
+    return [message for failed, message in rules if failed] + ([open_problem] if open_problem else []) \
+        + _fleet_problems(s)
+
+
+SERVE_ROLES = ("both", "prefill", "decode")
+FLEET_POLICIES = ("round_robin", "cache_aware", "kv_aware")
+
+
+def _fleet_problems(s: Settings) -> list[str]:
+    url = s.kv_events_url.strip()
+    rules = (
+        (s.serve_role not in SERVE_ROLES,
+         f"KVB_SERVE_ROLE={s.serve_role!r} is not a role; use both (the default), prefill or decode"),
+        (bool(s.serve_instance_id) and not re.fullmatch(r"[A-Za-z0-9._:-]{1,64}", s.serve_instance_id),
+         f"KVB_SERVE_INSTANCE_ID={s.serve_instance_id!r}: use 1 to 64 letters, digits, '.', '_', ':' or '-' "
+         "(it is sent in a response header), or leave it empty for host-port"),
+        (bool(url) and not (url.startswith("ipc://") or re.fullmatch(r"tcp://(127\.0\.0\.1|localhost|\[::1\]):\d{1,5}", url)),
+         f"KVB_KV_EVENTS_URL={s.kv_events_url!r}: use tcp://127.0.0.1:PORT (this machine only) or ipc:///path "
+         "(a socket file of mode 0600); events name the prompts this instance holds, so they stay on this host"),
+        (not 0.05 <= s.kv_events_check_s <= 60,
+         f"KVB_KV_EVENTS_CHECK_S={s.kv_events_check_s} must be from 0.05 to 60 seconds (default 1)"),
+        (not 1 <= s.fleet_workers <= 64, f"KVB_FLEET_WORKERS={s.fleet_workers} must be from 1 to 64 (default 3)"),
+        (s.fleet_policy not in FLEET_POLICIES,
+         f"KVB_FLEET_POLICY={s.fleet_policy!r} is not a policy; use {', '.join(FLEET_POLICIES)}"),
+        (not 1 <= s.fleet_port <= 65535, f"KVB_FLEET_PORT={s.fleet_port} is not a port; use 1 to 65535 (default 8000)"),
+    )
+    return [message for failed, message in rules if failed]

@@ -93,6 +93,14 @@ class Settings:
     serve_tenants_file: str = ""      # JSON of tenants: name, key_sha256 (never the key), cache_group; empty: one tenant
     serve_cors_origins: str = ""      # comma-separated origins browsers may call from; empty: CORS off
     serve_drain_timeout: float = 30.0 # SIGTERM: seconds running requests get to finish
+    # a fleet: several serve instances behind a router (python -m kvbridge fleet; kvbridge.fleet)
+    serve_instance_id: str = ""       # this instance's name in X-KVBridge-Instance and its KV events; empty: host-port
+    serve_role: str = "both"          # both; prefill (compute, store every chunk, answer); decode (restore, decode)
+    kv_events_url: str = ""           # tcp://127.0.0.1:PORT or ipc:///path: publish KV events there (ZMQ PUB); empty: off
+    kv_events_check_s: float = 1.0    # published stored blocks are rechecked this often: the longest a gone one stays claimed
+    fleet_workers: int = 3            # serve instances `fleet` starts
+    fleet_policy: str = "kv_aware"    # the router's policy: round_robin, cache_aware or kv_aware
+    fleet_port: int = 8000            # the router's port (the workers take free ports)
     # the cache server (python -m kvbridge cache-server); KVB_STORE_URL set: engines use it, not an embedded store
     store_url: str = ""               # tcp://127.0.0.1:5555 or ipc:///path; empty: the embedded store
     client_priority: int = 5          # 0-9, higher is more important under memory pressure
