@@ -54,6 +54,7 @@ class RequestRecord:
     preemptions: int = 0              # times it was swapped out for a more urgent request
     swap_out_ms: float = 0.0
     swap_in_ms: float = 0.0
+    stored_tokens: int = 0            # store_before_answer: the leading prompt tokens the store held when it answered
 
     def add_note(self, note: str) -> None:
         self.notes = f"{self.notes}; {note}" if self.notes else note

@@ -18,6 +18,7 @@ Modules, in reading order:
   refused restore;
 - blend_placement: blend requests' passages placed and stored;
 - events: the event log, the counters and the snapshot;
+- kv_listeners: who is told which unsalted chunks are resident and stored (a KV-event publisher);
 - sequences and ledger: llama.cpp's sequence ids and the KV budget in blocks, shared extents, pressure;
 - sequence_store and salts: each cache salt's sequences in the store, and the bounded table of them.
 The low-level llama.cpp calls and the sampler are kvbridge.backends.llama_context, which blend mode

@@ -16,7 +16,7 @@ from kvbridge.scheduler.events import Journal
 from kvbridge.scheduler.ledger import Holding
 from kvbridge.scheduler.prefix_cache import PrefixCache
 from kvbridge.scheduler.requests import Queues, Request
-from kvbridge.scheduler.restorer import Restorer
+from kvbridge.scheduler.restorer import Restorer, resolve
 from kvbridge.scheduler.sequences import SequencePool
 
 
@@ -113,7 +113,8 @@ class Lifecycle:
             self.journal.event("swap-out", request, f"{kept} tokens" + (" (store refused: will recompute)" if lost else ""))
 
     def finish(self, request: Request) -> None:
-        """The answer is complete: on its Future first, then its prompt stored and kept resident."""
+        """The answer is complete: on its Future first, then its prompt stored and kept resident (a
+        store_before_answer request: its prompt stored first, its Future resolved by the writer after)."""
         tail = request.pieces.flush()
         if tail:
             request.text += tail
@@ -127,9 +128,12 @@ class Lifecycle:
         record.total_ms = (time.perf_counter() - request.submitted) * 1e3
         self.journal.counters["finished"] += 1
         self.journal.event("finish", request, f"{record.gen_tokens} tokens")
-        if not request.future.cancelled():
-            request.future.set_result(record)   # first: what follows is housekeeping, not the answer's time
-        self.restorer.store_prompt(request)
+        if request.store_before_answer:
+            self.restorer.store_prompt(request)        # queued at its first token already, unless it ends here
+            self.restorer.answer_after_store(request)  # on the writer, after that write
+        else:
+            resolve(request.future, record)   # first: what follows is housekeeping, not the answer's time
+            self.restorer.store_prompt(request)
         if request.blend:
             self.blend.store_passages(request)
         self.cache.keep(request)

@@ -54,6 +54,10 @@ class Request:
     # a recurrent or hybrid model: the sequence's recurrent state (PARTIAL_ONLY bytes) after the prompt's first n
     # tokens, by n, captured where its prefill steps end (each chunk's end, and one token before the prompt's end)
     boundaries: dict[int, bytes] = field(default_factory=dict)
+    min_tokens: int = 0                  # no end token and no stop string counts before this many were generated
+    ignore_eos: bool = False             # end-of-generation tokens are never sampled (stop strings still stop)
+    store_before_answer: bool = False    # the Future resolves only once the prompt's KV is in the store
+    stop_from: int = 0                   # a stop string counts only where it ends past text[:stop_from] (min_tokens)
 
     def __post_init__(self) -> None:
         self.pending = list(self.prompt)
@@ -69,6 +73,11 @@ class Request:
     @property
     def prefilling(self) -> bool:
         return self.kv_tokens < len(self.prompt)
+
+    @property
+    def may_end(self) -> bool:
+        """An end-of-generation token may be sampled now (not under ignore_eos, nor before min_tokens)."""
+        return not self.ignore_eos and len(self.generated) >= self.min_tokens
 
     def describe(self) -> dict:
         return {"id": self.id, "label": self.label, "priority": self.priority, "state": self.state,

@@ -5,7 +5,9 @@ A new sequence first shares the longest resident run (kvbridge.scheduler.prefix_
 copy of a longer prefix (chunks, then the tail) replaces it when it brings at least half a block
 more. A preempted request's whole context is swapped out (pinned) and restored by the same path when
 it resumes; if the store could not take it, it is recomputed from its tokens. A restore llama.cpp
-refuses is recomputed from the cells the sequence really holds (`restore_failed`). Each cache salt
+refuses is recomputed from the cells the sequence really holds (`restore_failed`). A request that
+answers only once its prompt is stored (store_before_answer: a prefill instance handing its prompt to a
+decode instance through a shared store) gets its answer from the writer, after that write. Each cache salt
 has a SequenceStore of its own (kvbridge.scheduler.sequence_store), found through `store_for`.
 
 A recurrent or hybrid model: a prompt's chunks carry the recurrent states its prefill captured where they
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, InvalidStateError
 from typing import Callable
 
 from kvbridge.backends.base import WindowCapture
@@ -30,6 +33,15 @@ from kvbridge.scheduler.sequences import SequencePool
 log = logging.getLogger(__name__)
 
 
+def resolve(future: Future, result) -> None:
+    """Set a Future's result unless it is done already (a cancel may come from any thread at any time)."""
+    try:
+        if not future.done():
+            future.set_result(result)
+    except InvalidStateError:   # cancelled between the check and the set: nobody waits for it
+        pass
+
+
 class Restorer:
     def __init__(self, ctx, pool: SequencePool, cache: PrefixCache, store_for: Callable[[str], SequenceStore],
                  window: int, chunk_size: int, journal: Journal, geometry: KVGeometry | None = None) -> None:
@@ -42,6 +54,7 @@ class Restorer:
         self.chunk_size = chunk_size
         self.journal = journal
         self.geometry = geometry if geometry is not None and geometry.recurrent else None   # recurrent models only
+        self.awaiting_store: dict[int, Request] = {}   # store_before_answer requests whose answer waits on the writer
 
     # -- into a sequence ------------------------------------------------------------------------------
     def reuse(self, request: Request, resumed: bool) -> tuple[int, str]:
@@ -158,13 +171,31 @@ class Restorer:
         return new_tokens > 1 and not (reused // c >= n // c and new_tokens < c // 4)
 
     def store_prompt(self, request: Request) -> None:
-        """Queue the request's prompt KV for the store's background writer, once, when it is due."""
+        """Queue the request's prompt KV for the store's background writer, once, when it is due (a request
+        that answers only once it is stored is never skipped for a full queue)."""
         if request.store_pending and request.seq is not None:
             request.store_pending = False
             data = self._ctx.save_seq(request.seq)
             boundaries, request.boundaries = request.boundaries, {}   # the store's now; the request takes no more
             self.store_for(request.salt).store_behind(data, request.prompt, self.window_captures(request.seq, data),
-                                                      boundaries.get if self.geometry is not None else None)
+                                                      boundaries.get if self.geometry is not None else None,
+                                                      must=request.store_before_answer)
+
+    def answer_after_store(self, request: Request) -> None:
+        """A store_before_answer request: its Future resolves on the writer, after the prompt's write queued
+        before (writes run in order), with record.stored_tokens = the leading prompt tokens the store holds
+        then (a lookup). The loop goes on meanwhile; close() fails what a closed writer never ran."""
+        sequences = self.store_for(request.salt)
+        self.awaiting_store[request.id] = request
+
+        def answer() -> None:
+            try:
+                request.record.stored_tokens = sequences.stored_prefix(request.prompt)
+            finally:   # answered even when the lookup failed (the writer logs it): stored_tokens then says 0
+                if self.awaiting_store.pop(request.id, None) is not None:
+                    resolve(request.future, request.record)
+
+        sequences.shared.run_in_order(answer)
 
     def window_captures(self, seq: int, data) -> Callable[[int], WindowCapture | None] | None:
         """Sliding-window models: a saved state holds the window rows of its last positions only; the

@@ -9,7 +9,9 @@ The Scheduler is the API and the loop; one thread owns llama.cpp, and each step 
      (blend_placement);
   4. one batch: a token for every decoding sequence plus prefill work for admitted ones (planner);
   5. sampling, streaming, stop checks (streaming); a finished prompt stays resident as a cached
-     prefix and is stored (lifecycle, prefix_cache, restorer).
+     prefix and is stored (lifecycle, prefix_cache, restorer);
+  6. the kv listeners are told when the resident whole chunks changed (kv_listeners), and, from the
+     writer, what each stored prompt left in the store.
 A recurrent or hybrid model (Mamba 2, LFM2, Granite 4 hybrid, ...) runs exactly: its prefill pieces end
 where chunks end so its recurrent state is captured there (planner, streaming), a preempted sequence is
 swapped out whole (sequence_store), and resident sequences are shared only whole (prefix_cache).
@@ -36,6 +38,7 @@ from kvbridge.errors import EngineUnavailable, KVBridgeError
 from kvbridge.scheduler import events
 from kvbridge.scheduler.blend_placement import BlendPlacer
 from kvbridge.scheduler.intake import RequestRefused, check_queue, check_request, prompt_tokens
+from kvbridge.scheduler.kv_listeners import KVListeners
 from kvbridge.scheduler.ledger import BlockLedger
 from kvbridge.scheduler.lifecycle import Lifecycle
 from kvbridge.scheduler.planner import plan_batch
@@ -61,6 +64,7 @@ class Scheduler:
 
     def __init__(self, settings: Settings, store=None) -> None:
         self.settings = s = settings
+        self.chunk_size = s.chunk_size
         self._ctx = LlamaContext(s, s.sched_kv_cells, s.sched_max_running + s.sched_cached_prefixes + 1)
         self.ledger = BlockLedger(self._ctx.n_cells, s.sched_block_tokens, s.sched_soft, s.sched_hard, s.sched_critical)
         self.seqs = SequencePool(self._ctx, self.ledger)
@@ -96,6 +100,7 @@ class Scheduler:
         self.policy = Policy(self.queues, self.seqs, self.prefixes, self.lifecycle, s.sched_max_running)
         self.streamer = Streamer(self._ctx, self.ledger, self.lifecycle, self.restorer, self.journal, boundary_step)
         self._boundary_step = boundary_step
+        self._kv_listeners = KVListeners(s.chunk_size)
         self._lock = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="kvbridge-scheduler", daemon=True)
@@ -125,7 +130,8 @@ class Scheduler:
     def submit(self, prompt: str | Sequence[Message], *, priority: int = 5, n_predict: int | None = None,
                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
                on_token: Callable[[str], None] | None = None, label: str = "", cache_salt: str = "",
-               blend: bool = False) -> Future:
+               blend: bool = False, min_tokens: int = 0, ignore_eos: bool = False,
+               store_before_answer: bool = False) -> Future:
         """Queue a request; its Future gives a RequestRecord. Raises QueueFull when too many wait;
         a request that cannot run (too long, a bad priority) fails on its Future, the others go on.
 
@@ -136,10 +142,22 @@ class Scheduler:
 
         cache_salt (a tenant, as vLLM's `cache_salt`): the request shares resident cells only with
         requests of the same salt, and its stored KV lives under keys seeded by it, so a prompt another
-        salt cached is a cold prefill here (no timing tells one tenant what another asked)."""
+        salt cached is a cold prefill here (no timing tells one tenant what another asked).
+
+        min_tokens: no end-of-generation token is sampled and no stop string counts before this many
+        tokens were generated (vLLM's meaning; capped by n_predict). ignore_eos: no end-of-generation
+        token is ever sampled, so it runs to n_predict unless a stop string stops it.
+
+        store_before_answer (a prefill instance handing its prompt to a decode instance through a shared
+        store): the Future resolves only once the prompt's KV is in the store, every whole chunk and the
+        tail, never skipped for a full write queue; record.stored_tokens then says how many leading prompt
+        tokens the store held (a lookup after the write)."""
         future: Future = Future()
         if not isinstance(cache_salt, str) or len(cache_salt) > 256:
             future.set_exception(RequestRefused("cache_salt must be a string of at most 256 characters"))
+            return future
+        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+            future.set_exception(RequestRefused(f"min_tokens must be an integer of at least 0, got {min_tokens!r}"))
             return future
         with self._lock:
             if self._closing:
@@ -164,7 +182,8 @@ class Scheduler:
             record.add_note(no_passages_note(self.settings.blend_separator))
         request = Request(request_id, label or f"request {request_id}", int(priority), tokens, n_predict,
                           Sampler(temperature, top_p, seed), tuple(stop), on_token, future, record, salt=cache_salt,
-                          segments=segments, blend=blending)
+                          segments=segments, blend=blending, min_tokens=min(min_tokens, n_predict),
+                          ignore_eos=bool(ignore_eos), store_before_answer=bool(store_before_answer))
         future.record = record   # live: tier and matched_tokens are set at admission (a server's headers read them)
         with self._lock:
             # checked again where the request joins the queue: submits from several threads all passed
@@ -173,6 +192,28 @@ class Scheduler:
             self.queues.waiting.append(request)
             self._lock.notify_all()
         return future
+
+    def tokens_of(self, prompt: str | Sequence[Message]) -> list[int]:
+        """The exact token ids submit() prefills for this prompt (a string, or chat messages rendered with
+        the model's template), never cut at the blend separator. Any thread (submit tokenizes on its caller's)."""
+        return list(self._prompt_tokens(prompt))
+
+    def unsalted_hashes(self, tokens: Sequence[int]) -> list[bytes]:
+        """The chunk hashes (one per whole chunk) unsalted prompts are stored under (cache salt "")."""
+        return self.swap.hashes(tokens)
+
+    def stored_media(self, hashes: Sequence[bytes]) -> list[str | None]:
+        """Where the store holds each unsalted chunk hash now: "CPU" (L1 in RAM, or the cache server's L1
+        in shared memory), "DISK" (L2, L3) or None (gone, or a store fault: its counted miss). Any thread;
+        bounded: no lookup starts after KVB_KV_EVENTS_CHECK_S, and each is bounded by its store
+        (KVB_CACHE_SERVER_TIMEOUT, KVB_L3_TIMEOUT)."""
+        return self.swap.media(hashes, deadline_s=max(0.1, self.settings.kv_events_check_s))
+
+    def add_kv_listener(self, listener) -> None:
+        """Tell `listener` what unsalted exact KV is resident (`resident(runs)`, after the steps that changed
+        it, [] at close) and stored (`stored(tokens, n_chunks)`, after each write): kvbridge.scheduler.kv_listeners."""
+        self._kv_listeners.add(listener)
+        self.swap.on_stored = self._kv_listeners.stored
 
     def cancel(self, future: Future) -> bool:
         """Stop a waiting, running or swapped request and free its blocks; False when it already finished."""
@@ -220,8 +261,11 @@ class Scheduler:
         self._thread.join(timeout=60)
         for request in self.queues.everyone():
             self.lifecycle.fail(request, RequestRefused("the scheduler was closed before this request finished"))
+        self._kv_listeners.close()
         self._swaps.close()
         self._store_shared.close()
+        for request in list(self.restorer.awaiting_store.values()):   # writes the closed writer dropped
+            self.lifecycle.fail(request, RequestRefused("the scheduler was closed before this prompt was stored"))
         self.blend.close()
         self._ctx.close()
         if self._own_store:
@@ -251,6 +295,8 @@ class Scheduler:
                 with self._lock:
                     self.lifecycle.fail_step(exc)
                     self._lock.notify_all()
+            # the queues are changed on this thread only: read without the lock
+            self._kv_listeners.after_step(self.queues.running, self.prefixes.prefixes)
 
     def _step(self) -> None:
         with self._lock:

@@ -12,7 +12,8 @@ way round. Three uses:
   their own (the boundary and the tail's token digest), not under the shared tail key that every
   prompt with the same leading chunks writes, so another request's prompt cannot replace them;
 - swap-in and admission: the longest stored prefix of a context is restored into a sequence;
-- a prompt's KV is stored after its prefill on a background thread (off the TTFT path).
+- a prompt's KV is stored after its prefill on a background thread (off the TTFT path); what the
+  store then holds of a prompt (`stored_prefix`) and in which medium (`media`) is asked the store.
 
 A recurrent or hybrid model's chunks carry the recurrent state captured where each ends (the
 scheduler's prefill steps end there: `boundary`). A swapped-out sequence of such a model is kept as
@@ -27,7 +28,9 @@ bounded table (kvbridge.scheduler.salts), never a thread or a 40 MB buffer of it
 """
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -37,7 +40,7 @@ from blake3 import blake3
 from kvbridge.backends.base import SeqState, WindowCapture
 from kvbridge.engine.assembly_buffer import AssemblyBuffer
 from kvbridge.engine.chunks import ChunkKV, ForeignState
-from kvbridge.engine.hashing import make_hasher, tokens_digest
+from kvbridge.engine.hashing import make_hasher, tail_key, tokens_digest
 from kvbridge.formats.llama_state import KVGeometry
 from kvbridge.settings import Settings
 from kvbridge.store.behind import BehindWriter
@@ -45,6 +48,7 @@ from kvbridge.store.behind import BehindWriter
 log = logging.getLogger(__name__)
 
 SWAP_TAIL_PREFIX = b"kvb-swap-tail:"
+MEMORY_TIERS = {"L1"}   # the embedded store's RAM tier and the cache server's shared-memory L1 have this name
 
 
 @dataclass
@@ -70,9 +74,18 @@ class SequenceStoreShared:
     assembly buffer (restores run one at a time, on the scheduler's loop)."""
 
     def __init__(self, write_queue: int = 16) -> None:
-        self.writer = BehindWriter(_store_prompt_job, write_queue, name="kvbridge-sched-store")
+        self.writer = BehindWriter(_run_job, write_queue, name="kvbridge-sched-store")
         self.buffer = AssemblyBuffer()
         self.skipped_writes = 0
+
+    def run_in_order(self, job: Callable[[], None]) -> None:
+        """Run `job` on the writer after every write queued before it, never skipped: a full queue is waited
+        out (drained) on the caller's thread, and a writer that still refuses (closed) has it run here."""
+        if self.writer.submit(job):
+            return
+        self.writer.drain()
+        if not self.writer.submit(job):
+            job()
 
     def close(self) -> None:
         self.writer.close()
@@ -92,6 +105,9 @@ class SequenceStore:
         self.shared = shared if shared is not None else SequenceStoreShared()
         self.kv = ChunkKV(store, namespace, self.seed, settings.chunk_size, geometry, buffer=self.shared.buffer)
         self.kv.prefault_scratch = False
+        # told (tokens, whole chunks the store holds) after a prompt or a swapped-out context was written: the
+        # scheduler's kv listeners, on the unsalted store only (kvbridge.scheduler.kv_listeners)
+        self.on_stored: Callable[[tuple[int, ...], int], None] | None = None
 
     def hashes(self, tokens: Sequence[int]) -> list[bytes]:
         return self.hasher.chunk_hashes(tokens)
@@ -134,7 +150,10 @@ class SequenceStore:
         except ForeignState as exc:   # cannot happen with our own sequence; recompute rather than trust it
             log.warning("swap-out not stored: %s", exc)
             return
-        found = self.store.lookup(hashes[:whole], namespace=self.kv.namespace).n_hit == whole
+        held = self.store.lookup(hashes[:whole], namespace=self.kv.namespace).n_hit
+        if held and self.on_stored is not None:
+            self.on_stored(tuple(tokens), held)
+        found = held == whole
         tail = ticket.tail is None or (self.kv.store_tail(data, tokens, whole * c, ticket.tail[1], capture)
                                        and self.store.contains(ticket.tail[1], namespace=self.kv.namespace))
         ticket.complete = found and tail
@@ -153,14 +172,67 @@ class SequenceStore:
 
     # -- prompts --------------------------------------------------------------------------------------
     def store_behind(self, data, tokens: list[int], capture: Callable[[int], WindowCapture | None] | None = None,
-                     boundary: Callable[[int], bytes | None] | None = None) -> bool:
+                     boundary: Callable[[int], bytes | None] | None = None, must: bool = False) -> bool:
         """Queue a prompt's KV (a buffer of its own, out of llama.cpp: LlamaContext.save_seq) for storing;
-        False when the queue is full. boundary: a recurrent model's states captured where chunks end (by the
-        number of tokens before them), which its chunks carry."""
-        if self.shared.writer.submit((self, data, list(tokens), capture, boundary)):
+        False when the queue is full (the write skipped, counted). boundary: a recurrent model's states captured
+        where chunks end (by the number of tokens before them), which its chunks carry. must: never skipped
+        (SequenceStoreShared.run_in_order: a full queue is waited out)."""
+        job = functools.partial(self._store_prompt, data, list(tokens), capture, boundary)
+        if must:
+            self.shared.run_in_order(job)
+            return True
+        if self.shared.writer.submit(job):
             return True
         self.shared.skipped_writes += 1
         return False
+
+    def _store_prompt(self, data, tokens: list[int], capture, boundary) -> None:
+        """The writer's job: one prompt's KV into the store (a failure is logged by the writer and costs a
+        later miss, never the scheduler's loop), then the listener told what the store holds of it."""
+        hashes = self.hashes(tokens)
+        self.kv.store_prompt(SeqState(data=data, n_tokens=len(tokens), token_ids=tuple(tokens)), tokens, hashes,
+                             capture=capture, boundary=boundary)
+        if self.on_stored is not None and hashes:
+            held = self.store.lookup(hashes, namespace=self.kv.namespace).n_hit
+            if held:
+                self.on_stored(tuple(tokens), held)
+
+    def stored_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` the store holds now: its whole chunks (a lookup), then the tail
+        filed after the last of them when its token ids are these (the tail key is shared by every prompt with
+        the same chunks, so its digest is checked; a tail ends at most where `tokens` end)."""
+        c = self.kv.chunk_size
+        hashes = self.hashes(tokens)
+        held = self.store.lookup(hashes, namespace=self.kv.namespace).n_hit
+        start = held * c
+        if held < len(hashes) or start >= len(tokens):
+            return start
+        found = self.store.get(tail_key(hashes[held - 1] if held else self.seed), namespace=self.kv.namespace)
+        if found is None:
+            return start
+        try:
+            n = found.meta.n_tokens
+            if 0 < n <= len(tokens) - start and found.meta.tokens_digest == tokens_digest(tokens[start:start + n]):
+                return start + n
+            return start
+        finally:
+            if found.release is not None:
+                found.release()
+
+    def media(self, hashes: Sequence[bytes], deadline_s: float) -> list[str | None]:
+        """Where the store holds each chunk hash now: "CPU" (a tier in RAM: L1, or the cache server's L1 in
+        shared memory), "DISK" (L2 on disk, L3 on Redis) or None (not held). A lookup answers for a leading run
+        only, so one is asked from each miss on; past `deadline_s` (a slow or faulty store, whose faults are
+        its counted misses) the rest are None."""
+        media: list[str | None] = [None] * len(hashes)
+        end = time.monotonic() + deadline_s
+        at = 0
+        while at < len(hashes) and time.monotonic() < end:
+            found = self.store.lookup(list(hashes[at:]), namespace=self.kv.namespace)
+            for offset, tier in enumerate(found.tiers):
+                media[at + offset] = "CPU" if tier in MEMORY_TIERS else "DISK"
+            at += found.n_hit + 1
+        return media
 
     def drain(self) -> None:
         self.shared.writer.drain()
@@ -172,12 +244,9 @@ class SequenceStore:
             self.shared.close()
 
 
-def _store_prompt_job(job) -> None:
-    """The shared writer's job: one prompt's KV into its salt's SequenceStore (a failure is logged by the writer
-    and costs a later miss, never the scheduler's loop)."""
-    sequences, data, tokens, capture, boundary = job
-    sequences.kv.store_prompt(SeqState(data=data, n_tokens=len(tokens), token_ids=tuple(tokens)), tokens,
-                              sequences.hashes(tokens), capture=capture, boundary=boundary)
+def _run_job(job: Callable[[], None]) -> None:
+    """The shared writer runs each job as it is: a prompt's store, or what must follow the writes before it."""
+    job()
 
 
 def swap_tail_key(boundary: bytes, tail_tokens: Sequence[int]) -> bytes:

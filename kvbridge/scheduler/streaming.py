@@ -1,6 +1,8 @@
 """What comes out of a decode: every sequence's new cells accounted, then a token sampled for each
 sequence that asked for logits, streamed to its caller, and checked against the end token, n_predict
-and the stop strings. A prompt's KV is queued for storing right after its first token went out (the
+and the stop strings (min_tokens and ignore_eos as vLLM means them: an end-of-generation token is not
+sampled while it may not end the answer, as llama.cpp's ignore_eos masks it; a stop string counts only
+once min_tokens tokens were generated). A prompt's KV is queued for storing right after its first token went out (the
 state copy, tens of MB, stays off the TTFT). A recurrent or hybrid model's sequence whose prefill piece
 ended at a chunk boundary has its recurrent state captured there first, before its next decode moves it on.
 """
@@ -8,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import numpy as np
 
 from kvbridge.errors import StateTransferError
 from kvbridge.scheduler.events import Journal
@@ -47,11 +51,23 @@ class Streamer:
                 sampled.append((request, logit_index - 1))
         for request, index in sampled:
             try:
-                self.on_token(request, request.sampler.pick(self._ctx.logits(index)))
+                self.on_token(request, self._pick(request, index))
             except Exception as exc:   # its own fault (its on_token raised): counted, logged, on its future
                 log.exception("%s failed after its decode", request.holder)
                 self.journal.counters["faults"] += 1
                 self.lifecycle.abort(request, exc)
+
+    def _pick(self, request: Request, index: int) -> int:
+        """The sampled token; while the request may not end, an end-of-generation token is masked and the
+        sampler asked again (the same pick as masking every end token first: a model has a few of them)."""
+        logits = self._ctx.logits(index)   # a copy of its own: masking it changes nothing of llama.cpp's
+        token = request.sampler.pick(logits)
+        if request.may_end:
+            return token
+        while self._ctx.is_end(token) and np.isfinite(logits[token]):
+            logits[token] = -np.inf
+            token = request.sampler.pick(logits)
+        return token
 
     def _capture(self, request: Request) -> None:
         """The request's recurrent state where its prefill piece ended; one llama.cpp did not give costs only
@@ -68,7 +84,8 @@ class Streamer:
             request.record.ttft_ms = (now - request.submitted) * 1e3
         if not request.prompt_stored and request.kv_tokens >= len(request.prompt):
             request.prompt_stored = True   # its prompt's KV, for a restart or another process
-            request.store_pending = self.restorer.worth_storing(request)
+            request.store_pending = self.restorer.worth_storing(request) or (request.store_before_answer
+                                                                             and not request.blend)
             if not request.store_pending:
                 request.boundaries = {}   # nothing will be stored: the captures are not needed
         self._emit(request, token)
@@ -83,9 +100,13 @@ class Streamer:
         done = len(request.generated) >= request.n_predict
         if request.stop:
             text = request.text + piece
-            cut = min((text.find(s) for s in request.stop if s and s in text), default=-1)
-            if cut >= 0:
-                piece, done = text[:cut][len(request.text):], True
+            if len(request.generated) < request.min_tokens:
+                request.stop_from = len(text)   # not honoured yet: a stop string counts where it ends past here
+            else:
+                found = (text.find(s, max(0, request.stop_from - len(s) + 1)) for s in request.stop if s)
+                cut = min((at for at in found if at >= 0), default=-1)
+                if cut >= 0:
+                    piece, done = text[:cut][len(request.text):], True
         if piece:
             request.text += piece
             if request.on_token is not None:
