@@ -1,0 +1,205 @@
+"""`Fleet`: N `serve` workers on loopback behind vllm-router, sharing one cache server.
+
+Start order: the cache server (unless KVB_STORE_URL names one already, or shared_cache is off), the
+workers (each `python -m kvbridge serve --port 0`, its bound URL read from its ready line; under kv_aware
+each publishes KV events on a loopback port of its own), then the router, which is ready once its
+/health answers and it lists the workers. Stop order is the reverse: router, workers, cache server.
+Each child logs to its own file under KVB_OUTPUT_DIR/fleet/; a child that exits while the fleet starts
+fails start() with the last lines of its log, and start() stops everything it started.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import kvbridge
+from kvbridge.errors import BadSettings
+from kvbridge.fleet.children import Child, free_port, port_is_free, stop_all
+from kvbridge.fleet.router import get_json, lists_workers, router_argv, router_binary
+from kvbridge.settings import Settings
+from kvbridge.settings.checks import FLEET_POLICIES
+from kvbridge.settings.core import settings_to_env
+
+START_TIMEOUT_S = 600.0        # a worker loads its model on a busy machine
+ROUTER_TIMEOUT_S = 120.0
+SERVE_READY = r"KVBridge serve ready on (http://\S+)"
+CACHE_SERVER_READY = r"cache server ready on (\S+)"
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One serve instance of the fleet."""
+    name: str                  # worker-1, worker-2, ... (its X-KVBridge-Instance)
+    url: str                   # http://127.0.0.1:PORT, read from its ready line
+    pid: int
+    role: str                  # both, prefill or decode
+    events_url: str            # where it publishes KV events ('' unless kv_aware)
+
+    @property
+    def instance_id(self) -> str:
+        return self.name
+
+
+class Fleet:
+    """Start with .start() (or `with Fleet(...) as fleet:`), send requests to .url, stop with .stop()."""
+
+    def __init__(self, settings: Settings, workers: int = 3, policy: str = "kv_aware", port: int = 0,
+                 shared_cache: bool = True, pd: bool = False, env: dict | None = None,
+                 router_log_level: str = "info") -> None:
+        if policy not in FLEET_POLICIES:
+            raise BadSettings(f"--policy / KVB_FLEET_POLICY {policy!r} is not a policy the fleet runs; "
+                              f"use {', '.join(FLEET_POLICIES)}")
+        if not 1 <= workers <= 64:
+            raise BadSettings(f"--workers / KVB_FLEET_WORKERS={workers} must be from 1 to 64")
+        if pd and workers < 2:
+            raise BadSettings(f"--pd needs at least 2 workers (one prefill, the rest decode); "
+                              f"--workers / KVB_FLEET_WORKERS is {workers}")
+        if pd and not (shared_cache or settings.store_url or settings.l3_url):
+            raise BadSettings("--pd hands the KV over through a shared cache: drop --no-shared-cache, "
+                              "or set KVB_STORE_URL or KVB_L3_URL")
+        if port and not port_is_free(port):
+            raise BadSettings(f"the router's port 127.0.0.1:{port} is in use: choose another with --port / "
+                              "KVB_FLEET_PORT (0: any free port)")
+        self.settings = settings
+        self.n_workers = workers
+        self.policy = policy
+        self.port = port or free_port()
+        self.shared_cache = shared_cache
+        self.pd = pd
+        self.router_log_level = router_log_level
+        self._base_env = dict(os.environ if env is None else env)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.workers: list[Worker] = []
+        self.store_url = settings.store_url if shared_cache else ""   # off: each worker its own embedded store
+        run_name = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        self.log_dir = Path(settings.output_dir).expanduser() / "fleet" / run_name
+        self._cache_server: Child | None = None
+        self._worker_children: list[Child] = []
+        self._router: Child | None = None
+
+    # --- start ---------------------------------------------------------------------------------------
+
+    def start(self) -> "Fleet":
+        """Start everything; returns once the router answers. On any failure, stops what it started."""
+        binary = router_binary()          # before anything starts: a missing router is a setup problem
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        print(f"fleet logs: {self.log_dir}/ (cache-server.log, worker-N.log, router.log)", flush=True)
+        try:
+            self._start_cache_server()
+            self._start_workers()
+            self._start_router(binary)
+        except BaseException:
+            self.stop()
+            raise
+        print(f"KVBridge fleet ready on {self.url} ({self.n_workers} workers, policy {self.policy}"
+              f"{', prefill/decode' if self.pd else ''})", flush=True)
+        return self
+
+    def _env(self, **extra: str) -> dict:
+        env = {k: v for k, v in self._base_env.items() if not k.startswith("KVB_")}
+        env.update(settings_to_env(self.settings))
+        env.update(extra)
+        project = str(Path(kvbridge.__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [project, env.get("PYTHONPATH", "")]))
+        return env
+
+    def _start_cache_server(self) -> None:
+        if not self.shared_cache or self.settings.store_url:
+            return      # none asked for, or the workers use the one KVB_STORE_URL names
+        url = f"tcp://127.0.0.1:{free_port()}"
+        self._cache_server = Child("cache server", [sys.executable, "-m", "kvbridge", "cache-server", "--url", url],
+                                   self._env(), self.log_dir / "cache-server.log",
+                                   "its pool is KVB_L1_BYTES, its L2 KVB_L2_DIR; --no-shared-cache runs without it")
+        self._cache_server.wait_for_line(CACHE_SERVER_READY, START_TIMEOUT_S)
+        self.store_url = url
+
+    def _roles(self) -> list[str]:
+        if not self.pd:
+            return ["both"] * self.n_workers
+        return ["prefill"] + ["decode"] * (self.n_workers - 1)
+
+    def _start_workers(self) -> None:
+        started = []
+        for i, role in enumerate(self._roles(), start=1):
+            name = f"worker-{i}"
+            events_url = f"tcp://127.0.0.1:{free_port()}" if self.policy == "kv_aware" else ""
+            env = self._env(KVB_SERVE_INSTANCE_ID=name, KVB_SERVE_ROLE=role, KVB_KV_EVENTS_URL=events_url,
+                            KVB_STORE_URL=self.store_url)
+            child = Child(name, [sys.executable, "-m", "kvbridge", "serve", "--host", "127.0.0.1", "--port", "0"],
+                          env, self.log_dir / f"{name}.log",
+                          "it runs `kvbridge serve` with these settings: KVB_MODEL_PATH, KVB_CTX_SIZE, "
+                          "KVB_SCHED_KV_CELLS, KVB_SERVE_ENGINE")
+            self._worker_children.append(child)
+            started.append((child, role, events_url))
+        for child, role, events_url in started:    # they load their models at the same time
+            url = child.wait_for_line(SERVE_READY, START_TIMEOUT_S).group(1)
+            self.workers.append(Worker(child.name, url, child.pid, role, events_url))
+
+    def _start_router(self, binary: Path) -> None:
+        argv = router_argv(binary, self.port, free_port(), self.policy, self.workers, pd=self.pd,
+                           block_size=self.settings.chunk_size, model_id=self.settings.resolved_model_path().stem,
+                           log_level=self.router_log_level)
+        self._router = Child("router", argv, self._env(), self.log_dir / "router.log",
+                             f"vllm-router on --port / KVB_FLEET_PORT {self.port}, --policy {self.policy}")
+        deadline = time.monotonic() + ROUTER_TIMEOUT_S
+        urls = [worker.url for worker in self.workers]
+        while not (get_json(f"{self.url}/health") is not None and lists_workers(self.url, urls)):
+            self._router.check_running()
+            for child in self._worker_children:
+                child.check_running()
+            if time.monotonic() > deadline:
+                raise self._router.failure(f"did not answer {self.url}/health within {ROUTER_TIMEOUT_S:.0f} s")
+            time.sleep(0.3)
+
+    # --- while running ---------------------------------------------------------------------------------
+
+    def exited(self) -> list[str]:
+        """Children that have exited since start: 'name (status N, log PATH)' each."""
+        return [f"{child.name} (status {child.proc.returncode}, log {child.log_path})"
+                for child in self._children() if not child.alive()]
+
+    def _children(self) -> list[Child]:
+        return [c for c in (self._router, *self._worker_children, self._cache_server) if c is not None]
+
+    # --- stop ------------------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Router first, then the workers (they drain), then the cache server (it flushes L1 to L2);
+        SIGKILL whatever outlives its bound. Safe to call twice."""
+        killed = []
+        if self._router is not None:
+            killed += stop_all([self._router], 10)
+        killed += stop_all(self._worker_children, self.settings.serve_drain_timeout + 30)
+        if self._cache_server is not None:
+            killed += stop_all([self._cache_server], 60)
+            if "cache server" in killed:
+                self._forget_cache_server_files()
+        if killed:
+            print(f"fleet: killed {', '.join(killed)} after SIGTERM's bound", file=sys.stderr, flush=True)
+
+    def _forget_cache_server_files(self) -> None:
+        """What a killed cache server leaves: its token and key files (a clean stop removes them)."""
+        from kvbridge.cache_server.auth import token_file
+        from kvbridge.cache_server.curve import key_file
+
+        for path in (token_file(self.store_url), key_file(self.store_url)):
+            path.unlink(missing_ok=True)
+
+    def __enter__(self) -> "Fleet":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def describe(self) -> list[str]:
+        """One line per child: what it is, its URL and pid."""
+        lines = [f"worker {w.name}: {w.url} (pid {w.pid}, role {w.role}"
+                 f"{', KV events ' + w.events_url if w.events_url else ''})" for w in self.workers]
+        if self._cache_server is not None:
+            lines.insert(0, f"cache server: {self.store_url} (pid {self._cache_server.pid})")
+        if self._router is not None:
+            lines.append(f"router: {self.url} (pid {self._router.pid}, vllm-router --policy {self.policy})")
+        return lines
