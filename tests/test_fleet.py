@@ -1,0 +1,216 @@
+"""`kvbridge fleet`: a real vllm-router in front of real `serve` workers on loopback, through the openai SDK.
+
+The issue's Done-when: 3 workers under kv_aware, 3 documents x 4 interleaved questions (each document's
+first question sent at the same time): every later question lands on its document's first instance (the
+X-KVBridge-Instance header, through the router) with at least 80 % of its prompt cached; the first
+questions land on at least two instances; every answer equals a cold run under a fresh cache_salt; after
+SIGTERM to the fleet's process group, no process of it remains and none of its ports listens. A PD pair
+answers as a solo instance does. Settings are small (32-token chunks, one sequence at a time so greedy
+answers are exact); the workers share one cache server.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from conftest import needs_model
+from kvbridge.fleet.router import PINNED
+
+PROJECT = Path(__file__).resolve().parents[1]
+ROUTER = Path(sys.executable).parent / "vllm-router"
+needs_router = pytest.mark.skipif(not ROUTER.is_file(), reason=f"vllm-router is not installed beside "
+                                                               f"{sys.executable}: run ./scripts/setup.sh")
+pytestmark = [needs_model]
+
+SMALL = dict(KVB_CHUNK_SIZE="32", KVB_CTX_SIZE="1024", KVB_SCHED_KV_CELLS="3072", KVB_SCHED_MAX_RUNNING="1",
+             KVB_SERVE_MAX_TOKENS="16", KVB_L1_BYTES="64MiB", KVB_CACHE_SERVER_PAGE_BYTES="64KiB",
+             KVB_SERVE_DRAIN_TIMEOUT="5")
+QUESTIONS = ("Summarise this in one sentence.", "What is the most important number here?",
+             "Who is responsible for this work?", "What should a new employee remember?")
+READY = re.compile(r"KVBridge fleet ready on (http://127\.0\.0\.1:(\d+))")
+
+
+def documents() -> list[str]:
+    """Three documents of about 300 tokens: pairs of sections of the built-in handbook."""
+    text = (PROJECT / "kvbridge" / "data" / "handbook.md").read_text()
+    sections = re.split(r"\n(?=## )", text)[1:]
+    return ["\n".join(sections[i:i + 2]) for i in (0, 3, 6)]
+
+
+def fleet_env(tmp_path: Path, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVB_")}
+    env.update(SMALL, KVB_L2_DIR=str(tmp_path / "l2"), KVB_OUTPUT_DIR=str(tmp_path / "output"), **extra)
+    env["PYTHONPATH"] = str(PROJECT)
+    return env
+
+
+def group_members(pgid: int) -> list[str]:
+    """'pid name' of every live process in the process group (zombies are gone already for our purpose)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(f"{stat.parent.name} {name}")
+    return members
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@contextmanager
+def running_fleet(tmp_path: Path, *args: str, **env: str):
+    """`python -m kvbridge fleet ARGS` in a process group of its own; yields (router URL, every port of
+    the fleet, output path, pgid); on the way out, SIGTERM to the group and a check that nothing remains."""
+    out_path = tmp_path / "fleet.out"
+    with open(out_path, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "fleet", *args], cwd=PROJECT,
+                                env=fleet_env(tmp_path, **env), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    pgid = proc.pid
+    try:
+        deadline = time.monotonic() + 900
+        while not (match := READY.search(out_path.read_text())):
+            assert proc.poll() is None, f"fleet exited with {proc.returncode}:\n{out_path.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"fleet not ready:\n{out_path.read_text()[-4000:]}"
+            time.sleep(0.5)
+        time.sleep(1)   # the lines naming each child's address follow the ready line
+        ports = [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", out_path.read_text())]
+        yield match.group(1), sorted(set(ports)), out_path, pgid
+    finally:
+        if proc.poll() is None:
+            os.killpg(pgid, signal.SIGTERM)
+        try:
+            status = proc.wait(timeout=180)
+        finally:
+            deadline = time.monotonic() + 60
+            while group_members(pgid) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            left = group_members(pgid)
+            if left:
+                os.killpg(pgid, signal.SIGKILL)
+    assert left == [], f"processes of the fleet's group remain after SIGTERM: {left}"
+    assert status == 0, f"fleet exited with {status}:\n{out_path.read_text()[-4000:]}"
+    assert [p for p in ports if listening(p)] == []
+
+
+def ask(client, document: str, question: str, salt: str | None = None):
+    """(answer, instance, prompt_tokens, cached_tokens) of one greedy chat request through the router."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="smollm2", temperature=0, max_tokens=16,
+        messages=[{"role": "system", "content": document}, {"role": "user", "content": question}],
+        extra_body={"cache_salt": salt} if salt else None)
+    body = raw.parse()
+    details = body.usage.prompt_tokens_details
+    return (body.choices[0].message.content, raw.headers.get("x-kvbridge-instance"), body.usage.prompt_tokens,
+            details.cached_tokens if details else 0)
+
+
+def client_for(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+@needs_router
+def test_kv_aware_fleet_keeps_each_document_on_its_instance(tmp_path):
+    docs = documents()
+    with running_fleet(tmp_path, "--workers", "3", "--policy", "kv_aware", "--port", "0") as (url, ports, out, _):
+        client = client_for(url)
+        with ThreadPoolExecutor(len(docs)) as pool:     # the first questions at the same time
+            firsts = list(pool.map(lambda doc: ask(client, doc, QUESTIONS[0]), docs))
+        home = [instance for _, instance, _, _ in firsts]
+        answers = {(d, 0): firsts[d][0] for d in range(len(docs))}
+        later = []
+        for q in range(1, len(QUESTIONS)):                # interleaved: doc 0, 1, 2, then the next question
+            for d, doc in enumerate(docs):
+                answer, instance, prompt_tokens, cached = ask(client, doc, QUESTIONS[q])
+                answers[d, q] = answer
+                later.append((d, q, instance, prompt_tokens, cached))
+        cold = {(d, q): ask(client, docs[d], QUESTIONS[q], salt=uuid.uuid4().hex)[0]
+                for d in range(len(docs)) for q in range(len(QUESTIONS))}
+
+    assert all(home), f"a response through the router lacks X-KVBridge-Instance: {home}"
+    assert len(set(home)) >= 2, f"the first questions all landed on {home[0]}"
+    wrong = [f"doc {d} q {q}: on {instance}, not {home[d]}" for d, q, instance, _, _ in later if instance != home[d]]
+    assert wrong == [], "\n".join(wrong)
+    low = [f"doc {d} q {q}: {cached} of {prompt} cached" for d, q, _, prompt, cached in later if cached < 0.8 * prompt]
+    assert low == [], "\n".join(low)
+    assert answers == cold
+
+
+@needs_router
+def test_pd_pair_answers_as_a_solo_instance(tmp_path):
+    doc, question = documents()[1], QUESTIONS[0]
+    solo_out = tmp_path / "solo.out"
+    with open(solo_out, "wb") as out:
+        solo = subprocess.Popen([sys.executable, "-m", "kvbridge", "serve", "--host", "127.0.0.1", "--port", "0"],
+                                cwd=PROJECT, env=fleet_env(tmp_path / "solo"), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while not (match := re.search(r"serve ready on (http://\S+)", solo_out.read_text())):
+            assert solo.poll() is None and time.monotonic() < deadline, solo_out.read_text()[-3000:]
+            time.sleep(0.5)
+        expected = ask(client_for(match.group(1)), doc, question)[0]
+    finally:
+        solo.terminate()
+        solo.wait(timeout=60)
+
+    with running_fleet(tmp_path, "--pd", "--workers", "2", "--policy", "round_robin", "--port", "0") as (url, *_):
+        client = client_for(url)
+        first = ask(client, doc, question)
+        again = ask(client, doc, question)
+    assert first[0] == expected
+    assert again[0] == expected
+    assert first[1] in (None, "worker-2")     # the answer comes from the decode worker
+
+
+def run_fleet_command(tmp_path, *args, **env):
+    return subprocess.run([sys.executable, "-m", "kvbridge", "fleet", *args], cwd=PROJECT, capture_output=True,
+                          text=True, timeout=120, env=fleet_env(tmp_path, **env))
+
+
+def test_a_bad_policy_is_refused_naming_the_flag_or_setting(tmp_path):
+    flag = run_fleet_command(tmp_path, "--policy", "nearest")
+    assert flag.returncode == 2 and "--policy" in flag.stderr and "kv_aware" in flag.stderr
+    setting = run_fleet_command(tmp_path, KVB_FLEET_POLICY="nearest")
+    assert setting.returncode != 0 and "KVB_FLEET_POLICY" in setting.stderr + setting.stdout
+
+
+def test_a_taken_router_port_is_refused_before_anything_starts(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        result = run_fleet_command(tmp_path, "--port", str(taken.getsockname()[1]))
+    assert result.returncode == 2 and "--port" in result.stderr and "KVB_FLEET_PORT" in result.stderr
+    assert not (tmp_path / "output" / "fleet").exists()
+
+
+def test_a_missing_router_names_how_to_install_it(tmp_path, make_settings, monkeypatch):
+    from kvbridge.errors import BadSettings
+    from kvbridge.fleet import Fleet
+
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python"))   # nothing beside it
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    fleet = Fleet(make_settings(), workers=2, policy="round_robin")
+    with pytest.raises(BadSettings, match=re.escape(PINNED)) as refused:
+        fleet.start()
+    assert "./scripts/setup.sh" in str(refused.value)
+    assert fleet.workers == [] and not (tmp_path / "output" / "fleet").exists()
