@@ -2,6 +2,10 @@
 
     POST /v1/chat/completions, POST /v1/completions   (stream or not; stream_options.include_usage)
     GET  /v1/models, GET /health, GET /metrics (Prometheus text)
+    what a router calls on a fleet worker (render, /tokenize, /get_load, ...): kvbridge.serve.worker
+
+Every response names this instance in `X-KVBridge-Instance`; a PD router's prefill leg is stored
+before it is answered and says what it stored (kvbridge.serve.pd).
 
 Who sees what: /health says up or down to anyone, the engine's state only to the operator; /metrics
 is the operator's whole registry, or to a tenant only its own series (kvbridge.serve.metrics). The
@@ -23,9 +27,8 @@ import asyncio
 import dataclasses
 import json
 import logging
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
-from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -33,26 +36,31 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvbridge.errors import KVBridgeError
+from kvbridge.serve import pd
 from kvbridge.serve.engines import Job, LiveState, ServeEngine
-from kvbridge.serve.guards import BearerAuth, HostCheck, allowed_hosts, error_response, read_json
+from kvbridge.serve.guards import BearerAuth, HostCheck, allowed_hosts, as_api_error, error_response, read_json
 from kvbridge.serve.tenants import DEFAULT, Tenant, TenantTable
 from kvbridge.serve.metrics import ServeMetrics
 from kvbridge.serve.protocol import (
     BLEND_HEADER, PRIORITY_HEADER, TIER_HEADER, ApiError, Generation, chunk_body, completion_id, parse_blend,
     parse_generation, parse_priority, response_body, usage, usage_chunk,
 )
+from kvbridge.serve.worker import INSTANCE_HEADER, WorkerApp, instance_id_for, worker_routes
 from kvbridge.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
 def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: str | None = None,
-              tenants: TenantTable | None = None, admin_key: str = "") -> Starlette:
+              tenants: TenantTable | None = None, admin_key: str = "", instance_id: str | None = None) -> WorkerApp:
     """The app; `tenants` (kvbridge.serve.server.tenants_from) says whose key is whose; `api_key` alone is
     one tenant's; neither: no token needed and every caller is the tenant `default`. `admin_key`: the
     operator's (also taken when `tenants` has one already). `host`: the address serve listens on
-    (default KVB_SERVE_HOST), a name the Host check lets in."""
+    (default KVB_SERVE_HOST), a name the Host check lets in. `instance_id`: X-KVBridge-Instance (default:
+    KVB_SERVE_INSTANCE_ID, else host-KVB_SERVE_PORT; the server passes the port it bound)."""
+    host = host or settings.serve_host
+    if instance_id is None:
+        instance_id = instance_id_for(settings, host, settings.serve_port)
     if tenants is None:
         tenants = TenantTable.single(api_key) if api_key else TenantTable.open()
     tenants = tenants.with_operator(admin_key)
@@ -75,22 +83,25 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
             tenant = getattr(request.state, "tenant", DEFAULT)
             gen = dataclasses.replace(gen, cache_salt=tenant.cache_salt(gen.cache_salt), tenant=tenant.name,
                                       blend=blend)
+            stored_first = pd.stores_before_answer(gen, settings.serve_role)
             job = Job(asyncio.get_running_loop())
-            await run_in_threadpool(engine.submit, gen, priority, job)   # tokenizing, and the engine's lock
+            # tokenizing, and the engine's lock
+            await run_in_threadpool(engine.submit, gen, priority, job, stored_first)
         except ApiError as exc:
             metrics.answered(endpoint, exc.status)
             return error_response(exc)
         gone = asyncio.ensure_future(_client_gone(request))
         try:
-            return await _answer(gen, job, endpoint, gone)
+            return await _answer(gen, job, endpoint, gone, stored_first)
         finally:
             gone.cancel()   # a stream's own disconnect listener (Starlette's) takes over from here
 
-    async def _answer(gen: Generation, job: Job, endpoint: str, gone: asyncio.Future) -> Response:
+    async def _answer(gen: Generation, job: Job, endpoint: str, gone: asyncio.Future, stored_first: bool) -> Response:
         first = await _next_event(job, gone)
         rid = completion_id(gen.kind)
         if gen.stream and first is not None and first[0] != "error":
-            headers = {TIER_HEADER: _tier(job, first), "Cache-Control": "no-cache"}
+            headers = {TIER_HEADER: _tier(job, first), "Cache-Control": "no-cache",
+                       **_decode_headers(gen, _record(job, first))}
             return StreamingResponse(_stream(gen, job, first, rid, endpoint), media_type="text/event-stream",
                                      headers=headers)
         last = first
@@ -100,13 +111,15 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
             metrics.answered(endpoint, 499)
             return Response(status_code=499)
         if last[0] == "error":
-            exc = _as_api_error(last[1])
+            exc = as_api_error(last[1])
             metrics.answered(endpoint, exc.status)
             return error_response(exc)
         record = last[1]
         metrics.finished(endpoint, record, gen.tenant, gen.cache_salt)
         body = response_body(gen, rid, engine.model_id, record.text, _finish_reason(gen, record), _usage(record))
-        return JSONResponse(body, headers={TIER_HEADER: record.tier})
+        if stored_first:
+            body["kv_transfer_params"] = pd.prefill_params(instance_id, record, settings.chunk_size, engine.model_id)
+        return JSONResponse(body, headers={TIER_HEADER: record.tier, **_decode_headers(gen, record)})
 
     async def _stream(gen: Generation, job: Job, first, rid: str, endpoint: str) -> AsyncIterator[bytes]:
         event, opened = first, True
@@ -125,7 +138,7 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
                     metrics.finished(endpoint, value, gen.tenant, gen.cache_salt)
                     return
                 else:   # an error after the stream began: OpenAI's error object as the last event
-                    exc = _as_api_error(value)
+                    exc = as_api_error(value)
                     metrics.answered(endpoint, exc.status)
                     yield _sse(exc.body())
                     return
@@ -173,17 +186,20 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
-              Route("/metrics", prometheus, methods=["GET"])]
-    # outermost first: a wrong Host is refused before CORS or the key are looked at
-    hosts = allowed_hosts(settings.serve_allowed_hosts, host or settings.serve_host)
+              Route("/metrics", prometheus, methods=["GET"]),
+              *worker_routes(settings, engine, live_state, instance_id)]
+    # outermost first (WorkerApp's X-KVBridge-Instance outside them all): a wrong Host is refused before CORS
+    # or the key are looked at
+    hosts = allowed_hosts(settings.serve_allowed_hosts, host)
     middleware = [Middleware(HostCheck, allowed=hosts)]
     origins = [o.strip() for o in settings.serve_cors_origins.split(",") if o.strip()]
     if origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
                                      allow_headers=["Authorization", "Content-Type", "X-KVBridge-Priority", "X-KVBridge-Blend"],
-                                     expose_headers=[TIER_HEADER]))
+                                     expose_headers=[TIER_HEADER, INSTANCE_HEADER, pd.RESTORED_HEADER]))
     middleware.append(Middleware(BearerAuth, tenants=tenants))
-    app = Starlette(routes=routes, middleware=middleware, exception_handlers={404: not_found, 405: wrong_method})
+    app = WorkerApp(routes=routes, middleware=middleware, exception_handlers={404: not_found, 405: wrong_method})
+    app.instance_id = instance_id
     app.state.engine = engine
     app.state.metrics = metrics
     return app
@@ -207,30 +223,25 @@ async def _next_event(job: Job, gone: asyncio.Future):
     return None
 
 
-def _as_api_error(exc: Any) -> ApiError:
-    if isinstance(exc, ApiError):
-        return exc
-    from kvbridge.scheduler import RequestRefused
-
-    if isinstance(exc, RequestRefused):
-        message = str(exc)
-        if "prompt has" in message:
-            # "prompt is too long" is the phrase LangChain and LiteLLM read (besides the code) to raise
-            # their context-overflow errors, which their callers catch to trim a history or fall back
-            return ApiError(400, f"prompt is too long: {message}", param="messages", code="context_length_exceeded")
-        return ApiError(400, message)
-    if isinstance(exc, KVBridgeError):
-        return ApiError(500, str(exc), kind="server_error")
-    log.error("a request failed unexpectedly: %r", exc)
-    return ApiError(500, f"the request failed unexpectedly ({type(exc).__name__}); see the server log",
-                    kind="server_error")
-
-
-def _tier(job: Job, first) -> str:
+def _record(job: Job, first):
+    """The request's record: final once done, else the live one the scheduler fills at admission."""
     record = first[1] if first[0] == "done" else None
     if record is None and job.future is not None:
         record = getattr(job.future, "record", None)
-    return getattr(record, "tier", None) or "pending"
+    return record
+
+
+def _tier(job: Job, first) -> str:
+    return getattr(_record(job, first), "tier", None) or "pending"
+
+
+def _decode_headers(gen: Generation, record) -> dict[str, str]:
+    """A PD decode leg's: how many prompt tokens were restored or shared (logged when fewer than stored)."""
+    entry = pd.decode_leg(gen)
+    if entry is None or record is None:
+        return {}
+    pd.check_restore(entry, record)
+    return {pd.RESTORED_HEADER: str(record.matched_tokens)}
 
 
 def _usage(record) -> dict:

@@ -101,6 +101,7 @@ class ServeEngine:
     """The base: a model id, submit, live state for /metrics and the lab, close."""
 
     name = ""
+    kv_events = None   # kvbridge.kv_events' running publisher (.endpoint, .replay_endpoint), once join_fleet started it
 
     def __init__(self, settings: Settings) -> None:
         from kvbridge.backends.llama_cpp_model import model_path_for
@@ -109,8 +110,19 @@ class ServeEngine:
         self.model_path: Path = model_path_for(settings)
         self.model_id = self.model_path.stem
 
-    def submit(self, gen: Generation, priority: int, job: Job) -> None:
+    def submit(self, gen: Generation, priority: int, job: Job, store_before_answer: bool = False) -> None:
+        """Start the request; `store_before_answer` (a PD prefill leg, kvbridge.serve.pd): its answer comes only
+        once its prompt's KV is in the store."""
         raise NotImplementedError
+
+    def tokens_of(self, gen: Generation) -> list[int]:
+        """The token ids this request prefills (its prompt as the engine renders and tokenizes it): what a
+        router's render call is answered with."""
+        raise NotImplementedError
+
+    def join_fleet(self, instance_id: str) -> None:
+        """Called once serve knows its instance id (its port bound), before the ready line: start what a
+        fleet worker publishes (KV events, when KVB_KV_EVENTS_URL is set)."""
 
     def state(self) -> dict[str, int]:
         return {}
@@ -138,7 +150,7 @@ class SchedulerEngine(ServeEngine):
         # submits racing on worker threads would all pass the KVB_SCHED_MAX_WAITING check.
         self._submitting = threading.Lock()
 
-    def submit(self, gen: Generation, priority: int, job: Job) -> None:
+    def submit(self, gen: Generation, priority: int, job: Job, store_before_answer: bool = False) -> None:
         from kvbridge.scheduler import QueueFull
 
         try:
@@ -147,12 +159,25 @@ class SchedulerEngine(ServeEngine):
                                                temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed,
                                                stop=gen.stop, on_token=lambda piece: job.push("text", piece),
                                                label=f"serve {gen.kind} ({gen.tenant})", cache_salt=gen.cache_salt,
-                                               blend=gen.blend)
+                                               blend=gen.blend, min_tokens=gen.min_tokens, ignore_eos=gen.ignore_eos,
+                                               store_before_answer=store_before_answer)
         except QueueFull as exc:
             raise ApiError(429, str(exc), code="queue_full", kind="rate_limit_error",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         job._cancel = self.scheduler.cancel
         job.follow(future)
+
+    def tokens_of(self, gen: Generation) -> list[int]:
+        return self.scheduler.tokens_of(gen.prompt)
+
+    def join_fleet(self, instance_id: str) -> None:
+        if self.settings.kv_events_url and self.kv_events is None:
+            from kvbridge.kv_events import start_kv_events   # here: a serve without a publisher never loads zmq
+
+            try:
+                self.kv_events = start_kv_events(self.settings, self.scheduler, instance_id)
+            except ValueError as exc:   # the publisher's URL cannot be bound (its message names KVB_KV_EVENTS_URL)
+                raise BadSettings(str(exc)) from None
 
     def state(self) -> dict[str, int]:
         snapshot = self.scheduler.snapshot()
@@ -164,6 +189,9 @@ class SchedulerEngine(ServeEngine):
         return self.scheduler.bytes_held()
 
     def close(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         if self._own:
             self.scheduler.close()
 
@@ -185,7 +213,15 @@ class LlamaServerEngine(ServeEngine):
         self._lock = threading.Lock()
         self._queued = 0
 
-    def submit(self, gen: Generation, priority: int, job: Job) -> None:
+    def submit(self, gen: Generation, priority: int, job: Job, store_before_answer: bool = False) -> None:
+        for refused, param, why in ((store_before_answer, "kv_transfer_params", "a PD prefill leg (or KVB_SERVE_ROLE="
+                                     "prefill) stores the prompt before answering"),
+                                    (gen.min_tokens > 1, "min_tokens", "min_tokens above 1"),
+                                    (gen.ignore_eos, "ignore_eos", "ignore_eos")):
+            if refused:
+                raise ApiError(400, f"'{param}': {why} needs the scheduler engine (KVB_SERVE_ENGINE=scheduler); "
+                                    "llama-server decides where its own generation ends", param=param,
+                               code="unsupported_parameter")
         if gen.cache_salt:
             raise ApiError(400, "'cache_salt' (and tenants, KVB_SERVE_TENANTS_FILE) need the scheduler engine "
                                 "(KVB_SERVE_ENGINE=scheduler): llama-server's own cache would share KV across them",
@@ -206,6 +242,9 @@ class LlamaServerEngine(ServeEngine):
         future.add_done_callback(lambda _: self._release())
         job._cancel = lambda f: f.cancel()    # a queued request leaves the queue; a running one finishes
         job.follow(future)
+
+    def tokens_of(self, gen: Generation) -> list[int]:
+        return list(self.engine.prepare(gen.prompt).tokens)   # llama-server's own template and tokenizer
 
     def _release(self) -> None:
         with self._lock:

@@ -16,16 +16,19 @@ body (`read_json`). `error_response` is where every refusal of `serve` becomes a
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
+from kvbridge.errors import KVBridgeError
 from kvbridge.serve.protocol import ApiError
 from kvbridge.settings import format_size
 from kvbridge.settings.checks import host_list
 from kvbridge.serve.tenants import DEFAULT, TenantTable
 
+log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -102,6 +105,26 @@ class BearerAuth:
             return
         scope.setdefault("state", {})["tenant"] = caller or DEFAULT
         await self.app(scope, receive, send)
+
+
+def as_api_error(exc: Any) -> ApiError:
+    """An engine's failure as the error a client gets: a refusal is 400, naming the prompt when it is too long."""
+    if isinstance(exc, ApiError):
+        return exc
+    from kvbridge.scheduler import RequestRefused
+
+    if isinstance(exc, RequestRefused):
+        message = str(exc)
+        if "prompt has" in message:
+            # "prompt is too long" is the phrase LangChain and LiteLLM read (besides the code) to raise
+            # their context-overflow errors, which their callers catch to trim a history or fall back
+            return ApiError(400, f"prompt is too long: {message}", param="messages", code="context_length_exceeded")
+        return ApiError(400, message)
+    if isinstance(exc, KVBridgeError):
+        return ApiError(500, str(exc), kind="server_error")
+    log.error("a request failed unexpectedly: %r", exc)
+    return ApiError(500, f"the request failed unexpectedly ({type(exc).__name__}); see the server log",
+                    kind="server_error")
 
 
 async def read_json(request: Request, max_bytes: int) -> Any:

@@ -5,6 +5,12 @@ Every refusal names the field, as OpenAI's own errors do (`param`), so a client 
 person what to change. Fields a client sends that do not change the answer (`user`, `model`,
 `presence_penalty` of 0, ...) are accepted and ignored; fields KVBridge cannot honour (`n` > 1,
 `logprobs`, `tools`, ...) are refused rather than silently dropped.
+
+Routers in front of a fleet (vllm-router) add vLLM's own fields to every body they forward. Those
+that mean something here are honoured (`min_tokens`, `ignore_eos`, `kv_transfer_params`: the PD
+legs, kvbridge.serve.pd); those about detokenizing or reasoning output (IGNORED) change nothing for
+a plain text answer and are ignored at any value; those that would change the answer and cannot be
+done (`return_hidden_states`, `continue_final_message`: true) are refused by name.
 """
 from __future__ import annotations
 
@@ -31,7 +37,11 @@ UNSUPPORTED = {
     "suffix": "insertion (suffix) is not supported",
     "echo": "echoing the prompt is not supported",
     "best_of": "best_of is not supported",
+    "return_hidden_states": "hidden states are not returned",
+    "continue_final_message": "continuing the last assistant message is not supported (the template opens a new one)",
 }
+# vLLM's fields a router adds that change nothing for a plain text answer: accepted at any value, ignored
+IGNORED = ("skip_special_tokens", "no_stop_trim", "separate_reasoning", "stream_reasoning", "include_reasoning")
 
 
 class ApiError(Exception):
@@ -64,6 +74,9 @@ class Generation:
     cache_salt: str = ""            # the request's own (vLLM's cache_salt); the app adds the tenant's in front
     tenant: str = "default"
     blend: bool = False             # X-KVBridge-Blend: on
+    min_tokens: int = 0             # end-of-generation and stop strings not honoured before this many tokens
+    ignore_eos: bool = False        # generate past end-of-generation tokens up to max_tokens
+    kv_transfer_params: dict | None = None   # a PD leg's (kvbridge.serve.pd), as the router sent it
 
 
 def parse_generation(body: Any, kind: str, *, max_tokens_cap: int) -> Generation:
@@ -99,8 +112,24 @@ def parse_generation(body: Any, kind: str, *, max_tokens_cap: int) -> Generation
     if not isinstance(cache_salt, str) or len(cache_salt) > 200:
         raise ApiError(400, "'cache_salt' must be a string of at most 200 characters: requests share cached KV only "
                             "with requests of the same salt", param="cache_salt")
+    min_tokens = body.get("min_tokens")
+    if min_tokens is None:
+        min_tokens = 0
+    if not _is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
+        raise ApiError(400, f"'min_tokens' must be a whole number from 0 to max_tokens ({max_tokens}), got "
+                            f"{min_tokens!r}", param="min_tokens")
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is None:
+        ignore_eos = False
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(400, f"'ignore_eos' must be true or false, got {ignore_eos!r}", param="ignore_eos")
+    kv_transfer_params = body.get("kv_transfer_params")
+    if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
+        raise ApiError(400, "'kv_transfer_params' must be an object (what a PD router sends), or absent",
+                       param="kv_transfer_params")
     return Generation(kind, prompt, max_tokens, temperature, top_p, _stop(body), seed, stream, include_usage, model,
-                      cache_salt)
+                      cache_salt, min_tokens=min_tokens, ignore_eos=ignore_eos,
+                      kv_transfer_params=kv_transfer_params or None)
 
 
 def parse_priority(value: str | None) -> int:

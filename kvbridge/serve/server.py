@@ -1,7 +1,9 @@
 """`python -m kvbridge serve`: load the engine, serve the app with uvicorn, drain on SIGTERM.
 
 The ready line `KVBridge serve ready on http://HOST:PORT` is printed once the socket listens (what
-scripts/serve.sh waits for). SIGTERM or SIGINT: stop accepting, let running requests finish for up
+scripts/serve.sh and kvbridge.fleet wait for). The socket is bound before the app is built, so the
+instance id (X-KVBridge-Instance: host-port) has the real port under --port 0, and the engine joins
+the fleet under it (its KV-event publisher, when KVB_KV_EVENTS_URL is set) before the ready line. SIGTERM or SIGINT: stop accepting, let running requests finish for up
 to KVB_SERVE_DRAIN_TIMEOUT seconds, then close the engine (unfinished requests fail, their KV blocks
 freed) and exit 0. `BackgroundServe` runs the same app beside the GUI (`gui --serve`). Both refuse
 to listen beyond loopback without a key (`run` before the model loads).
@@ -21,6 +23,7 @@ from kvbridge.errors import BadSettings
 from kvbridge.serve.app import build_app
 from kvbridge.serve.engines import ServeEngine, make_serve_engine
 from kvbridge.serve.tenants import TenantTable
+from kvbridge.serve.worker import instance_id_for
 from kvbridge.settings import Settings
 from kvbridge.settings.checks import open_serve_problem
 from kvbridge.settings.secrets import secret_from
@@ -104,6 +107,32 @@ def check_port(host: str, port: int) -> None:
             raise BadSettings(f"{cannot_bind(host, port)} ({exc.strerror or exc})") from None
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (port 0: a free one); BadSettings naming the settings when it cannot be."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds: TIME_WAIT is no obstacle
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise BadSettings(f"{cannot_bind(host, port)} ({exc.strerror or exc})") from None
+    return sock
+
+
+def _bound_app(settings: Settings, engine: ServeEngine, host: str, port: int, tenants: TenantTable):
+    """(socket, app): the socket bound first, so the instance id names the real port; the engine joins the
+    fleet under that id (a closed socket when that fails)."""
+    sock = listen_socket(host, port)
+    try:
+        instance_id = instance_id_for(settings, host, sock.getsockname()[1])
+        engine.join_fleet(instance_id)
+        return sock, build_app(settings, engine, host=host, tenants=tenants, instance_id=instance_id)
+    except BaseException:
+        sock.close()
+        raise
+
+
 def run(settings: Settings, host: str | None = None, port: int | None = None, engine_key: str | None = None) -> int:
     host = host or settings.serve_host
     port = settings.serve_port if port is None else port
@@ -115,7 +144,11 @@ def run(settings: Settings, host: str | None = None, port: int | None = None, en
     print(f"loading the {engine_key or settings.serve_engine} engine…", flush=True)
     engine = make_serve_engine(settings, engine_key)
     try:
-        app = build_app(settings, engine, host=host, tenants=tenants)
+        try:
+            sock, app = _bound_app(settings, engine, host, port, tenants)
+        except BadSettings as exc:   # the port was taken since check_port looked, or the publisher's was
+            print(exc, file=sys.stderr)
+            return 2
         server = _Server(_config(app, settings, host, port),
                          on_ready=lambda bound: print(READY.format(host=_url_host(host), port=bound), flush=True))
         # uvicorn drains on SIGTERM/SIGINT, then raises the signal again for the handler it found:
@@ -123,10 +156,12 @@ def run(settings: Settings, host: str | None = None, port: int | None = None, en
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: None)
         try:
-            server.run()
-        except SystemExit:   # uvicorn exits when its bind fails (taken since check_port looked)
+            server.run(sockets=[sock])
+        except SystemExit:
             if server.started:
                 raise
+        finally:
+            sock.close()
         if not server.started:
             print(cannot_bind(host, port), file=sys.stderr)
             return 2
@@ -146,11 +181,12 @@ class BackgroundServe:
         self.port = settings.serve_port if port is None else port
         check_exposure(settings, self.host)
         ready = threading.Event()
-        app = build_app(settings, engine, host=self.host, tenants=tenants_from(settings))
+        self._sock, app = _bound_app(settings, engine, self.host, self.port, tenants_from(settings))
         self.metrics = app.state.metrics   # the GUI's lab shows its per-tenant usage
         self.server = _Server(_config(app, settings, self.host, self.port),
                               on_ready=lambda bound: (setattr(self, "port", bound), ready.set()))
-        self.thread = threading.Thread(target=self.server.run, name="kvbridge-serve", daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
+                                       name="kvbridge-serve", daemon=True)
         self.thread.start()
         if not ready.wait(30) or not self.server.started:
             self.stop(5)
@@ -164,6 +200,7 @@ class BackgroundServe:
     def stop(self, timeout_s: float = 60.0) -> None:
         self.server.should_exit = True
         self.thread.join(timeout_s)
+        self._sock.close()
 
 
 def _url_host(host: str) -> str:
