@@ -196,6 +196,8 @@ class Scheduler:
     def tokens_of(self, prompt: str | Sequence[Message]) -> list[int]:
         """The exact token ids submit() prefills for this prompt (a string, or chat messages rendered with
         the model's template), never cut at the blend separator. Any thread (submit tokenizes on its caller's)."""
+        if self._closing:
+            raise RequestRefused("the scheduler is closed")
         return list(self._prompt_tokens(prompt))
 
     def unsalted_hashes(self, tokens: Sequence[int]) -> list[bytes]:

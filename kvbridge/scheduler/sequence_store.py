@@ -77,12 +77,14 @@ class SequenceStoreShared:
         self.writer = BehindWriter(_run_job, write_queue, name="kvbridge-sched-store")
         self.buffer = AssemblyBuffer()
         self.skipped_writes = 0
+        self.waited_writes = 0   # writes that must not be skipped and found the queue full (run_in_order)
 
     def run_in_order(self, job: Callable[[], None]) -> None:
         """Run `job` on the writer after every write queued before it, never skipped: a full queue is waited
         out (drained) on the caller's thread, and a writer that still refuses (closed) has it run here."""
         if self.writer.submit(job):
             return
+        self.waited_writes += 1
         self.writer.drain()
         if not self.writer.submit(job):
             job()
