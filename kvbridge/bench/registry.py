@@ -68,6 +68,14 @@ BENCH_COMMANDS: tuple[BenchCommand, ...] = (
         "both are restarted (one server up at a time, ours with a private L2); JSON to output/",
         "llama-server's own OpenAI endpoint, same GGUF and questions",
         "kvbridge.bench.serve_bench"),
+    BenchCommand(
+        "bench-fleet",
+        "a fleet of serve workers behind vllm-router, per routing policy, with and without the shared cache "
+        "server: fleet hit rate, TTFT, throughput, answers against cold; prefill/decode against colocated; "
+        "JSON and a markdown table to output/",
+        "one instance with all the memory (the fleet's cells in one), round_robin without a shared cache, "
+        "one colocated instance for PD, and each question's cold answer under a fresh cache_salt",
+        "kvbridge.bench.fleet_bench"),
 )
 
 

@@ -1,0 +1,321 @@
+"""`python -m kvbridge bench-fleet`: a fleet of `serve` workers behind vllm-router, per routing policy, with
+and without the shared cache server (issue 34, deliverables 4 and 5).
+
+Place in the flow: the client's side of kvbridge.fleet. Each fleet is a real `Fleet` (the cache server,
+the workers, vllm-router on loopback), started, asked the workload of kvbridge.bench.fleet_workload
+through the official openai SDK, and stopped before the next one starts (never two at once, except
+the PD pair below, which alternate requests). Every fleet gets the caller's settings except:
+
+- KV cells: one worker's KVB_SCHED_KV_CELLS hold ~2 documents' prompts (WORKER_DOCUMENTS) while the
+  workload has more documents (6 by default); KVB_CTX_SIZE is the longest prompt plus the answer.
+- threads: one core's share each (cores // workers, at least 1), the same in every fleet here.
+- the store: a private temporary L2 per fleet (no L3, no KVB_STORE_URL: nothing from an earlier fleet
+  or run is found). Shared cache on: the fleet's own cache server (its L1 pool, that L2) for every
+  worker. Off: each worker its own embedded L1 and no L2 (with one L2 folder the workers would share
+  it through the disk, which is a shared cache too).
+- no API key, loopback only.
+
+Runs, in this order:
+1. **single**: one instance with all the memory (`Fleet(workers=1)`, 3x a worker's cells and cached
+   prefixes, no shared cache). First every distinct question once, one at a time, under a fresh
+   `cache_salt` each (nothing reused): the cold answers every other answer is compared with. Then the
+   workload, as the reference hit rate.
+2. for each policy, shared cache off then on: `Fleet(workers=3, policy=...)` and the workload.
+3. PD: `Fleet(pd=True, workers=2)` (one prefill, one decode, through the shared cache server) and
+   `Fleet(workers=1)` colocated, both up; each is asked question 0 of document 0 (the prefix warms),
+   then PD_QUESTIONS new questions on the same document, alternating between the two fleets.
+
+The workload: every document's questions, interleaved (seeded), sent by CLIENT_THREADS client threads
+taking them in order. Figures per fleet: hit rate = sum(cached_tokens) / sum(prompt_tokens) (usage),
+mean and median TTFT, completion tokens/s and requests/s over the workload's wall time, the instance
+that answered each request (X-KVBridge-Instance), answers equal to their cold runs. No target is judged
+here (Docs/Research.md does that); the machine is shared, so the ratios of one run are what to read.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kvbridge.bench.common.private_serve import require_openai_sdk
+from kvbridge.bench.fleet_workload import (QUESTIONS, Answer, Document, Question, ask, client, documents,
+                                           interleaved, messages)
+from kvbridge.settings import Settings
+
+POLICIES = ("round_robin", "cache_aware", "kv_aware")
+SEED = 34
+DOCUMENT_CHARS = 2400          # ~560 tokens of SmolLM2 per document; with the question ~600 per prompt
+QUICK_DOCUMENT_CHARS = 1200
+WORKER_DOCUMENTS = 2.5         # a worker's cells: ~2 resident prompts plus room to run the next one
+SINGLE_SCALE = 3               # "one instance with all the memory": this many workers' cells
+CLIENT_THREADS = 3
+PD_QUESTIONS = 3               # new questions on the warm document, per PD fleet
+TEMPLATE_TOKENS = 24           # the chat template's own tokens around the two messages (SmolLM2: ~15)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What every fleet's workers get: cells, context and threads, from the longest prompt."""
+    prompt_tokens: int         # the longest prompt, counted with the model's tokenizer (+ the template)
+    worker_cells: int
+    ctx_size: int
+    threads: int
+    cached_prefixes: int
+
+
+@dataclass
+class FleetRun:
+    """One fleet and what it answered."""
+    name: str                       # "single", "kv_aware/shared", "round_robin/no-shared", "pd", "colocated"
+    policy: str
+    workers: int
+    shared_cache: bool
+    pd: bool = False
+    cells: int = 0
+    answers: list[Answer] = field(default_factory=list)
+    warmup: Answer | None = None     # PD and colocated: question 0 of document 0
+    wall_s: float = 0.0              # the workload, first request sent -> last answer in
+    start_s: float = 0.0             # Fleet.start() until the router answers
+    instances: list[str] = field(default_factory=list)
+    error: str = ""                  # the fleet did not start or broke; its figures are missing
+
+
+def run_name(policy: str, shared: bool) -> str:
+    return f"{policy}/{'shared' if shared else 'no-shared'}"
+
+
+def sizing(settings: Settings, docs: list[Document], max_tokens: int, workers: int) -> Sizing:
+    """Cells for ~2 prompts per worker, counted with the model's own tokenizer (vocab only: no weights)."""
+    import llama_cpp
+
+    vocab = llama_cpp.Llama(str(settings.resolved_model_path()), vocab_only=True, verbose=False)
+
+    def count(text: str) -> int:
+        return len(vocab.tokenize(text.encode("utf-8"), add_bos=False, special=True))
+
+    longest = max(sum(count(m["content"]) for m in messages(d, q)) for d in docs for q in range(len(QUESTIONS)))
+    prompt = longest + TEMPLATE_TOKENS
+    block = settings.sched_block_tokens
+    cells = -(-int(WORKER_DOCUMENTS * (prompt + max_tokens)) // block) * block
+    ctx = -(-(prompt + max_tokens + 64) // 256) * 256
+    return Sizing(prompt, cells, ctx, max(1, settings.resolved_threads() // workers), settings.sched_cached_prefixes)
+
+
+def fleet_settings(settings: Settings, size: Sizing, folder: Path, *, shared: bool, scale: int = 1) -> Settings:
+    return settings.replace(
+        ctx_size=size.ctx_size, sched_kv_cells=size.worker_cells * scale,
+        sched_cached_prefixes=size.cached_prefixes * scale, threads=size.threads, serve_engine="scheduler",
+        serve_host="127.0.0.1", serve_api_key_env="", serve_admin_key_env="", serve_tenants_file="",
+        l2_dir=str(folder / "l2"), l2_enabled=shared, l3_url="", store_url="")
+
+
+@contextlib.contextmanager
+def started(run: FleetRun, settings: Settings, **fleet_options):
+    """A started Fleet (its start time and instances in `run`); its own lines go to stderr, not the table."""
+    from kvbridge.fleet import Fleet
+
+    fleet = Fleet(settings, workers=run.workers, shared_cache=run.shared_cache, pd=run.pd, **fleet_options)
+    begun = time.perf_counter()
+    with contextlib.redirect_stdout(sys.stderr):
+        fleet.start()
+    try:
+        run.start_s = time.perf_counter() - begun
+        run.instances = [w.instance_id for w in fleet.workers]
+        yield fleet
+    finally:
+        with contextlib.redirect_stdout(sys.stderr):
+            fleet.stop()
+
+
+def workload(fleet_url: str, model: str, docs: list[Document], order: list[Question], max_tokens: int) -> tuple:
+    """The questions in order, CLIENT_THREADS at a time (each thread takes the next one); answers, wall seconds."""
+    sdk = client(fleet_url)
+    begun = time.perf_counter()
+    with ThreadPoolExecutor(CLIENT_THREADS) as pool:
+        answers = list(pool.map(lambda q: ask(sdk, model, docs, q, max_tokens, started=begun), order))
+    return answers, time.perf_counter() - begun
+
+
+def cold_runs(fleet_url: str, model: str, docs: list[Document], keys: list[Question], max_tokens: int) -> dict:
+    """Each distinct question once, one at a time, under a fresh cache_salt (nothing reused): key -> Answer."""
+    sdk = client(fleet_url)
+    return {q.key: ask(sdk, model, docs, q, max_tokens, cache_salt=f"bench-fleet-cold-{uuid.uuid4().hex}")
+            for q in keys}
+
+
+def _guarded(run: FleetRun, body: Callable[[], None], progress: Callable[[str], None]) -> None:
+    """Run one fleet's part; a fleet that fails to start or breaks is recorded in the run (a failed
+    bench, named in the report) and the next fleet still runs."""
+    try:
+        body()
+    except Exception as exc:  # noqa: BLE001 - recorded in the result, and failed() makes the exit non-zero
+        run.error = f"{type(exc).__name__}: {exc}"
+        progress(f"{run.name}: failed: {run.error[:300]}")
+
+
+def run_bench_fleet(settings: Settings, *, documents_count: int = 6, questions_per_document: int = 4,
+                    max_tokens: int = 12, policies: tuple[str, ...] = POLICIES, workers: int = 3,
+                    shared_modes: tuple[bool, ...] = (False, True), pd: bool = True, quick: bool = False,
+                    progress: Callable[[str], None] = lambda line: None) -> dict:
+    """Every fleet in turn; the whole result as plain data (kvbridge.bench.fleet_report prints it)."""
+    require_openai_sdk()
+    from kvbridge.fleet.router import router_binary
+
+    router_binary()   # said before anything starts
+    docs = documents(documents_count, QUICK_DOCUMENT_CHARS if quick else DOCUMENT_CHARS)
+    order = interleaved(documents_count, questions_per_document, SEED)
+    pd_keys = [Question(0, n) for n in range(min(1 + PD_QUESTIONS, len(QUESTIONS)))] if pd else []
+    cold_keys = list(dict.fromkeys(sorted(order, key=lambda q: (q.doc, q.number)) + pd_keys))
+    size = sizing(settings, docs, max_tokens, workers)
+    model = settings.resolved_model_path().stem
+    runs: dict[str, FleetRun] = {}
+    cold: dict[str, Answer] = {}
+    with tempfile.TemporaryDirectory(prefix="kvb-bench-fleet-") as temp:
+        def folder(name: str) -> Path:
+            return Path(temp) / name.replace("/", "-")
+
+        single = runs["single"] = FleetRun("single", "round_robin", 1, False, cells=size.worker_cells * SINGLE_SCALE)
+
+        def single_body() -> None:
+            progress(f"single instance ({single.cells} cells): starting")
+            with started(single, fleet_settings(settings, size, folder("single"), shared=False, scale=SINGLE_SCALE),
+                         policy="round_robin") as fleet:
+                progress(f"single: {len(cold_keys)} cold runs, one at a time, each under a fresh cache_salt")
+                cold.update(cold_runs(fleet.url, model, docs, cold_keys, max_tokens))
+                progress(f"single: the workload, {len(order)} questions, {CLIENT_THREADS} client threads")
+                single.answers, single.wall_s = workload(fleet.url, model, docs, order, max_tokens)
+
+        _guarded(single, single_body, progress)
+        for policy in policies:
+            for shared in shared_modes:
+                run = runs[run_name(policy, shared)] = FleetRun(run_name(policy, shared), policy, workers, shared,
+                                                                cells=size.worker_cells)
+
+                def body(run=run, policy=policy, shared=shared) -> None:
+                    progress(f"{run.name}: starting {workers} workers ({run.cells} cells each)")
+                    with started(run, fleet_settings(settings, size, folder(run.name), shared=shared),
+                                 policy=policy) as fleet:
+                        progress(f"{run.name}: the workload, {len(order)} questions")
+                        run.answers, run.wall_s = workload(fleet.url, model, docs, order, max_tokens)
+
+                _guarded(run, body, progress)
+        if pd:
+            pd_pair(settings, size, folder, docs, pd_keys, max_tokens, model, runs, progress)
+    result = {"command": "bench-fleet", "quick": quick, "documents": documents_count,
+              "questions_per_document": questions_per_document, "max_tokens": max_tokens,
+              "policies": list(policies), "shared_modes": list(shared_modes), "seed": SEED,
+              "setup": setup(settings, size, docs, workers), "order": [q.key for q in order],
+              "cold": cold, "runs": runs}
+    result["figures"] = {name: figures(run, cold) for name, run in runs.items()}
+    result["ratios"] = ratios(result["figures"])
+    return result
+
+
+def pd_pair(settings: Settings, size: Sizing, folder: Callable[[str], Path], docs: list[Document],
+            pd_keys: list[Question], max_tokens: int, model: str, runs: dict, progress) -> None:
+    """PD (1 prefill + 1 decode) and one colocated instance, both up, alternating new questions on a warm prefix."""
+    pd_run = runs["pd"] = FleetRun("pd", "round_robin", 2, True, pd=True, cells=size.worker_cells)
+    colocated = runs["colocated"] = FleetRun("colocated", "round_robin", 1, True, cells=size.worker_cells)
+
+    def body() -> None:
+        progress("PD: starting a prefill/decode pair and one colocated instance")
+        with started(colocated, fleet_settings(settings, size, folder("colocated"), shared=True),
+                     policy="round_robin") as colo_fleet, \
+                started(pd_run, fleet_settings(settings, size, folder("pd"), shared=True),
+                        policy="round_robin") as pd_fleet:
+            clients = [(colocated, client(colo_fleet.url)), (pd_run, client(pd_fleet.url))]
+            for run, sdk in clients:
+                run.warmup = ask(sdk, model, docs, pd_keys[0], max_tokens)
+            progress(f"PD: {len(pd_keys) - 1} new questions on the warm document, alternating")
+            for question in pd_keys[1:]:
+                for run, sdk in clients:
+                    began = time.perf_counter()
+                    run.answers.append(ask(sdk, model, docs, question, max_tokens))
+                    run.wall_s += time.perf_counter() - began
+
+    _guarded(pd_run, body, progress)
+    if pd_run.error and not colocated.error:
+        colocated.error = "the PD pair's run failed (see pd)"
+
+
+def setup(settings: Settings, size: Sizing, docs: list[Document], workers: int) -> dict:
+    import openai
+
+    return {"model": settings.resolved_model_path().name, "chunk_size": settings.chunk_size,
+            "workers": workers, "threads_per_worker": size.threads, "worker_kv_cells": size.worker_cells,
+            "single_kv_cells": size.worker_cells * SINGLE_SCALE, "ctx_size": size.ctx_size,
+            "cached_prefixes": size.cached_prefixes, "longest_prompt_tokens": size.prompt_tokens,
+            "document_titles": [d.title for d in docs], "document_chars": [len(d.text) for d in docs],
+            "client_threads": CLIENT_THREADS, "openai_sdk": openai.__version__,
+            "cold_runs": "the single instance (Fleet(workers=1)), through its router, one at a time, "
+                         "each under a fresh cache_salt"}
+
+
+# -- the figures -----------------------------------------------------------------------------------------
+def _divide(a, b):
+    return a / b if a is not None and b else None
+
+
+def figures(run: FleetRun, cold: dict[str, Answer]) -> dict:
+    ok = [a for a in run.answers if not a.error]
+    prompt, cached = sum(a.prompt_tokens for a in ok), sum(a.cached_tokens for a in ok)
+    ttfts = [a.ttft_ms for a in ok]
+    tpots = [a.time_per_output_token_ms for a in ok if a.time_per_output_token_ms is not None]
+    per_doc: dict[int, set] = {}
+    for a in ok:
+        per_doc.setdefault(a.doc, set()).add(a.instance)
+    checked = ok + ([run.warmup] if run.warmup is not None and not run.warmup.error else [])
+    compared = [a for a in checked if a.key in cold and not cold[a.key].error]
+    differ = [a.key for a in compared if a.text != cold[a.key].text]
+    return {"requests": len(run.answers), "completed": len(ok), "error": run.error,
+            "hit_rate": _divide(cached, prompt), "cached_tokens": cached, "prompt_tokens": prompt,
+            "mean_ttft_ms": statistics.fmean(ttfts) if ttfts else None,
+            "median_ttft_ms": statistics.median(ttfts) if ttfts else None,
+            "median_time_per_output_token_ms": statistics.median(tpots) if tpots else None,
+            "completion_tokens_per_s": _divide(sum(a.completion_tokens for a in ok), run.wall_s),
+            "requests_per_s": _divide(len(ok), run.wall_s), "wall_s": run.wall_s, "start_s": run.start_s,
+            "by_instance": dict(Counter(a.instance or "?" for a in ok)),
+            "instances_per_document": _divide(sum(len(s) for s in per_doc.values()), len(per_doc)),
+            "answers_compared": len(compared), "answers_differ": differ}
+
+
+def ratios(fig: dict) -> dict:
+    """The figures the issue's Targets name, each from this one run."""
+    def get(name: str, key: str):
+        return fig[name][key] if name in fig else None
+
+    single_hit = get("single", "hit_rate")
+    return {
+        "kv_aware_hit_vs_single": {mode: _divide(get(f"kv_aware/{mode}", "hit_rate"), single_hit)
+                                   for mode in ("shared", "no-shared")},
+        "round_robin_no_shared_ttft_vs_kv_aware": {
+            mode: _divide(get("round_robin/no-shared", "mean_ttft_ms"), get(f"kv_aware/{mode}", "mean_ttft_ms"))
+            for mode in ("shared", "no-shared")},
+        "round_robin_hit_rate": {mode: get(f"round_robin/{mode}", "hit_rate") for mode in ("shared", "no-shared")},
+        "round_robin_ttft_shared_vs_no_shared": _divide(get("round_robin/shared", "mean_ttft_ms"),
+                                                        get("round_robin/no-shared", "mean_ttft_ms")),
+        "pd_ttft_vs_colocated": _divide(get("pd", "median_ttft_ms"), get("colocated", "median_ttft_ms")),
+        "pd_time_per_output_token_vs_colocated": _divide(get("pd", "median_time_per_output_token_ms"),
+                                                         get("colocated", "median_time_per_output_token_ms")),
+    }
+
+
+def failed(result: dict) -> list[str]:
+    """What makes the bench fail: a fleet that broke, a request with an error, an answer unlike its cold run."""
+    problems = [f"cold run {key}: {a.error}" for key, a in result["cold"].items() if a.error]
+    for name, run in result["runs"].items():
+        if run.error:
+            problems.append(f"{name}: {run.error}")
+        problems += [f"{name}, {a.key}: {a.error}" for a in run.answers + [run.warmup] if a is not None and a.error]
+        problems += [f"{name}, {key}: the answer differs from its cold run"
+                     for key in result["figures"][name]["answers_differ"]]
+    return problems
+
