@@ -125,7 +125,8 @@ def worker_routes(settings: Settings, engine: ServeEngine, live_state: LiveState
         if events is None:
             return JSONResponse({})
         return JSONResponse({"0": {"endpoint": events.endpoint,
-                                   "replay_endpoint": getattr(events, "replay_endpoint", None), "topic": "",
+                                   "replay_endpoint": getattr(events, "replay_endpoint", None),
+                                   "topic": getattr(events, "topic", ""),
                                    "publisher": "zmq", "enable_kv_cache_events": True,
                                    "encoding": "msgpack", "schema_version": 1}})
 
