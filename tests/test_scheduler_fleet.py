@@ -145,7 +145,10 @@ def test_the_listener_sees_resident_and_stored_unsalted_runs_only_and_nothing_re
         scheduler.submit(salted_prompt, cache_salt="tenant-a").result(timeout=120)
         record = scheduler.submit(open_prompt).result(timeout=120)
         assert scheduler.drain(60)
-        media = scheduler.stored_media(scheduler.unsalted_hashes(open_tokens))
+        hashes = scheduler.unsalted_hashes(open_tokens)
+        media = scheduler.stored_media(hashes)
+        scheduler.store.clear("L1")   # the embedded store's L2 has its copies (written through)
+        on_disk = scheduler.stored_media(hashes)
         before_close = listener.of("resident")
     c = scheduler.chunk_size
     whole, salted_whole = len(open_tokens) // c * c, len(salted_tokens) // c * c
@@ -158,4 +161,4 @@ def test_the_listener_sees_resident_and_stored_unsalted_runs_only_and_nothing_re
     assert not any(run[:salted_whole] == tuple(salted_tokens[:salted_whole]) for run in runs)
     assert all(a != b for a, b in zip(before_close, before_close[1:]))   # told on a change only
     assert listener.of("resident")[-1] == ([],)                            # closed: nothing resident
-    assert media == ["CPU"] * (whole // c)
+    assert media == ["CPU"] * (whole // c) and on_disk == ["DISK"] * (whole // c)
