@@ -29,6 +29,7 @@ import pytest
 import requests
 import zmq
 
+from conftest import needs_model
 from kvbridge.kv_events import BlockView, KVEventPublisher, KVEvents, KVEventsUrlError, start_kv_events, wire
 
 pytestmark = pytest.mark.timeout(120)
@@ -437,3 +438,47 @@ def _answers(port: int) -> bool:
         return requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
     except requests.ConnectionError:
         return False
+
+
+# --- the real scheduler on the real model --------------------------------------------------------------
+@needs_model
+def test_the_real_scheduler_publishes_its_unsalted_prompts_by_medium(make_settings, short_doc):
+    """start_kv_events on a real Scheduler: an unsalted prompt's whole chunks are claimed resident (GPU)
+    and stored (CPU), with the prompt's own token ids; a cache_salt prompt never appears; when L1 lets
+    go the recheck moves the claims to DISK, when L2 does too they are removed; closed, all is cleared."""
+    from kvbridge.scheduler import Scheduler
+
+    settings = make_settings(sched_kv_cells=2048, sched_max_running=2, sched_cached_prefixes=2, n_predict=8,
+                             ctx_size=1024, kv_events_url="tcp://127.0.0.1:0", kv_events_check_s=0.2)
+    open_prompt = [{"role": "user", "content": f"Document:\n{short_doc}\n\nWho leads the operations team?"}]
+    salted_prompt = [{"role": "user", "content": f"Secret:\n{short_doc[300:]}\n\nSummarise it."}]
+    with Scheduler(settings) as scheduler:
+        events = start_kv_events(settings, scheduler, "solo")
+        sub = Subscriber(events.endpoint)
+        try:
+            sub.until(lambda evs: any(isinstance(e, wire.AllBlocksCleared) for e in evs), "subscribed")
+            open_tokens, salted_tokens = scheduler.tokens_of(open_prompt), scheduler.tokens_of(salted_prompt)
+            scheduler.submit(salted_prompt, cache_salt="tenant-a").result(timeout=120)
+            scheduler.submit(open_prompt).result(timeout=120)
+            cs = scheduler.chunk_size
+            ids = [wire.block_id(h) for h in scheduler.unsalted_hashes(open_tokens)]
+            assert ids and len(ids) == len(open_tokens) // cs
+            sub.until(lambda evs: {(i, "CPU") for i in ids} <= set(stored_claims(evs))
+                      and {(i, "GPU") for i in ids[:-1]} <= set(stored_claims(evs)),
+                      "the prompt's chunks claimed in L1 and (its cached prefix) resident")
+            tokens_of = {h: e.token_ids[k * cs:(k + 1) * cs] for e in sub.events()
+                         if isinstance(e, wire.BlockStored) for k, h in enumerate(e.block_hashes)}
+            assert [tokens_of[i] for i in ids] == [open_tokens[k * cs:(k + 1) * cs] for k in range(len(ids))]
+            salted_chunks = {tuple(salted_tokens[k * cs:(k + 1) * cs]) for k in range(len(salted_tokens) // cs)}
+            assert not salted_chunks & {tuple(t) for t in tokens_of.values()}, "a cache_salt prompt was published"
+
+            scheduler.store.clear("L1")                    # L2 keeps its written-through copies
+            sub.until(lambda evs: {(i, "DISK") for i in ids} <= set(stored_claims(evs))
+                      and not {(i, "CPU") for i in ids} & set(stored_claims(evs)), "the claims moved to DISK")
+            scheduler.store.clear("L2")
+            sub.until(lambda evs: not {(i, m) for i in ids for m in ("CPU", "DISK")} & set(stored_claims(evs)),
+                      "the store's claims removed by the recheck")
+        finally:
+            events.close()
+        sub.until(lambda evs: isinstance(evs[-1], wire.AllBlocksCleared), "cleared at close")
+        sub.close()
