@@ -418,7 +418,7 @@ def test_the_real_vllm_router_routes_by_these_events(tmp_path, sources):
         ids = [wire.block_id(h) for h in schedulers[1].unsalted_hashes(PROMPT_TOKENS)]
         lost = wire.BlockStored(ids, None, PROMPT_TOKENS[:4 * ROUTER_BLOCK], ROUTER_BLOCK, medium="GPU")
         with publishers[1]._cond:                         # fault injection: numbered and kept, never sent
-            publishers[1]._ring.append((publishers[1].seq, wire.encode_batch([lost])))
+            publishers[1]._keep_for_replay(publishers[1].seq, wire.encode_batch([lost]))
             publishers[1].seq += 1
         publishers[1].publish([wire.BlockRemoved([1], "GPU")])   # the next live batch shows the gap
         prefer("w2", "the lost batch came back through the replay socket")

@@ -97,7 +97,7 @@ class BlockView:
     def snapshot(self) -> dict:
         """Claims by medium, for tests and status pages."""
         with self._cond:
-            counts = collections.Counter(m for b in self._blocks.values() for m in b.published)
+            counts = collections.Counter(m for b in list(self._blocks.values()) for m in list(b.published))
             return {"blocks": len(self._blocks), "claims": dict(counts), "dropped_stores": self.dropped_stores,
                     "faults": self.faults}
 

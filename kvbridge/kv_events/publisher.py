@@ -26,7 +26,8 @@ from kvbridge.kv_events import wire
 
 log = logging.getLogger(__name__)
 QUEUE_BATCHES = 256      # queued batches before publish() waits
-REPLAY_BATCHES = 4096    # sent batches kept for replay
+REPLAY_BATCHES = 4096    # sent batches kept for replay ...
+REPLAY_BYTES = 64 << 20  # ... and at most this many bytes of them
 MAX_EVENTS_PER_BATCH = 512
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
@@ -60,7 +61,9 @@ def _bind(sock: zmq.Socket, url: str) -> str:
         sock.bind(f"tcp://{host}:{parsed.port}")
         return f"tcp://{host}:{parsed.port}"
     path = parsed.netloc + parsed.path
-    old_umask = os.umask(0o177)      # the file is never group- or world-accessible, not even for a moment
+    # the file is never group- or world-accessible, not even for a moment (the umask is process-wide: a
+    # file another thread creates meanwhile is at worst private too)
+    old_umask = os.umask(0o177)
     try:
         sock.bind(f"ipc://{path}")
     finally:
@@ -99,7 +102,8 @@ class KVEventPublisher:
             self._ctx.term()
             raise
         self._queue: collections.deque[list] = collections.deque()
-        self._ring: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=REPLAY_BATCHES)
+        self._ring: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._ring_bytes = 0
         self._cond = threading.Condition()
         self._closing = False
         self.seq = 0                 # the next batch's sequence number
@@ -177,16 +181,22 @@ class KVEventPublisher:
 
     def _send_queued(self) -> bool:
         while True:
-            with self._cond:
+            with self._cond:      # numbered and kept under the lock: seq and the replay ring stay in step
                 if not self._queue:
                     return self._closing
                 events = self._queue.popleft()
                 self._cond.notify_all()
-            payload = wire.encode_batch(events)
-            seq = self.seq
-            self.seq += 1
-            self._ring.append((seq, payload))
+                payload = wire.encode_batch(events)
+                seq = self.seq
+                self.seq += 1
+                self._keep_for_replay(seq, payload)
             self._pub.send_multipart((self._topic, wire.seq_frame(seq), payload))
+
+    def _keep_for_replay(self, seq: int, payload: bytes) -> None:
+        self._ring.append((seq, payload))
+        self._ring_bytes += len(payload)
+        while len(self._ring) > REPLAY_BATCHES or (self._ring_bytes > REPLAY_BYTES and len(self._ring) > 1):
+            self._ring_bytes -= len(self._ring.popleft()[1])
 
     def _read_subscriptions(self) -> None:
         while self._pub.poll(0):
@@ -207,7 +217,9 @@ class KVEventPublisher:
                 continue
             identity, start = frames[0], int.from_bytes(frames[2], "big")
             self.replays += 1
-            for seq, payload in list(self._ring):
+            with self._cond:
+                kept = list(self._ring)
+            for seq, payload in kept:
                 if seq >= start:
                     self._replay.send_multipart((identity, b"", self._topic, wire.seq_frame(seq), payload))
             self._replay.send_multipart((identity, b"", b"", wire.END_SEQ, b""))
