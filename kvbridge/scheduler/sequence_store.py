@@ -48,6 +48,7 @@ from kvbridge.store.behind import BehindWriter
 log = logging.getLogger(__name__)
 
 SWAP_TAIL_PREFIX = b"kvb-swap-tail:"
+MEDIA_WINDOW, MAX_MEDIA_WINDOW = 32, 2048   # hashes per lookup in media(): after a miss, and at most
 MEMORY_TIERS = {"L1"}   # the embedded store's RAM tier and the cache server's shared-memory L1 have this name
 
 
@@ -224,16 +225,21 @@ class SequenceStore:
     def media(self, hashes: Sequence[bytes], deadline_s: float) -> list[str | None]:
         """Where the store holds each chunk hash now: "CPU" (a tier in RAM: L1, or the cache server's L1 in
         shared memory), "DISK" (L2 on disk, L3 on Redis) or None (not held). A lookup answers for a leading run
-        only, so one is asked from each miss on; past `deadline_s` (a slow or faulty store, whose faults are
-        its counted misses) the rest are None."""
+        only, so each miss costs one more; each asks a window of the hashes (a cache server's lookup costs
+        per hash sent), doubled while all hit and small again after a miss. Past `deadline_s` (a slow or
+        faulty store, whose faults are its counted misses) no lookup starts and the rest are None."""
         media: list[str | None] = [None] * len(hashes)
         end = time.monotonic() + deadline_s
-        at = 0
+        at, window = 0, MEDIA_WINDOW
         while at < len(hashes) and time.monotonic() < end:
-            found = self.store.lookup(list(hashes[at:]), namespace=self.kv.namespace)
+            asked = list(hashes[at:at + window])
+            found = self.store.lookup(asked, namespace=self.kv.namespace)
             for offset, tier in enumerate(found.tiers):
                 media[at + offset] = "CPU" if tier in MEMORY_TIERS else "DISK"
-            at += found.n_hit + 1
+            if found.n_hit == len(asked):
+                at, window = at + len(asked), min(window * 2, MAX_MEDIA_WINDOW)
+            else:
+                at, window = at + found.n_hit + 1, MEDIA_WINDOW
         return media
 
     def drain(self) -> None:
