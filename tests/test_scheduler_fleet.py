@@ -6,15 +6,19 @@ Short prompts and small budgets keep it to a minute or so.
 """
 from __future__ import annotations
 
+import random
 import threading
 
 import pytest
 from blake3 import blake3
 
 from conftest import needs_model
+from kvbridge.engine.hashing import tokens_digest
 from kvbridge.scheduler import RequestRefused, Scheduler
+from kvbridge.scheduler.sequence_store import SequenceStore
+from kvbridge.store import DiskTier, MemoryTier, ObjectMeta, TieredStore
 
-pytestmark = [needs_model, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(300)]
 
 # SmolLM2 answers this in one word, then its end token: well before n_predict
 SHORT_ANSWER = [{"role": "user", "content": "Reply with one word: yes or no. Is the sky blue?"}]
@@ -51,6 +55,7 @@ class Recorder:
             return [call[1:] for call in self.calls if call[0] == kind]
 
 
+@needs_model
 def test_ignore_eos_runs_to_n_predict_and_min_tokens_holds_the_end_and_the_stop_strings_back(settings):
     with Scheduler(settings) as scheduler:
         def run(**options):
@@ -77,6 +82,7 @@ def test_ignore_eos_runs_to_n_predict_and_min_tokens_holds_the_end_and_the_stop_
     assert len(tokens) == plain.prompt_tokens
 
 
+@needs_model
 def test_a_prefill_answers_after_its_prompt_is_in_the_cache_server_and_a_decode_scheduler_restores_all_of_it(
         make_settings, short_doc, tmp_path):
     """PD through the shared cache: the prefill scheduler's Future resolves once every whole chunk and the tail
@@ -113,6 +119,7 @@ def test_a_prefill_answers_after_its_prompt_is_in_the_cache_server_and_a_decode_
     assert on_disk == ["DISK"] * whole
 
 
+@needs_model
 def test_store_before_answer_is_never_skipped_for_a_full_write_queue(settings, short_doc):
     """Three store_before_answer requests while the writer is held (it starts nothing) behind a queue of
     one: the loop meets a full queue and waits it out (drained) instead of skipping the write, and each
@@ -134,6 +141,7 @@ def test_store_before_answer_is_never_skipped_for_a_full_write_queue(settings, s
         assert prompt_held == record.prompt_tokens // 32
 
 
+@needs_model
 def test_the_listener_sees_resident_and_stored_unsalted_runs_only_and_nothing_resident_at_close(settings,
                                                                                              short_doc):
     listener = Recorder()
@@ -162,3 +170,32 @@ def test_the_listener_sees_resident_and_stored_unsalted_runs_only_and_nothing_re
     assert all(a != b for a, b in zip(before_close, before_close[1:]))   # told on a change only
     assert listener.of("resident")[-1] == ([],)                            # closed: nothing resident
     assert media == ["CPU"] * (whole // c) and on_disk == ["DISK"] * (whole // c)
+
+
+def test_stored_media_answers_for_every_hash_on_its_own_across_lookup_windows(make_settings, tmp_path):
+    """Hashes held in L1, on disk only, or not at all, in a random order longer than several lookup windows:
+    each answer equals a lookup of that hash alone (a lookup answers for a leading run only)."""
+    settings = make_settings()
+    namespace = "fleet-test"
+    store = TieredStore([MemoryTier(1 << 20), DiskTier(tmp_path / "l2", 1 << 24)])
+    sequences = SequenceStore(store, settings, namespace, geometry=None)
+    try:
+        rng = random.Random(34)
+        hashes = [rng.randbytes(32) for _ in range(300)]
+        meta = ObjectMeta(namespace=namespace, n_tokens=1, tokens_digest=tokens_digest([1]))
+        where = [rng.choice(["CPU", "DISK", None, None]) for _ in hashes]
+        for key, medium in zip(hashes, where):
+            if medium is not None:
+                assert store.put(key, b"kv" * 100, meta)
+        store.clear("L1")
+        for key, medium in zip(hashes, where):
+            if medium == "CPU":
+                assert store.get(key) is not None   # read back: promoted into L1 again
+        media = sequences.media(hashes, deadline_s=60)
+        alone = [store.lookup([key], namespace=namespace).tiers for key in hashes]
+    finally:
+        sequences.close()
+        store.close()
+    assert media == where
+    assert media == [None if not tiers else "CPU" if tiers == ["L1"] else "DISK" for tiers in alone]
+    assert media.count("CPU") and media.count("DISK")
