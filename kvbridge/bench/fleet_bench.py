@@ -6,13 +6,22 @@ the workers, vllm-router on loopback), started, asked the workload of kvbridge.b
 through the official openai SDK, and stopped before the next one starts (never two at once, except
 the PD pair below, which alternate requests). Every fleet gets the caller's settings except:
 
-- KV cells: one worker's KVB_SCHED_KV_CELLS hold ~2 documents' prompts (WORKER_DOCUMENTS) while the
-  workload has more documents (6 by default); KVB_CTX_SIZE is the longest prompt plus the answer.
+- memory: one worker holds ~2 documents' prompts (WORKER_DOCUMENTS) while the workload has more
+  documents (6 by default), in its KV cells (KVB_SCHED_KV_CELLS) and in its store's L1 (KVB_L1_BYTES,
+  from the model's K/V bytes per token). No finished prompt stays resident in the cells
+  (KVB_SCHED_CACHED_PREFIXES=0, see exactness below), so what a worker remembers between requests is
+  its L1: a reused prompt is restored from the store. KVB_CTX_SIZE is the longest prompt plus the answer.
 - threads: one core's share each (cores // workers, at least 1), the same in every fleet here.
-- the store: a private temporary L2 per fleet (no L3, no KVB_STORE_URL: nothing from an earlier fleet
-  or run is found). Shared cache on: the fleet's own cache server (its L1 pool, that L2) for every
-  worker. Off: each worker its own embedded L1 and no L2 (with one L2 folder the workers would share
-  it through the disk, which is a shared cache too).
+- exactness: f32 K/V, one running sequence per worker (KVB_SCHED_MAX_RUNNING=1) and no resident
+  cached prefixes, the settings under which the scheduler's answers are proven equal to solo runs
+  (Docs/Research.md §11: llama.cpp on CPU is not batch-invariant, with f16 K/V an answer depends on
+  where its cells lie, and even with f32 decoding over other sequences' cells moves the logits; a
+  run here with resident prefixes shared gave "can be" for a cold "can control"). The fleet still runs
+  CLIENT_THREADS requests at once, one per worker.
+- the store: no L2 and no L3 (memory stays bounded; one L2 folder would be a cache the workers share
+  through the disk), no KVB_STORE_URL: nothing from an earlier fleet or run is found. Shared cache on:
+  the fleet's own cache server, its pool the workers' L1 together (workers x one worker's); off: each
+  worker its own embedded L1. The single instance: SINGLE_SCALE x one worker's cells and L1.
 - no API key, loopback only.
 
 Runs, in this order:
@@ -54,7 +63,7 @@ POLICIES = ("round_robin", "cache_aware", "kv_aware")
 SEED = 34
 DOCUMENT_CHARS = 2400          # ~560 tokens of SmolLM2 per document; with the question ~600 per prompt
 QUICK_DOCUMENT_CHARS = 1200
-WORKER_DOCUMENTS = 2.5         # a worker's cells: ~2 resident prompts plus room to run the next one
+WORKER_DOCUMENTS = 2.5         # a worker's cells and L1: ~2 prompts, and room for part of the next one
 SINGLE_SCALE = 3               # "one instance with all the memory": this many workers' cells
 CLIENT_THREADS = 3
 PD_QUESTIONS = 3               # new questions on the warm document, per PD fleet
@@ -66,9 +75,9 @@ class Sizing:
     """What every fleet's workers get: cells, context and threads, from the longest prompt."""
     prompt_tokens: int         # the longest prompt, counted with the model's tokenizer (+ the template)
     worker_cells: int
+    worker_l1_bytes: int       # WORKER_DOCUMENTS prompts of f32 K/V
     ctx_size: int
     threads: int
-    cached_prefixes: int
 
 
 @dataclass
@@ -105,16 +114,28 @@ def sizing(settings: Settings, docs: list[Document], max_tokens: int, workers: i
     prompt = longest + TEMPLATE_TOKENS
     block = settings.sched_block_tokens
     cells = -(-int(WORKER_DOCUMENTS * (prompt + max_tokens)) // block) * block
+    l1 = int(WORKER_DOCUMENTS * prompt * kv_bytes_per_token(vocab.metadata))
     ctx = -(-(prompt + max_tokens + 64) // 256) * 256
-    return Sizing(prompt, cells, ctx, max(1, settings.resolved_threads() // workers), settings.sched_cached_prefixes)
+    return Sizing(prompt, cells, l1, ctx, max(1, settings.resolved_threads() // workers))
 
 
-def fleet_settings(settings: Settings, size: Sizing, folder: Path, *, shared: bool, scale: int = 1) -> Settings:
+def kv_bytes_per_token(metadata: dict) -> int:
+    """f32 K and V of every layer for one token, from the GGUF's own keys (SmolLM2-135M: 46,080)."""
+    arch = metadata["general.architecture"]
+    heads = int(metadata[f"{arch}.attention.head_count"])
+    heads_kv = int(metadata.get(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(metadata[f"{arch}.embedding_length"]) // heads
+    return int(metadata[f"{arch}.block_count"]) * heads_kv * head_dim * 2 * 4
+
+
+def fleet_settings(settings: Settings, size: Sizing, folder: Path, *, scale: int = 1) -> Settings:
+    """A fleet's settings: `scale` x one worker's cells and L1 (the single instance, a shared pool)."""
     return settings.replace(
-        ctx_size=size.ctx_size, sched_kv_cells=size.worker_cells * scale,
-        sched_cached_prefixes=size.cached_prefixes * scale, threads=size.threads, serve_engine="scheduler",
-        serve_host="127.0.0.1", serve_api_key_env="", serve_admin_key_env="", serve_tenants_file="",
-        l2_dir=str(folder / "l2"), l2_enabled=shared, l3_url="", store_url="")
+        ctx_size=size.ctx_size, sched_kv_cells=size.worker_cells * scale, l1_bytes=size.worker_l1_bytes * scale,
+        sched_max_running=1, sched_cached_prefixes=0, cache_type_k="f32", cache_type_v="f32", flash_attn=False,
+        threads=size.threads, serve_engine="scheduler", serve_host="127.0.0.1", serve_api_key_env="",
+        serve_admin_key_env="", serve_tenants_file="", l2_dir=str(folder / "l2"), l2_enabled=False, l3_url="",
+        store_url="")
 
 
 @contextlib.contextmanager
@@ -186,7 +207,7 @@ def run_bench_fleet(settings: Settings, *, documents_count: int = 6, questions_p
 
         def single_body() -> None:
             progress(f"single instance ({single.cells} cells): starting")
-            with started(single, fleet_settings(settings, size, folder("single"), shared=False, scale=SINGLE_SCALE),
+            with started(single, fleet_settings(settings, size, folder("single"), scale=SINGLE_SCALE),
                          policy="round_robin") as fleet:
                 progress(f"single: {len(cold_keys)} cold runs, one at a time, each under a fresh cache_salt")
                 cold.update(cold_runs(fleet.url, model, docs, cold_keys, max_tokens))
@@ -201,8 +222,8 @@ def run_bench_fleet(settings: Settings, *, documents_count: int = 6, questions_p
 
                 def body(run=run, policy=policy, shared=shared) -> None:
                     progress(f"{run.name}: starting {workers} workers ({run.cells} cells each)")
-                    with started(run, fleet_settings(settings, size, folder(run.name), shared=shared),
-                                 policy=policy) as fleet:
+                    pooled = fleet_settings(settings, size, folder(run.name), scale=workers if shared else 1)
+                    with started(run, pooled, policy=policy) as fleet:
                         progress(f"{run.name}: the workload, {len(order)} questions")
                         run.answers, run.wall_s = workload(fleet.url, model, docs, order, max_tokens)
 
@@ -227,9 +248,9 @@ def pd_pair(settings: Settings, size: Sizing, folder: Callable[[str], Path], doc
 
     def body() -> None:
         progress("PD: starting a prefill/decode pair and one colocated instance")
-        with started(colocated, fleet_settings(settings, size, folder("colocated"), shared=True),
+        with started(colocated, fleet_settings(settings, size, folder("colocated")),
                      policy="round_robin") as colo_fleet, \
-                started(pd_run, fleet_settings(settings, size, folder("pd"), shared=True),
+                started(pd_run, fleet_settings(settings, size, folder("pd"), scale=2),
                         policy="round_robin") as pd_fleet:
             clients = [(colocated, client(colo_fleet.url)), (pd_run, client(pd_fleet.url))]
             for run, sdk in clients:
@@ -252,7 +273,9 @@ def setup(settings: Settings, size: Sizing, docs: list[Document], workers: int) 
     return {"model": settings.resolved_model_path().name, "chunk_size": settings.chunk_size,
             "workers": workers, "threads_per_worker": size.threads, "worker_kv_cells": size.worker_cells,
             "single_kv_cells": size.worker_cells * SINGLE_SCALE, "ctx_size": size.ctx_size,
-            "cached_prefixes": size.cached_prefixes, "longest_prompt_tokens": size.prompt_tokens,
+            "worker_l1_bytes": size.worker_l1_bytes, "single_l1_bytes": size.worker_l1_bytes * SINGLE_SCALE,
+            "shared_pool_bytes": size.worker_l1_bytes * workers, "longest_prompt_tokens": size.prompt_tokens,
+            "kv_type": "f32", "max_running_per_worker": 1, "cached_prefixes": 0, "l2": False,
             "document_titles": [d.title for d in docs], "document_chars": [len(d.text) for d in docs],
             "client_threads": CLIENT_THREADS, "openai_sdk": openai.__version__,
             "cold_runs": "the single instance (Fleet(workers=1)), through its router, one at a time, "

@@ -15,6 +15,10 @@ def _f(value, spec: str = ".1f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
+
+
 def _label(result: dict, name: str) -> str:
     run, s = result["runs"][name], result["setup"]
     if name == "single":
@@ -83,8 +87,11 @@ def _header(result: dict) -> list[str]:
         f"{s['client_threads']} client threads), openai SDK {s['openai_sdk']}, streaming, temperature 0, "
         f"max_tokens {result['max_tokens']}",
         f"  {s['model']}, chunk {s['chunk_size']}, prompts up to ~{s['longest_prompt_tokens']} tokens; a worker: "
-        f"{s['worker_kv_cells']} KV cells (~2 prompts), context {s['ctx_size']}, {s['threads_per_worker']} "
-        f"thread(s); the single instance: {s['single_kv_cells']} cells",
+        f"{s['worker_kv_cells']} KV cells and {_mib(s['worker_l1_bytes'])} L1 (~2 prompts each), context "
+        f"{s['ctx_size']}, {s['threads_per_worker']} thread(s), {s['kv_type']} K/V, "
+        f"{s['max_running_per_worker']} running, no resident cached prefixes, no L2",
+        f"  the single instance: {s['single_kv_cells']} cells, {_mib(s['single_l1_bytes'])} L1; the shared cache "
+        f"server's pool: {_mib(s['shared_pool_bytes'])} (the workers' L1 together)",
         f"  hit rate = sum(cached_tokens) / sum(prompt_tokens); TTFT: the client's, to the first content chunk; "
         f"cold answers: {s['cold_runs']}",
     ]
