@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from cache_server_helpers import ServerProcess
-from conftest import needs_model
+from conftest import needs_llama_server_and_model, needs_model
 from process_helpers import clean_env, free_port, start_kvbridge, stop, wait_for
 
 openai = pytest.importorskip("openai", reason="the openai SDK is not installed (requirements.txt)")
@@ -290,3 +290,27 @@ def test_a_pd_pair_behind_the_router_answers_as_a_solo_instance(fleet, tmp_path)
     # answers with the decode leg's body but the prefill leg's usage details (its cached_tokens: the prefill's own
     # reuse), so what the decode leg restored travels in a header of its own
     assert int(raw.headers["X-KVBridge-Restored-Tokens"]) >= answer.usage.prompt_tokens // CHUNK * CHUNK
+
+
+def live(test):
+    """The marks of a test against the llama-server scripts/build_llama_server.sh builds."""
+    for mark in needs_llama_server_and_model():
+        test = mark(test)
+    return test
+
+
+@live
+def test_the_llama_server_engine_renders_with_its_own_tokenizer(tmp_path):
+    worker = Worker(tmp_path, "serve-ls", KVB_SERVE_ENGINE="llama-server").ready()
+    try:
+        chat = {"model": "x", "messages": FRUIT, "max_tokens": 4, "temperature": 0, **ROUTER_FIELDS}
+        ids = worker.post("/v1/chat/completions/render", chat).json()["token_ids"]
+        answer = worker.post("/v1/chat/completions", chat)
+        assert len(ids) == answer.json()["usage"]["prompt_tokens"]
+        assert answer.headers["X-KVBridge-Instance"] == worker.port_id
+        refused = worker.post("/v1/chat/completions", {**chat, "ignore_eos": True})
+        assert refused.status_code == 400 and "KVB_SERVE_ENGINE" in refused.json()["error"]["message"]
+        leg = worker.post("/v1/chat/completions", {**chat, **PREFILL_LEG})
+        assert leg.status_code == 400 and leg.json()["error"]["param"] == "kv_transfer_params"
+    finally:
+        assert stop(worker.proc) == 0

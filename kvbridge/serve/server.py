@@ -94,17 +94,10 @@ def cannot_bind(host: str, port: int) -> str:
 
 
 def check_port(host: str, port: int) -> None:
-    """Refuse a port another process holds before the model loads (BadSettings naming the settings);
-    uvicorn would otherwise exit on its own with only the socket's error."""
-    if port == 0:
-        return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds: TIME_WAIT is no obstacle
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise BadSettings(f"{cannot_bind(host, port)} ({exc.strerror or exc})") from None
+    """Refuse a port another process holds before the model loads (BadSettings naming the settings), not
+    once it has loaded (the real socket is bound after)."""
+    if port != 0:
+        listen_socket(host, port).close()
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
