@@ -231,3 +231,14 @@ def test_a_missing_router_names_how_to_install_it(tmp_path, make_settings, monke
         fleet.start()
     assert "./scripts/setup.sh" in str(refused.value)
     assert fleet.workers == [] and not (tmp_path / "output" / "fleet").exists()
+
+
+def test_pd_under_kv_aware_needs_the_routers_block_size(make_settings):
+    from kvbridge.errors import BadSettings
+    from kvbridge.fleet import Fleet
+    from kvbridge.fleet.router import PD_BLOCK_SIZE
+
+    with pytest.raises(BadSettings, match=f"KVB_CHUNK_SIZE={PD_BLOCK_SIZE}.*--policy round_robin"):
+        Fleet(make_settings(chunk_size=32), workers=2, policy="kv_aware", pd=True)
+    with pytest.raises(BadSettings, match="--pd needs at least 2 workers"):
+        Fleet(make_settings(), workers=1, policy="round_robin", pd=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 import kvbridge
 from kvbridge.errors import BadSettings
 from kvbridge.fleet.children import Child, free_port, port_is_free, stop_all
-from kvbridge.fleet.router import get_json, lists_workers, router_argv, router_binary
+from kvbridge.fleet.router import PD_BLOCK_SIZE, get_json, lists_workers, router_argv, router_binary
 from kvbridge.settings import Settings
 from kvbridge.settings.checks import FLEET_POLICIES
 from kvbridge.settings.core import settings_to_env
@@ -60,6 +60,10 @@ class Fleet:
         if pd and not (shared_cache or settings.store_url or settings.l3_url):
             raise BadSettings("--pd hands the KV over through a shared cache: drop --no-shared-cache, "
                               "or set KVB_STORE_URL or KVB_L3_URL")
+        if pd and policy == "kv_aware" and settings.chunk_size != PD_BLOCK_SIZE:
+            raise BadSettings(f"--pd with --policy kv_aware needs KVB_CHUNK_SIZE={PD_BLOCK_SIZE} (vllm-router reads "
+                              f"PD KV events in {PD_BLOCK_SIZE}-token blocks; it is {settings.chunk_size}): "
+                              "set it, or use --policy round_robin or cache_aware")
         if port and not port_is_free(port):
             raise BadSettings(f"the router's port 127.0.0.1:{port} is in use: choose another with --port / "
                               "KVB_FLEET_PORT (0: any free port)")
@@ -125,7 +129,8 @@ class Fleet:
         started = []
         for i, role in enumerate(self._roles(), start=1):
             name = f"worker-{i}"
-            events_url = f"tcp://127.0.0.1:{free_port()}" if self.policy == "kv_aware" else ""
+            publishes = self.policy == "kv_aware" and role != "decode"    # PD: the router reads the prefill's only
+            events_url = f"tcp://127.0.0.1:{free_port()}" if publishes else ""
             env = self._env(KVB_SERVE_INSTANCE_ID=name, KVB_SERVE_ROLE=role, KVB_KV_EVENTS_URL=events_url,
                             KVB_STORE_URL=self.store_url)
             child = Child(name, [sys.executable, "-m", "kvbridge", "serve", "--host", "127.0.0.1", "--port", "0"],

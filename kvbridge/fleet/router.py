@@ -18,6 +18,7 @@ from pathlib import Path
 from kvbridge.errors import BadSettings
 
 PINNED = "vllm-router==0.1.17"
+PD_BLOCK_SIZE = 16     # 0.1.17 reads PD KV events (--pd-kv-events) in 16-token blocks, not configurable
 
 
 def router_binary() -> Path:
@@ -45,7 +46,12 @@ def router_argv(binary: Path, port: int, prometheus_port: int, policy: str, work
             argv += ["--prefill" if worker.role == "prefill" else "--decode", worker.url]
     else:
         argv += ["--worker-urls", *(worker.url for worker in workers)]
-    if policy == "kv_aware":
+    if policy == "kv_aware" and pd:    # events of the prefill workers only, in 16-token blocks (PD_BLOCK_SIZE)
+        argv += ["--decode-policy", "round_robin"]
+        for worker in workers:
+            if worker.role == "prefill":
+                argv += ["--pd-kv-events", f"{worker.url}={worker.events_url}"]
+    elif policy == "kv_aware":
         for worker in workers:
             argv += ["--kv-event-source", f"{worker.url}={worker.events_url}"]
         argv += ["--kv-event-block-size", str(block_size), "--kv-event-model", model_id]
