@@ -280,8 +280,12 @@ def test_a_pd_pair_behind_the_router_answers_as_a_solo_instance(fleet, tmp_path)
     try:
         raw = router.client().chat.completions.with_raw_response.create(model="x", messages=question, max_tokens=24,
                                                                         temperature=0)
+        # the decode leg may stream (the router sends the prefill leg whole either way)
+        streamed = "".join(c.choices[0].delta.content or "" for c in router.client().chat.completions.create(
+            model="x", messages=question, max_tokens=24, temperature=0, stream=True) if c.choices)
     finally:
         router.stop()
+    assert streamed == alone.choices[0].message.content
     answer = raw.parse()
     assert answer.choices[0].message.content == alone.choices[0].message.content
     assert answer.usage.prompt_tokens == alone.usage.prompt_tokens
