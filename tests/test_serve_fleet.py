@@ -6,8 +6,9 @@ The render endpoints answer the ids the completion prefills (its prompt_tokens, 
 the bodies a router forwards (vLLM's extra fields) are answered, the meaningful ones honoured
 (ignore_eos, min_tokens) and the impossible ones refused by name; X-KVBridge-Instance is on every
 response (a 200, a 404, a 401, /health, /metrics) and reaches the SDK through a cache_aware router;
-a PD pair behind the router answers what a solo instance answers, its decode leg restoring what the
-prefill leg stored.
+a kv_aware router finds the worker's KV-event publisher through /get_server_info and
+/kv_event_sources alone; a PD pair behind the router answers what a solo instance answers, its decode
+leg restoring what the prefill leg stored.
 """
 from __future__ import annotations
 
@@ -264,6 +265,21 @@ def test_the_instance_header_reaches_the_client_through_a_cache_aware_router(fle
         warm = again.parse()
         assert warm.usage.prompt_tokens_details.cached_tokens >= warm.usage.prompt_tokens // CHUNK * CHUNK
         assert warm.choices[0].message.content == first.parse().choices[0].message.content
+    finally:
+        router.stop()
+
+
+@needs_router
+def test_a_kv_aware_router_finds_the_publisher_through_the_discovery_endpoints(fleet, tmp_path):
+    decode = fleet["decode"]
+    endpoint = requests.get(decode.url + "/kv_event_sources", timeout=10).json()["0"]["endpoint"]
+    # no --kv-event-source: the router reads /get_server_info (instance, block size) and /kv_event_sources itself
+    router = Router(tmp_path, "router-kv-aware", ["--policy", "kv_aware", "--worker-urls", decode.url])
+    try:
+        wait_for(lambda: f"subscriber for decode-1 rank0 on {endpoint}" in router.log.read_text(),
+                 "the router did not subscribe to the worker's KV events", router.log, router.proc, timeout_s=30)
+        answer = router.client().chat.completions.with_raw_response.create(model="x", messages=FRUIT, max_tokens=2)
+        assert answer.headers["X-KVBridge-Instance"] == "decode-1"
     finally:
         router.stop()
 
