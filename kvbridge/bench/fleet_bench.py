@@ -34,8 +34,8 @@ Runs, in this order:
    `Fleet(workers=1)` colocated, both up; each is asked question 0 of document 0 (the prefix warms),
    then PD_QUESTIONS new questions on the same document, alternating between the two fleets.
 
-The workload: every document's questions, interleaved (seeded), sent by CLIENT_THREADS client threads
-taking them in order. Figures per fleet: hit rate = sum(cached_tokens) / sum(prompt_tokens) (usage),
+The workload: every document's questions, interleaved (seeded), one user per document who asks the
+next question once the last is answered, up to CLIENT_THREADS requests in flight (different documents). Figures per fleet: hit rate = sum(cached_tokens) / sum(prompt_tokens) (usage),
 mean and median TTFT, completion tokens/s and requests/s over the workload's wall time, the instance
 that answered each request (X-KVBridge-Instance), answers equal to their cold runs. No target is judged
 here (Docs/Research.md does that); the machine is shared, so the ratios of one run are what to read.
@@ -49,7 +49,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -157,12 +157,28 @@ def started(run: FleetRun, settings: Settings, **fleet_options):
 
 
 def workload(fleet_url: str, model: str, docs: list[Document], order: list[Question], max_tokens: int) -> tuple:
-    """The questions in order, CLIENT_THREADS at a time (each thread takes the next one); answers, wall seconds."""
+    """The questions, up to CLIENT_THREADS at once: whenever a client is free it sends the first question in
+    `order` whose user (one per document) is not waiting for an answer, as a user asks the next question
+    after reading the last one. Answers in the order sent, and the wall seconds."""
     sdk = client(fleet_url)
+    pending, running, answers = list(order), {}, []
     begun = time.perf_counter()
     with ThreadPoolExecutor(CLIENT_THREADS) as pool:
-        answers = list(pool.map(lambda q: ask(sdk, model, docs, q, max_tokens, started=begun), order))
-    return answers, time.perf_counter() - begun
+        while pending or running:
+            waiting = {q.doc for q in running.values()}
+            for question in list(pending):
+                if len(running) == CLIENT_THREADS:
+                    break
+                if question.doc in waiting:
+                    continue
+                waiting.add(question.doc)
+                pending.remove(question)
+                running[pool.submit(ask, sdk, model, docs, question, max_tokens, started=begun)] = question
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                del running[future]
+                answers.append(future.result())
+    return sorted(answers, key=lambda a: a.sent_s), time.perf_counter() - begun
 
 
 def cold_runs(fleet_url: str, model: str, docs: list[Document], keys: list[Question], max_tokens: int) -> dict:
