@@ -114,21 +114,18 @@ def worker_routes(settings: Settings, engine: ServeEngine, live_state: LiveState
         return JSONResponse({"load": int(state.get("running", 0)) + int(state.get("waiting", 0))})
 
     async def server_info(request: Request) -> Response:
-        return JSONResponse({"model_id": engine.model_id, "model_path": str(engine.model_path),
-                             "instance_id": instance_id, "kv_block_size": settings.chunk_size,
-                             "worker_type": WORKER_TYPES.get(settings.serve_role, "regular"),
-                             "role": settings.serve_role, "engine": engine.name})
+        info = {"model_id": engine.model_id, "model_path": str(engine.model_path), "instance_id": instance_id,
+                "kv_block_size": settings.chunk_size, "worker_type": WORKER_TYPES.get(settings.serve_role, "regular"),
+                "role": settings.serve_role, "engine": engine.name}
+        if engine.kv_events is not None:   # what the router needs to index the events (kvbridge.kv_events)
+            info.update(engine.kv_events.server_info_fields())
+        return JSONResponse(info)
 
     async def kv_event_sources(request: Request) -> Response:
-        """Keyed by data-parallel rank, as vLLM's: this instance is one rank, 0; {} when it publishes nothing."""
+        """Keyed by data-parallel rank, as vLLM's (kvbridge.kv_events writes the body); {} when this instance
+        publishes nothing."""
         events = engine.kv_events
-        if events is None:
-            return JSONResponse({})
-        return JSONResponse({"0": {"endpoint": events.endpoint,
-                                   "replay_endpoint": getattr(events, "replay_endpoint", None),
-                                   "topic": getattr(events, "topic", ""),
-                                   "publisher": "zmq", "enable_kv_cache_events": True,
-                                   "encoding": "msgpack", "schema_version": 1}})
+        return JSONResponse(events.kv_event_sources() if events is not None else {})
 
     return [Route("/v1/chat/completions/render", chat_render, methods=["POST"]),
             Route("/v1/completions/render", completion_render, methods=["POST"]),
