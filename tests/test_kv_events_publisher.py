@@ -256,6 +256,16 @@ def test_another_host_is_refused_naming_the_setting(url):
         KVEventPublisher(url)
 
 
+def test_a_taken_port_is_refused_naming_the_setting():
+    """A fixed port another socket holds: a message for a person, not a ZMQ traceback (serve shows it as a bad setting)."""
+    first = KVEventPublisher("tcp://127.0.0.1:0")
+    try:
+        with pytest.raises(KVEventsUrlError, match="KVB_KV_EVENTS_URL.*in use"):
+            KVEventPublisher(first.endpoint)
+    finally:
+        first.close()
+
+
 def test_start_kv_events_is_off_without_a_url_and_registers_the_view():
     scheduler = StandInScheduler()
     settings = SimpleNamespace(kv_events_url="", kv_events_check_s=1.0, chunk_size=CS)

@@ -72,6 +72,16 @@ def _bind(sock: zmq.Socket, url: str) -> str:
     return f"ipc://{path}"
 
 
+def _bind_or_explain(sock: zmq.Socket, url: str) -> str:
+    """_bind, with a taken port or an unusable path said for a person (naming KVB_KV_EVENTS_URL)."""
+    try:
+        return _bind(sock, url)
+    except (zmq.ZMQError, OSError) as exc:
+        raise KVEventsUrlError(f"KV events cannot bind {url} (KVB_KV_EVENTS_URL): {exc}; the port is in use or the "
+                               "path is not writable: choose another port, tcp://127.0.0.1:0 for a free one, "
+                               "or another ipc:// path") from None
+
+
 def replay_url_for(url: str) -> str:
     """The replay socket's address: a free loopback port for tcp, the path plus ".replay" for ipc."""
     parsed = urlparse(url)
@@ -94,8 +104,8 @@ class KVEventPublisher:
         self._replay = self._ctx.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
         try:
-            self.endpoint = _bind(self._pub, url)
-            self.replay_endpoint = _bind(self._replay, replay_url_for(url))
+            self.endpoint = _bind_or_explain(self._pub, url)
+            self.replay_endpoint = _bind_or_explain(self._replay, replay_url_for(url))
         except BaseException:
             self._pub.close(linger=0)
             self._replay.close(linger=0)
