@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,8 +79,8 @@ class Fleet:
         self.url = f"http://127.0.0.1:{self.port}"
         self.workers: list[Worker] = []
         self.store_url = settings.store_url if shared_cache else ""   # off: each worker its own embedded store
-        run_name = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        self.log_dir = Path(settings.output_dir).expanduser() / "fleet" / run_name
+        self.log_root = Path(settings.output_dir).expanduser() / "fleet"
+        self.log_dir: Path | None = None     # a folder of its own per start, named by time (start() makes it)
         self._cache_server: Child | None = None
         self._worker_children: list[Child] = []
         self._router: Child | None = None
@@ -89,7 +90,8 @@ class Fleet:
     def start(self) -> "Fleet":
         """Start everything; returns once the router answers. On any failure, stops what it started."""
         binary = router_binary()          # before anything starts: a missing router is a setup problem
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_root.mkdir(parents=True, exist_ok=True)
+        self.log_dir = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=self.log_root))
         print(f"fleet logs: {self.log_dir}/ (cache-server.log, worker-N.log, router.log)", flush=True)
         try:
             self._start_cache_server()
