@@ -183,7 +183,8 @@ def test_kv_aware_fleet_keeps_each_document_on_its_instance(tmp_path, solo):
     assert low == [], "\n".join(low)
     differ = [f"doc {d} q {q} on {home[d]}: {answers[d, q]!r} != cold {expected[d, q]!r}"
               for d, q in expected if answers[d, q] != expected[d, q]]
-    assert differ == [], "\n".join(differ) + f"\n(fleet logs under {tmp_path / 'output' / 'fleet'})"
+    assert differ == [], "\n".join(differ) + f"\nfirst questions on {home}; (doc, question, instance, prompt, " \
+                                             f"cached) of the later ones: {later}"
 
 
 @needs_router
