@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import kvbridge
 from kvbridge.errors import BadSettings
 from kvbridge.fleet.children import Child, free_port, port_is_free, stop_all
 from kvbridge.fleet.router import PD_BLOCK_SIZE, get_json, lists_workers, router_argv, router_binary
@@ -108,7 +107,7 @@ class Fleet:
         env = {k: v for k, v in self._base_env.items() if not k.startswith("KVB_")}
         env.update(settings_to_env(self.settings))
         env.update(extra)
-        project = str(Path(kvbridge.__file__).resolve().parents[1])
+        project = str(Path(__file__).resolve().parents[2])   # where `python -m kvbridge` finds this package
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [project, env.get("PYTHONPATH", "")]))
         return env
 
