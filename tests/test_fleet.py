@@ -7,11 +7,13 @@ questions land on at least two instances; every answer equals a cold run under a
 SIGTERM to the fleet's process group, no process of it remains and none of its ports listens. A PD pair
 answers as a solo instance does. Settings are small (32-token chunks, one sequence at a time, f32 K/V).
 
-The cold runs come from a solo instance that keeps no prefix resident (KVB_SCHED_CACHED_PREFIXES=0), each
-under a fresh cache_salt: every one runs alone on an empty context. A salted run through the fleet itself is
-no oracle: it is laid out beside the resident prefixes in the worker's unified cache, and llama.cpp's CPU
-rounding depends on that layout (Docs/Research.md §11); here such runs left the greedy path after a few
-tokens even with f32 K/V, while the warm answers equalled the first, cold ones.
+The workers keep no prefix resident after a request (KVB_SCHED_CACHED_PREFIXES=0): each later question
+restores its document from the shared cache server, and the router finds it by the storing worker's CPU
+claims (resident GPU claims are tested in test_kv_events_publisher.py). With resident prefixes a question
+that shares cells another question had shared in turn (a chain of two seq_cp) leaves the greedy path after
+a few tokens even with f32 K/V: llama.cpp's CPU rounding depends on where the other sequences' cells lie
+(Docs/Research.md §11; issue 37's KVB_SCHED_EXACT is the way to exact answers there). The cold runs go
+through the same fleet under a fresh cache_salt each: one sequence at a time on an empty context.
 """
 from __future__ import annotations
 
@@ -136,8 +138,9 @@ def solo(tmp_path_factory):
         proc.wait(timeout=60)
 
 
-def cold(solo, document: str, question: str) -> str:
-    return ask(solo, document, question, salt=uuid.uuid4().hex)[0]
+def cold(client, document: str, question: str) -> str:
+    """The answer of a run under a fresh cache_salt: nothing of it is shared, restored or published."""
+    return ask(client, document, question, salt=uuid.uuid4().hex)[0]
 
 
 def ask(client, document: str, question: str, salt: str | None = None):
@@ -159,9 +162,10 @@ def client_for(url: str):
 
 
 @needs_router
-def test_kv_aware_fleet_keeps_each_document_on_its_instance(tmp_path, solo):
+def test_kv_aware_fleet_keeps_each_document_on_its_instance(tmp_path):
     docs = documents()
-    with running_fleet(tmp_path, "--workers", "3", "--policy", "kv_aware", "--port", "0") as (url, ports, out, _):
+    with running_fleet(tmp_path, "--workers", "3", "--policy", "kv_aware", "--port", "0",
+                       KVB_SCHED_CACHED_PREFIXES="0") as (url, ports, out, _):
         client = client_for(url)
         with ThreadPoolExecutor(len(docs)) as pool:     # the first questions at the same time
             firsts = list(pool.map(lambda doc: ask(client, doc, QUESTIONS[0]), docs))
@@ -173,7 +177,7 @@ def test_kv_aware_fleet_keeps_each_document_on_its_instance(tmp_path, solo):
                 answer, instance, prompt_tokens, cached = ask(client, doc, QUESTIONS[q])
                 answers[d, q] = answer
                 later.append((d, q, instance, prompt_tokens, cached))
-    expected = {(d, q): cold(solo, docs[d], QUESTIONS[q]) for d in range(len(docs)) for q in range(len(QUESTIONS))}
+        expected = {(d, q): cold(client, docs[d], QUESTIONS[q]) for d in range(len(docs)) for q in range(len(QUESTIONS))}
 
     assert all(home), f"a response through the router lacks X-KVBridge-Instance: {home}"
     assert len(set(home)) >= 2, f"the first questions all landed on {home[0]}"
