@@ -35,10 +35,14 @@ Runs, in this order:
    then PD_QUESTIONS new questions on the same document, alternating between the two fleets.
 
 The workload: every document's questions, interleaved (seeded), one user per document who asks the
-next question once the last is answered, up to CLIENT_THREADS requests in flight (different documents). Figures per fleet: hit rate = sum(cached_tokens) / sum(prompt_tokens) (usage),
-mean and median TTFT, completion tokens/s and requests/s over the workload's wall time, the instance
-that answered each request (X-KVBridge-Instance), answers equal to their cold runs. No target is judged
-here (Docs/Research.md does that); the machine is shared, so the ratios of one run are what to read.
+next question `think_s` seconds after the last was answered, up to CLIENT_THREADS requests in flight
+(different documents). With no think time a question can reach a worker before the last answer's
+prompt has landed in the store (written behind the answer), and a worker's KV events claim blocks only
+once stored: at 0 s a follow-up often recomputes what the 2 s default restores.
+Figures per fleet: hit rate = sum(cached_tokens) / sum(prompt_tokens) (usage), mean and median TTFT,
+completion tokens/s and requests/s over the workload's wall time, the instance that answered each
+request (X-KVBridge-Instance), answers equal to their cold runs. No target is judged here
+(Docs/Research.md does that); the machine is shared, so the ratios of one run are what to read.
 """
 from __future__ import annotations
 
@@ -75,7 +79,7 @@ class Sizing:
     """What every fleet's workers get: cells, context and threads, from the longest prompt."""
     prompt_tokens: int         # the longest prompt, counted with the model's tokenizer (+ the template)
     worker_cells: int
-    worker_l1_bytes: int       # WORKER_DOCUMENTS prompts of f32 K/V
+    worker_l1_bytes: int       # WORKER_DOCUMENTS documents' store objects (document_bytes)
     ctx_size: int
     threads: int
 
@@ -101,7 +105,7 @@ def run_name(policy: str, shared: bool) -> str:
     return f"{policy}/{'shared' if shared else 'no-shared'}"
 
 
-def sizing(settings: Settings, docs: list[Document], max_tokens: int, workers: int) -> Sizing:
+def sizing(settings: Settings, docs: list[Document], max_tokens: int, workers: int, questions: int) -> Sizing:
     """Cells for ~2 prompts per worker, counted with the model's own tokenizer (vocab only: no weights)."""
     import llama_cpp
 
@@ -114,9 +118,16 @@ def sizing(settings: Settings, docs: list[Document], max_tokens: int, workers: i
     prompt = longest + TEMPLATE_TOKENS
     block = settings.sched_block_tokens
     cells = -(-int(WORKER_DOCUMENTS * (prompt + max_tokens)) // block) * block
-    l1 = int(WORKER_DOCUMENTS * prompt * kv_bytes_per_token(vocab.metadata))
+    l1 = int(WORKER_DOCUMENTS * document_bytes(prompt, settings.chunk_size, questions, vocab.metadata))
     ctx = -(-(prompt + max_tokens + 64) // 256) * 256
     return Sizing(prompt, cells, l1, ctx, max(1, settings.resolved_threads() // workers))
+
+
+def document_bytes(prompt: int, chunk: int, questions: int, metadata: dict) -> int:
+    """What the store holds for one document asked `questions` questions: its whole chunks once, and each
+    question's own tail (the tokens after the last whole chunk, stored per prompt), in f32 K/V."""
+    whole = prompt // chunk * chunk
+    return kv_bytes_per_token(metadata) * (whole + questions * (prompt - whole))
 
 
 def kv_bytes_per_token(metadata: dict) -> int:
@@ -128,10 +139,13 @@ def kv_bytes_per_token(metadata: dict) -> int:
     return int(metadata[f"{arch}.block_count"]) * heads_kv * head_dim * 2 * 4
 
 
-def fleet_settings(settings: Settings, size: Sizing, folder: Path, *, scale: int = 1) -> Settings:
-    """A fleet's settings: `scale` x one worker's cells and L1 (the single instance, a shared pool)."""
+def fleet_settings(settings: Settings, size: Sizing, folder: Path, *, scale: int = 1, pool: bool = False) -> Settings:
+    """A fleet's settings: `scale` x one worker's cells and L1 (the single instance, a shared pool). pool: L1 is
+    a cache server's pool, which evicts down to KVB_CACHE_SERVER_TARGET_FREE free once below SOFT_FREE: it is
+    given that much more, so that it holds what the workers' L1s hold together."""
+    l1 = size.worker_l1_bytes * scale / ((1 - settings.cache_server_soft_free) if pool else 1)
     return settings.replace(
-        ctx_size=size.ctx_size, sched_kv_cells=size.worker_cells * scale, l1_bytes=size.worker_l1_bytes * scale,
+        ctx_size=size.ctx_size, sched_kv_cells=size.worker_cells * scale, l1_bytes=int(l1),
         sched_max_running=1, sched_cached_prefixes=0, cache_type_k="f32", cache_type_v="f32", flash_attn=False,
         threads=size.threads, serve_engine="scheduler", serve_host="127.0.0.1", serve_api_key_env="",
         serve_admin_key_env="", serve_tenants_file="", l2_dir=str(folder / "l2"), l2_enabled=False, l3_url="",
@@ -156,16 +170,19 @@ def started(run: FleetRun, settings: Settings, **fleet_options):
             fleet.stop()
 
 
-def workload(fleet_url: str, model: str, docs: list[Document], order: list[Question], max_tokens: int) -> tuple:
+def workload(fleet_url: str, model: str, docs: list[Document], order: list[Question], max_tokens: int,
+             think_s: float = 0.0) -> tuple:
     """The questions, up to CLIENT_THREADS at once: whenever a client is free it sends the first question in
-    `order` whose user (one per document) is not waiting for an answer, as a user asks the next question
-    after reading the last one. Answers in the order sent, and the wall seconds."""
+    `order` whose user (one per document) is not waiting for an answer and has read the last one for
+    `think_s` seconds, as a user asks the next question after reading the last answer. Answers in the
+    order sent, and the wall seconds (think time included)."""
     sdk = client(fleet_url)
-    pending, running, answers = list(order), {}, []
+    pending, running, answers, ready_at = list(order), {}, [], {}
     begun = time.perf_counter()
     with ThreadPoolExecutor(CLIENT_THREADS) as pool:
         while pending or running:
-            waiting = {q.doc for q in running.values()}
+            now = time.perf_counter()
+            waiting = {q.doc for q in running.values()} | {d for d, at in ready_at.items() if at > now}
             for question in list(pending):
                 if len(running) == CLIENT_THREADS:
                     break
@@ -174,10 +191,15 @@ def workload(fleet_url: str, model: str, docs: list[Document], order: list[Quest
                 waiting.add(question.doc)
                 pending.remove(question)
                 running[pool.submit(ask, sdk, model, docs, question, max_tokens, started=begun)] = question
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            reading = [at - now for at in ready_at.values() if at > now]   # users who will be ready then
+            if not running:   # every user left is reading: wait for the first to finish
+                time.sleep(min(reading))
+                continue
+            done, _ = wait(running, timeout=min(reading) if reading else None, return_when=FIRST_COMPLETED)
             for future in done:
-                del running[future]
+                question = running.pop(future)
                 answers.append(future.result())
+                ready_at[question.doc] = time.perf_counter() + think_s
     return sorted(answers, key=lambda a: a.sent_s), time.perf_counter() - begun
 
 
@@ -199,7 +221,7 @@ def _guarded(run: FleetRun, body: Callable[[], None], progress: Callable[[str], 
 
 
 def run_bench_fleet(settings: Settings, *, documents_count: int = 6, questions_per_document: int = 4,
-                    max_tokens: int = 12, policies: tuple[str, ...] = POLICIES, workers: int = 3,
+                    max_tokens: int = 12, policies: tuple[str, ...] = POLICIES, workers: int = 3, think_s: float = 0.0,
                     shared_modes: tuple[bool, ...] = (False, True), pd: bool = True, quick: bool = False,
                     progress: Callable[[str], None] = lambda line: None) -> dict:
     """Every fleet in turn; the whole result as plain data (kvbridge.bench.fleet_report prints it)."""
@@ -211,7 +233,7 @@ def run_bench_fleet(settings: Settings, *, documents_count: int = 6, questions_p
     order = interleaved(documents_count, questions_per_document, SEED)
     pd_keys = [Question(0, n) for n in range(min(1 + PD_QUESTIONS, len(QUESTIONS)))] if pd else []
     cold_keys = list(dict.fromkeys(sorted(order, key=lambda q: (q.doc, q.number)) + pd_keys))
-    size = sizing(settings, docs, max_tokens, workers)
+    size = sizing(settings, docs, max_tokens, workers, questions_per_document)
     model = settings.resolved_model_path().stem
     runs: dict[str, FleetRun] = {}
     cold: dict[str, Answer] = {}
@@ -228,7 +250,7 @@ def run_bench_fleet(settings: Settings, *, documents_count: int = 6, questions_p
                 progress(f"single: {len(cold_keys)} cold runs, one at a time, each under a fresh cache_salt")
                 cold.update(cold_runs(fleet.url, model, docs, cold_keys, max_tokens))
                 progress(f"single: the workload, {len(order)} questions, {CLIENT_THREADS} client threads")
-                single.answers, single.wall_s = workload(fleet.url, model, docs, order, max_tokens)
+                single.answers, single.wall_s = workload(fleet.url, model, docs, order, max_tokens, think_s)
 
         _guarded(single, single_body, progress)
         for policy in policies:
@@ -238,18 +260,19 @@ def run_bench_fleet(settings: Settings, *, documents_count: int = 6, questions_p
 
                 def body(run=run, policy=policy, shared=shared) -> None:
                     progress(f"{run.name}: starting {workers} workers ({run.cells} cells each)")
-                    pooled = fleet_settings(settings, size, folder(run.name), scale=workers if shared else 1)
+                    pooled = fleet_settings(settings, size, folder(run.name), scale=workers if shared else 1,
+                                            pool=shared)
                     with started(run, pooled, policy=policy) as fleet:
                         progress(f"{run.name}: the workload, {len(order)} questions")
-                        run.answers, run.wall_s = workload(fleet.url, model, docs, order, max_tokens)
+                        run.answers, run.wall_s = workload(fleet.url, model, docs, order, max_tokens, think_s)
 
                 _guarded(run, body, progress)
         if pd:
             pd_pair(settings, size, folder, docs, pd_keys, max_tokens, model, runs, progress)
     result = {"command": "bench-fleet", "quick": quick, "documents": documents_count,
               "questions_per_document": questions_per_document, "max_tokens": max_tokens,
-              "policies": list(policies), "shared_modes": list(shared_modes), "seed": SEED,
-              "setup": setup(settings, size, docs, workers), "order": [q.key for q in order],
+              "policies": list(policies), "shared_modes": list(shared_modes), "seed": SEED, "think_s": think_s,
+              "setup": setup(settings, size, docs, workers, think_s), "order": [q.key for q in order],
               "cold": cold, "runs": runs}
     result["figures"] = {name: figures(run, cold) for name, run in runs.items()}
     result["ratios"] = ratios(result["figures"])
@@ -283,14 +306,15 @@ def pd_pair(settings: Settings, size: Sizing, folder: Callable[[str], Path], doc
         colocated.error = "the PD pair's run failed (see pd)"
 
 
-def setup(settings: Settings, size: Sizing, docs: list[Document], workers: int) -> dict:
+def setup(settings: Settings, size: Sizing, docs: list[Document], workers: int, think_s: float) -> dict:
     import openai
 
     return {"model": settings.resolved_model_path().name, "chunk_size": settings.chunk_size,
             "workers": workers, "threads_per_worker": size.threads, "worker_kv_cells": size.worker_cells,
             "single_kv_cells": size.worker_cells * SINGLE_SCALE, "ctx_size": size.ctx_size,
             "worker_l1_bytes": size.worker_l1_bytes, "single_l1_bytes": size.worker_l1_bytes * SINGLE_SCALE,
-            "shared_pool_bytes": size.worker_l1_bytes * workers, "longest_prompt_tokens": size.prompt_tokens,
+            "shared_pool_bytes": int(size.worker_l1_bytes * workers / (1 - settings.cache_server_soft_free)),
+            "longest_prompt_tokens": size.prompt_tokens, "think_s": think_s,
             "kv_type": "f32", "max_running_per_worker": 1, "cached_prefixes": 0, "l2": False,
             "document_titles": [d.title for d in docs], "document_chars": [len(d.text) for d in docs],
             "client_threads": CLIENT_THREADS, "openai_sdk": openai.__version__,

@@ -84,8 +84,8 @@ def _header(result: dict) -> list[str]:
     return [
         f"bench-fleet: {s['workers']} serve workers behind vllm-router, {result['documents']} documents x "
         f"{result['questions_per_document']} questions ({n} requests, interleaved, seed {result['seed']}, "
-        f"{s['client_threads']} client threads), openai SDK {s['openai_sdk']}, streaming, temperature 0, "
-        f"max_tokens {result['max_tokens']}",
+        f"{s['client_threads']} client threads, {s['think_s']:g} s between a user's answer and next question), "
+        f"openai SDK {s['openai_sdk']}, streaming, temperature 0, max_tokens {result['max_tokens']}",
         f"  {s['model']}, chunk {s['chunk_size']}, prompts up to ~{s['longest_prompt_tokens']} tokens; a worker: "
         f"{s['worker_kv_cells']} KV cells and {_mib(s['worker_l1_bytes'])} L1 (~2 prompts each), context "
         f"{s['ctx_size']}, {s['threads_per_worker']} thread(s), {s['kv_type']} K/V, "

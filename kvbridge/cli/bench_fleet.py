@@ -24,6 +24,8 @@ def add_arguments(p) -> None:
     p.add_argument("--policies",
                    help=f"the router's policies to run, comma-separated (default {','.join(POLICIES)})")
     p.add_argument("--workers", type=int, help="serve workers per fleet (default 3)")
+    p.add_argument("--think-s", dest="think_s", type=float, default=2.0,
+                   help="seconds a user reads an answer before asking the next question (default 2)")
     p.add_argument("--no-pd", dest="no_pd", action="store_true",
                    help="leave out the prefill/decode pair against one colocated instance")
     p.add_argument("--quick", action="store_true",
@@ -46,7 +48,7 @@ def options(args) -> dict:
             raise SystemExit(f"{option} must be from {least} to {most}, got {value[name]}.")
     return {"documents_count": value["documents"], "questions_per_document": value["questions_per_document"],
             "max_tokens": value["max_tokens"], "policies": policies, "workers": value["workers"],
-            "pd": not (args.no_pd or args.quick), "quick": args.quick,
+            "pd": not (args.no_pd or args.quick), "quick": args.quick, "think_s": max(0.0, args.think_s),
             "shared_modes": (True,) if args.quick else (False, True)}
 
 
