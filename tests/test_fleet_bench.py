@@ -106,6 +106,7 @@ def test_a_quick_run_answers_as_cold_and_writes_its_figures(tmp_path, monkeypatc
         assert not cold["error"] and cold["text"] and cold["cached_tokens"] == 0, (key, cold)
     setup = result["setup"]
     assert setup["workers"] == 2 and setup["single_kv_cells"] == 3 * setup["worker_kv_cells"]
+    assert setup["single_l1_bytes"] == 3 * setup["worker_l1_bytes"] and result["think_s"] == 2.0
     for name, fig in result["figures"].items():
         run = result["runs"][name]
         assert not run["error"] and fig["completed"] == fig["requests"] == 4, (name, run["error"])

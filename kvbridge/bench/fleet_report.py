@@ -87,7 +87,7 @@ def _header(result: dict) -> list[str]:
         f"{s['client_threads']} client threads, {s['think_s']:g} s between a user's answer and next question), "
         f"openai SDK {s['openai_sdk']}, streaming, temperature 0, max_tokens {result['max_tokens']}",
         f"  {s['model']}, chunk {s['chunk_size']}, prompts up to ~{s['longest_prompt_tokens']} tokens; a worker: "
-        f"{s['worker_kv_cells']} KV cells and {_mib(s['worker_l1_bytes'])} L1 (~2 prompts each), context "
+        f"{s['worker_kv_cells']} KV cells and {_mib(s['worker_l1_bytes'])} L1 (~2 documents each), context "
         f"{s['ctx_size']}, {s['threads_per_worker']} thread(s), {s['kv_type']} K/V, "
         f"{s['max_running_per_worker']} running, no resident cached prefixes, no L2",
         f"  the single instance: {s['single_kv_cells']} cells, {_mib(s['single_l1_bytes'])} L1; the shared cache "
