@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 from kvbridge.bench.common.scenarios import DATA_DIR, DOC_QA_SYSTEM
+from kvbridge.bench.common.streamed_chat import stream_chat
 
 INSTANCE_HEADER = "X-KVBridge-Instance"   # read as any client reads it: the bench layer imports nothing of serve
 REQUEST_TIMEOUT_S = 600.0
@@ -135,38 +136,13 @@ def client(url: str):
 def ask(client, model: str, docs: list[Document], question: Question, max_tokens: int, *,
         cache_salt: str = "", started: float | None = None) -> Answer:
     """One streamed, greedy chat request through the SDK; its error (if any) goes into the answer."""
-    import openai
-
-    answer, pieces, usage = Answer(question.key, question.doc, question.number), [], None
-    extra = {"cache_salt": cache_salt} if cache_salt else None
-    sent = time.perf_counter()
-    answer.sent_s = sent - started if started is not None else 0.0
-    try:
-        with client.chat.completions.with_streaming_response.create(
-                model=model, messages=messages(docs[question.doc], question.number), temperature=0,
-                max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
-                extra_body=extra) as response:
-            answer.instance = response.headers.get(INSTANCE_HEADER, "")
-            for chunk in response.parse():
-                for choice in chunk.choices:
-                    if choice.delta is not None and choice.delta.content:
-                        now = (time.perf_counter() - sent) * 1e3
-                        if answer.ttft_ms is None:
-                            answer.ttft_ms = now
-                        answer.last_token_ms = now
-                        pieces.append(choice.delta.content)
-                usage = chunk.usage or usage
-    except openai.OpenAIError as exc:
-        answer.error = f"{type(exc).__name__}: {exc}"
-        return answer
-    answer.total_ms = (time.perf_counter() - sent) * 1e3
-    answer.text = "".join(pieces)
-    if usage is None:
-        answer.error = "no usage in the stream (stream_options.include_usage)"
-        return answer
-    answer.prompt_tokens, answer.completion_tokens = usage.prompt_tokens, usage.completion_tokens
-    details = usage.prompt_tokens_details
-    answer.cached_tokens = (details.cached_tokens or 0) if details is not None else 0
-    if answer.ttft_ms is None:
-        answer.error = "no content in the stream"
+    answer = Answer(question.key, question.doc, question.number)
+    answer.sent_s = time.perf_counter() - started if started is not None else 0.0
+    sent = stream_chat(client, model, messages(docs[question.doc], question.number), max_tokens,
+                       extra_body={"cache_salt": cache_salt} if cache_salt else None)
+    answer.instance = sent.headers.get(INSTANCE_HEADER.lower(), "")
+    answer.ttft_ms, answer.last_token_ms, answer.total_ms = sent.ttft_ms, sent.last_token_ms, sent.total_ms
+    answer.prompt_tokens, answer.completion_tokens = sent.prompt_tokens, sent.completion_tokens
+    answer.cached_tokens = sent.cached_tokens or 0
+    answer.text, answer.error = sent.text, sent.error
     return answer

@@ -50,6 +50,7 @@ from typing import Callable, Iterator
 from kvbridge.bench.common.private_serve import OURS, THEIRS, OurServe, TheirServe, require_openai_sdk
 from kvbridge.bench.common.report import write_result_json
 from kvbridge.bench.common.scenarios import build_requests, builtin_document
+from kvbridge.bench.common.streamed_chat import stream_chat
 from kvbridge.bench.scheduler_compare import llama_server_binary
 from kvbridge.settings import Settings
 
@@ -99,36 +100,10 @@ def llama_server_args(settings: Settings) -> list[str]:
 # -- the client ----------------------------------------------------------------------------------------
 def ask(client, model: str, messages: list[dict], max_tokens: int, label: str) -> Answer:
     """One streamed, greedy chat request through the SDK; its error (if any) goes into the answer."""
-    import openai
-
-    answer, pieces, usage = Answer(label), [], None
-    sent = time.perf_counter()
-    try:
-        with client.chat.completions.with_streaming_response.create(
-                model=model, messages=messages, temperature=0, max_tokens=max_tokens, stream=True,
-                stream_options={"include_usage": True}) as response:
-            answer.tier = response.headers.get(TIER_HEADER, "")
-            for chunk in response.parse():
-                for choice in chunk.choices:
-                    if choice.delta is not None and choice.delta.content:
-                        if answer.ttft_ms is None:
-                            answer.ttft_ms = (time.perf_counter() - sent) * 1e3
-                        pieces.append(choice.delta.content)
-                usage = chunk.usage or usage
-    except openai.OpenAIError as exc:
-        answer.error = f"{type(exc).__name__}: {exc}"
-        return answer
-    answer.total_ms = (time.perf_counter() - sent) * 1e3
-    answer.text = "".join(pieces)
-    if usage is None:
-        answer.error = "no usage in the stream (stream_options.include_usage)"
-        return answer
-    answer.prompt_tokens, answer.completion_tokens = usage.prompt_tokens, usage.completion_tokens
-    details = usage.prompt_tokens_details
-    answer.cached_tokens = details.cached_tokens if details is not None else None
-    if answer.ttft_ms is None:
-        answer.error = "no content in the stream"
-    return answer
+    sent = stream_chat(client, model, messages, max_tokens)
+    return Answer(label, tier=sent.headers.get(TIER_HEADER.lower(), ""), ttft_ms=sent.ttft_ms, total_ms=sent.total_ms,
+                  prompt_tokens=sent.prompt_tokens, cached_tokens=sent.cached_tokens,
+                  completion_tokens=sent.completion_tokens, text=sent.text, error=sent.error)
 
 
 @contextlib.contextmanager
