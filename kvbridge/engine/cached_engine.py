@@ -31,6 +31,7 @@ from kvbridge.formats.architectures import ModelTraits
 from kvbridge.formats.llama_state import KVGeometry, LayoutError
 from kvbridge.store.serde import remember_geometry
 from kvbridge.engine.metrics import Metrics
+from kvbridge.engine.misses import MissExplainer
 from kvbridge.engine.layout import decide_layout
 from kvbridge.engine.namespace import namespace_for, short_namespace
 from kvbridge.engine.modes import ModeRequest, ModeSpec, mode_spec
@@ -265,10 +266,12 @@ class CachedEngine:
         # (a restore replaces whatever the context held, so only a miss needs the explicit drop).
         # A shadow engine keeps its cache, since its cached-token count is the ground truth we predict.
         if mode == "cold":
+            MissExplainer.fixed("cold", "", hit_tiers={}).apply(record)
             with timer.stage("reset"):
                 self.backend.reset_native_cache()
         elif mode == "lmcache" and full and self.kv_refusal:
             record.add_note(f"KV caching refused: {self.kv_refusal}")
+            MissExplainer.fixed("refused", f"the architecture is refused: {self.kv_refusal}").apply(record)
             self.metrics.inc("kv_refused")
             with timer.stage("reset"):
                 self.backend.reset_native_cache()
@@ -281,6 +284,7 @@ class CachedEngine:
             with timer.stage("lookup"):
                 record.chunks_hit, record.predicted_reuse_tokens, record.tier = self._index.predict(tokens, hashes)
             record.matched_tokens = record.predicted_reuse_tokens
+            self._explain(tokens, hashes, self._index_plan(record), record)
         report = EngineReport()
         pieces: list[str] = []
         first = True
@@ -309,6 +313,12 @@ class CachedEngine:
             record.prefill_tokens = len(tokens) - (report.engine_cached_tokens or 0)
         for note in report.notes:
             record.add_note(note)
+        if mode == "native":
+            reused = report.engine_cached_tokens or 0
+            if reused < len(tokens) - 1:
+                MissExplainer.fixed("none_stored", f"native mode: the engine's own cache held {reused} of this prompt's "
+                                    f"{len(tokens)} tokens; KVBridge's store is not read in this mode",
+                                    at_token=reused, hit_tiers={"engine": reused}).apply(record)
         if restored and report.engine_cached_tokens is not None and report.engine_cached_tokens < restored - 1:
             record.restore_ok = False
             record.add_note(f"restore ineffective: engine reused {report.engine_cached_tokens} of {restored} restored tokens")
@@ -324,9 +334,9 @@ class CachedEngine:
             log.warning("lookup failed, recomputing: %s", exc, exc_info=True)
             record.add_note(f"lookup failed ({exc}); recomputed")
             self.metrics.inc("lookup_failed")
-            plan = None
-        if plan is None:
+            self._explain(tokens, hashes, None, record, fault=f"lookup failed: {exc}")
             return 0
+        self._explain(tokens, hashes, plan, record)
         for note in plan.notes:
             record.add_note(note)
         record.store_calls = plan.store_calls
@@ -351,6 +361,7 @@ class CachedEngine:
         except (LayoutError, StoreFault, StateTransferError) as exc:
             log.warning("restore failed, recomputing the prompt: %s", exc)
             record.add_note(f"restore failed ({exc}); recomputed")
+            self._restore_failed(record, exc)
             record.restore_ok = False
             self.metrics.inc("restore_failed")
             with timer.stage("reset"):
@@ -365,6 +376,8 @@ class CachedEngine:
             # The engine's own account of its context disagrees with what we restored: never generate on it.
             log.warning("restore ineffective: the engine holds %d positions, %d were restored", held, expected)
             record.add_note(f"restore ineffective: the engine holds {held} positions after restoring {expected} tokens; recomputed")
+            MissExplainer.fixed("refused", f"the engine refused the restored state: it holds {held} positions after "
+                                f"restoring {expected} tokens; recomputed").apply(record)
             record.restore_ok = False
             self.metrics.inc("restore_ineffective")
             with timer.stage("reset"):
@@ -375,6 +388,35 @@ class CachedEngine:
         record.matched_tokens = plan.matched_tokens
         record.tier = plan.tier
         return plan.matched_tokens
+
+    def _explain(self, tokens: list[int], hashes: list[bytes], plan, record: RequestRecord, fault: str = "") -> None:
+        """Name the cause of the tokens `plan` does not cover (kvbridge.engine.misses): free on a hit, one store
+        call on a miss; KVB_EXPLAIN_MISSES=false keeps the store call out (the cause is then found from the plan)."""
+        explainer = self._kv.misses if self._kv is not None else self._index.misses
+        explainer.detokenize = self.backend.detokenize
+        report = explainer.explain(tokens, hashes, plan, fault=fault, probe=self.settings.explain_misses)
+        report.apply(record)
+        if report.round_trips:
+            record.store_calls += report.round_trips
+
+    @staticmethod
+    def _restore_failed(record: RequestRecord, exc: Exception) -> None:
+        """A restore that was planned and then failed: the whole prompt is recomputed, for this cause."""
+        if isinstance(exc, StoreFault):
+            why = "lease_busy" if "lease" in str(exc) else "tier_down"
+            MissExplainer.fixed(why, f"the restore read a stored object that failed ({exc}); recomputed").apply(record)
+        else:
+            MissExplainer.fixed("refused", f"the engine or the layout refused the restored state ({exc}); "
+                                "recomputed").apply(record)
+
+    @staticmethod
+    def _index_plan(record: RequestRecord):
+        """A shadow engine's prediction as a plan the explainer reads."""
+        from kvbridge.engine.restore_plan import RestorePlan
+
+        plan = RestorePlan(matched_tokens=record.matched_tokens or 0, chunks_hit=record.chunks_hit)
+        plan.add_tokens(record.tier, plan.matched_tokens)
+        return plan
 
     def _store_after(self, tokens: list[int], hashes: list[bytes], record: RequestRecord) -> None:
         """After generation: keep the prompt's cells as chunk and tail objects (full) or index it (shadow)."""

@@ -32,6 +32,7 @@ import numpy as np
 from kvbridge.backends.base import SeqState, WindowCapture
 from kvbridge.engine.assembly_buffer import AssemblyBuffer
 from kvbridge.engine.hashing import tail_key, tokens_digest
+from kvbridge.engine.misses import MissExplainer
 from kvbridge.engine.restore_plan import RestorePlan, owned
 from kvbridge.engine.stages import StageTimer
 from kvbridge.formats.llama_chunks import ChunkView, assemble_state, assembled_size, decode_chunk, encode_chunk
@@ -76,6 +77,8 @@ class ChunkKV:
         self.hot_restores = True   # False: every restore reads and assembles its objects (the transport benches)
         self.prefault_scratch = True   # the engine turns it off when the backend supplies its own buffer
         self.incomplete = 0   # objects not stored because sliding-window rows were missing (the engine counts them)
+        # names the cause of a miss (kvbridge.engine.misses); it remembers what this process could not store
+        self.misses = MissExplainer(store, namespace, seed, chunk_size)
 
     def close(self) -> None:
         if self._own_buffer:
@@ -158,6 +161,10 @@ class ChunkKV:
         plan.chunks_hit = wanted
         for tier in list(tiers[:wanted]) + ([obj.tier] if obj is not None else []):
             plan.tier = self.store.slower(plan.tier, tier)
+        for tier in tiers[:wanted]:
+            plan.add_tokens(tier, c)
+        if obj is not None:
+            plan.add_tokens(obj.tier, len(hot) - wanted * c)
         plan.lossy = set(self._buffer.lossy)
         if plan.lossy:
             plan.notes.append(f"restored from lossy {'+'.join(sorted(plan.lossy))} KV: output may differ from cold")
@@ -178,6 +185,7 @@ class ChunkKV:
             plan.pieces.append((view, c))
             plan.blobs.append(obj.blob)
             plan.tier = self.store.slower(plan.tier, obj.tier)
+            plan.add_tokens(obj.tier, c)
             plan.lossy |= {obj.meta.lossy} - {""}
         plan.chunks_hit = len(plan.pieces)
         start = plan.chunks_hit * c
@@ -193,6 +201,7 @@ class ChunkKV:
             plan.pieces.append((view, keep))
             plan.blobs.append(obj.blob)
             plan.tier = self.store.slower(plan.tier, obj.tier)
+            plan.add_tokens(obj.tier, keep)
             plan.lossy |= {obj.meta.lossy} - {""}
         n = sum(keep for _, keep in plan.pieces)
         plan.tokens = list(tokens[:n])
@@ -246,7 +255,11 @@ class ChunkKV:
         if view is None:
             return None, 0
         keep = max(0, min(common_prefix_length(view.token_ids, tokens[start:]), limit - start))
+        plan.continuation = (start, view.token_ids.copy())   # what the misses explainer compares against
         if self.geometry.recurrent and keep < view.n_cells:
+            if keep:
+                plan.uncut = (f"a stored piece of {view.n_cells} tokens matches {keep} of them, and a recurrent "
+                              "state cannot be cut: the whole piece or none of it")
             return None, 0   # a recurrent section cannot be cut: the whole tail or none of it
         return view, keep
 
@@ -266,6 +279,7 @@ class ChunkKV:
             return None
         if view.n_cells != len(expected) or not np.array_equal(view.token_ids, np.asarray(expected)):
             plan.notes.append("hash hit with different token ids rejected")
+            plan.continuation = (len(plan.pieces) * self.chunk_size, view.token_ids.copy())
             return None
         return view
 
@@ -340,17 +354,19 @@ class ChunkKV:
         for i in range(known, n_full):
             ids = tokens[i * c:(i + 1) * c]
             if i * c < parsed.window_start:
-                self.incomplete += 1
+                self._not_stored(hashes[i], f"the sliding-window rows of positions {i * c}..{parsed.window_start - 1} "
+                                            "were not captured")
                 break   # a later chunk is unreachable without this one
             items.append(self._item(hashes[i], encode_chunk(parsed, i * c, (i + 1) * c, ids), ids, "chunk"))
         for j in tails:
-            if j * c < parsed.window_start:
-                self.incomplete += 1
-                continue
             prev = hashes[j - 1] if j else self.seed
+            if j * c < parsed.window_start:
+                self._not_stored(tail_key(prev), f"the sliding-window rows of positions {j * c}.."
+                                                 f"{parsed.window_start - 1} were not captured")
+                continue
             ids = tokens[j * c:n]
             items.append(self._item(tail_key(prev), encode_chunk(parsed, j * c, n, ids), ids, "tail"))
-        stored = sum(1 for done in self.store.put_many(items) if done)
+        stored = self._put_items(items)
         if self.prefault_scratch:
             self._buffer.reserve(assembled_size(self.geometry, n))
         return stored
@@ -374,7 +390,7 @@ class ChunkKV:
         for i in range(known, n_full):
             rec = section((i + 1) * c)
             if rec is None:
-                self.incomplete += 1
+                self._not_stored(hashes[i], f"the recurrent state after position {(i + 1) * c - 1} was not captured")
                 break   # a later chunk is unreachable without this one
             ids = tokens[i * c:(i + 1) * c]
             items.append(self._item(hashes[i], encode_chunk(parsed, i * c, (i + 1) * c, ids, rec), ids, "chunk"))
@@ -382,15 +398,29 @@ class ChunkKV:
         if end > j * c:
             rec = section(end)
             if rec is None:
-                self.incomplete += 1
+                self._not_stored(tail_key(hashes[j - 1] if j else self.seed),
+                                 f"the recurrent state after position {end - 1} was not captured")
             else:
                 ids = tokens[j * c:end]
                 items.append(self._item(tail_key(hashes[j - 1] if j else self.seed),
                                         encode_chunk(parsed, j * c, end, ids, rec), ids, "tail"))
-        stored = sum(1 for done in self.store.put_many(items) if done)
+        stored = self._put_items(items)
         if self.prefault_scratch:
             self._buffer.reserve(assembled_size(self.geometry, n))
         return stored
+
+    def _put_items(self, items: list) -> int:
+        """put_many; a key stored now no longer has a 'not stored' cause."""
+        stored = 0
+        for (key, _, _), done in zip(items, self.store.put_many(items)):
+            if done:
+                stored += 1
+                self.misses.forget_not_stored(key)
+        return stored
+
+    def _not_stored(self, key: bytes, why: str) -> None:
+        self.incomplete += 1
+        self.misses.note_not_stored(key, why)
 
     def _with_window(self, parsed: ParsedState, need_from: int,
                      capture: Callable[[int], WindowCapture | None] | None) -> ParsedState:
@@ -428,7 +458,8 @@ class ChunkKV:
             return False
         parsed = self._with_window(parsed, start, capture)
         if start < parsed.window_start:
-            self.incomplete += 1
+            self._not_stored(key, f"the sliding-window rows of positions {start}..{parsed.window_start - 1} "
+                                  "were not captured")
             return False
         ids = tokens[start:]
         result = self.store.put(*self._item(key, encode_chunk(parsed, start, len(tokens), ids), ids, "tail"))

@@ -21,6 +21,12 @@ class RequestRecord:
     chunks_hit: int = 0
     matched_tokens: int = 0           # tokens whose KV came from our store (full) or would (shadow: predicted)
     tier: str = "none"                # "L1", "L2", "L3" or "none": the slowest tier any restored object came from
+    # why the tokens after matched_tokens were not restored (kvbridge.engine.misses): a code from MISS_REASONS,
+    # "" when every token that could be restored was (the last prompt token is always computed)
+    miss_reason: str = ""
+    miss_detail: str = ""             # the cause for a person: which tier evicted it when, which field differs, ...
+    hit_tiers: str = ""               # the restored tokens by tier, "L1=256 L2=96" ("context" = resident cells)
+    explain_ms: float = 0.0           # what naming the cause cost (0 on a hit)
     lookup_ms: float = 0.0            # asking the store which chunks it holds (the stages: kvbridge.engine.stages)
     restore_ms: float = 0.0           # assemble + handoff: the restored KV into the engine
     prefill_tokens: int = 0           # tokens actually computed

@@ -31,6 +31,14 @@ class RestorePlan:
     fetched: dict[str, int] = field(default_factory=dict)   # bytes read per tier (objects used or not)
     hot: bool = False   # the state is the one already assembled in the scratch buffer (ChunkKV._hot_plan)
     store_calls: int = 0                                      # lookup and fetch calls on the store
+    # what kvbridge.engine.misses reads to explain the tokens the plan does not cover (no extra store call):
+    tier_tokens: dict[str, int] = field(default_factory=dict)   # restored tokens by the tier they came from
+    continuation: tuple | None = None   # (start, token ids) of a stored object read after the matched run
+    uncut: str = ""                     # why a stored piece that continues the prompt could not be cut to it
+
+    def add_tokens(self, tier: str, n: int) -> None:
+        if n > 0:
+            self.tier_tokens[tier] = self.tier_tokens.get(tier, 0) + n
 
     def release(self) -> None:
         """Return every loaned blob (a cache server's shared-memory lease); idempotent."""

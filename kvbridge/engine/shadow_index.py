@@ -12,6 +12,7 @@ import numpy as np
 
 from kvbridge.engine.chunks import TAIL_DEPTH, common_prefix_length
 from kvbridge.engine.hashing import tail_key, tokens_digest
+from kvbridge.engine.misses import MissExplainer
 from kvbridge.engine.restore_plan import owned
 from kvbridge.store import ObjectMeta, TieredStore
 
@@ -24,6 +25,7 @@ class ShadowIndex:
         self.namespace = namespace
         self.seed = seed
         self.chunk_size = chunk_size
+        self.misses = MissExplainer(store, namespace, seed, chunk_size)   # why a prediction stops short
 
     def predict(self, tokens: Sequence[int], hashes: Sequence[bytes]) -> tuple[int, int, str]:
         """(chunks hit, predicted reusable tokens, tier) for a prompt."""

@@ -219,6 +219,8 @@ def _scheduler_problems(s: Settings) -> list[str]:
         (not 16 <= s.sched_max_salts <= 1_000_000,
          f"KVB_SCHED_MAX_SALTS={s.sched_max_salts} must be 16 to 1000000 (cache salts kept known at once)"),
         (s.sched_max_waiting < 1, f"KVB_SCHED_MAX_WAITING={s.sched_max_waiting} must be at least 1"),
+        (not 4096 <= s.eviction_history <= 10_000_000,
+         f"KVB_EVICTION_HISTORY={s.eviction_history} must be 4096 to 10000000 (evictions each store remembers)"),
         (not all(0 <= m < 1 for m in marks) or list(marks) != sorted(marks),
          "the scheduler's watermarks must be fractions with KVB_SCHED_CRITICAL <= KVB_SCHED_HARD <= KVB_SCHED_SOFT "
          f"< 1; got {', '.join(str(m) for m in marks)}"),

@@ -67,6 +67,9 @@ class Settings:
     l3_write_queue: int = 64          # objects waiting to be written to L3 behind the request
     zstd_level: int = 3               # the zstd codec's level (1 fast .. 19 small)
     prefer_lmcache_hasher: bool = False
+    # why a prompt was recomputed (kvbridge.engine.misses)
+    explain_misses: bool = True       # name the cause of every miss (one store call on a miss, none on a hit)
+    eviction_history: int = 4096      # evictions each store remembers (at least 4096), so a miss can name its eviction
     # blend mode (kvbridge.blend): retrieved passages reused wherever they stand in the prompt
     blend_separator: str = "[KVB_SEP]"   # cuts a prompt into instruction, passages, question (in every mode)
     blend_recompute_tokens: int = 4      # tokens of each reused passage after the first recomputed in context (Research §16)
