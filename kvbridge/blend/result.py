@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvbridge.engine.misses import MissExplainer, hit_tiers_text
+
 
 @dataclass
 class BlendResult:
@@ -44,6 +46,18 @@ class BlendResult:
                         f"({recompute} per reused passage, at its {recompute_at})")
         for note in self.notes:
             record.add_note(note)
+        self._explain(record, passages + 1)
+
+    def _explain(self, record, reusable: int) -> None:
+        """Blend's own miss cause: a segment not stored yet is none_stored; the tokens recomputed in every reused
+        passage and the question are computed by design, not missed."""
+        hit = {self.tier: self.reused_tokens} if self.reused_tokens else {}
+        if self.reused_segments < reusable:
+            MissExplainer.fixed("none_stored", f"blend: {reusable - self.reused_segments} of {reusable} segments "
+                                "(instruction and passages) were not stored yet; they are stored after this answer",
+                                hit_tiers=hit).apply(record)
+        else:
+            record.miss_reason, record.miss_detail, record.hit_tiers = "", "", hit_tiers_text(hit)
 
 
 @dataclass
