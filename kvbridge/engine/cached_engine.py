@@ -30,8 +30,9 @@ from kvbridge.engine.shadow_index import ShadowIndex
 from kvbridge.formats.architectures import ModelTraits
 from kvbridge.formats.llama_state import KVGeometry, LayoutError
 from kvbridge.store.serde import remember_geometry
-from kvbridge.engine.metrics import Metrics
-from kvbridge.engine.misses import MissExplainer
+from kvbridge.engine.metrics import (HIT_TOKENS_PREFIX, MISS_REASON_PREFIX, MISS_TOKENS_PREFIX, PROMPT_TOKENS,
+                                     Metrics)
+from kvbridge.engine.misses import MissExplainer, parse_hit_tiers
 from kvbridge.engine.layout import decide_layout
 from kvbridge.engine.namespace import namespace_for, short_namespace
 from kvbridge.engine.modes import ModeRequest, ModeSpec, mode_spec
@@ -453,7 +454,14 @@ class CachedEngine:
         if r.error:
             return
         m.record(f"ttft_ms_{r.mode}", r.ttft_ms)
+        hit_tiers = parse_hit_tiers(r.hit_tiers)
+        if r.miss_reason:   # what the request computed instead of restoring, by cause (any mode: cold is "cold")
+            m.inc(f"{MISS_REASON_PREFIX}{r.miss_reason}")
+            m.inc(f"{MISS_TOKENS_PREFIX}{r.miss_reason}", max(0, r.prompt_tokens - sum(hit_tiers.values())))
         if r.mode == "lmcache":
+            m.inc(PROMPT_TOKENS, r.prompt_tokens)   # tier_hit_rates(): restored tokens by tier over these
+            for tier, n in hit_tiers.items():
+                m.inc(f"{HIT_TOKENS_PREFIX}{tier}", n)
             m.inc(f"hits_{r.tier}" if r.matched_tokens else "misses")
             m.record("lookup_ms", r.lookup_ms)
             if r.restore_ms:
