@@ -47,6 +47,7 @@ class BehindWriter:
         self._name = name
         self._jobs: deque = deque()
         self._busy = 0                   # jobs taken off the queue and not finished yet
+        self._running: list = []         # those jobs themselves (what `queued` also looks at)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -58,6 +59,11 @@ class BehindWriter:
     def pending(self) -> int:
         with self._cond:
             return len(self._jobs) + self._busy
+
+    def queued(self, match: Callable[[Any], bool]) -> bool:
+        """Whether a job for which match(job) is true waits in the queue or is being written now."""
+        with self._cond:
+            return any(match(job) for job in self._running) or any(match(job) for job in self._jobs)
 
     def submit(self, job: Any) -> bool:
         """Queue a job; False when the queue is full or the writer is closed (the job is dropped)."""
@@ -130,6 +136,7 @@ class BehindWriter:
                     return
                 job = self._jobs.popleft()
                 self._busy += 1
+                self._running.append(job)
             try:
                 self._write(job)
             except Exception:   # a bug in one write must not stop the ones behind it
@@ -137,4 +144,5 @@ class BehindWriter:
             finally:
                 with self._cond:
                     self._busy -= 1
+                    self._running.remove(job)
                     self._cond.notify_all()

@@ -34,6 +34,10 @@ class LRUPolicy:
         for key, size, _ in sorted(entries, key=lambda entry: entry[2]):
             self.on_put(key, size)
 
+    def size_of(self, key: bytes) -> int | None:
+        """The size it tracks for key, None when absent."""
+        return self._sizes.get(key)
+
     def on_put(self, key: bytes, size: int) -> None:
         """A new or replaced object: it becomes the most recently used."""
         self.bytes_used += size - self._sizes.pop(key, 0)

@@ -245,6 +245,13 @@ class RedisLink:
     def available(self) -> bool:
         return not self._breaker.is_down
 
+    def why_down(self) -> str:
+        """The breaker's reason while L3 is marked down, with when it is retried; "" while it is up."""
+        if not self._breaker.is_down:
+            return ""
+        return f"{self._breaker.reason or 'unreachable'} (KVB_L3_URL {redact(self.url)}; next try in " \
+               f"{self._breaker.retry_in():.0f} s)"
+
     def _pipeline(self, client: Any) -> Any:
         return client.pipeline(transaction=False)
 

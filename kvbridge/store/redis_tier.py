@@ -15,6 +15,12 @@ index holds the objects this process wrote or found. A lookup of hashes nobody h
 pipelined round trip (GETRANGE of each header plus STRLEN: one trip to a standalone server, one per
 master holding any of the keys in a cluster); a get of an object evicted since is a counted miss.
 
+Namespaces. Beside the objects, one hash `<KVB_L3_PREFIX>:namespaces` maps each namespace to the bytes
+ever written under it (HINCRBY in the same pipelined round trip as the object's SET; refreshed to the
+TTL when there is one), so a process that never wrote anything learns which namespaces L3 holds
+(a miss's probe names "stored under another namespace" from it). It counts writes, not what is still
+there: Redis evicts on its own, and a probe of the actual keys decides.
+
 Faults (kvbridge.store.redis_link). Every call is bounded by KVB_L3_TIMEOUT; a server that cannot be
 reached is marked down and skipped while a background prober retries it. Nothing here raises to the
 user: get() raises StoreFault subclasses (the store counts them), put() returns False.
@@ -39,6 +45,7 @@ VALUE_MAGIC = b"KVB-L3\r\n"
 HEAD_PROBE_BYTES = 2048          # one GETRANGE reads a whole header unless its metadata is unusually long
 CENSUS_LIMIT = 100_000           # the GUI's count of objects under the prefix stops here
 NO_CAPACITY_LIMIT = 1 << 62      # the server's maxmemory is the limit, not ours
+REGISTRY_TTL_S = 2.0             # a read of the namespace registry is reused this long (a burst of misses)
 
 
 @dataclass
@@ -71,6 +78,7 @@ class RedisTier(RedisLink, Tier):
         self._index: dict[bytes, _Entry] = {}
         self._bytes = 0
         self._lock = threading.Lock()
+        self._registry: tuple[float, dict[str, int]] | None = None   # (monotonic time read, namespaces)
 
     @classmethod
     def from_settings(cls, settings, environ: dict | None = None) -> "RedisTier":
@@ -91,6 +99,10 @@ class RedisTier(RedisLink, Tier):
 
     def key_pattern(self) -> str:
         return f"{self.prefix}:obj:*"
+
+    def registry_key(self) -> bytes:
+        """The hash of namespaces -> bytes written under them (see the module doc)."""
+        return f"{self.prefix}:namespaces".encode("ascii")
 
     # -- index -----------------------------------------------------------------------------------
     def _set(self, key: bytes, size: int, meta: ObjectMeta) -> None:
@@ -242,12 +254,22 @@ class RedisTier(RedisLink, Tier):
         except UnstorableObject as fault:
             log.warning("L3: object not stored: %s", fault)
             return False
+        size = memoryview(stored).nbytes
+
+        def write(client):
+            pipe = self._pipeline(client)   # one round trip: the object and its namespace's registry entry
+            pipe.set(self.redis_key(key), value, px=self.ttl_ms)
+            pipe.hincrby(self.registry_key(), meta.namespace, size)
+            if self.ttl_ms:
+                pipe.pexpire(self.registry_key(), self.ttl_ms)
+            return pipe.execute()
+
         try:
-            self._call("put", lambda client: client.set(self.redis_key(key), value, px=self.ttl_ms))
+            self._call("put", write)
         except StoreFault as fault:
             log.debug("L3: object not stored: %s", fault)
             return False
-        self._set(key, memoryview(stored).nbytes, meta)
+        self._set(key, size, meta)
         return True
 
     def remove(self, key: bytes) -> None:
@@ -273,6 +295,9 @@ class RedisTier(RedisLink, Tier):
             return removed + self._delete(client, batch)
 
         removed = self._call("clear", delete_all)
+        if not keep:   # every object is gone, so no namespace is held any more
+            self._call("clear", lambda client: client.delete(self.registry_key()))
+            self._registry = None
         with self._lock:
             self._index = {key: entry for key, entry in self._index.items() if key in keep}
             self._bytes = sum(entry.size for entry in self._index.values())
@@ -285,6 +310,22 @@ class RedisTier(RedisLink, Tier):
         for name in names:
             pipe.delete(name)
         return sum(n for n in pipe.execute(raise_on_error=False) if isinstance(n, int))
+
+    def namespaces_stored(self) -> dict[str, int]:
+        """{namespace: bytes}: what this process knows of, and the registry on the server (bytes written
+        under each namespace by every host); read at most once per REGISTRY_TTL_S, skipped while down."""
+        held = self.bytes_by_namespace()
+        now = time.monotonic()
+        if self._registry is None or now - self._registry[0] >= REGISTRY_TTL_S:
+            try:
+                raw = self._call("namespaces", lambda client: client.hgetall(self.registry_key()))
+                self._registry = (now, {_text(name): int(n) for name, n in (raw or {}).items()})
+            except (StoreFault, ValueError) as fault:
+                log.debug("L3 namespace registry not read: %s", fault)
+                return held
+        for namespace, size in self._registry[1].items():
+            held[namespace] = max(held.get(namespace, 0), size)
+        return held
 
     # -- state -----------------------------------------------------------------------------------
     def health(self) -> dict:
@@ -322,3 +363,7 @@ class RedisTier(RedisLink, Tier):
             return {"objects": len(names), "bytes": total, "capped": len(names) >= CENSUS_LIMIT}
 
         return self._call("census", count)
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)

@@ -19,7 +19,8 @@ write, a bad file a counted miss); clear() raises StoreFault when the disk canno
 Bad arguments are ValueError/TypeError (bugs, not faults).
 
 Modules: tiered (this one: the store, construction and reading), tiered_writing (put, write-behind,
-eviction with demotion, pins), tiered_upkeep (clear, flush, close, stats).
+eviction with demotion, pins), tiered_upkeep (clear, flush, close, stats), tiered_history (the
+eviction ring's use: probe_miss, recent_evictions).
 
 Thread-safe: one lock guards the policies and counters; payload I/O (disk reads, writes) runs
 outside it, protected by pinning so an object being read is never evicted. Each tier is thread-safe
@@ -40,6 +41,7 @@ from kvbridge.settings import Settings, env_name
 from kvbridge.errors import BadSettings
 from kvbridge.store.behind import BehindWriter
 from kvbridge.store.disk import DiskTier
+from kvbridge.store.history import MIN_HISTORY, EvictionRing
 from kvbridge.store.objects import (
     TIER_NONE,
     CorruptObject,
@@ -52,6 +54,7 @@ from kvbridge.store.objects import (
 )
 from kvbridge.store.policy import LRUPolicy
 from kvbridge.store.serde.tier import TierCodec
+from kvbridge.store.tiered_history import TierHistory
 from kvbridge.store.tiered_upkeep import TierUpkeep
 from kvbridge.store.tiered_writing import Level, TierWrites
 from kvbridge.store.tiers import MemoryTier, Tier
@@ -59,7 +62,7 @@ from kvbridge.store.tiers import MemoryTier, Tier
 log = logging.getLogger(__name__)
 
 
-class TieredStore(TierWrites, TierUpkeep):
+class TieredStore(TierWrites, TierUpkeep, TierHistory):
     """Content-addressed objects across tiers. `namespace`, when set, is the one expected by default.
 
     Construction and reading are here; writing, eviction and pins are TierWrites' (tiered_writing),
@@ -67,11 +70,15 @@ class TieredStore(TierWrites, TierUpkeep):
 
     shared = False   # tiers of this process (L2 files excepted): an engine restart may empty L1
 
-    def __init__(self, tiers: Sequence[Tier], namespace: str | None = None, write_queue: int = 64) -> None:
+    def __init__(self, tiers: Sequence[Tier], namespace: str | None = None, write_queue: int = 64,
+                 history: EvictionRing | int = MIN_HISTORY) -> None:
         names = [tier.name for tier in tiers]
         if len(set(names)) != len(names) or TIER_NONE in names:
             raise ValueError(f"tier names must be unique and not {TIER_NONE!r}: {names}")
         self.namespace = namespace
+        # every object leaving a tier (kvbridge.store.history); a cache server hands in its own ring to share
+        self.history = history if isinstance(history, EvictionRing) else EvictionRing(history)
+        self._namespaces_cache: tuple[float, dict[str, int]] | None = None   # TierHistory.namespaces_held
         self._levels = [Level(tier, LRUPolicy(tier.capacity())) for tier in tiers]
         self._lock = threading.RLock()
         self._counts: Counter[str] = Counter()
@@ -89,7 +96,7 @@ class TieredStore(TierWrites, TierUpkeep):
 
     @classmethod
     def from_settings(cls, settings: Settings, namespace: str | None = None, *, with_l1: bool = True,
-                      owner: str = "embedded") -> "TieredStore":
+                      owner: str = "embedded", history: EvictionRing | None = None) -> "TieredStore":
         """[L1 (KVB_L1_BYTES)] + [L2 (KVB_L2_DIR, KVB_L2_BYTES, KVB_L2_SERDE) when KVB_L2_ENABLED]
         + [L3 (KVB_L3_URL and the other KVB_L3_ settings) when KVB_L3_URL is set].
 
@@ -114,7 +121,8 @@ class TieredStore(TierWrites, TierUpkeep):
             from kvbridge.store.redis_tier import RedisTier   # redis-py is loaded only when L3 is used
 
             tiers.append(RedisTier.from_settings(settings))
-        return cls(tiers, namespace=namespace, write_queue=settings.l3_write_queue)
+        return cls(tiers, namespace=namespace, write_queue=settings.l3_write_queue,
+                   history=history if history is not None else settings.eviction_history)
 
     @property
     def tiers(self) -> list[Tier]:
@@ -314,7 +322,10 @@ class TieredStore(TierWrites, TierUpkeep):
             return found
         with self._lock:
             self._counts[reason] += 1
-            self._sync_locked(level, key)  # dropped, or replaced meanwhile by a good copy
+            known = level.policy.size_of(key) if reason == "corrupt" else None
+            if self._sync_locked(level, key) is None and known is not None:   # dropped by the tier
+                self._record_eviction_locked(level, key, None, known, "corrupt",
+                                             gone=not self._held_elsewhere(level, key))
         return None
 
     def _miss(self) -> None:

@@ -12,6 +12,7 @@ import threading
 from collections import Counter
 
 from kvbridge.store.behind import BehindWriter
+from kvbridge.store.history import EvictionRing
 from kvbridge.store.tiered_writing import Level
 
 
@@ -26,6 +27,7 @@ class TierUpkeep:
     _evictions: Counter[str]
     _doomed: dict[str, set[bytes]]
     _behind: BehindWriter
+    history: EvictionRing
 
     # -- housekeeping ----------------------------------------------------------------------------
     def clear(self, tier_name: str) -> None:
@@ -43,25 +45,35 @@ class TierUpkeep:
             # (the tier bounds it by its own timeout; an unreachable L3 raises StoreFault at once).
             with self._lock:
                 pinned = {key for key in level.policy.pinned_keys() if level.tier.contains(key)}
+                before = self._known_locked(level)
             try:
                 level.tier.clear(keep=pinned)
             finally:
                 with self._lock:
-                    self._resync_after_clear_locked(level, pinned)
+                    self._resync_after_clear_locked(level, pinned, before)
             return
         with self._lock:
             pinned = {key for key in level.policy.pinned_keys() if level.tier.contains(key)}
+            before = self._known_locked(level)
             try:
                 level.tier.clear(keep=pinned)
             finally:
-                self._resync_after_clear_locked(level, pinned)
+                self._resync_after_clear_locked(level, pinned, before)
 
-    def _resync_after_clear_locked(self, level: Level, pinned: set[bytes]) -> None:
+    def _known_locked(self, level: Level) -> dict:
+        """{key: (meta, size)} of what the level holds, so a clear can name each object it dropped."""
+        return {key: (level.tier.meta(key), level.policy.size_of(key) or 0) for key in level.policy.keys_oldest_first()}
+
+    def _resync_after_clear_locked(self, level: Level, pinned: set[bytes], before: dict | None = None) -> None:
         """The policy follows what the tier holds after a clear; pinned survivors go when unpinned."""
         present = {key: size for key, size, _ in level.tier.entries()}
         for key in level.policy.keys_oldest_first():
             if key not in present:
                 level.policy.on_remove(key)
+        for key, (meta, size) in (before or {}).items():
+            if key not in present:
+                self._record_eviction_locked(level, key, meta, size, "clear",
+                                             gone=not self._held_elsewhere(level, key))
         for key, size in present.items():
             if key not in level.policy:
                 level.policy.on_put(key, size)
@@ -152,6 +164,8 @@ class TierUpkeep:
                 "written_behind": counts["written_behind"],
                 "behind_dropped": counts["behind_dropped"],
                 "behind_queue": self._behind.pending,
+                "evictions_recorded": self.history.recorded,   # into the ring (kvbridge.store.history)
+                "miss_probes": counts["miss_probes"],
             }
 
     def _level_named(self, tier_name: str) -> Level:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 from kvbridge.store.behind import BehindWriter
+from kvbridge.store.history import Eviction, EvictionRing
 from kvbridge.store.objects import ObjectMeta, check_key
 from kvbridge.store.policy import LRUPolicy
 from kvbridge.store.tiers import Tier
@@ -45,6 +47,7 @@ class TierWrites:
     _doomed: dict[str, set[bytes]]
     _all_persistent: bool
     _behind: BehindWriter
+    history: EvictionRing
 
     # -- writing ---------------------------------------------------------------------------------
     def put(self, key: bytes, blob: bytes, meta: ObjectMeta) -> bool:
@@ -55,6 +58,7 @@ class TierWrites:
         if not isinstance(meta, ObjectMeta):
             raise TypeError(f"meta must be an ObjectMeta, got {type(meta).__name__}")
         self._count("puts")
+        self.history.forget(key)   # written again: an old eviction no longer explains a miss of it
         stored = False
         for index, level in enumerate(self._levels):
             if stored and not level.tier.persistent:
@@ -98,16 +102,20 @@ class TierWrites:
             if self._sync_locked(level, key) is None:
                 return False  # a concurrent clear() or eviction removed it in the meantime
             self._doomed[level.tier.name].discard(key)  # new content after a clear is wanted
-            demoted = self._evict_locked(index)
+            demoted = self._evict_locked(index, key, meta, memoryview(blob).nbytes)
         self._demote_all(index + 1, demoted)
         return True
 
-    def _evict_locked(self, index: int) -> list[tuple[bytes, bytes, ObjectMeta]]:
-        """Evict LRU victims until the level fits; return those the next level should receive."""
+    def _evict_locked(self, index: int, for_key: bytes = b"",
+                      for_meta: ObjectMeta | None = None, for_size: int = 0) -> list[tuple[bytes, bytes, ObjectMeta]]:
+        """Evict LRU victims until the level fits; return those the next level should receive.
+
+        Each victim goes into the eviction ring, naming the object whose write made room (`for_key`)."""
         level = self._levels[index]
         below = self._levels[index + 1] if index + 1 < len(self._levels) else None
         demoted = []
         for key in level.policy.victims():
+            meta, size = level.tier.meta(key), level.tier.size(key) or 0
             if below is not None and key not in below.policy:
                 # Reads the payload under the lock: free for RAM; a future tier below disk should
                 # hand victims out by path instead.
@@ -117,7 +125,20 @@ class TierWrites:
             level.tier.remove(key)
             if self._sync_locked(level, key) is None:  # else its file would not go (logged): kept
                 self._evictions[level.tier.name] += 1
+                kept = self._held_elsewhere(level, key) or any(item[0] == key for item in demoted)
+                self._record_eviction_locked(level, key, meta, size, "lru", for_key=for_key, for_meta=for_meta,
+                                             for_size=for_size, gone=not kept)
         return demoted
+
+    def _record_eviction_locked(self, level: Level, key: bytes, meta: ObjectMeta | None, size: int, reason: str, *,
+                                for_key: bytes = b"", for_meta: ObjectMeta | None = None, for_size: int = 0,
+                                gone: bool = True) -> None:
+        """One object left one level: into the ring (kvbridge.store.history), so a later miss can name it."""
+        self.history.record(Eviction(
+            key=key, namespace=meta.namespace if meta is not None else "", tier=level.tier.name, reason=reason,
+            at=time.time(), policy=type(level.policy).__name__.removesuffix("Policy") if reason == "lru" else "",
+            for_key=for_key, for_kind=for_meta.kind if for_meta is not None else "", for_size=for_size,
+            size=size, gone=gone))
 
     def _demote_all(self, index: int, demoted: list[tuple[bytes, bytes, ObjectMeta]]) -> None:
         if index >= len(self._levels):
@@ -127,6 +148,9 @@ class TierWrites:
                 self._queue_write(index, key, blob, meta, "demotions")
             elif self._put_into(index, key, blob, meta):
                 self._count("demotions")
+
+    def _held_elsewhere(self, level: Level, key: bytes) -> bool:
+        return any(key in other.policy for other in self._levels if other is not level)
 
     def _sync_locked(self, level: Level, key: bytes) -> int | None:
         """Copy the tier's truth about key into the policy (as most recent); its size, None when absent."""
@@ -143,8 +167,10 @@ class TierWrites:
         doomed = self._doomed[level.tier.name]
         if key in doomed and not level.policy.is_pinned(key):
             doomed.discard(key)
+            meta, size = level.tier.meta(key), level.tier.size(key) or 0
             level.tier.remove(key)
-            self._sync_locked(level, key)
+            if self._sync_locked(level, key) is None:
+                self._record_eviction_locked(level, key, meta, size, "clear", gone=not self._held_elsewhere(level, key))
 
     def quiet(self):
         """A context in which the write-behind queue starts no new write (CachedEngine holds it around a

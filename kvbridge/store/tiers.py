@@ -81,6 +81,11 @@ class Tier(ABC):
                 held[meta.namespace] = held.get(meta.namespace, 0) + size
         return held
 
+    def namespaces_stored(self) -> dict[str, int]:
+        """Bytes by namespace of what this tier holds, as far as it can tell (a miss's probe asks; a shared
+        tier may know more than bytes_by_namespace: L3 keeps a registry on the server)."""
+        return self.bytes_by_namespace()
+
     def discover(self, key: bytes) -> int | None:
         """Index an object another process stored since we started; its size, or None.
 
@@ -91,6 +96,10 @@ class Tier(ABC):
     def available(self) -> bool:
         """False while the tier is known to be unreachable (a remote tier marked down): lookups skip it."""
         return True
+
+    def why_down(self) -> str:
+        """Why available() is False ("" while it is True), for a miss's detail."""
+        return "" if self.available() else "unavailable"
 
     def discover_many(self, keys: Sequence[bytes]) -> list[int | None]:
         """discover() for several keys (a remote tier asks about all of them in one round trip)."""
