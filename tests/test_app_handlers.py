@@ -207,8 +207,8 @@ def test_run_request_is_checked(state, modes, n, expected):
 
 def test_table_has_every_record_field_and_notes():
     table = r.records_table(made_records())
-    assert sorted(table["headers"]) == sorted(RECORD_FIELDS)
-    row = dict(zip(table["headers"], table["data"][1]))
+    assert sorted(r.column_field(h) for h in table["headers"]) == sorted(RECORD_FIELDS)
+    row = dict(zip(map(r.column_field, table["headers"]), table["data"][1]))
     assert row["notes"].startswith("restore ineffective") and row["tier"] == "L1"
     assert len(dict(zip(table["headers"], table["data"][0]))["text"]) == r.TEXT_PREVIEW_CHARS + 1
     assert "20.0×" in r.summary_markdown(made_records())

@@ -23,13 +23,14 @@ from kvbridge.gui.handlers import (
 )
 from kvbridge.gui.labels import setting_input
 from kvbridge.gui.store_panel import (
-    clear_question, clear_tier, store_census, store_markdown, store_stats, store_tier_names,
+    clear_question, clear_tier, evictions_markdown, store_census, store_markdown, store_stats, store_tier_names,
+    tier_hit_rates,
 )
 from kvbridge.gui.results import (
     ResultsView, document_choices, export_results, free_prompt, records_table, request_stop, results_view,
     run_stream, scenario_choices, scenario_description,
 )
-from kvbridge.gui.charts import store_figure
+from kvbridge.gui.charts import store_figure, tier_hit_rate_figure
 from kvbridge.gui.lab import LabSession
 from kvbridge.gui.lab_tab import TABLE_CLASS as LAB_TABLE_CLASS, build_lab_tab
 from kvbridge.gui.server_panel import ServerView, server_view
@@ -182,6 +183,10 @@ def _store_panel(ui: SimpleNamespace, state: AppState) -> None:
     stats = store_stats(state)
     ui.store_md = gr.Markdown(store_markdown(stats, census), elem_id="kvb-store")
     ui.store_plot = gr.Plot(store_figure(stats), show_label=False, elem_id="kvb-plot-store")
+    ui.hit_rate_plot = gr.Plot(tier_hit_rate_figure(tier_hit_rates(state), store_tier_names(state)), show_label=False,
+                               elem_id="kvb-plot-tier-hit-rate")
+    evictions = evictions_markdown(state)   # None: the store keeps no eviction history it can list
+    ui.evictions_md = gr.Markdown(evictions or "", visible=evictions is not None, elem_id="kvb-evictions")
     server = server_view(state, stats)   # shown only when the store is a cache server's (KVB_STORE_URL)
     with gr.Column(visible=server.shown, elem_id="kvb-server-panel") as ui.server_box:
         ui.server_md = gr.Markdown(server.summary, elem_id="kvb-server")
@@ -209,7 +214,7 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
     """Connect clicks to handlers. Engine-using events run one at a time on Gradio's worker threads."""
     field_inputs = [ui.inputs[name] for name in ui.fields]
     store_outputs = [ui.store_md, ui.store_plot, ui.tier_choice, ui.server_box, ui.server_md, ui.page_map_plot,
-                     ui.events_md]
+                     ui.events_md, ui.hit_rate_plot, ui.evictions_md]
     results_outputs = [ui.status, ui.run_msg, ui.summary, ui.speedup_plot, ui.summary_plot, ui.ttft_plot,
                        ui.hits_plot, ui.stages_plot, ui.shadow_plot, ui.table, *store_outputs]
 
@@ -219,7 +224,10 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
         tiers = store_tier_names(state)
         choice = gr.update(choices=tiers, value=tiers[0] if tiers else None) if choose_first_tier \
             else gr.update(choices=tiers)
-        return [store_markdown(stats, census), store_figure(stats), choice, *_server_values(server_view(state, stats))]
+        evictions = evictions_markdown(state)
+        return [store_markdown(stats, census), store_figure(stats), choice, *_server_values(server_view(state, stats)),
+                tier_hit_rate_figure(tier_hit_rates(state), tiers),
+                gr.update(value=evictions or "", visible=evictions is not None)]
 
     def results_values(view: ResultsView) -> list[Any]:
         figs = view.figures

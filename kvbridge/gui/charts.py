@@ -321,6 +321,40 @@ def store_figure(stats: dict | None) -> go.Figure:
     return fig
 
 
+def tier_hit_rates_from_records(records: Sequence[RequestRecord]) -> dict[str, float]:
+    """{tier: restored tokens from it / prompt tokens} over lmcache records (record.hit_tiers), as the engine's
+    Metrics.tier_hit_rates() counts them; {} without any."""
+    from kvbridge.engine.misses import parse_hit_tiers
+
+    mine = [r for r in records if r.mode == "lmcache" and not r.error]
+    prompt = sum(r.prompt_tokens for r in mine)
+    hits: dict[str, int] = {}
+    for r in mine:
+        for tier, n in parse_hit_tiers(r.hit_tiers).items():
+            hits[tier] = hits.get(tier, 0) + n
+    return {tier: n / prompt for tier, n in hits.items()} if prompt else {}
+
+
+def tier_hit_rate_figure(rates: dict[str, float], tier_names: Sequence[str] = ()) -> go.Figure:
+    """Per tier, the share of lmcache prompt tokens restored from it; the rest was computed (a miss)."""
+    title = "Hit rate per tier (% of lmcache prompt tokens restored from it)"
+    if not rates:
+        return _empty(title, "Send a prompt or run a scenario in lmcache mode to see where its tokens came from.")
+    order = tier_order((), list(tier_names)) + [t for t in rates if t not in tier_names]
+    names = [t for t in order if t in rates]
+    computed = max(0.0, 1.0 - sum(rates.values()))
+    labels = [*names, "computed"]
+    values = [100 * rates[t] for t in names] + [100 * computed]
+    colors = [tier_color(t, order) for t in names] + [MISS_COLOR]
+    fig = go.Figure(go.Bar(y=labels, x=values, orientation="h", marker={"color": colors},
+                           text=[f"{v:.1f} %" for v in values], textposition="outside", cliponaxis=False,
+                           hovertemplate="%{y}: %{x:.1f} % of lmcache prompt tokens<extra></extra>"))
+    fig = _base_layout(fig, title, showlegend=False, xaxis={"title": "% of prompt tokens", "range": [0, 100]},
+                       yaxis={"autorange": "reversed"})
+    fig.update_layout(height=230, margin={"l": 70, "r": 20, "t": 50, "b": 45})
+    return fig
+
+
 # -- the cache server's L1 --------------------------------------------------------------------
 # The codes of the storage module's page_map (one byte per page), in order, with their colours.
 PAGE_STATES = (("free", "#e2e8f0"), ("object", "#2563eb"), ("leased object", "#8b5cf6"),

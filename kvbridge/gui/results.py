@@ -29,11 +29,15 @@ log = logging.getLogger(__name__)
 
 # The table's column order: what a person reads first, then every other RequestRecord field.
 LEADING_COLUMNS = (
-    "mode", "request_index", "label", "ttft_ms", "tier", "matched_tokens", "prompt_tokens", "prefill_tokens",
-    "notes", "error", "engine_cached_tokens", "predicted_reuse_tokens", "chunks_hit", "chunks_total", "lookup_ms",
-    "restore_ms", "store_ms", "total_ms", "gen_tokens", "restore_ok", "approx", "text",
+    "mode", "request_index", "label", "ttft_ms", "tier", "matched_tokens", "prompt_tokens", "miss_reason",
+    "hit_tiers", "prefill_tokens", "notes", "miss_detail", "error", "engine_cached_tokens", "predicted_reuse_tokens",
+    "chunks_hit", "chunks_total", "lookup_ms", "restore_ms", "store_ms", "total_ms", "gen_tokens", "restore_ok",
+    "approx", "text",
 )
 TABLE_COLUMNS = [*LEADING_COLUMNS, *(f for f in RECORD_FIELDS if f not in LEADING_COLUMNS)]
+# headers that are not the field's own name: the cause of a miss is what a person asks ("why?")
+COLUMN_LABELS = {"miss_reason": "why", "miss_detail": "why (detail)"}
+TABLE_HEADERS = [COLUMN_LABELS.get(column, column) for column in TABLE_COLUMNS]
 TEXT_PREVIEW_CHARS = 80
 ProgressFn = Callable[..., Any]
 
@@ -64,7 +68,12 @@ def records_table(records: Sequence[RequestRecord], preview_text: bool = True) -
                 value = value[:TEXT_PREVIEW_CHARS] + "…"
             row.append("" if value is None else value)
         rows.append(row)
-    return {"headers": list(TABLE_COLUMNS), "data": rows}
+    return {"headers": list(TABLE_HEADERS), "data": rows}
+
+
+def column_field(header: str) -> str:
+    """The RequestRecord field behind a table header ("why" -> "miss_reason")."""
+    return {label: column for column, label in COLUMN_LABELS.items()}.get(header, header)
 
 
 def summary_markdown(records: Sequence[RequestRecord]) -> str:
@@ -282,6 +291,8 @@ def free_prompt(state: AppState, prompt: str, mode: str, n_predict: Any = None) 
         return FreePromptResult(f"The prompt failed: {record.error}", False, "", table)
     summary = (f"{record.mode}: TTFT {record.ttft_ms:.1f} ms, {record.matched_tokens} of {record.prompt_tokens} "
                f"prompt tokens reused (tier {record.tier}), {record.prefill_tokens} computed.")
+    if record.miss_reason:
+        summary += f" Why not more: **{record.miss_reason}**: {record.miss_detail}"
     if record.notes:
         summary += f" Notes: {record.notes}"
     return FreePromptResult(summary, True, record.text, table)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import Any
 
-from kvbridge.gui.charts import format_bytes, tier_usages
+from kvbridge.gui.charts import format_bytes, tier_hit_rates_from_records, tier_usages
 from kvbridge.gui.handlers import AppState, Outcome, _busy, failure_message
 from kvbridge.store.objects import StoreFault
 
@@ -19,6 +20,39 @@ def store_stats(state: AppState) -> dict | None:
     if state.engine is None or state.engine.store is None:
         return None
     return state.engine.store.stats()
+
+
+def tier_hit_rates(state: AppState) -> dict[str, float]:
+    """{tier: share of lmcache prompt tokens restored from it}: the engine's Metrics (every request this engine
+    ran), or the shown run's records where the engine counts none."""
+    if state.engine is None:
+        return {}
+    rates = getattr(state.engine.metrics, "tier_hit_rates", None)
+    counted = rates() if callable(rates) else {}
+    return counted or tier_hit_rates_from_records(state.records)
+
+
+EVICTIONS_SHOWN = 12   # the store panel's list of recent evictions
+
+
+def evictions_markdown(state: AppState, limit: int = EVICTIONS_SHOWN) -> str | None:
+    """The store's newest evictions (store.recent_evictions), newest first; None when the store keeps no
+    history it can list (the panel hides the list then)."""
+    store = state.engine.store if state.engine is not None else None
+    recent = getattr(store, "recent_evictions", None)
+    if not callable(recent):
+        return None
+    try:
+        entries = list(recent(limit))
+    except StoreFault as fault:   # a cache server that does not answer: the list says so, the page stays
+        return f"**Recent evictions:** unknown ({fault})"
+    if not entries:
+        return "**Recent evictions:** none yet (a miss whose objects were evicted names the eviction here)."
+    now = time.time()
+    rows = ["**Recent evictions** (newest first; `kvbridge explain` lists a prompt's own):", "",
+            "| key | what happened |", "| --- | --- |"]
+    rows += [f"| `{e.key.hex()[:12]}` | {e.describe(now)} |" for e in entries[:limit]]
+    return "\n".join(rows)
 
 
 KEY_COUNTERS = ("misses", "evictions", "corrupt")   # always shown; other counters only when not zero
