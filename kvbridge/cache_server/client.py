@@ -143,9 +143,22 @@ class CacheClient:
     def server_module_affinity_call(self, request: protocol.ServerModuleCallRequest) -> Future:
         return self._module_call(Kind.SERVER_MODULE_AFFINITY_CALL, request)
 
-    def lookup(self, hashes: list[bytes], namespace: str | None = None, chunk_tokens: int = 0) -> LookupResult:
-        reply = self._call(Kind.LOOKUP, protocol.Lookup(list(hashes), namespace, chunk_tokens), protocol.LookupReply)
+    def lookup(self, hashes: list[bytes], namespace: str | None = None, chunk_tokens: int = 0,
+               purpose: str = "prompt") -> LookupResult:
+        reply = self._call(Kind.LOOKUP, protocol.Lookup(list(hashes), namespace, chunk_tokens, purpose),
+                           protocol.LookupReply)
         return LookupResult(reply.n_hit, list(reply.tiers))
+
+    def probe_miss(self, keys: list[bytes], probes: list[bytes] = ()) -> protocol.ProbeMissReply:
+        """Why a restore missed `keys` (the server's eviction ring, pending writes, namespaces; `probes`: the
+        prompt's keys under other namespaces): one round trip, raising as every call does."""
+        return self._call(Kind.PROBE_MISS, protocol.ProbeMiss([bytes(k) for k in keys], [bytes(k) for k in probes]),
+                          protocol.ProbeMissReply)
+
+    def recent_evictions(self, limit: int = 100) -> list:
+        """The server's newest `limit` evictions (kvbridge.store.history.Eviction), newest first."""
+        reply = self._call(Kind.RECENT_EVICTIONS, protocol.RecentEvictions(limit), protocol.RecentEvictionsReply)
+        return [entry.to_eviction() for entry in reply.evictions]
 
     def retrieve(self, key: bytes, namespace: str | None = None, zero_copy: bool = True) -> Retrieved | None:
         """The object, or None. zero_copy: a contiguous shared-memory object is returned as a view

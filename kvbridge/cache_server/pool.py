@@ -19,6 +19,10 @@ Leases that outlive lease_timeout_s are expired by the background loop. A client
 copying into or out of a revoked or expired lease's pages, so those pages are QUARANTINED: never
 handed to another object until that client releases the lease or is dropped (drop_client).
 
+Every object that leaves the pool (an eviction to make room for a write, naming it; a pressure shed; a
+clear; a remove) goes into the eviction ring `history` (kvbridge.store.history); the reports and the
+ring's use are kvbridge.cache_server.pool_report's.
+
 Thread-safe: one lock guards everything. on_evict runs under it, so it must not call the pool.
 Deliberately left out: moving objects to defragment (a leased object never moves; a run is
 re-formed as objects are evicted) and any knowledge of the wire protocol.
@@ -33,16 +37,15 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, replace
 from typing import Callable
 
-import numpy as np
-
-from kvbridge.cache_server.pages import (FREE, LEASED_OBJECT, OBJECT, PENDING, QUARANTINED, PageTable, PressureLevel,
-                                         Watermarks)
+from kvbridge.cache_server.pages import (FREE, LEASED_OBJECT, OBJECT, PENDING, QUARANTINED, PageTable,  # noqa: F401
+                                         PressureLevel, Watermarks)
+from kvbridge.cache_server.pool_report import REFUSALS, PoolReport  # noqa: F401 - REFUSALS: importers use pool's
 from kvbridge.cache_server.shm import Segment
+from kvbridge.store.history import EvictionRing
 from kvbridge.store.objects import ObjectMeta, check_key
 
 log = logging.getLogger(__name__)
 
-REFUSALS = ("exists", "busy", "too_large", "pressure", "no_space")
 
 
 ORPHAN_PREFIX = "orphan:"   # the owner of a dropped client's write leases while its process may still write
@@ -118,19 +121,24 @@ def pages_needed(size: int, page_bytes: int) -> int:
     return max(1, -(-size // page_bytes))
 
 
-class PagedPool:
+class PagedPool(PoolReport):
     """Objects in a Segment's pages, under read and write leases (see the module docstring)."""
 
     def __init__(self, segment: Segment, watermarks: Watermarks = Watermarks(), lease_timeout_s: float = 30.0,
                  hard_min_priority: int = 5,
                  on_evict: Callable[[bytes, ObjectMeta, memoryview], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, history: EvictionRing | None = None,
+                 kept_below: Callable[[bytes], bool] = lambda key: False) -> None:
+        """history: the ring every object leaving the pool is recorded in (kvbridge.store.history);
+        kept_below(key): whether a tier below holds it or gets it (on_evict demotes it): then not gone."""
         self.segment = segment
         self.watermarks = watermarks
         self.lease_timeout_s = lease_timeout_s
         self.hard_min_priority = hard_min_priority
         self._on_evict = on_evict
         self._clock = clock
+        self.history = history if history is not None else EvictionRing()
+        self._kept_below = kept_below
         self._lock = threading.Lock()
         self._total = segment.n_pages
         self._pages = PageTable(self._total)
@@ -205,7 +213,8 @@ class PagedPool:
                 self._refuse("too_large", f"{size} bytes need {n} pages; the pool has {self._total}")
             # Cold objects make room first, so a full but unleased pool is never "under pressure".
             self._evict_until(lambda: self._free_count() >= n
-                              and self._free_count() - n >= self.watermarks.hard_free * self._total)
+                              and self._free_count() - n >= self.watermarks.hard_free * self._total,
+                              for_key=key, for_meta=meta, for_size=size)
             level = self._level()
             if level >= PressureLevel.HARD and priority < self.hard_min_priority:
                 self._refuse("pressure", f"the pool is at {level.name}; priority {priority} < {self.hard_min_priority}")
@@ -306,7 +315,8 @@ class PagedPool:
     def evict_to_target(self) -> int:
         """Evict least recently used unleased objects until target_free of the pages are free."""
         with self._lock:
-            return self._evict_until(lambda: self._free_count() >= self.watermarks.target_free * self._total)
+            return self._evict_until(lambda: self._free_count() >= self.watermarks.target_free * self._total,
+                                     reason="pressure")
 
     def remove(self, key: bytes) -> bool:
         """Drop an object without demoting it; False when it is absent or leased."""
@@ -315,6 +325,7 @@ class PagedPool:
             obj = self._objects.get(key)
             if obj is None or obj.readers:
                 return False
+            self._record(key, obj, "removed")
             self._drop_object(key)
             return True
 
@@ -323,80 +334,9 @@ class PagedPool:
         with self._lock:
             doomed = [key for key, obj in self._objects.items() if not obj.readers]
             for key in doomed:
+                self._record(key, self._objects[key], "clear")
                 self._drop_object(key)
             return len(doomed)
-
-    # -- reporting ---------------------------------------------------------------------------------
-    def level(self) -> PressureLevel:
-        with self._lock:
-            return self._level()
-
-    def stats(self) -> dict:
-        with self._lock:
-            live = [lease for lease in self._leases.values() if not lease.zombie]
-            pages = self._pages.counts()
-            free = pages[FREE]
-            return {
-                "total_pages": self._total, "free_pages": free, "object_pages": pages[OBJECT],
-                "pending_pages": pages[PENDING], "quarantined_pages": pages[QUARANTINED],
-                "page_bytes": self.segment.page_bytes,
-                "objects": len(self._objects),
-                "bytes_used": self._bytes_used,
-                "read_leases": sum(not lease.writing for lease in live),
-                "write_leases": sum(lease.writing for lease in live),
-                "zombie_leases": len(self._leases) - len(live),
-                "leased_objects": sum(1 for obj in self._objects.values() if obj.readers),
-                "level": self._level().name,
-                "usage_ratio": (self._total - free) / self._total,
-                **{name: self._counts[name] for name in ("evictions", "evict_callback_errors", "revoked", "expired")},
-                "refused": {reason: self._counts[f"refused_{reason}"] for reason in REFUSALS},
-                "generation": self._generation,
-            }
-
-    def page_map(self) -> bytes:
-        """One byte per page: 0 free, 1 object, 2 object with a live lease, 3 pending write, 4 quarantined."""
-        with self._lock:
-            pages = self._pages.state.copy()
-            for obj in self._objects.values():
-                if obj.readers:
-                    pages[obj.pages] = LEASED_OBJECT
-            return pages.tobytes()
-
-    def check_invariants(self) -> None:
-        """Rebuild every page's place from the objects and leases and compare (tests call this)."""
-        with self._lock:
-            expected = np.full(self._total, FREE, dtype=np.uint8)
-            owners: Counter[int] = Counter()
-            holds = np.zeros(self._total, dtype=np.int64)
-            readers: Counter[bytes] = Counter()
-            for obj in self._objects.values():
-                expected[obj.pages] = OBJECT
-                owners.update(obj.pages)
-            for lease in self._leases.values():
-                if lease.zombie:
-                    np.add.at(holds, lease.pages, 1)
-                    if lease.writing:
-                        owners.update(lease.pages)   # a dead write's pages belong to no object
-                elif lease.writing:
-                    expected[lease.pages] = PENDING
-                    owners.update(lease.pages)
-                else:
-                    readers[lease.key] += 1
-            shared = sorted(page for page, count in owners.items() if count > 1)
-            assert not shared, f"pages in two places: {shared}"
-            assert np.array_equal(holds, self._pages.holds), "zombie holds differ from the zombie leases"
-            expected[(expected == FREE) & (holds > 0)] = QUARANTINED
-            wrong = np.flatnonzero(expected != self._pages.state).tolist()
-            assert not wrong, f"page states differ at {wrong[:20]}: " \
-                              f"{self._pages.state[wrong[:20]].tolist()} != {expected[wrong[:20]].tolist()}"
-            counts = [int(np.count_nonzero(self._pages.state == s)) for s in (OBJECT, PENDING, QUARANTINED, FREE)]
-            assert sum(counts) == self._total, f"object+pending+quarantined+free = {counts} != {self._total}"
-            for key, obj in self._objects.items():
-                assert obj.readers == readers[key], f"{key.hex()[:16]}: refcount {obj.readers} != {readers[key]} leases"
-                assert self.segment.generation_ok(obj.pages, obj.generation), f"{key.hex()[:16]}: generation slots"
-            free = np.flatnonzero(self._pages.state == FREE).tolist()
-            assert not free or self.segment.generation_ok(free, 0), "a free page carries a generation"
-            assert self._bytes_used == sum(obj.size for obj in self._objects.values()), "bytes_used drifted"
 
     # -- inside the lock ---------------------------------------------------------------------------
     def _free_count(self) -> int:
@@ -434,13 +374,17 @@ class PagedPool:
         self._bytes_used -= obj.size
         self._free_pages(obj.pages)
 
-    def _evict_until(self, enough: Callable[[], bool]) -> int:
-        """Evict unleased objects, least recently used first, reporting each to on_evict, until enough()."""
+    def _evict_until(self, enough: Callable[[], bool], reason: str = "lru", for_key: bytes = b"",
+                     for_meta: ObjectMeta | None = None, for_size: int = 0) -> int:
+        """Evict unleased objects, least recently used first, reporting each to on_evict, until enough().
+
+        reason "lru": to make room for the write of `for_key`; "pressure": the background loop's shedding."""
         evicted = 0
         for key in [key for key, obj in self._objects.items() if not obj.readers]:
             if enough():
                 break
             self._report_eviction(key, self._objects[key])
+            self._record(key, self._objects[key], reason, for_key, for_meta, for_size)
             self._drop_object(key)
             self._counts["evictions"] += 1
             evicted += 1

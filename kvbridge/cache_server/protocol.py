@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from kvbridge.store.history import Eviction
 from kvbridge.store.objects import ObjectMeta
 
 PROTOCOL_VERSION = 1
@@ -48,6 +49,8 @@ class Kind:
     FLUSH = "flush"
     SERVER_MODULE_CALL = "server_module_call"
     SERVER_MODULE_AFFINITY_CALL = "server_module_affinity_call"
+    PROBE_MISS = "probe_miss"                  # why a restore missed: the keys' history, pending writes, namespaces
+    RECENT_EVICTIONS = "recent_evictions"
 
 
 class Code:
@@ -140,6 +143,13 @@ class Lookup(msgspec.Struct):
     hashes: list[bytes]
     namespace: str | None = None
     chunk_tokens: int = 0              # tokens per hash, for the requested/hit token metrics
+    purpose: str = "prompt"            # LOOKUP_PURPOSES: only "prompt" lookups feed the hit-rate series
+
+
+# Why a client looks up (the cache server's metrics keep them apart, Docs/Prometheus.md): "prompt", a prompt's
+# restore (the hit rate); "store", a writer asking what is held before or after it writes; "kv_events", KV-event
+# rechecks of what the store still holds (Scheduler.stored_media, issue 34).
+LOOKUP_PURPOSES = ("prompt", "store", "kv_events")
 
 
 class LookupReply(msgspec.Struct):
@@ -235,6 +245,57 @@ class FlushReply(msgspec.Struct):
     written: int
 
 
+class WireEviction(msgspec.Struct, array_like=True):
+    """kvbridge.store.history.Eviction on the wire."""
+
+    key: bytes
+    namespace: str
+    tier: str
+    reason: str
+    at: float
+    policy: str = ""
+    for_key: bytes = b""
+    for_kind: str = ""
+    for_size: int = 0
+    size: int = 0
+    gone: bool = True
+
+    @classmethod
+    def of(cls, entry: Eviction) -> "WireEviction":
+        return cls(entry.key, entry.namespace, entry.tier, entry.reason, entry.at, entry.policy, entry.for_key,
+                   entry.for_kind, entry.for_size, entry.size, entry.gone)
+
+    def to_eviction(self) -> Eviction:
+        return Eviction(key=self.key, namespace=self.namespace, tier=self.tier, reason=self.reason, at=self.at,
+                        policy=self.policy, for_key=self.for_key, for_kind=self.for_kind, for_size=self.for_size,
+                        size=self.size, gone=self.gone)
+
+
+class ProbeMiss(msgspec.Struct):
+    """The first keys a restore missed, and the same prompt's keys under other namespaces (probes)."""
+
+    keys: list[bytes]
+    probes: list[bytes] = []
+
+
+class ProbeMissReply(msgspec.Struct):
+    """kvbridge.store.history.MissProbe: history/pending answer keys, found answers probes."""
+
+    history: list[WireEviction | None]
+    pending: list[bool]
+    found: list[str]
+    namespaces: dict[str, int] = {}
+    down: dict[str, str] = {}
+
+
+class RecentEvictions(msgspec.Struct):
+    limit: int = 100
+
+
+class RecentEvictionsReply(msgspec.Struct):
+    evictions: list[WireEviction]            # newest first
+
+
 class ServerModuleCallRequest(msgspec.Struct):
     """A call to a server module's `@server_module_handler` method: plugin-owned payload bytes."""
 
@@ -266,6 +327,8 @@ BODY_TYPES: dict[str, Any] = {
     Kind.FLUSH: None,
     Kind.SERVER_MODULE_CALL: ServerModuleCallRequest,
     Kind.SERVER_MODULE_AFFINITY_CALL: ServerModuleCallRequest,
+    Kind.PROBE_MISS: ProbeMiss,
+    Kind.RECENT_EVICTIONS: RecentEvictions,
 }
 
 _encoder = msgspec.msgpack.Encoder()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import Counter
 from contextlib import contextmanager, nullcontext
 from typing import Iterable, Iterator
@@ -27,6 +28,7 @@ from typing import Iterable, Iterator
 from kvbridge.cache_server.client import CacheClient, CacheServerError, CacheServerRefused, CacheServerUnavailable
 from kvbridge.cache_server.auth import read_token
 from kvbridge.settings import Settings
+from kvbridge.store.history import Eviction, MissProbe
 from kvbridge.store.objects import LookupResult, ObjectMeta, StoredObject, StoreFault, check_key
 from kvbridge.store.opening import STORE_URL_KIND, RemoteStoreKind, register_remote_store
 
@@ -69,17 +71,20 @@ class RemoteStore:
         return tier_a if order.get(tier_a, 0) >= order.get(tier_b, 0) else tier_b
 
     # -- reading ---------------------------------------------------------------------------------
-    def lookup(self, hashes: Iterable[bytes], namespace: str | None = None) -> LookupResult:
+    def lookup(self, hashes: Iterable[bytes], namespace: str | None = None, purpose: str = "prompt") -> LookupResult:
+        """`purpose` (protocol.LOOKUP_PURPOSES) keeps a writer's or a KV-event recheck's lookups out of the
+        server's hit-rate series."""
         keys = [check_key(key) for key in hashes]
         expected = self.namespace if namespace is None else namespace
         try:
-            return self.client.lookup(keys, expected, self.chunk_tokens)
+            return self.client.lookup(keys, expected, self.chunk_tokens, purpose)
         except (CacheServerUnavailable, CacheServerError, CacheServerRefused) as exc:
             self._fault("lookup", exc)
             return LookupResult(0, [])
 
     def contains(self, key: bytes, namespace: str | None = None) -> bool:
-        return self.lookup([key], namespace).n_hit == 1
+        """Whether one object is held (writers ask before storing): a "store" lookup, out of the hit rate."""
+        return self.lookup([key], namespace, purpose="store").n_hit == 1
 
     def get(self, key: bytes, namespace: str | None = None) -> StoredObject | None:
         key = check_key(key)
@@ -111,6 +116,40 @@ class RemoteStore:
             return StoredObject(found.blob, found.meta, found.tier)
         return StoredObject(found.blob, found.meta, found.tier,
                             intact=lambda: self.client.intact(found), release=lambda: self.client.release([found]))
+
+    # -- why a restore missed --------------------------------------------------------------------
+    def probe_miss(self, keys: list[bytes], probes: list[bytes] = ()) -> MissProbe:
+        """The server's answer about missed keys (kvbridge.store.history.MissProbe) in ONE round trip; never
+        raises: a server that does not answer within the client's timeout (or refuses) is `down`."""
+        keys = [check_key(key) for key in keys]
+        probes = [check_key(key) for key in probes]
+        started = time.monotonic()
+        try:
+            reply = self.client.probe_miss(keys, probes)
+        except (CacheServerUnavailable, CacheServerError, CacheServerRefused) as exc:
+            self._fault("probe_miss", exc)
+            text = str(exc).removeprefix(f"cache server {self.client.url}: ")
+            if isinstance(exc, CacheServerUnavailable):
+                waited = time.monotonic() - started
+                down = (f"timed out after {self.client.timeout_s:g} s (KVB_CACHE_SERVER_TIMEOUT)"
+                        if waited >= 0.9 * self.client.timeout_s else f"not answering ({text})")
+            elif isinstance(exc, CacheServerRefused):
+                down = f"refused ({text})"
+            else:
+                down = ""   # it answered with an error (a server from before probe_miss): it cannot say
+            return MissProbe(history=[None] * len(keys), pending=[False] * len(keys), found=[""] * len(probes),
+                             down={"cache server": f"{self.client.url}: {down}"} if down else {}, round_trips=1)
+        return MissProbe(history=[entry.to_eviction() if entry is not None else None for entry in reply.history],
+                         pending=list(reply.pending), found=list(reply.found), namespaces=dict(reply.namespaces),
+                         down=dict(reply.down), round_trips=1)
+
+    def recent_evictions(self, limit: int = 100) -> list[Eviction]:
+        """The server's newest `limit` evictions, newest first; [] when it cannot be reached."""
+        try:
+            return self.client.recent_evictions(limit)
+        except (CacheServerUnavailable, CacheServerError, CacheServerRefused) as exc:
+            self._fault("recent_evictions", exc)
+            return []
 
     # -- writing ---------------------------------------------------------------------------------
     def put(self, key: bytes, blob, meta: ObjectMeta) -> bool:

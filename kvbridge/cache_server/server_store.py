@@ -11,6 +11,8 @@ below it are a kvbridge.store.TieredStore without L1 (the same L2 files an embed
   to the persistent tiers is queued for the background writer, so the client waits for the copy
   into shared memory only. An L1 eviction queues a demotion when the tiers below lack the object.
   The writer's queue is bounded: a full queue is counted (write_queue_full) and logged, never silent.
+- probe_miss: what a client's explainer asks on a miss (the eviction ring shared by the pool and the
+  tiers below, pending write leases, the tiers holding the prompt's keys under other namespaces).
 - maintenance(): expired leases revoked, SOFT pressure evicted down to the target (the storage
   module's background loop calls it once a second and whenever a store meets pressure).
 """
@@ -21,13 +23,14 @@ import queue
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvbridge.cache_server.pool import PagedPool, PressureLevel, ReadLease, StoreRefused, Watermarks, WriteLease
 from kvbridge.cache_server.shm import Segment, object_checksum
 from kvbridge.settings import Settings
 from kvbridge.store import LookupResult, ObjectMeta, TieredStore
 from kvbridge.store.behind import run_in_background
+from kvbridge.store.history import Eviction, EvictionRing, MissProbe
 from kvbridge.store.objects import check_key
 
 log = logging.getLogger("kvbridge.cache_server")
@@ -57,13 +60,17 @@ class ServerStore:
         marks = Watermarks(soft_free=settings.cache_server_soft_free, hard_free=settings.cache_server_hard_free,
                            critical_free=settings.cache_server_critical_free,
                            target_free=settings.cache_server_target_free)
+        # one ring for the server: the pool's evictions and those of the tiers below (kvbridge.store.history)
+        self.history = EvictionRing(settings.eviction_history)
         try:
-            self.lower = TieredStore.from_settings(settings, with_l1=False, owner="cache-server")
+            self.lower = TieredStore.from_settings(settings, with_l1=False, owner="cache-server", history=self.history)
         except BaseException:
             self.segment.close(unlink=True)
             raise
+        self._persistent_below = any(tier.persistent for tier in self.lower.tiers)
         self.pool = PagedPool(self.segment, marks, lease_timeout_s=settings.cache_server_lease_timeout,
-                              hard_min_priority=settings.cache_server_hard_min_priority, on_evict=self._on_evict)
+                              hard_min_priority=settings.cache_server_hard_min_priority, on_evict=self._on_evict,
+                              history=self.history, kept_below=lambda key: self._persistent_below)
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=settings.cache_server_write_queue)
@@ -142,6 +149,36 @@ class ServerStore:
     def release(self, lease_ids: list[int], client_id: str) -> None:
         """Raises pool.LeaseNotOwned / UnknownLease (the client gets an error reply)."""
         self.pool.release(lease_ids, client_id)
+
+    def probe_miss(self, keys: list[bytes], probes: list[bytes]) -> MissProbe:
+        """What the server knows about keys a client's restore missed (kvbridge.store.history.MissProbe): the
+        ring's latest entry per key (gone: no tier here holds it now), a write lease not committed yet or a
+        copy still queued below (pending), the tier holding each probe, namespaces, tiers down."""
+        keys = [check_key(key) for key in keys]
+        probes = [check_key(key) for key in probes]
+        in_pool = [self.pool.contains(key) for key in probes]
+        below = self.lower.probe_miss(keys, [key for key, held in zip(probes, in_pool) if not held])
+        pending = [self.pool.pending_write(key) or self._queued(key) or queued for key, queued in zip(keys, below.pending)]
+        history: list[Eviction | None] = []
+        for key, entry, busy in zip(keys, below.history, pending):   # the ring is shared; gone over every tier
+            kept = entry is not None and (busy or self.pool.contains(key))   # busy: a demotion on its way down
+            history.append(replace(entry, gone=False) if kept else entry)
+        found_below = iter(below.found)
+        found = [L1_NAME if held else next(found_below, "") for held in in_pool]
+        namespaces = dict(below.namespaces)
+        for namespace, size in self.pool.bytes_by_namespace().items():
+            namespaces[namespace] = namespaces.get(namespace, 0) + size
+        self._count("miss_probes")
+        return MissProbe(history=history, pending=pending, found=found, namespaces=namespaces, down=below.down)
+
+    def _queued(self, key: bytes) -> bool:
+        """Whether the disk writer's queue holds a copy of `key` (a demotion or write-through on its way)."""
+        with self._queue.mutex:
+            return any(job is not None and job[0] == key for job in self._queue.queue)
+
+    def recent_evictions(self, limit: int = 100) -> list[Eviction]:
+        """The newest `limit` evictions of every tier here, newest first."""
+        return self.history.recent(limit)
 
     # -- writing ---------------------------------------------------------------------------------
     def prepare(self, key: bytes, size: int, meta: ObjectMeta, client_id: str, priority: int,

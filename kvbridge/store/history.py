@@ -12,6 +12,7 @@ ring; what it then cannot name is `none_stored`, never a guess).
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -97,9 +98,8 @@ class EvictionRing:
 
     def recent(self, limit: int = 100) -> list[Eviction]:
         """The newest `limit` entries, newest first (the GUI's and `kvbridge explain --evictions`' list)."""
-        with self._lock:
-            entries = list(self._entries.values())
-        return entries[::-1][:max(0, limit)]
+        with self._lock:   # newest first without copying the whole ring (it may hold millions)
+            return list(itertools.islice(reversed(self._entries.values()), max(0, limit)))
 
     def __len__(self) -> int:
         with self._lock:
