@@ -346,7 +346,7 @@ class ChunkKV:
         n_full = n // c
         # Stored chunks form a leading run (each hash names its whole prefix): one lookup says which
         # are new, and the new objects go to the store in one put_many (one round trip to a server).
-        known = self.store.lookup(list(hashes[:n_full]), namespace=self.namespace).n_hit
+        known = self.store.lookup(list(hashes[:n_full]), namespace=self.namespace, purpose="store").n_hit
         tails = [j for j in range(n_full, max(n_full - TAIL_DEPTH, -1), -1) if j * c < n]
         need_from = min([known * c] * (known < n_full) + [j * c for j in tails] or [n])
         parsed = self._with_window(parsed, need_from, capture)
@@ -377,7 +377,7 @@ class ChunkKV:
         repeated prompt restores to: its last token is always recomputed)."""
         c, n = self.chunk_size, len(tokens)
         n_full = n // c
-        known = self.store.lookup(list(hashes[:n_full]), namespace=self.namespace).n_hit
+        known = self.store.lookup(list(hashes[:n_full]), namespace=self.namespace, purpose="store").n_hit
 
         def section(end: int) -> RecurrentSection | None:
             taken = boundary(end) if boundary is not None else None

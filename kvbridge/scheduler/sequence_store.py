@@ -153,7 +153,7 @@ class SequenceStore:
         except ForeignState as exc:   # cannot happen with our own sequence; recompute rather than trust it
             log.warning("swap-out not stored: %s", exc)
             return
-        held = self.store.lookup(hashes[:whole], namespace=self.kv.namespace).n_hit
+        held = self.store.lookup(hashes[:whole], namespace=self.kv.namespace, purpose="store").n_hit
         if held and self.on_stored is not None:
             self.on_stored(tuple(tokens), held)
         found = held == whole
@@ -196,7 +196,7 @@ class SequenceStore:
         self.kv.store_prompt(SeqState(data=data, n_tokens=len(tokens), token_ids=tuple(tokens)), tokens, hashes,
                              capture=capture, boundary=boundary)
         if self.on_stored is not None and hashes:
-            held = self.store.lookup(hashes, namespace=self.kv.namespace).n_hit
+            held = self.store.lookup(hashes, namespace=self.kv.namespace, purpose="kv_events").n_hit
             if held:
                 self.on_stored(tuple(tokens), held)
 
@@ -206,7 +206,7 @@ class SequenceStore:
         the same chunks, so its digest is checked; a tail ends at most where `tokens` end)."""
         c = self.kv.chunk_size
         hashes = self.hashes(tokens)
-        held = self.store.lookup(hashes, namespace=self.kv.namespace).n_hit
+        held = self.store.lookup(hashes, namespace=self.kv.namespace, purpose="store").n_hit
         start = held * c
         if held < len(hashes) or start >= len(tokens):
             return start
@@ -233,7 +233,7 @@ class SequenceStore:
         at, window = 0, MEDIA_WINDOW
         while at < len(hashes) and time.monotonic() < end:
             asked = list(hashes[at:at + window])
-            found = self.store.lookup(asked, namespace=self.kv.namespace)
+            found = self.store.lookup(asked, namespace=self.kv.namespace, purpose="kv_events")
             for offset, tier in enumerate(found.tiers):
                 media[at + offset] = "CPU" if tier in MEMORY_TIERS else "DISK"
             if found.n_hit == len(asked):

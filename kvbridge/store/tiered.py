@@ -146,8 +146,10 @@ class TieredStore(TierWrites, TierUpkeep, TierHistory):
         return tier_a if order.get(tier_a, 0) >= order.get(tier_b, 0) else tier_b
 
     # -- reading ---------------------------------------------------------------------------------
-    def lookup(self, hashes: Iterable[bytes], namespace: str | None = None) -> LookupResult:
+    def lookup(self, hashes: Iterable[bytes], namespace: str | None = None, purpose: str = "prompt") -> LookupResult:
         """How many LEADING hashes are stored (in the expected namespace), and in which tier each.
+
+        `purpose` is the cache server's (RemoteStore): the in-process store counts no hit rate of its own.
 
         Index only, no payload reads: a later get() can still miss (a file removed by another
         process), and the caller treats that as a shorter hit.

@@ -1,6 +1,7 @@
 """MetricsModule: Prometheus text on http://127.0.0.1:PORT/metrics (--metrics-port or KVB_CACHE_SERVER_METRICS_PORT).
 
-Counters the server loop records live in kvbridge.cache_server.metrics.ServerMetrics; the store's
+Counters the server loop records live in kvbridge.cache_server.metrics.ServerMetrics (lookups by purpose, a
+prompt's looked-up and hit tokens by tier, miss probes by outcome); the store's
 numbers (hits per tier, evictions, refused stores, revoked leases, leases and pins, L1 usage and
 pressure level, connected clients) are read from the store when Prometheus scrapes, by the
 collector registered here. Without a port the module still exists (its status shows the numbers)
@@ -69,6 +70,7 @@ class MetricsModule(DiscoverableModule):
     def __init__(self, context, port: int) -> None:
         super().__init__(context)
         self.registry = context.metrics.registry
+        context.metrics.show_tiers(context.store.tier_names)   # each tier's hit series at 0 before its first hit
         self.collector = StoreCollector(context)
         self.registry.register(self.collector)
         self.port = port
@@ -83,9 +85,12 @@ class MetricsModule(DiscoverableModule):
 
     def report_status(self) -> dict:
         metrics = self.context.metrics
+        tiers = self.context.store.tier_names
         return {"endpoint": f"http://127.0.0.1:{self.port}/metrics" if self.port else "",
                 "lookup_requested_tokens": metrics.value("kvbridge_lookup_requested_tokens_total"),
-                "lookup_hit_tokens": metrics.value("kvbridge_lookup_hit_tokens_total")}
+                "lookup_hit_tokens": metrics.value("kvbridge_lookup_hit_tokens_total"),
+                "lookup_hit_tokens_by_tier": {tier: metrics.value("kvbridge_lookup_tier_hit_tokens_total",
+                                                                  {"tier": tier}) for tier in tiers}}
 
     def close(self) -> None:
         if self._http is not None:
