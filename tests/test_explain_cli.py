@@ -1,0 +1,132 @@
+"""`kvbridge explain` as a person runs it: a child process on the real model, over a store a real run filled.
+
+What explain says a restore would take must be what an lmcache request then restores (tokens and tier), its cause
+must be the one the record then carries, and it must write nothing. The causes checked here: diverged (another
+question after the same document), none_stored (a prompt nothing continues) and evicted (a cache server whose small
+L1 made room for a second document). The --json output has a fixed schema; a missing prompt or file is a message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import SHORT_DOC_CHARS, needs_model
+from kvbridge.backends import make_backend
+from kvbridge.engine.cached_engine import CachedEngine
+from kvbridge.engine.misses import MISS_REASONS
+from kvbridge.settings import Settings, settings_to_env
+
+PROJECT = Path(__file__).resolve().parents[1]
+QUESTION_A = "\n\nQuestion: where is Well One? Answer:"
+QUESTION_B = "\n\nQuestion: who keeps the north gate? Answer:"
+UNRELATED = "Bananas ripen faster in a paper bag because ethylene gas collects around them."
+JSON_KEYS = {"schema", "namespace", "kv_mode", "layout", "prompt_tokens", "chunks_total", "chunks_hit",
+             "restorable_tokens", "tier", "hit_tiers", "miss", "store_calls", "explain_ms", "key_history",
+             "recent_evictions", "notes", "engine", "store"}
+
+
+def explain(settings: Settings, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m kvbridge explain ARGS` with `settings` as its environment (no .env, a private HOME)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVB_")}
+    env.update(settings_to_env(settings))
+    env["PYTHONPATH"] = str(PROJECT)
+    return subprocess.run([sys.executable, "-m", "kvbridge", "explain", *args], env=env, cwd=PROJECT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def explained(settings: Settings, prompt: str) -> dict:
+    done = explain(settings, prompt, "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def files_under(path: Path) -> dict[str, int]:
+    return {str(p.relative_to(path)): p.stat().st_size for p in path.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def document() -> str:
+    from kvbridge.bench.common.scenarios import builtin_document
+
+    return builtin_document()[:SHORT_DOC_CHARS]
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory, document) -> Settings:
+    """Settings whose embedded store (L2 on disk) holds the document with question A, stored by a real run."""
+    root = tmp_path_factory.mktemp("explain")
+    settings = dataclasses.replace(Settings(), chunk_size=16, ctx_size=2048, n_predict=4, l2_dir=str(root / "l2"),
+                                   output_dir=str(root / "output"), input_dir=str(root / "input"))
+    with CachedEngine(settings, make_backend(settings.engine, settings)) as engine:
+        first = engine.infer(document + QUESTION_A, mode="lmcache")
+    assert first.error == "" and first.stored_objects > 0
+    return settings
+
+
+@needs_model
+def test_explain_predicts_what_an_lmcache_run_restores_and_why_it_stops(filled, document):
+    """Another question after the stored document: explain names the tokens it would restore, from L2 (a fresh
+    process), and the divergence with text either side; a real lmcache run then restores exactly that."""
+    before = files_under(Path(filled.l2_dir))
+    said = explained(filled, document + QUESTION_B)
+    assert files_under(Path(filled.l2_dir)) == before, "explain wrote into the store"
+    assert said["restorable_tokens"] > 10 * filled.chunk_size and said["hit_tiers"] == {"L2": said["restorable_tokens"]}
+    assert said["miss"]["reason"] == "diverged" and said["miss"]["at_token"] == said["restorable_tokens"]
+    assert f"at token {said['restorable_tokens']}" in said["miss"]["detail"] and "Well One" in said["miss"]["detail"]
+    assert "layout probe" in said["layout"] and "not evaluated" in said["layout"]
+    with CachedEngine(filled, make_backend(filled.engine, filled)) as engine:
+        record = engine.infer(document + QUESTION_B, mode="lmcache")
+    assert record.error == "" and record.restore_ok
+    assert record.matched_tokens == said["restorable_tokens"] and record.tier == said["tier"] == "L2"
+    assert (record.miss_reason, record.hit_tiers) == ("diverged", f"L2={said['restorable_tokens']}")
+
+
+@needs_model
+def test_explain_says_nothing_is_stored_for_a_prompt_nothing_continues(filled):
+    done = explain(filled, UNRELATED, "--evictions", "3")
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "restorable:  0 of" in out and "none_stored" in out and MISS_REASONS["none_stored"] in out
+    assert "nothing is stored under this prompt's first chunk" in out
+    assert "nothing was stored" in out and "the prompt itself was not evaluated" in out
+
+
+@needs_model
+def test_explain_json_schema(filled, document, tmp_path):
+    """--file and --json: every field present with its type; a reason exactly when a token but the last is not
+    restorable (the first test's run of question B replaced question A's tail at their shared boundary)."""
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(document + QUESTION_A, encoding="utf-8")
+    done = explain(filled, "--file", str(prompt), "--json", "--evictions", "5")
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = json.loads(done.stdout)
+    assert set(said) == JSON_KEYS and said["schema"] == "kvbridge-explain-1"
+    assert 0 < said["restorable_tokens"] < said["prompt_tokens"] and said["chunks_hit"] <= said["chunks_total"]
+    assert set(said["miss"]) == {"reason", "detail", "at_token"} and said["miss"]["at_token"] == said["restorable_tokens"]
+    whole = said["restorable_tokens"] == said["prompt_tokens"] - 1
+    assert (said["miss"]["reason"] == "") == whole and (said["miss"]["reason"] in MISS_REASONS or whole)
+    assert sum(said["hit_tiers"].values()) == said["restorable_tokens"]
+    assert isinstance(said["store_calls"], int) and said["store_calls"] >= 2 and said["explain_ms"] >= 0
+    assert said["namespace"].startswith("kvbridge-ns-1|") and "chunk=16" in said["namespace"]
+    assert said["kv_mode"] == "full" and said["store"] == "embedded (L1, L2)"
+    if said["key_history"] is not None:   # a store with an eviction ring: a fresh process's holds nothing yet
+        assert said["key_history"] == [] and said["recent_evictions"] == []
+
+
+@pytest.mark.parametrize("args, message", [
+    ([""], "is empty"),
+    (["   \n"], "is empty"),
+    ([], "Give a prompt to explain"),
+    (["--file", "/nonexistent/prompt.txt"], "--file /nonexistent/prompt.txt: no such file"),
+    (["text", "--file", "/etc/hostname"], "not both"),
+    (["text", "--evictions", "-1"], "--evictions must be 0 or more"),
+])
+def test_explain_errors_are_for_a_person(args, message, make_settings):
+    done = explain(make_settings(), *args, timeout=60)
+    assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr
