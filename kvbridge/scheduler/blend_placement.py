@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from kvbridge.engine.misses import MissExplainer
 from kvbridge.errors import KVBridgeError
 from kvbridge.scheduler.events import Journal
 from kvbridge.scheduler.requests import Request
@@ -58,6 +59,9 @@ class BlendPlacer:
 
         if not self.pool.free:
             request.record.add_note("blend: no free sequence to place passages through; computed in full")
+            MissExplainer.fixed("refused", "blend: no free sequence to place the stored passages through (every one "
+                                "of KVB_SCHED_MAX_RUNNING + KVB_SCHED_CACHED_PREFIXES is taken); computed in full"
+                                ).apply(request.record)
             return 0, "none"
         scratch = self.pool.borrow()
         # more free sequences, when there are, let every passage's recomputed tokens go into one decode
@@ -74,6 +78,7 @@ class BlendPlacer:
             self.journal.counters["restore_failed"] += 1
             request.record.restore_ok = False
             request.record.add_note(f"blend placement failed ({exc}); computed in full")
+            MissExplainer.fixed("refused", f"blend: the placement failed ({exc}); computed in full").apply(request.record)
             return 0, "none"
         finally:
             for seq in [scratch, *runs]:

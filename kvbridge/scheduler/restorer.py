@@ -25,10 +25,12 @@ from kvbridge.backends.base import WindowCapture
 from kvbridge.errors import KVBridgeError, StateTransferError
 from kvbridge.formats.llama_state import KVGeometry, LayoutError, parse_recurrent_capture, parse_state
 from kvbridge.scheduler.events import Journal
+from kvbridge.scheduler.misses import AdmissionMisses
 from kvbridge.scheduler.prefix_cache import PrefixCache
 from kvbridge.scheduler.requests import Request
 from kvbridge.scheduler.sequence_store import SequenceStore, SwapTicket
 from kvbridge.scheduler.sequences import SequencePool
+from kvbridge.store import StoreFault
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,8 @@ def resolve(future: Future, result) -> None:
 
 class Restorer:
     def __init__(self, ctx, pool: SequencePool, cache: PrefixCache, store_for: Callable[[str], SequenceStore],
-                 window: int, chunk_size: int, journal: Journal, geometry: KVGeometry | None = None) -> None:
+                 window: int, chunk_size: int, journal: Journal, geometry: KVGeometry | None = None,
+                 misses: AdmissionMisses | None = None) -> None:
         self._ctx = ctx
         self.pool = pool
         self.ledger = pool.ledger
@@ -55,6 +58,8 @@ class Restorer:
         self.journal = journal
         self.geometry = geometry if geometry is not None and geometry.recurrent else None   # recurrent models only
         self.awaiting_store: dict[int, Request] = {}   # store_before_answer requests whose answer waits on the writer
+        # names why a first admission did not reuse its whole prompt (kvbridge.scheduler.misses)
+        self.misses = misses if misses is not None else AdmissionMisses(None, True, pool.ledger.block_tokens // 2)
 
     # -- into a sequence ------------------------------------------------------------------------------
     def reuse(self, request: Request, resumed: bool) -> tuple[int, str]:
@@ -67,27 +72,45 @@ class Restorer:
             kv, tier, restore_ms = self._restore_snapshot(request, source, shared)
             request.record.swap_in_ms += restore_ms
             return kv, tier
-        kv, tier, restore_ms = self._restore_beyond(request, source, shared)
+        kv, tier, restore_ms = self._restore_beyond(request, source, shared, explain=not resumed)
         if resumed:
             request.record.swap_in_ms += restore_ms
         return kv, tier
 
-    def _restore_beyond(self, request: Request, source, shared: int) -> tuple[int, str, float]:
+    def _restore_beyond(self, request: Request, source, shared: int, explain: bool = False) -> tuple[int, str, float]:
         """Restore the context's longest stored prefix into the request's sequence when it beats the
-        `shared` cells from `source`: (tokens the sequence holds then, their tier, ms spent restoring)."""
+        `shared` cells from `source`: (tokens the sequence holds then, their tier, ms spent restoring).
+        `explain` (a first admission): the record says why the rest of the prompt was not reused."""
         kept = shared, "resident" if shared else "none", 0.0
         enough = shared + self.ledger.block_tokens // 2    # less is not worth replacing the shared cells
         if len(request.context) - 1 <= enough:
+            if explain:
+                self.misses.resident_only(request, shared)
             return kept     # the resident run covers all the store could give
         start = time.perf_counter()
-        plan = self.store_for(request.salt).restore(request.context, request.swap, at_least=enough)
-        if plan.matched_tokens <= enough or plan.state is None:
+        sequences = self.store_for(request.salt)
+        try:
+            plan = sequences.restore(request.context, request.swap, at_least=enough)
+        except StoreFault as exc:   # a storage fault is a counted miss: the resident cells stay, the rest is computed
+            log.warning("restore lookup for %s failed (%s); recomputing past %d shared tokens", request.holder, exc,
+                        shared)
+            self.journal.counters["restore_failed"] += 1
+            request.record.add_note(f"restore failed ({exc}); recomputed")
+            if explain:
+                self.misses.store_fault(request, shared, exc)
+            return kept
+        restored = plan.matched_tokens > enough and plan.state is not None
+        if explain:
+            self.misses.after_lookup(request, sequences, plan, shared, restored)
+        if not restored:
             return kept
         self.pool.empty(request)   # the store's copy replaces the shared cells: one sequence, one source
         try:
             self._load(request.seq, plan.state.data, plan.matched_tokens)
         except KVBridgeError as exc:
             kv = self._recompute_after_failed_restore(request, source, shared, exc)
+            if explain:
+                self.misses.refused(request, kv, exc)
             return kv, "resident" if kv else "none", (time.perf_counter() - start) * 1e3
         self.ledger.grow(request.held, plan.matched_tokens, request.holder)
         self.journal.counters["restored_tokens"] += plan.matched_tokens

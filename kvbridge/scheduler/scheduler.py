@@ -41,6 +41,7 @@ from kvbridge.scheduler.intake import RequestRefused, check_queue, check_request
 from kvbridge.scheduler.kv_listeners import KVListeners
 from kvbridge.scheduler.ledger import BlockLedger
 from kvbridge.scheduler.lifecycle import Lifecycle
+from kvbridge.scheduler.misses import AdmissionMisses
 from kvbridge.scheduler.planner import plan_batch
 from kvbridge.scheduler.policy import Policy
 from kvbridge.scheduler.prefix_cache import PrefixCache
@@ -87,8 +88,9 @@ class Scheduler:
         self._ids = iter(range(1, 1 << 62))   # requests and cached prefixes: one numbering
         self.prefixes = PrefixCache(self._ctx, self.seqs, self.queues.running, s.sched_cached_prefixes, self._ids,
                                     self.journal, whole_only=bool(geometry.recurrent))
+        misses = AdmissionMisses(self._detokenize, s.explain_misses, s.sched_block_tokens // 2)
         self.restorer = Restorer(self._ctx, self.seqs, self.prefixes, self._swap_for, geometry.window, s.chunk_size,
-                                 self.journal, geometry=geometry)
+                                 self.journal, geometry=geometry, misses=misses)
         if geometry.recurrent:
             self.journal.notes.append(
                 f"{traits.architecture} keeps recurrent state: prefill steps end at every {s.chunk_size}-token chunk "
@@ -275,6 +277,10 @@ class Scheduler:
 
     def _prompt_tokens(self, prompt, cut: bool = False) -> list[int]:
         return prompt_tokens(self._ctx, self.settings.blend_separator, prompt, cut)
+
+    def _detokenize(self, tokens) -> str:
+        """Text of token ids, for a miss's excerpt (the loop's thread: llama.cpp's tokenizer is not shared)."""
+        return b"".join(self._ctx.piece(int(t)) for t in tokens).decode("utf-8", "replace")
 
     def _swap_for(self, salt: str) -> SequenceStore:
         """The SequenceStore of a cache salt: its namespace (so its hash seed, so every key) has the salt's

@@ -29,7 +29,9 @@ bounded table (kvbridge.scheduler.salts), never a thread or a 40 MB buffer of it
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
+import threading
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -39,7 +41,7 @@ from blake3 import blake3
 
 from kvbridge.backends.base import SeqState, WindowCapture
 from kvbridge.engine.assembly_buffer import AssemblyBuffer
-from kvbridge.engine.chunks import ChunkKV, ForeignState
+from kvbridge.engine.chunks import ChunkKV, ForeignState, common_prefix_length
 from kvbridge.engine.hashing import make_hasher, tail_key, tokens_digest
 from kvbridge.formats.llama_state import KVGeometry
 from kvbridge.settings import Settings
@@ -70,6 +72,33 @@ class SwapTicket:
         self.snapshot = None
 
 
+class QueuedPrompts:
+    """The prompts queued in the shared writer or being written now, by namespace: KV the store does not hold
+    yet, so a restore that stops short of one is `lease_busy` (a follow-up sent the moment an answer came),
+    not `none_stored` (kvbridge.scheduler.misses). Bounded by the writer's queue; any thread."""
+
+    def __init__(self) -> None:
+        self._prompts: dict[int, tuple[str, list[int]]] = {}
+        self._numbers = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def add(self, namespace: str, tokens: Sequence[int]) -> int:
+        with self._lock:
+            number = next(self._numbers)
+            self._prompts[number] = (namespace, list(tokens))
+            return number
+
+    def done(self, number: int) -> None:
+        with self._lock:
+            self._prompts.pop(number, None)
+
+    def reach(self, namespace: str, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` a queued prompt of `namespace` holds (0: none)."""
+        with self._lock:
+            queued = [prompt for ns, prompt in self._prompts.values() if ns == namespace]
+        return max((common_prefix_length(prompt, tokens) for prompt in queued), default=0)
+
+
 class SequenceStoreShared:
     """What every salt's SequenceStore shares: one writer thread (prompts stored in order, a bounded queue) and one
     assembly buffer (restores run one at a time, on the scheduler's loop)."""
@@ -77,6 +106,7 @@ class SequenceStoreShared:
     def __init__(self, write_queue: int = 16) -> None:
         self.writer = BehindWriter(_run_job, write_queue, name="kvbridge-sched-store")
         self.buffer = AssemblyBuffer()
+        self.queued = QueuedPrompts()   # what the writer holds and the store not yet
         self.skipped_writes = 0
         self.waited_writes = 0   # writes that must not be skipped and found the queue full (run_in_order)
 
@@ -180,21 +210,30 @@ class SequenceStore:
         False when the queue is full (the write skipped, counted). boundary: a recurrent model's states captured
         where chunks end (by the number of tokens before them), which its chunks carry. must: never skipped
         (SequenceStoreShared.run_in_order: a full queue is waited out)."""
-        job = functools.partial(self._store_prompt, data, list(tokens), capture, boundary)
+        queued = self.shared.queued.add(self.kv.namespace, tokens)
+        job = functools.partial(self._store_prompt, data, list(tokens), capture, boundary, queued)
         if must:
             self.shared.run_in_order(job)
             return True
         if self.shared.writer.submit(job):
             return True
+        self.shared.queued.done(queued)
         self.shared.skipped_writes += 1
         return False
 
-    def _store_prompt(self, data, tokens: list[int], capture, boundary) -> None:
+    def queued_reach(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` a prompt queued for this namespace's store (not written yet) holds."""
+        return self.shared.queued.reach(self.kv.namespace, tokens)
+
+    def _store_prompt(self, data, tokens: list[int], capture, boundary, queued: int = 0) -> None:
         """The writer's job: one prompt's KV into the store (a failure is logged by the writer and costs a
         later miss, never the scheduler's loop), then the listener told what the store holds of it."""
         hashes = self.hashes(tokens)
-        self.kv.store_prompt(SeqState(data=data, n_tokens=len(tokens), token_ids=tuple(tokens)), tokens, hashes,
-                             capture=capture, boundary=boundary)
+        try:
+            self.kv.store_prompt(SeqState(data=data, n_tokens=len(tokens), token_ids=tuple(tokens)), tokens, hashes,
+                                 capture=capture, boundary=boundary)
+        finally:
+            self.shared.queued.done(queued)
         if self.on_stored is not None and hashes:
             held = self.store.lookup(hashes, namespace=self.kv.namespace, purpose="kv_events").n_hit
             if held:

@@ -1,0 +1,92 @@
+"""Why an admitted request did not reuse its whole prompt: the scheduler's side of kvbridge.engine.misses.
+
+Place in the flow: admission -> resident cells shared (prefix_cache) -> the store's longer prefix restored
+(restorer) -> **the first prompt token neither reached, explained into the record** -> prefill the rest.
+
+The record gets miss_reason, miss_detail and hit_tiers as CachedEngine's do, with one tier of the
+scheduler's own: `context`, the tokens shared from cells resident in its llama.cpp context. The store's
+part is explained by the salt's ChunkKV explainer (one store call on a miss, none on a hit); what only
+the scheduler knows comes first: a prompt still queued in its own store writer (`lease_busy`), a rest too
+short to read the store for (`below_chunk`), a store fault (`tier_down`) and a restore llama.cpp refused
+(`refused`). Only a request's first admission is explained: a swap-in restores what its own swap-out
+stored, which says nothing about the prompt's reuse.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from kvbridge.engine.misses import MissExplainer, MissReport
+from kvbridge.scheduler.requests import Request
+from kvbridge.scheduler.sequence_store import SequenceStore
+
+CONTEXT_TIER = "context"   # hit_tiers' name for cells shared from a resident sequence
+
+
+class AdmissionMisses:
+    """Fills a first admission's miss fields. `probe`: KVB_EXPLAIN_MISSES (False: no store call, the cause
+    from the plan alone); `half_block`: less than this beyond the resident cells is never read from the store."""
+
+    def __init__(self, detokenize: Callable[[Sequence[int]], str] | None, probe: bool, half_block: int) -> None:
+        self.detokenize = detokenize
+        self.probe = probe
+        self.half_block = max(1, half_block)
+
+    def resident_only(self, request: Request, shared: int) -> None:
+        """No lookup was made: the resident run reaches to within half a block of the prompt's end."""
+        n, limit = len(request.prompt), len(request.prompt) - 1
+        hit = _context(shared)
+        if shared >= limit:
+            MissReport(hit_tiers=hit, at_token=shared).apply(request.record)
+            return
+        beyond = f"beyond the {shared} resident ones" if shared else "in this prompt"
+        MissExplainer.fixed("below_chunk", f"from token {shared} of {n}: {limit - shared} tokens to reuse {beyond} "
+                            f"(the last is always computed), under half a block ({self.half_block}): the store is "
+                            "not read for so few", at_token=shared, hit_tiers=hit).apply(request.record)
+
+    def after_lookup(self, request: Request, sequences: SequenceStore, plan, shared: int, restored: bool) -> None:
+        """The store was asked (`plan`, a RestorePlan); `restored`: its prefix replaced the `shared` resident cells."""
+        prompt = request.prompt
+        n, limit = len(prompt), len(prompt) - 1
+        reached = plan.matched_tokens if restored else shared
+        hit = dict(plan.tier_tokens) if restored else _context(shared)
+        if reached >= limit:
+            MissReport(hit_tiers=hit, at_token=reached).apply(request.record)
+            return
+        queued = min(sequences.queued_reach(prompt), limit)
+        if queued >= reached + self.half_block:
+            MissExplainer.fixed("lease_busy", f"from token {reached} of {n}: the first {queued} tokens of this prompt "
+                                "are queued in the scheduler's store writer (a prompt answered moments ago), not in "
+                                "the store yet; a request a moment later restores them",
+                                at_token=reached, hit_tiers=hit).apply(request.record)
+            return
+        explainer = sequences.kv.misses
+        if self.detokenize is not None:
+            explainer.detokenize = self.detokenize
+        report = explainer.explain(prompt, sequences.hashes(prompt), plan, probe=self.probe)
+        reason, detail = report.reason, report.detail
+        if not restored and plan.matched_tokens > shared:
+            # the store held a little more than the resident cells: not worth replacing them
+            detail = (f"the store's {plan.matched_tokens} tokens are under half a block ({self.half_block}) beyond "
+                      f"the {shared} resident ones: not restored" + (f"; {detail}" if detail else ""))
+            reason = reason or "below_chunk"
+        elif not restored and shared:
+            detail = f"{shared} tokens shared from resident cells; in the store: {detail}"
+        MissReport(reason=reason, detail=detail, at_token=reached, hit_tiers=hit, probe_ms=report.probe_ms,
+                   round_trips=report.round_trips).apply(request.record)
+
+    @staticmethod
+    def store_fault(request: Request, shared: int, exc: Exception) -> None:
+        """The lookup or the fetch failed (a storage fault, counted): recomputed past the resident cells."""
+        reason = "lease_busy" if "lease" in str(exc) else "tier_down"
+        MissExplainer.fixed(reason, f"from token {shared} of {len(request.prompt)}: the store failed ({exc}); "
+                            "recomputed", at_token=shared, hit_tiers=_context(shared)).apply(request.record)
+
+    @staticmethod
+    def refused(request: Request, held: int, exc: Exception) -> None:
+        """llama.cpp refused the restored state: `held` resident tokens kept, the rest recomputed."""
+        MissExplainer.fixed("refused", f"from token {held} of {len(request.prompt)}: llama.cpp refused the restored "
+                            f"state ({exc}); recomputed", at_token=held, hit_tiers=_context(held)).apply(request.record)
+
+
+def _context(tokens: int) -> dict[str, int]:
+    return {CONTEXT_TIER: tokens} if tokens else {}
