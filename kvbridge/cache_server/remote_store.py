@@ -128,7 +128,8 @@ class RemoteStore:
             reply = self.client.probe_miss(keys, probes)
         except (CacheServerUnavailable, CacheServerError, CacheServerRefused) as exc:
             self._fault("probe_miss", exc)
-            text = str(exc).removeprefix(f"cache server {self.client.url}: ")
+            text = str(exc).removeprefix(f"cache server {self.client.url}: ").removeprefix(
+                f"cache server {self.client.url} ")
             if isinstance(exc, CacheServerUnavailable):
                 waited = time.monotonic() - started
                 down = (f"timed out after {self.client.timeout_s:g} s (KVB_CACHE_SERVER_TIMEOUT)"

@@ -197,6 +197,7 @@ class ServerStore:
         stored = self.pool.commit(lease_id, client_id)
         if stored:
             self._count("stores")
+            self.history.forget(key)   # written again: an old eviction no longer explains a miss of it
             self._emit("stored", key, L1_NAME, self._size(key))
             self._queue_write(key, None, None)
         else:
@@ -240,6 +241,7 @@ class ServerStore:
             raise
         stored = self.pool.commit(lease.lease_id, client_id)
         if stored:
+            self.history.forget(key)
             self._emit("stored", key, L1_NAME, len(blob))
         if stored and write_through:
             self._count("stores")
