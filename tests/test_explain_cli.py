@@ -130,3 +130,33 @@ def test_explain_json_schema(filled, document, tmp_path):
 def test_explain_errors_are_for_a_person(args, message, make_settings):
     done = explain(make_settings(), *args, timeout=60)
     assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr
+
+
+@needs_model
+def test_explain_names_an_eviction_on_the_cache_server(tmp_path, document):
+    """A cache server whose small L1 (no L2) held the document until a second one made room: explain, in a
+    fresh process through KVB_STORE_URL, says the document's first chunk was evicted, from which tier, by
+    which policy and for what, and lists it in the key's history (the ring lives in the server)."""
+    from kvbridge.bench.common.scenarios import builtin_document
+    from tests.cache_server_helpers import running_server
+
+    settings = dataclasses.replace(Settings(), chunk_size=16, ctx_size=2048, n_predict=4, l2_enabled=False,
+                                   l2_dir=str(tmp_path / "l2"), output_dir=str(tmp_path / "output"),
+                                   input_dir=str(tmp_path / "input"), l1_bytes=12 << 20,
+                                   cache_server_page_bytes=64 << 10, cache_server_timeout=5.0)
+    other = builtin_document()[SHORT_DOC_CHARS:2 * SHORT_DOC_CHARS]
+    with running_server(settings) as server:
+        client = dataclasses.replace(settings, store_url=server.url)
+        with CachedEngine(client, make_backend(client.engine, client)) as engine:
+            for text in (document, other):
+                assert engine.infer(text + QUESTION_A, mode="lmcache").error == ""
+        said = explained(client, document + QUESTION_A)
+    assert said["store"] == f"cache server {server.url}"
+    assert said["miss"]["reason"] == "evicted", said
+    assert said["restorable_tokens"] == said["miss"]["at_token"] < said["prompt_tokens"] - settings.chunk_size
+    assert "evicted from L1" in said["miss"]["detail"] and ("by LRU" in said["miss"]["detail"]
+                                                            or "under memory pressure" in said["miss"]["detail"])
+    history = said["key_history"]
+    assert history and all(e["tier"] == "L1" and e["gone"] for e in history)
+    # the eviction the detail names is in the history: the object it made room for, by its key
+    assert any(e["for_key"] and e["for_key"][:12] in said["miss"]["detail"] for e in history), (said, history)
