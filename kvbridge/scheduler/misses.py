@@ -6,16 +6,20 @@ Place in the flow: admission -> resident cells shared (prefix_cache) -> the stor
 The record gets miss_reason, miss_detail and hit_tiers as CachedEngine's do, with one tier of the
 scheduler's own: `context`, the tokens shared from cells resident in its llama.cpp context. The store's
 part is explained by the salt's ChunkKV explainer (one store call on a miss, none on a hit); what only
-the scheduler knows comes first: a prompt still queued in its own store writer (`lease_busy`), a rest too
-short to read the store for (`below_chunk`), a store fault (`tier_down`) and a restore llama.cpp refused
-(`refused`). Only a request's first admission is explained: a swap-in restores what its own swap-out
+the scheduler knows comes first: a prompt still queued in its own store writer (`lease_busy`), a resident
+prompt that continues the shared run with other tokens (`diverged`, found in the cells' own token ids, no
+store call), a rest too short to read the store for (`below_chunk`), a store fault (`tier_down`) and a
+restore llama.cpp refused (`refused`). Only a request's first admission is explained: a swap-in restores what its own swap-out
 stored, which says nothing about the prompt's reuse.
 """
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import numpy as np
+
 from kvbridge.engine.misses import MissExplainer, MissReport
+from kvbridge.engine.restore_plan import RestorePlan
 from kvbridge.scheduler.requests import Request
 from kvbridge.scheduler.sequence_store import SequenceStore
 
@@ -31,20 +35,25 @@ class AdmissionMisses:
         self.probe = probe
         self.half_block = max(1, half_block)
 
-    def resident_only(self, request: Request, shared: int) -> None:
-        """No lookup was made: the resident run reaches to within half a block of the prompt's end."""
+    def resident_only(self, request: Request, sequences: SequenceStore, shared: int, resident: Sequence[int]) -> None:
+        """No lookup was made: the resident run (`shared` of the `resident` tokens a source holds) reaches to
+        within half a block of the prompt's end."""
         n, limit = len(request.prompt), len(request.prompt) - 1
         hit = _context(shared)
         if shared >= limit:
             MissReport(hit_tiers=hit, at_token=shared).apply(request.record)
+            return
+        if self._resident_diverged(request, sequences, shared, resident):
             return
         beyond = f"beyond the {shared} resident ones" if shared else "in this prompt"
         MissExplainer.fixed("below_chunk", f"from token {shared} of {n}: {limit - shared} tokens to reuse {beyond} "
                             f"(the last is always computed), under half a block ({self.half_block}): the store is "
                             "not read for so few", at_token=shared, hit_tiers=hit).apply(request.record)
 
-    def after_lookup(self, request: Request, sequences: SequenceStore, plan, shared: int, restored: bool) -> None:
-        """The store was asked (`plan`, a RestorePlan); `restored`: its prefix replaced the `shared` resident cells."""
+    def after_lookup(self, request: Request, sequences: SequenceStore, plan, shared: int, resident: Sequence[int],
+                     restored: bool) -> None:
+        """The store was asked (`plan`, a RestorePlan); `restored`: its prefix replaced the `shared` resident cells
+        (of the `resident` tokens their source holds)."""
         prompt = request.prompt
         n, limit = len(prompt), len(prompt) - 1
         reached = plan.matched_tokens if restored else shared
@@ -59,10 +68,10 @@ class AdmissionMisses:
                                 "the store yet; a request a moment later restores them",
                                 at_token=reached, hit_tiers=hit).apply(request.record)
             return
-        explainer = sequences.kv.misses
-        if self.detokenize is not None:
-            explainer.detokenize = self.detokenize
-        report = explainer.explain(prompt, sequences.hashes(prompt), plan, probe=self.probe)
+        if not restored and plan.matched_tokens <= shared and self._resident_diverged(request, sequences, shared,
+                                                                                      resident):
+            return
+        report = self._explainer(sequences).explain(prompt, sequences.hashes(prompt), plan, probe=self.probe)
         reason, detail = report.reason, report.detail
         if not restored and plan.matched_tokens > shared:
             # the store held a little more than the resident cells: not worth replacing them
@@ -73,6 +82,28 @@ class AdmissionMisses:
             detail = f"{shared} tokens shared from resident cells; in the store: {detail}"
         MissReport(reason=reason, detail=detail, at_token=reached, hit_tiers=hit, probe_ms=report.probe_ms,
                    round_trips=report.round_trips).apply(request.record)
+
+    def _resident_diverged(self, request: Request, sequences: SequenceStore, shared: int,
+                           resident: Sequence[int]) -> bool:
+        """The resident source continues the shared run with other tokens: `diverged`, read off its cells' token
+        ids (no store call; its prompt was stored too, so the store cannot hold more of this one)."""
+        if shared < 1 or len(resident) <= shared:
+            return False
+        seen = RestorePlan(matched_tokens=shared, continuation=(0, np.asarray(resident)))
+        seen.add_tokens(CONTEXT_TIER, shared)
+        prompt = request.prompt
+        report = self._explainer(sequences).explain(prompt, sequences.hashes(prompt), seen, probe=False)
+        if report.reason != "diverged":
+            return False
+        MissReport(reason="diverged", detail=f"{shared} tokens shared from resident cells; {report.detail}",
+                   at_token=shared, hit_tiers=seen.tier_tokens, probe_ms=report.probe_ms).apply(request.record)
+        return True
+
+    def _explainer(self, sequences: SequenceStore) -> MissExplainer:
+        explainer = sequences.kv.misses
+        if self.detokenize is not None:
+            explainer.detokenize = self.detokenize
+        return explainer
 
     @staticmethod
     def store_fault(request: Request, shared: int, exc: Exception) -> None:
@@ -86,6 +117,14 @@ class AdmissionMisses:
         """llama.cpp refused the restored state: `held` resident tokens kept, the rest recomputed."""
         MissExplainer.fixed("refused", f"from token {held} of {len(request.prompt)}: llama.cpp refused the restored "
                             f"state ({exc}); recomputed", at_token=held, hit_tiers=_context(held)).apply(request.record)
+
+
+def resident_tokens(source) -> Sequence[int]:
+    """The token ids a resident source's cells hold: a cached prefix's, or a running request's KV so far."""
+    if source is None:
+        return ()
+    tokens = getattr(source, "tokens", None)   # a CachedPrefix
+    return tokens if tokens is not None else source.context[:source.kv_tokens]
 
 
 def _context(tokens: int) -> dict[str, int]:

@@ -25,7 +25,7 @@ from kvbridge.backends.base import WindowCapture
 from kvbridge.errors import KVBridgeError, StateTransferError
 from kvbridge.formats.llama_state import KVGeometry, LayoutError, parse_recurrent_capture, parse_state
 from kvbridge.scheduler.events import Journal
-from kvbridge.scheduler.misses import AdmissionMisses
+from kvbridge.scheduler.misses import AdmissionMisses, resident_tokens
 from kvbridge.scheduler.prefix_cache import PrefixCache
 from kvbridge.scheduler.requests import Request
 from kvbridge.scheduler.sequence_store import SequenceStore, SwapTicket
@@ -85,7 +85,7 @@ class Restorer:
         enough = shared + self.ledger.block_tokens // 2    # less is not worth replacing the shared cells
         if len(request.context) - 1 <= enough:
             if explain:
-                self.misses.resident_only(request, shared)
+                self.misses.resident_only(request, self.store_for(request.salt), shared, resident_tokens(source))
             return kept     # the resident run covers all the store could give
         start = time.perf_counter()
         sequences = self.store_for(request.salt)
@@ -101,7 +101,7 @@ class Restorer:
             return kept
         restored = plan.matched_tokens > enough and plan.state is not None
         if explain:
-            self.misses.after_lookup(request, sequences, plan, shared, restored)
+            self.misses.after_lookup(request, sequences, plan, shared, resident_tokens(source), restored)
         if not restored:
             return kept
         self.pool.empty(request)   # the store's copy replaces the shared cells: one sequence, one source

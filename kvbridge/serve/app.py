@@ -13,9 +13,10 @@ operator is the key in KVB_SERVE_ADMIN_KEY_ENV, or anyone when no key is configu
 
 A response is started only once the request's first event arrives (its first piece of text, or its
 end, or its error), so a request refused by the engine (a prompt beyond the context, say) gets a
-proper status and OpenAI's error object, and `X-KVBridge-Tier` can say where its KV came from.
-`usage.prompt_tokens_details.cached_tokens` counts the prompt tokens KVBridge restored or shared
-instead of prefilling. A client that disconnects, streaming or not, cancels its request (its KV
+proper status and OpenAI's error object, and `X-KVBridge-Tier` can say where its KV came from and
+`X-KVBridge-Miss` why the rest was computed. `usage.prompt_tokens_details.cached_tokens` counts the prompt
+tokens KVBridge restored or shared instead of prefilling, and `usage.kvbridge` says why the others were not
+(as the tenant rules allow: kvbridge.serve.misses). A client that disconnects, streaming or not, cancels its request (its KV
 blocks are freed). What a request must pass first (its Host, key, Content-Type and size) is
 kvbridge.serve.guards. The event loop never calls into the engine itself (a swap-out holds the
 scheduler's lock): submits run on worker threads, cancels on threads of their own, and /health and
@@ -41,6 +42,7 @@ from kvbridge.serve.engines import Job, LiveState, ServeEngine
 from kvbridge.serve.guards import BearerAuth, HostCheck, allowed_hosts, as_api_error, error_response, read_json
 from kvbridge.serve.tenants import DEFAULT, Tenant, TenantTable
 from kvbridge.serve.metrics import ServeMetrics
+from kvbridge.serve.misses import MISS_HEADER, client_view, header_value
 from kvbridge.serve.protocol import (
     BLEND_HEADER, PRIORITY_HEADER, TIER_HEADER, ApiError, Generation, chunk_body, completion_id, parse_blend,
     parse_generation, parse_priority, response_body, usage, usage_chunk,
@@ -81,6 +83,7 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
             body = await read_json(request, settings.serve_max_body_bytes)
             gen = parse_generation(body, kind, max_tokens_cap=settings.serve_max_tokens)
             tenant = getattr(request.state, "tenant", DEFAULT)
+            full = tenants.sees_everything(tenant)   # what a miss's detail may say (kvbridge.serve.misses)
             gen = dataclasses.replace(gen, cache_salt=tenant.cache_salt(gen.cache_salt), tenant=tenant.name,
                                       blend=blend)
             stored_first = pd.stores_before_answer(gen, settings.serve_role)
@@ -92,17 +95,18 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
             return error_response(exc)
         gone = asyncio.ensure_future(_client_gone(request))
         try:
-            return await _answer(gen, job, endpoint, gone, stored_first)
+            return await _answer(gen, job, endpoint, gone, stored_first, full)
         finally:
             gone.cancel()   # a stream's own disconnect listener (Starlette's) takes over from here
 
-    async def _answer(gen: Generation, job: Job, endpoint: str, gone: asyncio.Future, stored_first: bool) -> Response:
+    async def _answer(gen: Generation, job: Job, endpoint: str, gone: asyncio.Future, stored_first: bool,
+                      full: bool) -> Response:
         first = await _next_event(job, gone)
         rid = completion_id(gen.kind)
         if gen.stream and first is not None and first[0] != "error":
-            headers = {TIER_HEADER: _tier(job, first), "Cache-Control": "no-cache",
-                       **_decode_headers(gen, _record(job, first))}
-            return StreamingResponse(_stream(gen, job, first, rid, endpoint), media_type="text/event-stream",
+            headers = {TIER_HEADER: _tier(job, first), MISS_HEADER: header_value(_record(job, first)),
+                       "Cache-Control": "no-cache", **_decode_headers(gen, _record(job, first))}
+            return StreamingResponse(_stream(gen, job, first, rid, endpoint, full), media_type="text/event-stream",
                                      headers=headers)
         last = first
         while last is not None and last[0] == "text":   # a whole answer: read past its pieces
@@ -115,13 +119,16 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
             metrics.answered(endpoint, exc.status)
             return error_response(exc)
         record = last[1]
-        metrics.finished(endpoint, record, gen.tenant, gen.cache_salt)
-        body = response_body(gen, rid, engine.model_id, record.text, _finish_reason(gen, record), _usage(record))
+        shown = client_view(record, full)
+        metrics.finished(endpoint, record, gen.tenant, gen.cache_salt, shown)
+        body = response_body(gen, rid, engine.model_id, record.text, _finish_reason(gen, record),
+                             _usage(record, shown))
         if stored_first:
             body["kv_transfer_params"] = pd.prefill_params(instance_id, record, settings.chunk_size, engine.model_id)
-        return JSONResponse(body, headers={TIER_HEADER: record.tier, **_decode_headers(gen, record)})
+        return JSONResponse(body, headers={TIER_HEADER: record.tier, MISS_HEADER: shown.reason,
+                                           **_decode_headers(gen, record)})
 
-    async def _stream(gen: Generation, job: Job, first, rid: str, endpoint: str) -> AsyncIterator[bytes]:
+    async def _stream(gen: Generation, job: Job, first, rid: str, endpoint: str, full: bool) -> AsyncIterator[bytes]:
         event, opened = first, True
         try:
             while True:
@@ -132,10 +139,11 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
                 elif kind == "done":
                     yield _sse(chunk_body(gen, rid, engine.model_id, "" if gen.kind == "chat" and opened else None,
                                           _finish_reason(gen, value), first=opened))
+                    shown = client_view(value, full)
                     if gen.include_usage:
-                        yield _sse(usage_chunk(gen, rid, engine.model_id, _usage(value)))
+                        yield _sse(usage_chunk(gen, rid, engine.model_id, _usage(value, shown)))
                     yield b"data: [DONE]\n\n"
-                    metrics.finished(endpoint, value, gen.tenant, gen.cache_salt)
+                    metrics.finished(endpoint, value, gen.tenant, gen.cache_salt, shown)
                     return
                 else:   # an error after the stream began: OpenAI's error object as the last event
                     exc = as_api_error(value)
@@ -196,7 +204,7 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
     if origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
                                      allow_headers=["Authorization", "Content-Type", "X-KVBridge-Priority", "X-KVBridge-Blend"],
-                                     expose_headers=[TIER_HEADER, INSTANCE_HEADER, pd.RESTORED_HEADER]))
+                                     expose_headers=[TIER_HEADER, MISS_HEADER, INSTANCE_HEADER, pd.RESTORED_HEADER]))
     middleware.append(Middleware(BearerAuth, tenants=tenants))
     app = WorkerApp(routes=routes, middleware=middleware, exception_handlers={404: not_found, 405: wrong_method})
     app.instance_id = instance_id
@@ -244,8 +252,8 @@ def _decode_headers(gen: Generation, record) -> dict[str, str]:
     return {pd.RESTORED_HEADER: str(record.matched_tokens)}
 
 
-def _usage(record) -> dict:
-    return usage(record.prompt_tokens, record.gen_tokens, record.matched_tokens)
+def _usage(record, shown) -> dict:
+    return usage(record.prompt_tokens, record.gen_tokens, record.matched_tokens, shown.usage_fields())
 
 
 def _finish_reason(gen: Generation, record) -> str:

@@ -10,26 +10,40 @@ what size or whether another's request hit).
 Per-tenant state is a bounded LRU (TENANTS_KEPT): the tenants file bounds it already, and no
 client-chosen value (a request's `cache_salt`) becomes a key of it; bytes held are summed per cache
 group from the engine's {cache salt: bytes} at render time.
+
+Why prompts missed (issue 35): prompt tokens reused by tier (`kvbridge_serve_hit_tokens_total{tier}`), and
+requests and prompt tokens by the cause of their miss (`kvbridge_serve_misses_total{reason}`,
+`kvbridge_serve_miss_tokens_total{reason}`), so a per-tier hit rate is hit tokens over prompt tokens. The
+operator's series count the true causes; a tenant's (`kvbridge_serve_tenant_...`) the causes as that tenant
+was shown them (kvbridge.serve.misses).
 """
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvbridge.engine.misses import MISS_REASONS, parse_hit_tiers
 from kvbridge.serve.tenants import group_of
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+HIT_TIERS = ("context", "L1", "L2", "L3")   # where reused prompt tokens come from (the record's hit_tiers)
 TENANTS_KEPT = 1024   # tenants with counters; past it the least recently served is forgotten
 _COUNTERS = {
     "requests": "Finished requests by tenant",
     "prompt_tokens": "Prompt tokens by tenant",
     "cached_tokens": "Prompt tokens reused from the tenant's own (or its group's) cache",
     "completion_tokens": "Generated tokens by tenant",
+}
+# the per-tenant families with a second label: field -> (label, doc)
+_LABELLED = {
+    "hit_tokens": ("tier", "Prompt tokens reused by tenant, by where they came from (context, L1, L2, L3)"),
+    "misses": ("reason", "Finished requests that missed by tenant, by the cause the tenant was shown"),
+    "miss_tokens": ("reason", "Prompt tokens computed because of a miss by tenant, by the cause the tenant was shown"),
 }
 
 
@@ -39,6 +53,9 @@ class TenantCounts:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    hit_tokens: dict[str, int] = field(default_factory=dict)    # by tier
+    misses: dict[str, int] = field(default_factory=dict)        # by reason
+    miss_tokens: dict[str, int] = field(default_factory=dict)   # by reason
 
 
 class ServeMetrics:
@@ -55,6 +72,18 @@ class ServeMetrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.tier = Counter("kvbridge_serve_requests_by_tier", "Finished requests by where their reused KV came from",
                             ["tier"], registry=r)
+        self.hit_tokens = Counter("kvbridge_serve_hit_tokens", "Prompt tokens reused, by where they came from "
+                                  "(context: cells resident in the scheduler; L1, L2, L3: the store's tiers)", ["tier"],
+                                  registry=r)
+        self.misses = Counter("kvbridge_serve_misses", "Finished requests that missed, by the cause of the first "
+                              "prompt token not reused (a full hit is not counted)", ["reason"], registry=r)
+        self.miss_tokens = Counter("kvbridge_serve_miss_tokens", "Prompt tokens computed because of a miss, by its "
+                                   "cause", ["reason"], registry=r)
+        for reason in MISS_REASONS:   # every cause present from the start, so rates and rules see zeros
+            self.misses.labels(reason)
+            self.miss_tokens.labels(reason)
+        for tier in HIT_TIERS:   # likewise every tier: a series born at its first hit makes rate() overshoot
+            self.hit_tokens.labels(tier)
         self._state_gauge = Gauge("kvbridge_serve_engine",
                                   "The engine's live state (running, waiting, swapped, free blocks...)", ["field"],
                                   registry=r)
@@ -66,8 +95,13 @@ class ServeMetrics:
     def answered(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
-    def finished(self, endpoint: str, record, tenant: str = "default", cache_salt: str = "") -> None:
+    def finished(self, endpoint: str, record, tenant: str = "default", cache_salt: str = "", shown=None) -> None:
+        """A request answered; `shown`: the miss as its client saw it (kvbridge.serve.misses.MissView), which the
+        tenant's series count (the record's own cause when not given)."""
         self.answered(endpoint, 200)
+        hits = parse_hit_tiers(record.hit_tiers)
+        missed = max(0, record.prompt_tokens - record.matched_tokens)
+        shown_reason = record.miss_reason if shown is None else ("" if shown.reason == "hit" else shown.reason)
         with self._lock:
             counts = self._tenants.pop(tenant, None) or TenantCounts()
             self._tenants[tenant] = counts                       # the most recently served, last
@@ -79,12 +113,22 @@ class ServeMetrics:
             counts.prompt_tokens += record.prompt_tokens
             counts.cached_tokens += record.matched_tokens
             counts.completion_tokens += record.gen_tokens
+            for tier, n in hits.items():
+                counts.hit_tokens[tier] = counts.hit_tokens.get(tier, 0) + n
+            if shown_reason:
+                counts.misses[shown_reason] = counts.misses.get(shown_reason, 0) + 1
+                counts.miss_tokens[shown_reason] = counts.miss_tokens.get(shown_reason, 0) + missed
         self.prompt_tokens.inc(record.prompt_tokens)
         self.cached_tokens.inc(record.matched_tokens)
         self.completion_tokens.inc(record.gen_tokens)
         if record.ttft_ms:
             self.ttft.observe(record.ttft_ms / 1e3)
         self.tier.labels(record.tier or "none").inc()
+        for tier, n in hits.items():
+            self.hit_tokens.labels(tier).inc(n)
+        if record.miss_reason:
+            self.misses.labels(record.miss_reason).inc()
+            self.miss_tokens.labels(record.miss_reason).inc(missed)
 
     @property
     def tenants_held(self) -> int:
@@ -113,7 +157,8 @@ class ServeMetrics:
             for tier, size in tiers.items():
                 group[tier] = group.get(tier, 0) + size
         with self._lock:
-            return {tenant: {**asdict(counts), "bytes_held": dict(by_group.get(self._groups[tenant], {}))}
+            return {tenant: {**{name: getattr(counts, name) for name in _COUNTERS},
+                             "bytes_held": dict(by_group.get(self._groups[tenant], {}))}
                     for tenant, counts in sorted(self._tenants.items())}
 
     def counts(self, tenant: str) -> TenantCounts:
@@ -142,6 +187,12 @@ class _TenantSeries:
             family = CounterMetricFamily(f"kvbridge_serve_tenant_{field}", doc, labels=["tenant"])
             for tenant, c in counts.items():
                 family.add_metric([tenant], getattr(c, field))
+            yield family
+        for name, (label, doc) in _LABELLED.items():
+            family = CounterMetricFamily(f"kvbridge_serve_tenant_{name}", doc, labels=["tenant", label])
+            for tenant, c in counts.items():
+                for value, n in sorted(getattr(c, name).items()):
+                    family.add_metric([tenant, value], n)
             yield family
         if self._with_bytes:
             family = GaugeMetricFamily("kvbridge_serve_tenant_bytes_held",

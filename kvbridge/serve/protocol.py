@@ -160,10 +160,15 @@ def completion_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, kvbridge: dict | None = None) -> dict:
+    """OpenAI's usage; `kvbridge`: why the prompt missed (kvbridge.serve.misses.MissView.usage_fields), an object
+    of its own beside OpenAI's fields."""
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if kvbridge is not None:
+        body["kvbridge"] = kvbridge
+    return body
 
 
 def response_body(gen: Generation, rid: str, model: str, text: str, finish_reason: str, usage_: dict) -> dict:

@@ -1,0 +1,113 @@
+"""Why a prompt missed, as a client of `serve` sees it (issue 35): a real serve process on loopback (the
+embedded model, the scheduler), the official openai SDK. `X-KVBridge-Miss` beside `X-KVBridge-Tier` on whole
+and streamed answers, `usage.kvbridge` (miss_reason, miss_detail, hit_tiers) in both; a tenant is never told
+of KV stored under another salt (a salted tenant asking what the unsalted cache holds sees none_stored, not
+other_namespace) nor shown another prompt's text; /metrics counts misses by reason and hit tokens by tier,
+to the operator and to each tenant its own.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from conftest import needs_model
+from kvbridge.serve.tenants import key_digest
+from kvbridge.store import TieredStore
+from test_serve import Served, doc_messages
+
+openai = pytest.importorskip("openai", reason="the openai SDK is not installed (requirements.txt)")
+pytestmark = [needs_model, pytest.mark.timeout(600)]
+
+DEFAULT_KEY, ALICE_KEY, ADMIN_KEY = "key-of-the-default-tenant", "key-of-alice", "key-of-the-operator"
+LONG_QUESTION = "Which orchards are pruned by crew 2, and in which weeks of the season does that happen?"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve-misses")
+    tenants = folder / "tenants.json"
+    tenants.write_text(json.dumps({"tenants": [{"name": "alice", "key_sha256": key_digest(ALICE_KEY)}]}))
+    server = Served(folder, "misses", KVB_SERVE_TENANTS_FILE=str(tenants),
+                    KVB_SERVE_API_KEY_ENV="MISSES_TEST_KEY", MISSES_TEST_KEY=DEFAULT_KEY,
+                    KVB_SERVE_ADMIN_KEY_ENV="MISSES_TEST_ADMIN_KEY", MISSES_TEST_ADMIN_KEY=ADMIN_KEY).start()
+    yield server
+    assert server.stop() == 0
+
+
+def ask(served, key: str, messages: list[dict]):
+    """(headers, usage as a dict) of a whole answer."""
+    raw = served.client(key).chat.completions.with_raw_response.create(model="x", temperature=0, max_tokens=4,
+                                                                      messages=messages)
+    return raw.headers, raw.parse().usage.model_dump()
+
+
+def ask_streamed(served, key: str, messages: list[dict]):
+    """(headers, usage as a dict) of a streamed answer, the usage from its last chunk."""
+    raw = served.client(key).chat.completions.with_raw_response.create(
+        model="x", temperature=0, max_tokens=4, messages=messages, stream=True, stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in raw.parse() if chunk.usage is not None]
+    assert len(usage) == 1
+    return raw.headers, usage[0].model_dump()
+
+
+def metrics_text(served, key: str) -> str:
+    answer = requests.get(served.url + "/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    assert answer.status_code == 200
+    return answer.text
+
+
+def value(text: str, series: str) -> float:
+    found = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series + " ")]
+    assert found, f"{series} is not in /metrics"
+    return found[0]
+
+
+def test_the_header_and_the_usage_name_each_miss_and_each_hit(served):
+    headers, usage = ask(served, DEFAULT_KEY, doc_messages())
+    assert headers["X-KVBridge-Miss"] == "none_stored" and headers["X-KVBridge-Tier"] == "none"
+    assert usage["kvbridge"]["miss_reason"] == "none_stored" and usage["kvbridge"]["hit_tiers"] == {}
+    assert usage["kvbridge"]["miss_detail"].startswith(f"from token 0 of {usage['prompt_tokens']}: nothing is stored")
+
+    headers, usage = ask_streamed(served, DEFAULT_KEY, doc_messages())   # resident now: shared, a hit
+    assert headers["X-KVBridge-Miss"] == "hit" and headers["X-KVBridge-Tier"] == "resident"
+    reused = usage["prompt_tokens"] - 1                                  # the last token is always computed
+    assert usage["prompt_tokens_details"]["cached_tokens"] == reused
+    assert usage["kvbridge"] == {"miss_reason": "hit", "miss_detail": "", "hit_tiers": {"context": reused}}
+
+    headers, usage = ask(served, DEFAULT_KEY, doc_messages(LONG_QUESTION))   # the document again, another question
+    detail = usage["kvbridge"]["miss_detail"]
+    assert headers["X-KVBridge-Miss"] == "diverged" and usage["kvbridge"]["miss_reason"] == "diverged", detail
+    assert usage["kvbridge"]["hit_tiers"] == {"context": usage["prompt_tokens_details"]["cached_tokens"]}
+    assert "diverges from a stored prompt at token" in detail and "here …" in detail
+    assert "stored …" not in detail     # a tenant of a server with keys is not shown the stored prompt's text
+
+
+def test_a_salted_tenant_never_learns_of_the_unsalted_cache(served):
+    ask(served, DEFAULT_KEY, doc_messages())                   # stored and resident in the unsalted cache
+    headers, usage = ask(served, ALICE_KEY, doc_messages())    # alice's salt: none of it is hers
+    assert headers["X-KVBridge-Miss"] == "none_stored" and headers["X-KVBridge-Tier"] == "none"
+    assert usage["kvbridge"]["miss_reason"] == "none_stored"
+    assert "cache_salt" not in usage["kvbridge"]["miss_detail"] and "namespace" not in usage["kvbridge"]["miss_detail"]
+
+    alice = metrics_text(served, ALICE_KEY)
+    assert value(alice, 'kvbridge_serve_tenant_misses_total{reason="none_stored",tenant="alice"}') == 1
+    assert "other_namespace" not in alice and 'tenant="default"' not in alice
+
+
+def test_metrics_count_misses_by_reason_and_hit_tokens_by_tier(served):
+    operator = metrics_text(served, ADMIN_KEY)
+    prompt = value(operator, "kvbridge_serve_prompt_tokens_total")
+    context = value(operator, 'kvbridge_serve_hit_tokens_total{tier="context"}')
+    assert 0 < context < prompt                       # a per-tier hit rate: hit tokens over prompt tokens
+    assert value(operator, 'kvbridge_serve_misses_total{reason="none_stored"}') >= 1
+    assert value(operator, 'kvbridge_serve_miss_tokens_total{reason="diverged"}') > 0
+    assert value(operator, 'kvbridge_serve_misses_total{reason="evicted"}') == 0   # every cause present from the start
+    assert value(operator, 'kvbridge_serve_tenant_hit_tokens_total{tenant="default",tier="context"}') == context
+    assert value(operator, 'kvbridge_serve_tenant_misses_total{reason="none_stored",tenant="alice"}') == 1
+    # what alice was shown as none_stored is, to the operator, what it was: another salt's namespace when the
+    # store can name namespaces (TieredStore.probe_miss), else none_stored too
+    other = value(operator, 'kvbridge_serve_misses_total{reason="other_namespace"}')
+    assert other == (1 if hasattr(TieredStore, "probe_miss") else 0)
+    assert value(operator, 'kvbridge_serve_misses_total{reason="none_stored"}') == 2 - other
