@@ -87,7 +87,8 @@ def report_text(r, engine: str, store: str, chunk_size: int, salted: bool = Fals
         lines.append(f"why:         {r.detail}")
     else:
         lines.append("not restored: only the last token, which every request computes")
-    lines.append(f"cost:        {r.store_calls} store call(s), explaining {r.explain_ms:.1f} ms; nothing was stored")
+    lines.append(f"cost:        {r.store_calls} store call(s), {r.explain_ms:.1f} ms for lookup, fetch, confirm and the "
+                 "cause; nothing was stored")
     for note in r.notes:
         lines.append(f"note:        {note}")
     if r.history_available:
