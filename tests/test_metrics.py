@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from conftest import needs_model
 from kvbridge.engine.metrics import Metrics, percentile, summarize
 
 
@@ -46,6 +47,40 @@ def test_hit_rates_per_tier_from_counters():
     assert Metrics().hit_rates() == {}
 
 
+def test_tier_hit_rates_are_restored_tokens_over_prompt_tokens():
+    metrics = Metrics()
+    metrics.inc("prompt_tokens", 1000)
+    metrics.inc("hit_tokens_L1", 256)
+    metrics.inc("hit_tokens_L2", 96)
+    metrics.inc("miss_reason_evicted", 2)
+    metrics.inc("miss_tokens_evicted", 648)
+    assert metrics.tier_hit_rates() == {"L1": 0.256, "L2": 0.096}
+    assert metrics.miss_reasons() == {"evicted": {"requests": 2, "tokens": 648}}
+    assert Metrics().tier_hit_rates() == {} and Metrics().miss_reasons() == {}
+
+
+@needs_model
+def test_an_engine_counts_a_miss_by_reason_and_a_hit_by_tier(make_settings):
+    """The real model on the embedded store: a cold run, a first lmcache run (nothing stored: none_stored) and
+    the same prompt again (restored from L1). The GUI's per-tier hit rate is over lmcache requests only."""
+    from kvbridge.backends import make_backend
+    from kvbridge.engine.cached_engine import CachedEngine
+
+    settings = make_settings()
+    prompt = "The lighthouse keeper logs every lamp check. " * 12 + "Which lamp was checked last?"
+    with CachedEngine(settings, make_backend("llamacpp", settings)).start() as engine:
+        cold = engine.infer(prompt, mode="cold", n_predict=2)
+        miss = engine.infer(prompt, mode="lmcache", n_predict=2)
+        hit = engine.infer(prompt, mode="lmcache", n_predict=2)
+        metrics = engine.metrics
+    assert (cold.miss_reason, miss.miss_reason, hit.miss_reason, hit.tier) == ("cold", "none_stored", "", "L1")
+    assert hit.matched_tokens >= 32
+    assert metrics.tier_hit_rates() == {"L1": hit.matched_tokens / (miss.prompt_tokens + hit.prompt_tokens)}
+    assert metrics.miss_reasons() == {"cold": {"requests": 1, "tokens": cold.prompt_tokens},
+                                      "none_stored": {"requests": 1, "tokens": miss.prompt_tokens}}
+    assert metrics.snapshot()["tier_hit_rates"] == metrics.tier_hit_rates()
+
+
 def test_snapshot_is_plain_data():
     metrics = Metrics()
     metrics.inc("requests")
@@ -55,7 +90,8 @@ def test_snapshot_is_plain_data():
     assert snapshot["series"]["prefill_ms"]["mean"] == 5.0
     json.dumps(snapshot)
     metrics.reset()
-    assert metrics.snapshot() == {"counters": {}, "series": {}, "hit_rates": {}}
+    assert metrics.snapshot() == {"counters": {}, "series": {}, "hit_rates": {}, "tier_hit_rates": {},
+                                  "miss_reasons": {}}
 
 
 def test_counters_and_series_are_thread_safe():
