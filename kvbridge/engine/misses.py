@@ -215,8 +215,9 @@ class MissExplainer:
         result: MissProbe = self.store.probe_miss(keys, probes)
         trips += result.round_trips
         fresh = self._candidates(result.namespaces)
-        if self._known_namespaces is None and fresh and fresh != candidates:
-            # a fresh process learnt the namespaces with its first probe: probe them once
+        if set(fresh) - set(candidates):
+            # namespaces this explainer had not probed (a fresh process's first miss, or one stored since the last
+            # probe): probe them once, or the first miss after another namespace appears would read none_stored
             self._known_namespaces = dict(result.namespaces)
             probes, owners = self._probe_keys(tokens, at, fresh)
             again = self.store.probe_miss(keys, probes)

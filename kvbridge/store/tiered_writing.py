@@ -48,6 +48,7 @@ class TierWrites:
     _all_persistent: bool
     _behind: BehindWriter
     history: EvictionRing
+    _namespaces_cache: tuple[float, dict[str, int]] | None
 
     # -- writing ---------------------------------------------------------------------------------
     def put(self, key: bytes, blob: bytes, meta: ObjectMeta) -> bool:
@@ -69,6 +70,8 @@ class TierWrites:
                 stored = True
         if not stored:
             self._count("put_failures")
+        elif self._namespaces_cache is not None and meta.namespace not in self._namespaces_cache[1]:
+            self._namespaces_cache = None   # a namespace the cached listing lacks: the next probe_miss lists again
         return stored
 
     def put_many(self, items: list[tuple[bytes, bytes, ObjectMeta]]) -> list[bool]:
