@@ -76,6 +76,13 @@ BENCH_COMMANDS: tuple[BenchCommand, ...] = (
         "one instance with all the memory (the fleet's cells in one), round_robin without a shared cache, "
         "one colocated instance for PD, and each question's cold answer under a fresh cache_salt",
         "kvbridge.bench.fleet_bench"),
+    BenchCommand(
+        "bench-misses",
+        "every miss of five built scenarios (doc-qa with a small L1, long context, a changed model file, a "
+        "tenant's salt, Redis stopped) against the cause each was built to have; warm-hit TTFT with "
+        "KVB_EXPLAIN_MISSES on and off; JSON and a markdown table to output/",
+        "the cause each scenario built (unexplained misses: 0); the same warm hits with KVB_EXPLAIN_MISSES=false",
+        "kvbridge.bench.misses_bench"),
 )
 
 
