@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 
 import pytest
@@ -24,7 +25,7 @@ from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.engine.misses import MISS_REASONS, parse_hit_tiers
 from kvbridge.errors import StateTransferError
 from kvbridge.models import zoo_model
-from kvbridge.settings import EMBEDDED_MODEL_PATH, Settings
+from kvbridge.settings import Settings
 from kvbridge.store import TieredStore
 
 pytestmark = [needs_model, pytest.mark.live, pytest.mark.timeout(300)]
@@ -230,8 +231,8 @@ def test_a_prompt_evicted_from_a_small_l1_is_evicted_with_tier_policy_and_what_i
 
 @needs_probe
 def test_a_prompt_stored_with_another_k_type_is_other_namespace_naming_the_field(tmp_path):
-    settings = base_settings(tmp_path, model_path=str(EMBEDDED_MODEL_PATH))   # the real SmolLM2, as a user runs it
-    prompt = PIECES[0][:300] + Q2
+    settings = base_settings(tmp_path)
+    prompt = PIECES[0] + Q2
     with CachedEngine(settings, LlamaCppBackend(settings)) as engine:
         assert engine.infer(prompt, mode="lmcache").stored_objects > 0
     f32 = settings.replace(cache_type_k="f32")
@@ -242,14 +243,12 @@ def test_a_prompt_stored_with_another_k_type_is_other_namespace_naming_the_field
 
 @needs_probe
 def test_a_changed_model_file_is_other_namespace_naming_model_sha256(tmp_path):
-    from kvbridge.models.catalog import make_model
-
     path = tmp_path / "model.gguf"
-    make_model("llama", path, "test", 0)
+    shutil.copyfile(zoo_model("llama", seed=0), path)
     settings = zoo_settings(tmp_path, "llama", path=path)
     with CachedEngine(settings, LlamaCppBackend(settings)) as engine:
         assert engine.infer(ZOO_DOC + Q1, mode="lmcache").stored_objects > 0
-    make_model("llama", path, "test", 1)                         # the same file name, other weights
+    shutil.copyfile(zoo_model("llama", seed=1), path)           # the same file name, other weights
     with CachedEngine(settings, LlamaCppBackend(settings)) as engine:
         record = engine.infer(ZOO_DOC + Q1, mode="lmcache")
     assert_cause(record, "other_namespace", "model_sha256 ")
