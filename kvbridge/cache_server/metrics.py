@@ -24,7 +24,7 @@ _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 # request kinds whose latency has its own histogram (the lookup / retrieve / store)
 _TIMED = {"lookup": "lookup", "retrieve": "retrieve", "store_prepare": "store", "store_commit": "store",
           "store_inline": "store"}
-OTHER_PURPOSE = "other"   # a purpose this server does not know (a newer client): counted, never a label of its own
+OTHER_PURPOSE = "other"   # the label of a purpose this server does not know (a newer client): no client mints labels
 HIT_RATE_PURPOSE = "prompt"
 # what a probe_miss found, most specific first (the order kvbridge.engine.misses tries causes in)
 PROBE_OUTCOMES = ("evicted", "pending", "down", "other_namespace", "nothing")
