@@ -51,6 +51,21 @@ def test_promtool_passes_the_shipped_configuration_rules_and_their_unit_test():
     assert "SUCCESS" in promtool("test", "rules", str(DEPLOY / "rules_test.yml"))
 
 
+def test_only_a_prompts_lookups_feed_the_cache_servers_hit_rate_and_no_client_mints_a_label():
+    from kvbridge.cache_server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    metrics.show_tiers(["L1", "L2"])
+    metrics.count_lookup(4, ["L1", "L1", "L2"], chunk_tokens=32)                  # a prompt's (the default)
+    metrics.count_lookup(4, ["L1", "L1", "L1", "L1"], 32, purpose="kv_events")   # a recheck: all held
+    metrics.count_lookup(2, [], 32, purpose="from-a-newer-client")
+    tier = {t: metrics.value("kvbridge_lookup_tier_hit_tokens_total", {"tier": t}) for t in ("L1", "L2")}
+    assert tier == {"L1": 64, "L2": 32} and metrics.value("kvbridge_lookup_requested_tokens_total") == 128
+    assert metrics.value("kvbridge_lookups_total", {"purpose": "other"}) == 1
+    assert metrics.value("kvbridge_lookup_hashes_total", {"purpose": "kv_events", "result": "hit"}) == 4
+    assert "from-a-newer-client" not in str(list(metrics.registry.collect()))
+
+
 # -- the live stack: a cache server, serve on it, Prometheus scraping both ------------------------------------
 
 
