@@ -27,7 +27,7 @@ PROMETHEUS, PROMTOOL = shutil.which("prometheus"), shutil.which("promtool")
 needs_prometheus = pytest.mark.skipif(PROMETHEUS is None or PROMTOOL is None,
                                       reason="Debian's prometheus (prometheus, promtool) is not installed: "
                                              "run scripts/setup.sh --test or apt-get install prometheus")
-pytestmark = [needs_prometheus, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 CHUNK = 32
 LANDED = 'kvbridge_lookup_hashes_total{purpose="kv_events",result="hit"}'
 DOCUMENT = "# Lighthouse log\n\n" + " ".join(
@@ -41,6 +41,7 @@ def promtool(*args: str) -> str:
     return done.stdout
 
 
+@needs_prometheus
 def test_promtool_passes_the_shipped_configuration_rules_and_their_unit_test():
     assert "SUCCESS" in promtool("check", "config", str(DEPLOY / "prometheus.yml"))
     groups = yaml.safe_load((DEPLOY / "rules.yml").read_text())["groups"]
@@ -183,6 +184,7 @@ def same_samples(found: dict, expected: dict) -> bool:
     return found.keys() == expected.keys() and all(close(found[k], v) for k, v in expected.items())
 
 
+@needs_prometheus
 @needs_model
 def test_prometheus_reads_serve_misses_by_reason_and_hits_by_tier_as_the_answers_reported(stack):
     (miss, first), (hit, second) = stack["answers"]
@@ -201,6 +203,7 @@ def test_prometheus_reads_serve_misses_by_reason_and_hits_by_tier_as_the_answers
     assert miss_tokens == {(("reason", "none_stored"),): first.prompt_tokens}
 
 
+@needs_prometheus
 @needs_model
 def test_the_recording_rules_give_serve_and_the_cache_server_a_per_tier_hit_rate(stack):
     """Every series a rule reads exists at 0 from the first scrape, so over a window holding all of them the
@@ -224,6 +227,7 @@ def test_the_recording_rules_give_serve_and_the_cache_server_a_per_tier_hit_rate
     assert same_samples(server_rate, {(("tier", "L1"),): 0.5, (("tier", "L2"),): 0.0}), server_rate
 
 
+@needs_prometheus
 @needs_model
 def test_kv_event_rechecks_stay_out_of_the_cache_servers_hit_rate(stack):
     """KV events recheck every 0.2 s that the store still holds the chunks they announced: lookups of the same
