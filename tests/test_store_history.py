@@ -124,6 +124,28 @@ def test_l3_down_is_named_with_the_breakers_reason(tmp_path):
 
 
 # -- the cache server ------------------------------------------------------------------------------
+def test_the_pool_records_a_pressure_shed_a_clear_and_whether_a_tier_below_keeps_it(tmp_path):
+    from kvbridge.cache_server.pages import Watermarks
+    from kvbridge.cache_server.pool import PagedPool
+    from kvbridge.cache_server.shm import Segment
+
+    segment = Segment.create(10, 4096, directory=tmp_path)
+    try:
+        pool = PagedPool(segment, Watermarks(0.2, 0.0, 0.0, 0.5), kept_below=lambda k: k == key(0))
+        for i in range(9):                                   # 9 of 10 pages: under SOFT pressure
+            lease = pool.prepare_write(key(i), 4000, meta(), "writer", 9)
+            assert pool.commit(lease.lease_id, "writer")
+        assert pool.evict_to_target() == 4                   # the background loop sheds down to 50 % free
+        shed = pool.history.latest(key(1))
+        assert (shed.tier, shed.reason, shed.policy, shed.for_key, shed.gone) == ("L1", "pressure", "LRU", b"", True)
+        assert pool.history.latest(key(0)).gone is False     # a tier below keeps it (a demotion)
+        pool.clear()
+        assert {pool.history.latest(key(i)).reason for i in range(4, 9)} == {"clear"}
+        assert "when the tier was cleared" in pool.history.latest(key(8)).describe()
+    finally:
+        segment.close(unlink=True)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from kvbridge.settings import Settings
