@@ -119,6 +119,17 @@ def test_explain_json_schema(filled, document, tmp_path):
         assert said["key_history"] == [] and said["recent_evictions"] == []
 
 
+@needs_model
+def test_explain_under_a_salt_names_the_unsalted_copy(filled, document):
+    """The owner's tool reveals salts: a prompt stored unsalted, asked under a cache salt, is other_namespace
+    with the salt's digest (never the salt) as the differing field."""
+    done = explain(filled, document + QUESTION_A, "--salt", "tenant-a", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = json.loads(done.stdout)
+    assert said["restorable_tokens"] == 0 and said["miss"]["reason"] == "other_namespace"
+    assert "cache_salt none→" in said["miss"]["detail"] and "tenant-a" not in done.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     ([""], "is empty"),
     (["   \n"], "is empty"),
