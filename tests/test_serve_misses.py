@@ -111,3 +111,29 @@ def test_metrics_count_misses_by_reason_and_hit_tokens_by_tier(served):
     other = value(operator, 'kvbridge_serve_misses_total{reason="other_namespace"}')
     assert other == (1 if hasattr(TieredStore, "probe_miss") else 0)
     assert value(operator, 'kvbridge_serve_misses_total{reason="none_stored"}') == 2 - other
+
+
+def test_what_a_tenant_is_not_shown_of_a_detail():
+    """The redaction rules on records as the engines write them (kvbridge.serve.misses.client_view)."""
+    from kvbridge.engine.records import RequestRecord
+    from kvbridge.serve.misses import client_view, header_value
+
+    def record(reason: str, detail: str) -> RequestRecord:
+        return RequestRecord("scheduler", prompt_tokens=100, matched_tokens=64, miss_reason=reason,
+                             miss_detail=detail, hit_tiers="L1=64")
+
+    evicted = record("evicted", "from token 64 of 100: evicted from L1 by LRU 2.0 s ago to make room for a 1.2 MB "
+                                "chunk (9f3a1c2b4d5e)")
+    assert client_view(evicted, full=False).detail == "from token 64 of 100: evicted from L1 by LRU 2.0 s ago"
+    assert client_view(evicted, full=True).detail == evicted.miss_detail
+    down = record("tier_down", "from token 64 of 100: a tier that may hold it is unreachable (cache server: "
+                               "tcp://10.0.0.7:5555: timed out after 2 s)")
+    assert "10.0.0.7" not in client_view(down, full=False).detail
+    salted = record("other_namespace", "from token 64 of 100: stored in L1 under another namespace; what differs: "
+                                       "cache_salt none→3fa2c1d0e9b8…")
+    for full in (False, True):       # another salt is hidden from everyone who asks through serve
+        view = client_view(salted, full)
+        assert view.reason == "none_stored" and "cache_salt" not in view.detail and view.hit_tiers == {"L1": 64}
+    assert header_value(salted) == "none_stored" and header_value(None) == "pending"
+    assert client_view(record("", ""), full=False).usage_fields() == {"miss_reason": "hit", "miss_detail": "",
+                                                                       "hit_tiers": {"L1": 64}}
