@@ -91,12 +91,14 @@ def _documents(chars: int) -> tuple[str, str]:
     return text[:chars], text[chars:2 * chars]
 
 
-def _ask(document: str, question: str) -> list[dict]:
-    return [{"role": "user", "content": f"{document}\n\nQuestion: {question}"}]
+def _ask(document: str, question: str) -> str:
+    # plain text, not chat messages: a chat template's fixed opening (SmolLM2's default system line, 24 tokens)
+    # is a prefix every prompt shares, and a stored prompt continuing it otherwise makes the next one `diverged`
+    return f"{document}\n\nQuestion: {question}"
 
 
-def _pieces(n: int, chars: int) -> list[list[dict]]:
-    """n questions, each on a piece of the built-in document of its own: no two prompts share a first chunk."""
+def _pieces(n: int, chars: int) -> list[str]:
+    """n questions, each on a piece of the built-in document of its own: no two prompts share a first token."""
     text = builtin_document()
     step = len(text) // n
     return [_ask(text[i * step:i * step + min(chars, step)], QUESTIONS[i % len(QUESTIONS)]) for i in range(n)]
