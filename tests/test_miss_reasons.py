@@ -101,6 +101,13 @@ def test_the_same_document_with_another_question_is_diverged_at_the_question(eng
     assert parse_hit_tiers(record.hit_tiers) == {"L1": record.matched_tokens}
 
 
+def test_a_prompt_sharing_no_token_with_the_stored_one_is_none_stored_not_diverged_at_0(engine):
+    # under two chunks, so the stored prompt's tail at the seed (its whole text) is what the lookup reads
+    engine.infer("Ledger of the eastern pumps, kept weekly by the night shift. " * 2, mode="lmcache")
+    record = engine.infer("Rainfall at the reservoir was recorded each morning in millimetres. " * 2, mode="lmcache")
+    assert_cause(record, "none_stored", "from token 0", "nothing is stored under this prompt's first chunk")
+
+
 def test_a_hit_costs_no_store_call_and_no_explain_time(engine, settings):
     prompt = PIECES[4] + Q1
     engine.infer(prompt, mode="lmcache")

@@ -252,8 +252,8 @@ class MissExplainer:
         if not seen:
             return ""
         start, stored = seen
-        if start > at:
-            return ""
+        if start > at or at == 0:
+            return ""   # nothing matched: a prompt that shares no token with a stored one has not diverged from it
         offset = at - start
         if offset >= len(stored) or at >= len(tokens) - 1:
             return ""   # the stored object ends where the match ends: the prompt merely extends it
