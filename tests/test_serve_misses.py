@@ -14,7 +14,7 @@ import requests
 
 from conftest import needs_model
 from kvbridge.serve.tenants import key_digest
-from kvbridge.store import TieredStore
+from process_helpers import wait_for
 from test_serve import Served, doc_messages
 
 openai = pytest.importorskip("openai", reason="the openai SDK is not installed (requirements.txt)")
@@ -58,6 +58,13 @@ def metrics_text(served, key: str) -> str:
     return answer.text
 
 
+def unsalted_bytes(served) -> float:
+    """What the store holds in the unsalted cache (its writer runs at low priority: on a busy machine a while)."""
+    held = [float(line.rsplit(" ", 1)[1]) for line in metrics_text(served, ADMIN_KEY).splitlines()
+            if line.startswith('kvbridge_serve_tenant_bytes_held{tenant="default"')]
+    return sum(held)
+
+
 def value(text: str, series: str) -> float:
     found = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series + " ")]
     assert found, f"{series} is not in /metrics"
@@ -85,7 +92,8 @@ def test_the_header_and_the_usage_name_each_miss_and_each_hit(served):
 
 
 def test_a_salted_tenant_never_learns_of_the_unsalted_cache(served):
-    ask(served, DEFAULT_KEY, doc_messages())                   # stored and resident in the unsalted cache
+    ask(served, DEFAULT_KEY, doc_messages())                   # resident in the unsalted cache, and stored:
+    wait_for(lambda: unsalted_bytes(served) > 0, "the unsalted prompt in the store", served.log, served.proc, 120)
     headers, usage = ask(served, ALICE_KEY, doc_messages())    # alice's salt: none of it is hers
     assert headers["X-KVBridge-Miss"] == "none_stored" and headers["X-KVBridge-Tier"] == "none"
     assert usage["kvbridge"]["miss_reason"] == "none_stored"
@@ -106,11 +114,9 @@ def test_metrics_count_misses_by_reason_and_hit_tokens_by_tier(served):
     assert value(operator, 'kvbridge_serve_misses_total{reason="evicted"}') == 0   # every cause present from the start
     assert value(operator, 'kvbridge_serve_tenant_hit_tokens_total{tenant="default",tier="context"}') == context
     assert value(operator, 'kvbridge_serve_tenant_misses_total{reason="none_stored",tenant="alice"}') == 1
-    # what alice was shown as none_stored is, to the operator, what it was: another salt's namespace when the
-    # store can name namespaces (TieredStore.probe_miss), else none_stored too
-    other = value(operator, 'kvbridge_serve_misses_total{reason="other_namespace"}')
-    assert other == (1 if hasattr(TieredStore, "probe_miss") else 0)
-    assert value(operator, 'kvbridge_serve_misses_total{reason="none_stored"}') == 2 - other
+    # what alice was shown as none_stored is, to the operator, what it was: stored under another salt's namespace
+    assert value(operator, 'kvbridge_serve_misses_total{reason="other_namespace"}') == 1
+    assert value(operator, 'kvbridge_serve_misses_total{reason="none_stored"}') == 1
 
 
 def test_what_a_tenant_is_not_shown_of_a_detail():
