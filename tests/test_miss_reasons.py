@@ -272,20 +272,24 @@ def test_a_redis_l3_that_is_down_is_tier_down_naming_l3(tmp_path, how):
     with RedisServer() as server:
         settings = base_settings(tmp_path, l2_enabled=False, l3_url=server.url, l3_timeout=0.5)
         with CachedEngine(settings, LlamaCppBackend(settings)) as engine:
-            prompt = PIECES[1] + Q2
-            assert engine.infer(prompt, mode="lmcache").stored_objects > 0
+            # under two chunks each: both write the tail at the seed, so the first one asked again re-stores that
+            # tail and its L3 write waits in the queue while the second is asked (stuck behind the down tier)
+            prompts = [PIECES[1][:150], PIECES[2][:150]]
+            for prompt in prompts:
+                assert engine.infer(prompt, mode="lmcache").stored_objects > 0
             engine.store.drain()                 # the write-behind has reached L3
-            engine.store.clear("L1")             # only L3 holds the prompt now
+            engine.store.clear("L1")             # only L3 holds the prompts now
             if how == "killed":
                 server.kill()
             else:
                 os.kill(server.pid, signal.SIGSTOP)
             try:
-                record = engine.infer(prompt, mode="lmcache")
+                records = [engine.infer(prompt, mode="lmcache") for prompt in prompts]
             finally:
                 if how == "stopped":
                     os.kill(server.pid, signal.SIGCONT)
-    assert_cause(record, "tier_down", "L3")
+    for record in records:
+        assert_cause(record, "tier_down", "L3")
 
 
 @needs_probe

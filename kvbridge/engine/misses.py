@@ -228,7 +228,11 @@ class MissExplainer:
         for key, entry in zip(keys, result.history):
             if entry is not None and entry.gone:
                 return "evicted", f"{where}: {entry.describe()}", trips
-        if any(result.pending):
+        # keys[0] is this prompt's own chunk when the prompt has one at the boundary (content-addressed: its write
+        # is ours); the tail key is shared by every prompt with the same run before it, so a tail being written may
+        # be another prompt's, and while a tier is down its queued writes are stuck there: the tier is the cause
+        own_chunk = boundary < len(hashes) and bool(result.pending[:1]) and result.pending[0]
+        if own_chunk or (result.pending and result.pending[-1] and not result.down):
             return "lease_busy", f"{where}: the object is being written right now (a write lease or the write " \
                                  "queue holds it) and was not readable yet; a request a moment later restores it", trips
         if result.down:
