@@ -8,7 +8,7 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"
 start_s=$SECONDS
 
-# --test: also the test packages, chromium and redis-server; --model all: the model matrix's tests
+# --test: also the test packages, chromium, redis-server and prometheus; --model all: the model matrix's tests
 # run on every embedded model. First run on 2 cores: about 20 minutes of set-up and builds, then pytest (~15 min).
 "$REPO_ROOT/scripts/setup.sh" --test --model all
 "$REPO_ROOT/scripts/build_llama_server.sh"

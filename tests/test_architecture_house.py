@@ -213,6 +213,8 @@ def test_the_geometry_is_probed_in_one_place():
     ("Utf8Decoder", "kvbridge.backends.text_decoding"),
     ("decide_layout", "kvbridge.engine.layout"),
     ("namespace_for", "kvbridge.engine.namespace"),
+    ("MissExplainer", "kvbridge.engine.misses"),   # the cause of a miss, named in one place
+    ("EvictionRing", "kvbridge.store.history"),    # the history of a key
 ])
 def test_each_shared_name_is_defined_once(name, home):
     assert _definitions_of(name) == [home]

@@ -150,6 +150,8 @@ class Lookup(msgspec.Struct):
 # restore (the hit rate); "store", a writer asking what is held before or after it writes; "kv_events", KV-event
 # rechecks of what the store still holds (Scheduler.stored_media, issue 34).
 LOOKUP_PURPOSES = ("prompt", "store", "kv_events")
+# what a probe_miss answer found first, in the miss explainer's order (the lookup module and /metrics count them)
+PROBE_OUTCOMES = ("evicted", "pending", "down", "other_namespace", "nothing")
 
 
 class LookupReply(msgspec.Struct):

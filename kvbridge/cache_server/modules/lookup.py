@@ -2,18 +2,17 @@
 why not (probe_miss: the eviction ring, pending writes, namespaces held) and the recent evictions."""
 from __future__ import annotations
 
-from kvbridge.cache_server.calls import Answer, Call, RequestFailed
-from kvbridge.cache_server.module import DiscoverableModule, ModuleBuildContext
 from collections import Counter
 
-from kvbridge.cache_server.protocol import (Code, Kind, LookupReply, ProbeMissReply, RecentEvictionsReply,
-                                            WireEviction)
+from kvbridge.cache_server.calls import Answer, Call, RequestFailed
+from kvbridge.cache_server.module import DiscoverableModule, ModuleBuildContext
+from kvbridge.cache_server.protocol import (PROBE_OUTCOMES, Code, Kind, LookupReply, ProbeMissReply,
+                                            RecentEvictionsReply, WireEviction)
 
 MAX_HASHES = 65536   # a 16M-token prompt at 256 tokens per chunk; more is a malformed request
 MAX_CHUNK_TOKENS = 1 << 20   # tokens per hash, for the metrics only
 MAX_PROBE_KEYS = 256         # keys or probes one probe_miss may name (an explainer sends 2 and up to 16)
 MAX_RECENT = 100_000         # evictions one recent_evictions call may return
-PROBE_OUTCOMES = ("evicted", "pending", "down", "other_namespace", "nothing")
 
 
 class LookupModule(DiscoverableModule):
