@@ -135,6 +135,8 @@ class CachedEngine:
         if self.backend.kv_mode == "full" and not self.kv_refusal:
             self._kv = ChunkKV(self.store, self.namespace, seed, self.settings.chunk_size, self.geometry)
             self._kv.prefault_scratch = not self.backend.assembles_in_place
+            if self.settings.explain_misses:
+                self._kv.misses.learn_namespaces()
         elif self.backend.kv_mode != "full":
             self._index = ShadowIndex(self.store, self.namespace, seed, self.settings.chunk_size)
 

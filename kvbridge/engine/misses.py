@@ -156,6 +156,12 @@ class MissExplainer:
         with self._lock:
             return self._not_stored.get(key)
 
+    def learn_namespaces(self) -> None:
+        """Ask the store once which namespaces it holds (an engine does at start, off any request's path), so the
+        first miss probes them in its one call instead of learning them from it and asking again."""
+        if hasattr(self.store, "probe_miss"):
+            self._known_namespaces = dict(self.store.probe_miss([], []).namespaces)
+
     # reports without a store call ------------------------------------------------------------------
     @staticmethod
     def fixed(reason: str, detail: str, *, at_token: int = 0, hit_tiers: dict[str, int] | None = None) -> MissReport:
@@ -209,41 +215,44 @@ class MissExplainer:
                 return "window_incomplete", f"{where}: not stored by this process: {why}", 0
         if not probe or not hasattr(self.store, "probe_miss"):
             return "none_stored", f"{where}: {self._nothing_stored(at)}", 0
-        trips = 0
         candidates = self._candidates(self._known_namespaces or {})
-        probes, owners = self._probe_keys(tokens, at, candidates)
-        result: MissProbe = self.store.probe_miss(keys, probes)
-        trips += result.round_trips
-        fresh = self._candidates(result.namespaces)
-        if set(fresh) - set(candidates):
-            # namespaces this explainer had not probed (a fresh process's first miss, or one stored since the last
-            # probe): probe them once, or the first miss after another namespace appears would read none_stored
-            self._known_namespaces = dict(result.namespaces)
-            probes, owners = self._probe_keys(tokens, at, fresh)
-            again = self.store.probe_miss(keys, probes)
-            trips += again.round_trips
-            result = MissProbe(history=result.history, pending=result.pending, found=again.found,
-                               namespaces=again.namespaces, down=again.down or result.down)
+        result: MissProbe = self.store.probe_miss(keys, self._probe_keys(tokens, at, candidates))
+        trips = result.round_trips
         self._known_namespaces = dict(result.namespaces)
-        for key, entry in zip(keys, result.history):
+        cause = self._probed_cause(where, boundary < len(hashes), result, candidates)
+        unprobed = [namespace for namespace in self._candidates(result.namespaces) if namespace not in candidates]
+        if cause is None and unprobed:
+            # namespaces this explainer had not probed (stored since it last asked): probed once, or the first miss
+            # after another namespace appears would read none_stored; a miss with a cause already costs one call
+            again = self.store.probe_miss([], self._probe_keys(tokens, at, unprobed))
+            trips += again.round_trips
+            cause = self._probed_cause(where, False, MissProbe(found=again.found), unprobed)
+        if cause is not None:
+            return cause[0], cause[1], trips
+        return "none_stored", f"{where}: {self._nothing_stored(at)}", trips
+
+    def _probed_cause(self, where: str, own_chunk_asked: bool, result: MissProbe,
+                      owners: list[str]) -> tuple[str, str] | None:
+        """The cause a probe's answer names, most specific first; None when it names none (none_stored)."""
+        for entry in result.history:
             if entry is not None and entry.gone:
-                return "evicted", f"{where}: {entry.describe()}", trips
+                return "evicted", f"{where}: {entry.describe()}"
         # keys[0] is this prompt's own chunk when the prompt has one at the boundary (content-addressed: its write
         # is ours); the tail key is shared by every prompt with the same run before it, so a tail being written may
         # be another prompt's, and while a tier is down its queued writes are stuck there: the tier is the cause
-        own_chunk = boundary < len(hashes) and bool(result.pending[:1]) and result.pending[0]
+        own_chunk = own_chunk_asked and bool(result.pending[:1]) and result.pending[0]
         if own_chunk or (result.pending and result.pending[-1] and not result.down):
-            return "lease_busy", f"{where}: the object is being written right now (a write lease or the write " \
-                                 "queue holds it) and was not readable yet; a request a moment later restores it", trips
+            return "lease_busy", (f"{where}: the object is being written right now (a write lease or the write queue "
+                                  "holds it) and was not readable yet; a request a moment later restores it")
         if result.down:
             tiers = "; ".join(f"{tier}: {why}" for tier, why in result.down.items())
-            return "tier_down", f"{where}: a tier that may hold it is unreachable ({tiers})", trips
+            return "tier_down", f"{where}: a tier that may hold it is unreachable ({tiers})"
         for namespace, tier in zip(owners, result.found):
             if tier:
                 differs = namespace_difference(self.namespace, namespace)
                 return "other_namespace", (f"{where}: stored in {tier} under another namespace; what differs: "
-                                           f"{', '.join(differs) or 'the namespace string'}"), trips
-        return "none_stored", f"{where}: {self._nothing_stored(at)}", trips
+                                           f"{', '.join(differs) or 'the namespace string'}")
+        return None
 
     def _nothing_stored(self, at: int) -> str:
         if at == 0:
@@ -290,17 +299,13 @@ class MissExplainer:
             out.append(namespace)
         return out[:MAX_PROBED_NAMESPACES]
 
-    def _probe_keys(self, tokens, at: int, namespaces: list[str]) -> tuple[list[bytes], list[str]]:
+    def _probe_keys(self, tokens, at: int, namespaces: list[str]) -> list[bytes]:
         """Per namespace, the key of the piece holding token `at` under that namespace's seed and chunk size."""
-        probes, owners = [], []
+        probes = []
         for namespace in namespaces:
             size = chunk_size_of(namespace)
             hasher = ChunkHasher(size, namespace)
             index = at // size
             hashes = hasher.chunk_hashes(tokens[:(index + 1) * size])
-            if index < len(hashes):
-                probes.append(hashes[index])
-            else:
-                probes.append(tail_key(hashes[index - 1] if index else hasher.seed))
-            owners.append(namespace)
-        return probes, owners
+            probes.append(hashes[index] if index < len(hashes) else tail_key(hashes[index - 1] if index else hasher.seed))
+        return probes

@@ -59,7 +59,8 @@ class TierHistory:
             found = [self._levels[index].tier.name if index is not None else "" for index in holders]
         down = {level.tier.name: level.tier.why_down() or "unavailable" for level in self._levels
                 if not level.tier.available()}
-        self._count_probe()
+        if keys:   # a probe without keys only asks for the namespaces (an engine's start): not a miss
+            self._count_probe()
         return MissProbe(history=history, pending=pending, found=found, namespaces=self.namespaces_held(),
                          down=down, round_trips=0)
 

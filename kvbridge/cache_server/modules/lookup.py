@@ -64,9 +64,10 @@ class LookupModule(DiscoverableModule):
             found = self.context.store.probe_miss(list(body.keys), list(body.probes))
         except ValueError as exc:   # a key that is not a hash
             raise RequestFailed(Code.BAD_REQUEST, f"bad probe_miss: {exc}") from None
-        outcome = _outcome(found)
-        self.probes[outcome] += 1
-        self.context.metrics.count_probe_miss(outcome)   # kvbridge_probe_misses_total{outcome}
+        if body.keys:   # a probe without keys only asks which namespaces the server holds (an engine's start)
+            outcome = _outcome(found)
+            self.probes[outcome] += 1
+            self.context.metrics.count_probe_miss(outcome)   # kvbridge_probe_misses_total{outcome}
         return Answer(ProbeMissReply([WireEviction.of(e) if e is not None else None for e in found.history],
                                      list(found.pending), list(found.found), dict(found.namespaces), dict(found.down)))
 
