@@ -106,10 +106,6 @@ def namespace_difference(ours: str, theirs: str) -> list[str]:
     return out
 
 
-def same_salt(ours: str, theirs: str) -> bool:
-    return namespace_fields(ours).get("cache_salt") == namespace_fields(theirs).get("cache_salt")
-
-
 def chunk_size_of(namespace: str) -> int:
     try:
         return int(namespace_fields(namespace).get("chunk", "0"))
@@ -121,22 +117,19 @@ def chunk_size_of(namespace: str) -> int:
 class MissExplainer:
     """Names the cause of a miss for one namespace's ChunkKV (CachedEngine and the scheduler hold one each).
 
-    `reveal_salts`: whether namespaces under another cache salt may be named (True for the owner's own tools:
-    the GUI, the CLI, `kvbridge explain`; serve redacts what reaches a client, see serve.app).
+    It names every namespace the store holds, other cache salts too (the record is the owner's); what reaches a
+    client of serve is redacted there (kvbridge.serve.misses).
     """
 
     def __init__(self, store, namespace: str, seed: bytes, chunk_size: int, *,
-                 detokenize: Callable[[Sequence[int]], str] | None = None, reveal_salts: bool = True,
-                 history: int = MIN_HISTORY) -> None:
+                 detokenize: Callable[[Sequence[int]], str] | None = None) -> None:
         self.store = store
         self.namespace = namespace
         self.seed = seed
         self.chunk_size = chunk_size
         self.detokenize = detokenize
-        self.reveal_salts = reveal_salts
         self._not_stored: OrderedDict[bytes, str] = OrderedDict()   # key -> why it was not stored (this process)
-        self._history = max(MIN_HISTORY, int(history))
-        self._known_namespaces: dict[str, int] | None = None        # from the last probe
+        self._known_namespaces: dict[str, int] = {}                 # from the last probe (or the engine's start)
         self._lock = threading.Lock()
 
     # what this process failed to store ------------------------------------------------------------
@@ -145,7 +138,7 @@ class MissExplainer:
         with self._lock:
             self._not_stored[key] = why
             self._not_stored.move_to_end(key)
-            while len(self._not_stored) > self._history:
+            while len(self._not_stored) > MIN_HISTORY:
                 self._not_stored.popitem(last=False)
 
     def forget_not_stored(self, key: bytes) -> None:
@@ -215,7 +208,7 @@ class MissExplainer:
                 return "window_incomplete", f"{where}: not stored by this process: {why}", 0
         if not probe or not hasattr(self.store, "probe_miss"):
             return "none_stored", f"{where}: {self._nothing_stored(at)}", 0
-        candidates = self._candidates(self._known_namespaces or {})
+        candidates = self._candidates(self._known_namespaces)
         result: MissProbe = self.store.probe_miss(keys, self._probe_keys(tokens, at, candidates))
         trips = result.round_trips
         self._known_namespaces = dict(result.namespaces)
@@ -288,13 +281,10 @@ class MissExplainer:
         return before.replace("\n", "⏎")[-40:], after.replace("\n", "⏎")[:40]
 
     def _candidates(self, namespaces: dict[str, int]) -> list[str]:
-        """Other namespaces worth probing, most bytes first: KVBridge namespaces, under the same salt unless
-        this explainer may reveal salts."""
+        """Other namespaces worth probing, most bytes first: KVBridge namespaces with a chunk size."""
         out = []
         for namespace, _ in sorted(namespaces.items(), key=lambda kv: -kv[1]):
             if namespace == self.namespace or not namespace_fields(namespace) or chunk_size_of(namespace) < 1:
-                continue
-            if not self.reveal_salts and not same_salt(self.namespace, namespace):
                 continue
             out.append(namespace)
         return out[:MAX_PROBED_NAMESPACES]
