@@ -177,14 +177,10 @@ if [[ $want_test -eq 1 ]]; then
         "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r requirements-test.txt
         sha256_of requirements-test.txt >"$test_stamp"
     fi
-    # 5b. Chromium for the browser tests (playwright drives Debian's chromium; no `playwright install`).
-    if [[ $want_browser -eq 1 && ! -x /usr/bin/chromium ]]; then
-        if is_root; then
-            say "installing Debian's chromium for the browser tests (about 1 minute, ~300 MB)"
-            apt_install chromium
-        else
-            say "chromium is missing (the browser tests will be skipped). To install: sudo apt-get update && sudo apt-get install -y chromium"
-        fi
+    # 5b. Chromium for the browser tests (playwright drives a system chromium; no `playwright install`):
+    #     scripts/install_chromium.sh finds or installs one and says what it did.
+    if [[ $want_browser -eq 1 ]]; then
+        "$REPO_ROOT/scripts/install_chromium.sh"
     fi
     # 5c. Redis (redis-server and redis-cli) for the Redis tests, which start their own servers and
     #     clusters on free loopback ports. Debian's package may also start a system redis on port 6379;
@@ -208,6 +204,12 @@ if [[ $want_test -eq 1 ]]; then
             say "prometheus or promtool is missing (the Prometheus test will be skipped). To install: sudo apt-get update && sudo apt-get install -y prometheus"
         fi
     fi
+fi
+
+# 6. Only with --test: the wheels the packaging test installs offline (scripts/wheelhouse.sh), so the
+#    suite never reaches a package index once set-up has run.
+if [[ $want_test -eq 1 && -x "$REPO_ROOT/scripts/wheelhouse.sh" ]]; then
+    "$REPO_ROOT/scripts/wheelhouse.sh"
 fi
 
 say "ready"
