@@ -89,6 +89,7 @@ class Settings:
     serve_port: int = 8000
     serve_engine: str = "scheduler"   # scheduler (in-process, many requests at once) or llama-server (queued)
     serve_api_key_env: str = ""       # the NAME of the variable holding the bearer token; never the token
+    serve_api_key_file: str = ""      # a file the user owns holding the bearer token (--api-key-file); read at start
     serve_admin_key_env: str = ""     # the NAME of the variable holding the operator key (all of /metrics, /health)
     serve_max_tokens: int = 1024      # the most a request may ask for (max_tokens), and what it gets naming none
     serve_max_body_bytes: int = 8 << 20   # a larger request body is refused (413) before it is read
@@ -246,7 +247,7 @@ def setting_fields() -> list[dataclasses.Field]:
 SETTING_NAMES = [f.name for f in setting_fields()]
 SIZE_FIELDS = tuple(n for n in SETTING_NAMES if n.endswith("_bytes"))
 PATH_FIELDS = ("model_path", "l2_dir", "input_dir", "output_dir", "llama_server_bin", "llama_server_slot_dir",
-               "ollama_models", "serve_tenants_file")
+               "ollama_models", "serve_tenants_file", "serve_api_key_file")
 _FIELD_TYPES = get_type_hints(Settings)
 
 # ---------------------------------------------------------------------------------------------
