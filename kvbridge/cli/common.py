@@ -7,6 +7,7 @@ import dataclasses
 import sys
 
 from kvbridge.settings import Settings
+from kvbridge.settings.flags import blame, flags_for, help_text, overrides
 
 
 def checked(settings: Settings) -> Settings:
@@ -14,6 +15,27 @@ def checked(settings: Settings) -> Settings:
     problems = settings.validate()
     if problems:
         raise SystemExit("Settings need attention:\n  - " + "\n  - ".join(problems))
+    return settings
+
+
+def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """The llama-server-style flags `command` takes (kvbridge.settings.flags.FLAGS), each defaulting to None:
+    not given, the environment and `.env` decide."""
+    for flag in flags_for(command):
+        parser.add_argument(*flag.spellings, dest=flag.dest, metavar=flag.metavar, default=None,
+                            type=int if flag.kind == "int" else str, help=help_text(flag, command))
+
+
+def settings_with_flags(command: str, args, *, leave_out: tuple[str, ...] = (), strict: bool = True) -> Settings:
+    """Settings.from_env() with the flags given to `command` over them (all but `leave_out`), checked: a
+    problem a flag caused names the flag and its value and always stops the command (the person just typed
+    it); the others stop it too when `strict` (the GUI shows them instead, to be fixed in its Engine panel)."""
+    settings = Settings.from_env()
+    given = {name: value for name, value in vars(args).items() if name not in leave_out}
+    settings = settings.replace(**overrides(command, given, settings))
+    flagged, others = blame(command, given, settings.validate())
+    if flagged or (strict and others):
+        raise SystemExit("Settings need attention:\n  - " + "\n  - ".join(flagged + others))
     return settings
 
 

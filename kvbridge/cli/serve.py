@@ -1,16 +1,18 @@
 """`kvbridge serve`: the OpenAI-compatible endpoint with KVBridge's cache behind it.
 
-Its --engine offers only what serve can run (SERVE_ENGINES); a shadow engine holds no KV of ours to
-serve from, and is told so by argparse (exit 2) before anything loads.
+Its flags mirror llama-server's (`kvbridge serve -m model.gguf -c 4096 -np 4 --port 8080`; the table is
+kvbridge.settings.flags), each a KVB_ variable the flag wins over. Its --engine offers only what serve can run
+(SERVE_ENGINES); a shadow engine holds no KV of ours to serve from, and is told so by argparse (exit 2)
+before anything loads.
 """
 from __future__ import annotations
 
 import argparse
 
 from kvbridge.cli.command import Command
-from kvbridge.cli.common import checked
-from kvbridge.settings import Settings
+from kvbridge.cli.common import add_flags, settings_with_flags
 from kvbridge.settings.checks import SERVE_ENGINES
+from kvbridge.settings.flags import SERVE
 
 
 def serve_engine_choice(value: str) -> str:
@@ -28,8 +30,7 @@ def serve_engine_choice(value: str) -> str:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--host", help="address to listen on (default: KVB_SERVE_HOST, else 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (default: KVB_SERVE_PORT, else 8000)")
+    add_flags(p, SERVE)
     p.add_argument("--engine", type=serve_engine_choice, metavar="{" + ",".join(SERVE_ENGINES) + "}",
                    help="scheduler: in-process, many requests at once (default: KVB_SERVE_ENGINE); "
                         "llama-server: CachedEngine in lmcache mode, requests queued")
@@ -38,8 +39,11 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from kvbridge.serve.server import run as run_server
 
-    settings = checked(Settings.from_env())
-    return run_server(settings, args.host, args.port, args.engine)
+    # --port 0: a free port, named on the ready line (how kvbridge.fleet starts its workers); it is no value for
+    # KVB_SERVE_PORT, so it goes to the server beside the settings rather than into them
+    free_port = args.port == 0
+    settings = settings_with_flags(SERVE, args, leave_out=("port",) if free_port else ())
+    return run_server(settings, None, 0 if free_port else None, args.engine)
 
 
 COMMAND = Command(

@@ -3,8 +3,8 @@ setting that decides it:
 
     the Host header     a name this server answers to (KVB_SERVE_ALLOWED_HOSTS), else 400: a web page
                         that rebinds its own name to 127.0.0.1 sends that name, so it cannot read answers;
-    the key             `Authorization: Bearer <key>` when KVB_SERVE_API_KEY_ENV names one (or the tenants
-                        file lists keys), else 401; the operator's key (KVB_SERVE_ADMIN_KEY_ENV) runs no
+    the key             `Authorization: Bearer <key>` when serve has a key (KVB_SERVE_API_KEY_FILE,
+                        KVB_SERVE_API_KEY_ENV) or the tenants file lists keys, else 401; the operator's key (KVB_SERVE_ADMIN_KEY_ENV) runs no
                         completions (403);
     the Content-Type    application/json, else 415: a page's "simple" cross-site form post cannot send it;
     the body size       at most KVB_SERVE_MAX_BODY_BYTES, else 413, from Content-Length before a byte of
@@ -94,8 +94,9 @@ class BearerAuth:
         caller = self._tenants.resolve(token.strip()) if scheme.lower() == b"bearer" and token.strip() else None
         refusal = None
         if caller is None and self._tenants.required and scope["path"] not in OPEN_PATHS:
-            refusal = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key in the "
-                                    "variable KVB_SERVE_API_KEY_ENV names, or a tenant's key (KVB_SERVE_TENANTS_FILE)",
+            refusal = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with serve's key "
+                                    "(KVB_SERVE_API_KEY_FILE or the variable KVB_SERVE_API_KEY_ENV names), or a "
+                                    "tenant's key (KVB_SERVE_TENANTS_FILE)",
                                code="invalid_api_key", kind="authentication_error")
         elif caller is not None and caller.operator and scope["path"] in COMPLETION_PATHS:
             refusal = ApiError(403, "the operator's key (KVB_SERVE_ADMIN_KEY_ENV) reads /metrics and /health; send "

@@ -26,14 +26,20 @@ from kvbridge.serve.tenants import TenantTable
 from kvbridge.serve.worker import instance_id_for
 from kvbridge.settings import Settings
 from kvbridge.settings.checks import open_serve_problem
-from kvbridge.settings.secrets import secret_from
+from kvbridge.settings.secrets import secret_from, secret_from_file
 
 log = logging.getLogger(__name__)
 READY = "KVBridge serve ready on http://{host}:{port}"
 
 
 def api_key_from(settings: Settings, environ=os.environ) -> str:
-    """The bearer token from the variable KVB_SERVE_API_KEY_ENV names; '' when no key is asked for."""
+    """The bearer token: from the key file (--api-key-file, KVB_SERVE_API_KEY_FILE), read once here, or from the
+    variable KVB_SERVE_API_KEY_ENV names; '' when no key is asked for. BadSettings naming both when both are set."""
+    if settings.serve_api_key_file and settings.serve_api_key_env:
+        raise BadSettings("KVB_SERVE_API_KEY_FILE (--api-key-file) and KVB_SERVE_API_KEY_ENV both name serve's key; "
+                          "keep one of them")
+    if settings.serve_api_key_file:
+        return secret_from_file("KVB_SERVE_API_KEY_FILE (--api-key-file)", settings.serve_api_key_file)
     return secret_from("KVB_SERVE_API_KEY_ENV", settings.serve_api_key_env, environ,
                        unset_hint="leave KVB_SERVE_API_KEY_ENV empty to need no key")
 
@@ -80,10 +86,19 @@ def tenants_from(settings: Settings, environ=os.environ) -> TenantTable:
     return table.with_operator(admin_key_from(settings, environ))
 
 
+def model_label(settings: Settings) -> str:
+    """The model serve will load, for its first line: the GGUF (-m, KVB_MODEL_PATH), an Ollama model's, or the
+    embedded model's name."""
+    if settings.model_path:
+        return settings.model_path
+    return f"Ollama's {settings.ollama_model}" if settings.ollama_model else f"the embedded {settings.model}"
+
+
 def check_exposure(settings: Settings, host: str) -> None:
     """Refuse to listen beyond this machine without a key (BadSettings naming both settings). The
     settings check sees KVB_SERVE_HOST; this sees --host too."""
-    problem = open_serve_problem(host, settings.serve_api_key_env, settings.serve_tenants_file)
+    problem = open_serve_problem(host, settings.serve_api_key_env, settings.serve_tenants_file,
+                                 settings.serve_api_key_file)
     if problem:
         raise BadSettings(problem)
 
@@ -134,7 +149,8 @@ def run(settings: Settings, host: str | None = None, port: int | None = None, en
     tenants = tenants_from(settings)
     for sig in (signal.SIGTERM, signal.SIGINT):   # while the model loads: stop at once
         signal.signal(sig, lambda signum, frame: sys.exit(0))
-    print(f"loading the {engine_key or settings.serve_engine} engine…", flush=True)
+    print(f"loading the {engine_key or settings.serve_engine} engine: {model_label(settings)}, context "
+          f"{settings.ctx_size} tokens a request (-c), {settings.sched_max_running} at once (-np)…", flush=True)
     engine = make_serve_engine(settings, engine_key)
     try:
         try:

@@ -14,8 +14,9 @@ The file KVB_SERVE_TENANTS_FILE names holds key *digests*, never keys:
 
 Tenants of one `cache_group` (default: their own name) reuse each other's KV on purpose (a shared
 system prompt); all others never do: another tenant's document is a cold prefill, so TTFT tells no
-one what another asked (vLLM's CVE-2025-46570). The single key of KVB_SERVE_API_KEY_ENV, or no key
-at all, is the tenant `default`, whose salt is empty: its cache is the one serve always had.
+one what another asked (vLLM's CVE-2025-46570). The single key (KVB_SERVE_API_KEY_FILE or
+KVB_SERVE_API_KEY_ENV), or no key at all, is the tenant `default`, whose salt is empty: its cache is the
+one serve always had.
 Make a digest with `python -m kvbridge.serve.tenants digest` (reads the key from standard input).
 The group name `default` is refused: no tenant of the file can name its way into that unsalted cache.
 
@@ -102,7 +103,7 @@ class TenantTable:
         digest = hashlib.sha256(admin_key.encode()).digest()
         if any(hmac.compare_digest(known, digest) for known, _ in self._by_digest):
             raise BadSettings("the key in KVB_SERVE_ADMIN_KEY_ENV's variable is also a tenant's key "
-                              "(KVB_SERVE_TENANTS_FILE or KVB_SERVE_API_KEY_ENV); give the operator a key of its own")
+                              "(KVB_SERVE_TENANTS_FILE, KVB_SERVE_API_KEY_FILE or KVB_SERVE_API_KEY_ENV); give the operator a key of its own")
         table = TenantTable([], self.required)
         table._by_digest = [*self._by_digest, (digest, OPERATOR)]
         return table
@@ -117,8 +118,8 @@ class TenantTable:
 
     @classmethod
     def load(cls, path: str | Path, single_key: str = "") -> "TenantTable":
-        """The file's tenants, plus `single_key` (KVB_SERVE_API_KEY_ENV's) as `default`; BadSettings naming
-        the file and the entry for anything wrong."""
+        """The file's tenants, plus `single_key` (serve's one key: KVB_SERVE_API_KEY_FILE's or KVB_SERVE_API_KEY_ENV's)
+        as `default`; BadSettings naming the file and the entry for anything wrong."""
         where = f"KVB_SERVE_TENANTS_FILE={path}"
         try:
             data = json.loads(Path(path).expanduser().read_text())
@@ -145,7 +146,7 @@ class TenantTable:
                 raise BadSettings(f"{at} ({name}): cache_group must be 1-64 letters, digits, '_', '.', '-'")
             if group == DEFAULT_TENANT:
                 raise BadSettings(f"{at} ({name}): cache_group 'default' is the unsalted cache of the single key "
-                                  "(KVB_SERVE_API_KEY_ENV), the GUI and the CLI; a tenant cannot join it: name "
+                                  "(KVB_SERVE_API_KEY_FILE or _ENV), the GUI and the CLI; a tenant cannot join it: name "
                                   "another group")
             if name in seen_names or digest in seen_digests:
                 raise BadSettings(f"{at} ({name}): the name or the key appears twice")
@@ -155,7 +156,8 @@ class TenantTable:
         if single_key:
             digest = key_digest(single_key)
             if digest in seen_digests:
-                raise BadSettings(f"the key in KVB_SERVE_API_KEY_ENV's variable is also a tenant's key in {where}")
+                raise BadSettings(f"serve's single key (KVB_SERVE_API_KEY_FILE or KVB_SERVE_API_KEY_ENV) is also a "
+                                  f"tenant's key in {where}")
             tenants.append((digest, DEFAULT))
         return cls(tenants)
 

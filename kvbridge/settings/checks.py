@@ -21,6 +21,7 @@ from kvbridge.errors import UnknownEngineError
 from kvbridge.settings.codecs import UnknownCodecError, codec_class
 from kvbridge.settings.engines import EngineEntry, find_engine
 from kvbridge.settings.models import model_name_problem
+from kvbridge.settings.secrets import key_file_problem
 
 if TYPE_CHECKING:
     from kvbridge.settings.core import Settings
@@ -260,14 +261,15 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def open_serve_problem(host: str, key_env: str, tenants_file: str = "") -> str | None:
-    """A message when serve would listen beyond this machine with no key (anyone reaching the port could use it)."""
-    if not host.strip() or is_loopback_host(host) or key_env or tenants_file:
+def open_serve_problem(host: str, key_env: str, tenants_file: str = "", key_file: str = "") -> str | None:
+    """A message when serve would listen beyond this machine with no key (anyone reaching the port could use it).
+    A key is configured by KVB_SERVE_API_KEY_ENV, the key file (--api-key-file) or the tenants file alike."""
+    if not host.strip() or is_loopback_host(host) or key_env or key_file or tenants_file:
         return None
     return (f"serve would listen on {host} (KVB_SERVE_HOST / --host), beyond this machine, with no key "
-            "(KVB_SERVE_API_KEY_ENV is empty): anyone who can reach that address could use the model. Set "
-            "KVB_SERVE_API_KEY_ENV to the name of a variable holding a token clients must send, or listen on "
-            "this machine only (127.0.0.1)")
+            "(KVB_SERVE_API_KEY_ENV and KVB_SERVE_API_KEY_FILE are empty): anyone who can reach that address could "
+            "use the model. Give it a token clients must send: --api-key-file PATH (a file of yours, chmod 600) "
+            "or KVB_SERVE_API_KEY_ENV naming a variable that holds it; or listen on this machine only (127.0.0.1)")
 
 
 def host_list(text: str) -> list[str]:
@@ -308,7 +310,13 @@ def _serve_problems(s: Settings) -> list[str]:
         (any(not o.startswith(("http://", "https://")) and o != "*" for o in origins),
          f"KVB_SERVE_CORS_ORIGINS={s.serve_cors_origins!r}: list origins like http://localhost:3000, comma-separated"),
     )
-    open_problem = open_serve_problem(s.serve_host, s.serve_api_key_env, s.serve_tenants_file)
+    if s.serve_api_key_file and s.serve_api_key_env:
+        rules += ((True, f"KVB_SERVE_API_KEY_FILE ({s.serve_api_key_file}, --api-key-file) and KVB_SERVE_API_KEY_ENV "
+                         f"({s.serve_api_key_env}) both name serve's key; keep one of them"),)
+    elif s.serve_api_key_file:
+        key_problem = key_file_problem("KVB_SERVE_API_KEY_FILE", s.serve_api_key_file)
+        rules += ((bool(key_problem), key_problem or ""),)
+    open_problem = open_serve_problem(s.serve_host, s.serve_api_key_env, s.serve_tenants_file, s.serve_api_key_file)
     if s.serve_tenants_file and not Path(s.serve_tenants_file).expanduser().is_file():
         rules += ((True, f"KVB_SERVE_TENANTS_FILE={s.serve_tenants_file} is not a file; point it at the tenants' "
                          "JSON (see Docs/Serve.md) or leave it empty for one tenant"),)

@@ -1,12 +1,18 @@
-"""Secrets read from a variable a setting *names* (KVB_SERVE_API_KEY_ENV, KVB_SERVE_ADMIN_KEY_ENV, ...).
+"""Secrets read from a variable a setting *names* (KVB_SERVE_API_KEY_ENV, KVB_SERVE_ADMIN_KEY_ENV, ...), or from
+a key file a setting names (KVB_SERVE_API_KEY_FILE, serve's --api-key-file).
 
-Settings and `.env` hold only the name of the variable; the secret itself is read here, from the
-process environment, when the part that needs it starts. One home, so every such setting refuses an
-empty variable with the same message naming both the setting and the variable.
+Settings and `.env` hold only the name of the variable or the file's path; the secret itself is read here,
+from the process environment or the file, when the part that needs it starts. One home, so every such
+setting refuses an empty variable with the same message naming both the setting and the variable, and a
+key file is held to ssh's rule for private keys: yours, and no one else may read or write it. No message
+here ever holds a secret's text.
 """
 from __future__ import annotations
 
 import os
+import shlex
+import stat
+from pathlib import Path
 from typing import Mapping
 
 from kvbridge.errors import BadSettings
@@ -25,3 +31,55 @@ def secret_from(setting: str, variable: str, environ: Mapping[str, str] | None =
         raise BadSettings(f"{setting} names {variable}, but that variable is empty or not set; set it "
                           f"(export {variable}=...){hint}")
     return value
+
+
+def _status_problem(setting: str, path: str, status: os.stat_result) -> str | None:
+    """Why a key file with this status cannot hold a secret: not a file, someone else's, open to others."""
+    chmod = f"chmod 600 {shlex.quote(path)}"
+    if not stat.S_ISREG(status.st_mode):
+        return f"{setting}={path} is not a file; point it at a file holding the key alone"
+    if status.st_uid != os.getuid():
+        return (f"{setting}={path} belongs to another user (uid {status.st_uid}, you are {os.getuid()}); a key "
+                f"file must be yours: copy the key into a file of your own, then {chmod}")
+    if status.st_mode & 0o077:
+        return (f"{setting}={path} is open to others (mode {stat.S_IMODE(status.st_mode):04o}): anyone who can "
+                f"read it has the key. Make it yours alone: {chmod}")
+    return None
+
+
+def key_file_problem(setting: str, path: str) -> str | None:
+    """Why the key file `setting` names cannot be used (missing, not a file, someone else's, readable or writable
+    by others), else None. Looks at the file's status only, never at its content (what validate() runs)."""
+    try:
+        status = Path(path).expanduser().stat()
+    except FileNotFoundError:
+        return (f"{setting}={path} does not exist; write the key into it (one line) and "
+                f"chmod 600 {shlex.quote(path)}")
+    except OSError as error:
+        return f"{setting}={path} cannot be read: {error.strerror or error}"
+    return _status_problem(setting, path, status)
+
+
+def secret_from_file(setting: str, path: str) -> str:
+    """The key in the file `setting` names: checked as key_file_problem() does on the open file, read once,
+    surrounding whitespace stripped. BadSettings naming the setting and the file (never the key) when the file
+    is unusable, empty, or holds more than one word."""
+    try:
+        fd = os.open(Path(path).expanduser(), os.O_RDONLY | os.O_NONBLOCK)   # a FIFO must not hang the start
+    except OSError as error:
+        raise BadSettings(key_file_problem(setting, path) or f"{setting}={path} cannot be read: "
+                                                             f"{error.strerror or error}") from None
+    with os.fdopen(fd, "rb") as handle:
+        problem = _status_problem(setting, path, os.fstat(handle.fileno()))   # the file read, not the name's
+        if problem:
+            raise BadSettings(problem)
+        data = handle.read(64 << 10)
+    try:
+        key = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise BadSettings(f"{setting}={path} is not text; write the key into it as one line") from None
+    if not key:
+        raise BadSettings(f"{setting}={path} is empty; write the key clients must send into it (one line)")
+    if len(key.split()) != 1:
+        raise BadSettings(f"{setting}={path} holds more than one word or line; a key file holds the key alone")
+    return key

@@ -1,0 +1,179 @@
+"""The command-line flags that mirror llama-server's: one table, each flag with the Settings field it sets in
+each command that takes it (`serve`, `gui`, `cache-server`).
+
+Place in the flow: argv -> argparse (options built from FLAGS by kvbridge.cli.common) -> Settings.from_env()
+-> `.replace(**overrides(...))` -> validate(). A flag is only ever an override of one Settings field (its
+KVB_ variable), so it wins over the environment and `.env`, and validate() checks its value as it checks the
+variable's; `blame()` then names the flag in the messages it caused. kvbridge.settings.reference renders
+FLAGS into Docs/Settings.md, which is why the table lives in the settings layer and not in kvbridge.cli.
+
+Decisions, where llama-server's meaning needed one here:
+- `-m` takes a GGUF path (KVB_MODEL_PATH, made absolute); an embedded model's name (`-m smollm2-135m`) with no
+  file of that name selects that model instead (KVB_MODEL, and KVB_MODEL_PATH emptied). In `serve`, whose
+  engines are all llama.cpp, `-m` also sets aside KVB_OLLAMA_MODEL (which else comes before KVB_MODEL).
+- `-c` is the most one request may use (KVB_CTX_SIZE), as a llama-server slot's context; the scheduler's
+  shared KV budget stays KVB_SCHED_KV_CELLS.
+- `-np` is the number of sequences decoding at once: the scheduler's KVB_SCHED_MAX_RUNNING (in `gui`, the
+  lab tab's scheduler and `gui --serve`'s).
+- `cache-server` takes `--host`/`--port` only: together they make KVB_CACHE_SERVER_URL tcp://HOST:PORT (the
+  one given keeps the other's part of that URL); `--url` stays, and is refused beside them. It runs no model.
+Deliberately left out: llama-server flags whose meaning differs here (-n, -b, -ngl, --slots, -fa).
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvbridge.settings.core import Settings, env_name
+from kvbridge.settings.models import DEFAULT_MODEL, EMBEDDED_MODELS
+
+SERVE, GUI, CACHE_SERVER = "serve", "gui", "cache-server"
+COMMANDS = (SERVE, GUI, CACHE_SERVER)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One flag: its spellings (llama-server's first), the field it sets per command, and what it means."""
+
+    spellings: tuple[str, ...]
+    fields: Mapping[str, str]      # command -> the Settings field the flag sets there
+    metavar: str
+    help: str                      # the same in every command that takes it
+    kind: str = "text"             # text, int or path (made absolute, `~` expanded)
+    unset: str = ""                # what an unset field means, when its default value does not say it
+
+    @property
+    def dest(self) -> str:
+        """The argparse attribute: the long spelling without dashes (--ctx-size -> ctx_size)."""
+        return self.spellings[-1].lstrip("-").replace("-", "_")
+
+    @property
+    def name(self) -> str:
+        return "/".join(self.spellings)
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag(("-m", "--model"), {SERVE: "model_path", GUI: "model_path"}, "PATH",
+         f"the GGUF model file to load, or an embedded model's name ({', '.join(EMBEDDED_MODELS)}), which sets "
+         "KVB_MODEL instead", kind="path", unset=f"the embedded model KVB_MODEL names, {DEFAULT_MODEL}"),
+    Flag(("-c", "--ctx-size"), {SERVE: "ctx_size", GUI: "ctx_size"}, "N",
+         "context size: the most tokens one request may use, prompt and answer together", kind="int"),
+    Flag(("-t", "--threads"), {SERVE: "threads", GUI: "threads"}, "N", "CPU threads for the model; 0: every core",
+         kind="int"),
+    Flag(("-np", "--parallel"), {SERVE: "sched_max_running", GUI: "sched_max_running"}, "N",
+         "sequences decoding at once (the scheduler's continuous batch; 1 to 64)", kind="int"),
+    Flag(("--host",), {SERVE: "serve_host", GUI: "host", CACHE_SERVER: "cache_server_url"}, "HOST",
+         "address to listen on; beyond 127.0.0.1 only on purpose"),
+    Flag(("--port",), {SERVE: "serve_port", GUI: "port", CACHE_SERVER: "cache_server_url"}, "PORT",
+         "port to listen on", kind="int"),
+    Flag(("-ctk", "--cache-type-k"), {SERVE: "cache_type_k", GUI: "cache_type_k"}, "TYPE",
+         "KV cache type for K: f16, f32, bf16, q8_0, q4_0, ... (part of the cache's namespace)"),
+    Flag(("-ctv", "--cache-type-v"), {SERVE: "cache_type_v", GUI: "cache_type_v"}, "TYPE",
+         "KV cache type for V (a quantised one needs flash attention, KVB_FLASH_ATTN)"),
+    Flag(("--api-key-file",), {SERVE: "serve_api_key_file"}, "PATH",
+         "a file you own, readable by you alone (chmod 600), holding the bearer token clients must send; "
+         "read once at start, never shown; not with KVB_SERVE_API_KEY_ENV", kind="path", unset="no key"),
+)
+
+
+def flags_for(command: str) -> tuple[Flag, ...]:
+    """The flags `command` takes, in the table's order."""
+    return tuple(flag for flag in FLAGS if command in flag.fields)
+
+
+def default_text(flag: Flag, command: str) -> str:
+    """The field's built-in default, as a person reads it (for --help and the reference page)."""
+    field = flag.fields[command]
+    value = getattr(Settings(), field)
+    if field == "cache_server_url":
+        host, port = _tcp_parts(value) or ("127.0.0.1", 5555)
+        return host if flag.dest == "host" else str(port)
+    return flag.unset if flag.unset and value in ("", 0) else str(value)
+
+
+def help_text(flag: Flag, command: str) -> str:
+    """What `kvbridge COMMAND --help` says of the flag: its meaning, its KVB_ variable, its default."""
+    field = flag.fields[command]
+    if field == "cache_server_url":
+        where = "with the other of --host/--port sets KVB_CACHE_SERVER_URL=tcp://HOST:PORT; not with --url"
+        return f"{flag.help} [{where}; default {default_text(flag, command)}]"
+    return f"{flag.help} [{env_name(field)}; default {default_text(flag, command)}]"
+
+
+# ---------------------------------------------------------------------------------------------
+# parsed flags -> Settings changes
+
+
+def overrides(command: str, given: Mapping[str, object], settings: Settings) -> dict[str, object]:
+    """The Settings changes the flags given to `command` ask for (a flag whose value is None was not given).
+    `settings`: what the environment and `.env` say, for cache-server's URL the flags change a part of."""
+    changes: dict[str, object] = {}
+    for flag in flags_for(command):
+        value = given.get(flag.dest)
+        field = flag.fields[command]
+        if value is None or field == "cache_server_url":
+            continue
+        if flag.dest == "model":
+            changes.update(model_changes(command, str(value)))
+        elif flag.kind == "path":
+            changes[field] = absolute(str(value))
+        else:
+            changes[field] = value
+    if command == CACHE_SERVER and (given.get("host") is not None or given.get("port") is not None):
+        changes["cache_server_url"] = tcp_url(settings.cache_server_url, given.get("host"), given.get("port"))
+    return changes
+
+
+def model_changes(command: str, text: str) -> dict[str, object]:
+    """-m: a path (KVB_MODEL_PATH) or, when no such file exists, an embedded model's name (KVB_MODEL)."""
+    if text in EMBEDDED_MODELS and not Path(text).expanduser().exists():
+        changes: dict[str, object] = {"model": text, "model_path": ""}
+    else:
+        changes = {"model_path": absolute(text)}
+    if command == SERVE:   # serve's engines are all llama.cpp: the flag, not KVB_OLLAMA_MODEL, names the model
+        changes["ollama_model"] = ""
+    return changes
+
+
+def absolute(path: str) -> str:
+    """A path as given on the command line (relative to the current folder, maybe with `~`), made absolute."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _tcp_parts(url: str) -> tuple[str, int] | None:
+    scheme, _, rest = url.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if scheme != "tcp" or not colon or not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def tcp_url(current: str, host: object, port: object) -> str:
+    """cache-server's --host/--port as tcp://HOST:PORT; the one not given keeps its part of `current`
+    (KVB_CACHE_SERVER_URL), or of the default when that is no tcp:// URL."""
+    current_host, current_port = _tcp_parts(current) or _tcp_parts(Settings().cache_server_url) or ("127.0.0.1", 5555)
+    host = str(host) if host is not None else current_host
+    port = port if port is not None else current_port
+    return f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def blame(command: str, given: Mapping[str, object], problems: list[str]) -> tuple[list[str], list[str]]:
+    """(the problems a flag given to `command` caused, each naming the flag and its value; the others).
+    A problem is the flag's when it names the KVB_ variable the flag set."""
+    named = []
+    for flag in flags_for(command):
+        value = given.get(flag.dest)
+        if value is not None:
+            fields = ("model_path", "model") if flag.dest == "model" else (flag.fields[command],)
+            named.append((f"{flag.spellings[0]} {value}", [env_name(f) for f in fields]))
+    flagged, others = [], []
+    for problem in problems:
+        by = [spelled for spelled, variables in named if any(re.search(rf"\b{v}\b", problem) for v in variables)]
+        if by:
+            flagged.append(f"{problem} (given on the command line: {', '.join(by)})")
+        else:
+            others.append(problem)
+    return flagged, others
