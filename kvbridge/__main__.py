@@ -1,7 +1,9 @@
 """`kvbridge` (the same as `python -m kvbridge`): parse the command line and run the chosen command.
 
 The commands, each with its arguments and body, live in kvbridge.cli (the table: kvbridge.cli.commands);
-this module only dispatches: logging, SIGTERM, and a KVBridgeError turned into `error: ...` and exit 2.
+this module only dispatches: logging, SIGTERM, the check that the command's extras are installed (before
+anything else: kvbridge.cli.extras), and an error turned into `error: ...` and exit 2: a KVBridgeError, or
+a ModuleNotFoundError for a module an extra brings, never a traceback.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import signal
 import sys
 
 from kvbridge.cli.commands import BY_NAME, build_parser
+from kvbridge.cli.extras import for_missing_module, missing_extras_message
 from kvbridge.errors import KVBridgeError
 
 
@@ -21,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 0
+    missing = missing_extras_message(args.command, args)
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
     command = BY_NAME[args.command]
     if not command.own_sigterm:   # servers install their own; elsewhere SIGTERM must still run cleanup
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -28,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
         return command.run(args)
     except KVBridgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        message = for_missing_module(exc, args.command)
+        if not message:
+            raise
+        print(f"error: {message}", file=sys.stderr)
         return 2
 
 

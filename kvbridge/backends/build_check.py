@@ -100,5 +100,14 @@ def rebuild_advice() -> str:
     if SOURCE_CHECKOUT is not None:
         return (f"Remove its build record and set up again: rm {BUILD_RECORD} && ./scripts/setup.sh (it tests each "
                 "build and steps down to a safer instruction set), or choose the flags yourself with KVB_LLAMA_CMAKE_ARGS.")
+    from kvbridge.settings.install import extra_requirements
+
+    # pinned (kvbridge's llama extra, the version KVBridge reads the state of), so pip cannot pull another version
+    pinned = next((r for r in extra_requirements("llama") if r.startswith("llama-cpp-python==")), "")
+    if not pinned:   # no kvbridge metadata: the version installed now
+        from importlib.metadata import version
+
+        pinned = f"llama-cpp-python=={version('llama-cpp-python')}"
     return ("Reinstall it with flags this CPU runs, e.g. CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX512=OFF' "
-            "pip install --force-reinstall --no-cache-dir --no-binary llama-cpp-python llama-cpp-python.")
+            f"{sys.executable} -m pip install --force-reinstall --no-deps --no-cache-dir --no-binary llama-cpp-python "
+            f"'{pinned}' (it compiles: about 5 minutes on 2 cores).")

@@ -17,6 +17,7 @@ def run(args) -> int:
     import importlib.util
 
     from kvbridge.settings import DATA_HOME, SOURCE_CHECKOUT, WORK_DIR
+    from kvbridge.settings.install import LLAMA_COMPILE_NOTE, install_command
     from kvbridge.settings.model_fetch import FetchError, fetch_models
     from kvbridge.settings.models import DEFAULT_MODEL, EMBEDDED_MODELS
 
@@ -33,10 +34,10 @@ def run(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if importlib.util.find_spec("llama_cpp") is None:
-        where = ("./scripts/setup.sh builds it down the instruction-set ladder" if SOURCE_CHECKOUT else
-                 "pip install 'kvbridge[llama]' builds it from source (about 5 minutes on 2 cores; "
-                 "set CMAKE_ARGS for your CPU's instruction set if the first decode crashes)")
-        print(f"llama-cpp-python is not installed, so the in-process engine cannot run yet: {where}.")
+        where = ("./scripts/setup.sh builds it down the instruction-set ladder." if SOURCE_CHECKOUT else
+                 f"{install_command('llama')} builds it from source ({LLAMA_COMPILE_NOTE.partition(': ')[2]}; "
+                 "set CMAKE_ARGS for your CPU's instruction set if the first decode crashes).")
+        print(f"llama-cpp-python is not installed, so the in-process engine cannot run yet: {where}")
     else:
         start = "./scripts/start.sh" if SOURCE_CHECKOUT else "kvbridge gui"
         print(f"llama-cpp-python is installed: {start} starts the testbed on the embedded model.")

@@ -30,8 +30,8 @@ def router_binary() -> Path:
     if found:
         return Path(found)
     raise BadSettings(f"`kvbridge fleet` needs the vllm-router binary, found neither beside {sys.executable} "
-                      f"nor on PATH: run ./scripts/setup.sh, or `pip install {PINNED}` "
-                      "(or `pip install 'kvbridge[fleet]'`)")
+                      f"nor on PATH: run ./scripts/setup.sh in a checkout, or {sys.executable} -m pip install "
+                      f"{PINNED}")
 
 
 def router_argv(binary: Path, port: int, prometheus_port: int, policy: str, workers, *, pd: bool,
