@@ -79,7 +79,12 @@ fi
 work_dir="$(mktemp -d "${TMPDIR:-/tmp}/kvb-llama-server.XXXXXX")"
 trap 'rm -rf "$work_dir"' EXIT
 
-echo "building llama-server $version as '$variant' (${cmake_flags[*]}), about 5 minutes on 2 cores (longer when the CPUs are busy)…"
+# The logs stay in build/logs (git-ignored) after the temporary work folder is gone.
+log_dir="$REPO_ROOT/build/logs"
+mkdir -p "$log_dir"
+configure_log="$log_dir/llama-server-configure.log"
+build_log="$log_dir/llama-server-build.log"
+echo "building llama-server $version as '$variant' (${cmake_flags[*]}), about 5 minutes on 2 cores (longer when the CPUs are busy); its logs: build/logs/llama-server-configure.log, build/logs/llama-server-build.log…"
 start_s=$SECONDS
 
 # The pinned sdist, downloaded once and unpacked under build/ (git-ignored), is never modified:
@@ -136,20 +141,18 @@ cmake -S "$source_dir" -B "$work_dir/build" "${generator[@]}" \
     -DLLAMA_BUILD_NUMBER="$upstream_number" \
     -DLLAMA_BUILD_COMMIT="$build_commit" \
     "${cmake_flags[@]}" \
-    >"$work_dir/cmake-configure.log" 2>&1 || {
-    tail -n 30 "$work_dir/cmake-configure.log" >&2
-    echo "build_llama_server.sh: cmake configure failed (log above)" >&2
+    >"$configure_log" 2>&1 || {
+    tail -n 30 "$configure_log" >&2
+    echo "build_llama_server.sh: cmake configure failed (its last lines above; full log: build/logs/llama-server-configure.log)" >&2
     exit 1
 }
 
 jobs="$("${variants[@]}" jobs)" || exit 1   # KVB_BUILD_JOBS (environment, else .env), else every core
 echo "compiling llama-server with $jobs parallel job(s) (KVB_BUILD_JOBS); about 5 minutes on 2 cores…"
-cmake --build "$work_dir/build" --target llama-server -j "$jobs" \
-    >"$work_dir/cmake-build.log" 2>&1 || {
-    tail -n 40 "$work_dir/cmake-build.log" >&2
-    echo "build_llama_server.sh: build failed (log above)" >&2
-    exit 1
-}
+# build_variants.py compile: the output into the log, ninja's [N/M] (make's [ NN%]) shown as progress;
+# on failure it prints the log's last lines and its path
+"$python" "$REPO_ROOT/scripts/build_variants.py" compile --tag build_llama_server --log "$build_log" --label llama-server -- \
+    cmake --build "$work_dir/build" --target llama-server -j "$jobs" || exit 1
 
 built="$(find "$work_dir/build" -type f -name llama-server -perm -u+x | head -n1)"
 if [[ -z "$built" ]]; then

@@ -32,12 +32,20 @@ Commands (stdlib only; setup.sh runs them with .venv's python):
     source                fetch the pinned sdist into build/ and print its vendored llama.cpp folder
     jobs                  parallel compile jobs for every build: KVB_BUILD_JOBS (environment, else .env),
                           else every core
+    compile --log FILE --label TEXT -- COMMAND...
+                          run a build command with its output into FILE, showing the compile's own
+                          progress (build_llama_server.sh's cmake --build); on failure the log's tail
+
+Every compile writes its whole output to a log (its path said before it starts) and shows the
+progress the build itself prints: ninja's "[N/M]" steps or make's "[ NN%]", through
+kvbridge/settings/progress.py (loaded by path: a bar on a terminal, a line per tenth in a log).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -61,6 +69,18 @@ CMAKE_ARGS_VAR = "KVB_LLAMA_CMAKE_ARGS"
 JOBS_VAR = "KVB_BUILD_JOBS"
 CUSTOM = "custom"  # the variant name of flags the user chose
 EXIT_DOES_NOT_RUN, EXIT_ENVIRONMENT = 1, 3  # smoke_decode.py's exit codes
+
+
+def _load_progress():
+    """kvbridge/settings/progress.py, by path: stdlib only, so this script needs no installed kvbridge."""
+    spec = importlib.util.spec_from_file_location("kvbridge_build_progress",
+                                                  REPO_ROOT / "kvbridge" / "settings" / "progress.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+progress = _load_progress()
 
 
 class BuildError(RuntimeError):
@@ -277,7 +297,37 @@ def pip_build_commands(python: str, version: str) -> list[list[str]]:
             pip + ["--quiet", f"llama-cpp-python=={version}"]]
 
 
-def run_build(variant: Variant, commands: list[list[str]] | str, log: Path, jobs: int) -> None:
+def shown_path(path: Path) -> str:
+    """The path as a person reads it: relative to the current directory when inside it."""
+    try:
+        return str(path.absolute().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def run_logged(step: list[str] | str, out, env: Mapping[str, str], bar) -> int:
+    """Run one build command (argv, or a shell line in tests) with its output into `out`; each line that is
+    a compile step (ninja's [N/M], make's [ NN%]) advances `bar`. Returns the exit status."""
+    process = subprocess.Popen(step, shell=isinstance(step, str), env=dict(env), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, errors="replace")
+    try:
+        for line in process.stdout:
+            out.write(line)
+            if found := progress.build_step(line):
+                done, total, bar.unit = found
+                bar.update(done, total)
+    finally:
+        returncode = process.wait()
+        out.flush()
+        bar.finish()
+    return returncode
+
+
+def log_tail(log: Path, lines: int) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def run_build(variant: Variant, commands: list[list[str]] | str, log: Path, jobs: int, tag: str = "setup") -> None:
     """Run the build step (argv lists, or one shell command in tests) with CMAKE_ARGS and `jobs` parallel compiles."""
     env = {**os.environ, "CMAKE_ARGS": variant.cmake_args_text, "FORCE_CMAKE": "1", "KVB_BUILD_VARIANT": variant.name,
            "CMAKE_BUILD_PARALLEL_LEVEL": str(jobs)}
@@ -287,10 +337,33 @@ def run_build(variant: Variant, commands: list[list[str]] | str, log: Path, jobs
         for step in steps:
             out.write(f"$ CMAKE_ARGS={shlex.quote(env['CMAKE_ARGS'])} {step if isinstance(step, str) else shlex.join(step)}\n")
             out.flush()
-            done = subprocess.run(step, shell=isinstance(step, str), env=env, stdout=out, stderr=subprocess.STDOUT)
-            if done.returncode != 0:
-                tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
-                raise BuildError(f"building llama-cpp-python as '{variant.name}' failed (full log: {log}):\n{tail}")
+            bar = progress.Progress(f"[{tag}] compiling llama-cpp-python '{variant.name}'")
+            if run_logged(step, out, env, bar) != 0:
+                raise BuildError(f"building llama-cpp-python as '{variant.name}' failed (full log: {log}):\n"
+                                 f"{log_tail(log, 25)}")
+
+
+def compile_main(argv: list[str]) -> int:
+    """`compile --log FILE --label TEXT -- COMMAND...`: a build command, logged, with its progress shown."""
+    parser = argparse.ArgumentParser(prog="build_variants.py compile")
+    parser.add_argument("--log", type=Path, required=True)
+    parser.add_argument("--label", required=True, help="what is compiled, e.g. llama-server")
+    parser.add_argument("--tag", default="setup", help="prefix of the progress lines")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("compile needs a command after --")
+    args.log.parent.mkdir(parents=True, exist_ok=True)
+    with args.log.open("w") as out:
+        out.write(f"$ {shlex.join(command)}\n")
+        out.flush()
+        returncode = run_logged(command, out, os.environ, progress.Progress(f"[{args.tag}] compiling {args.label}"))
+    if returncode != 0:
+        print(f"{log_tail(args.log, 40)}\n[{args.tag}] ERROR: compiling {args.label} failed "
+              f"(exit {returncode}; full log: {shown_path(args.log)})", file=sys.stderr)
+        return 1
+    return 0
 
 
 @dataclass(frozen=True)
@@ -331,12 +404,14 @@ def install(variants: list[Variant], build_step, python: str, model: Path, recor
     record.unlink(missing_ok=True)
     tried: list[dict] = []
     for index, variant in enumerate(variants):
+        log = log_dir / f"llama-cpp-python-{variant.name}.log"
         if tried:
-            say(f"rebuilding llama-cpp-python as '{variant.name}' ({variant.about})…", tag)
+            say(f"rebuilding llama-cpp-python as '{variant.name}' ({variant.about}); its log: {shown_path(log)}…", tag)
         else:
             say(f"building llama-cpp-python {version} as '{variant.name}' ({variant.about}); "
-                f"it compiles from source with {jobs} parallel job(s) ({JOBS_VAR}), about 5 minutes on 2 cores…", tag)
-        run_build(variant, build_step(variant), log_dir / f"llama-cpp-python-{variant.name}.log", jobs)
+                f"it compiles from source with {jobs} parallel job(s) ({JOBS_VAR}), about 5 minutes on 2 cores; "
+                f"its log: {shown_path(log)}…", tag)
+        run_build(variant, build_step(variant), log, jobs, tag)
         say(f"smoke decode of build '{variant.name}' in a child process…", tag)
         outcome = run_smoke(smoke_llama_argv(python, model, variant.name), smoke_timeout)
         tried.append({"variant": variant.name, "cmake_args": variant.cmake_args_text, "smoke": outcome.detail})
@@ -373,8 +448,13 @@ def fetch_source(python: str, version: str, build_dir: Path) -> Path:
         return source
     build_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=build_dir) as tmp:
-        subprocess.run([python, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
-                        "--no-binary", ":all:", f"llama-cpp-python=={version}", "-d", tmp], check=True)
+        # pip's own lines (and its bar on a terminal) go to stderr: this command's stdout is the folder's path
+        print(f"downloading the llama-cpp-python {version} source (about 80 MB) into {shown_path(build_dir)}…",
+              file=sys.stderr, flush=True)
+        pip_progress = [] if sys.stderr.isatty() else ["--progress-bar", "off"]
+        subprocess.run([python, "-m", "pip", "download", "--disable-pip-version-check", *pip_progress, "--no-deps",
+                        "--no-binary", ":all:", f"llama-cpp-python=={version}", "-d", tmp], check=True,
+                       stdout=sys.stderr)
         sdists = sorted(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         if not sdists:
             raise BuildError(f"pip did not produce a llama-cpp-python {version} sdist")
@@ -407,8 +487,12 @@ def server_does_not_run(record: dict, variants: list[Variant], detail: str) -> s
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compile"]:
+        return compile_main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=("check", "install", "server-args", "smoke-server", "source", "plan", "jobs"))
+    parser.add_argument("command", choices=("check", "install", "server-args", "smoke-server", "source", "plan", "jobs",
+                                            "compile"))
     parser.add_argument("binary", nargs="?", help="smoke-server: the llama-server binary")
     parser.add_argument("--python", default=sys.executable, help="the interpreter to build for and smoke with")
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
