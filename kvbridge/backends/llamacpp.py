@@ -9,6 +9,7 @@ suffix.
 from __future__ import annotations
 
 import ctypes
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -54,6 +55,10 @@ class LlamaCppBackend(Backend):
         ensure_llama_cpp_runs(path)
         type_k = ggml_type_id(self.settings.cache_type_k, "KVB_CACHE_TYPE_K")
         type_v = ggml_type_id(self.settings.cache_type_v, "KVB_CACHE_TYPE_V")
+        # the load is the one long wait of a start (seconds for a large GGUF, cold from disk): say what and how long
+        print(f"loading model {path.name} ({path.stat().st_size / 1e6:.1f} MB) into llama.cpp…", file=sys.stderr,
+              flush=True)
+        load_started = time.perf_counter()
         try:
             self.llm = llama_cpp.Llama(
                 model_path=str(path), n_ctx=self.settings.ctx_size, n_threads=self.settings.resolved_threads(),
@@ -63,6 +68,7 @@ class LlamaCppBackend(Backend):
                 swa_full=True)
         except (ValueError, RuntimeError) as exc:
             raise EngineUnavailable(f"llama.cpp could not load {path} (KVB_MODEL_PATH): {exc}") from exc
+        print(f"model {path.name} loaded in {time.perf_counter() - load_started:.1f} s", file=sys.stderr, flush=True)
         self.model_path = path
         self._template = None
         self._time_evals(self.llm)
