@@ -60,6 +60,12 @@ apt_install() {
 
 sha256_of() { sha256sum "$1" | cut -d' ' -f1; }
 
+# pip's own progress for the long installs: its bar on a terminal; in a log its lines without the bar
+# (a line or two a package, never a redrawn bar's every frame)
+pip_progress=()
+[[ -t 1 ]] || pip_progress=(--progress-bar off)
+pip_install() { "$VENV/bin/python" -m pip install --disable-pip-version-check ${pip_progress[@]+"${pip_progress[@]}"} "$@"; }
+
 ensure_build_tools() {
     # A compiler and cmake: llama-cpp-python (and llama-server) compile from source.
     local missing=()
@@ -105,7 +111,7 @@ if [[ $need_install -eq 1 ]]; then
     say "installing the Python packages of requirements.txt but llama-cpp-python (about 1 minute, ~600 MB)"
     others="$(mktemp "${TMPDIR:-/tmp}/kvb-requirements.XXXXXX")"
     grep -v '^llama-cpp-python' requirements.txt >"$others"
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r "$others" || { rm -f "$others"; exit 1; }
+    pip_install -r "$others" || { rm -f "$others"; exit 1; }
     rm -f "$others"
 fi
 
@@ -159,7 +165,8 @@ kvb_python -m kvbridge.settings.model_fetch --tag setup "${wanted_models[@]}" ||
 
 # 4. llama-cpp-python down the build-variant ladder (claimed, no-amx, avx2): each build is vetted
 #    by a smoke decode in a child process and the first that runs is kept and recorded;
-#    build_llama_server.sh builds llama-server with the same flags. It says each step itself.
+#    build_llama_server.sh builds llama-server with the same flags. It says each step itself, with the
+#    compile's log path before it starts and the compile's progress (ninja's steps) while it runs.
 if [[ $need_install -eq 1 ]]; then
     install_start_s=$SECONDS
     "${build_variants[@]}" install --python "$VENV/bin/python"
@@ -174,7 +181,7 @@ if [[ $want_test -eq 1 ]]; then
     test_stamp="$VENV/.requirements-test.sha256"
     if [[ ! -f "$test_stamp" || "$(cat "$test_stamp")" != "$(sha256_of requirements-test.txt)" ]]; then
         say "installing the test packages of requirements-test.txt (about 1 minute, ~300 MB)"
-        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r requirements-test.txt
+        pip_install -r requirements-test.txt
         sha256_of requirements-test.txt >"$test_stamp"
     fi
     # 5b. Chromium for the browser tests (playwright drives a system chromium; no `playwright install`):
