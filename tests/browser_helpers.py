@@ -1,7 +1,8 @@
-"""What the browser tests share: Debian's Chromium driven by the PyPI `playwright` package (never
-`playwright install`) at the default window size, the skips that name what is missing, and the checks
-every page must pass: settings labelled in words with their KVB_ variable beneath, table headers on one
-line. The processes they drive come from process_helpers.
+"""What the browser tests share: a Chromium found by kvbridge.gui.chromium.find_chromium (apt's
+/usr/bin/chromium, else playwright's own build, else the snap) driven by the PyPI `playwright` package at
+the default window size, the skips that name what is missing and the command that installs it, and the
+checks every page must pass: settings labelled in words with their KVB_ variable beneath, table headers
+on one line. The processes they drive come from process_helpers.
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import re
 import pytest
 
 from kvbridge.gui.labels import SETTING_CLASS
-from kvbridge.gui.screenshot import CHROMIUM, CHROMIUM_ARGS, WINDOW  # noqa: F401 (re-exported: one home)
+from kvbridge.gui.chromium import MISSING as CHROMIUM_MISSING, find_chromium
+from kvbridge.gui.screenshot import CHROMIUM_ARGS, WINDOW  # noqa: F401 (re-exported: one home)
 from kvbridge.settings import EMBEDDED_MODEL_PATH, env_name
 from process_helpers import answers, clean_env, free_port, start_kvbridge, stop, wait_for  # noqa: F401 (re-exported)
 
@@ -19,10 +21,11 @@ try:
 except ImportError:  # setup installs it; say so instead of failing at import
     expect = sync_playwright = None
 
+CHROMIUM = find_chromium()   # None: every browser test skips, saying what to install
 BROWSER_MARKS = [
     pytest.mark.browser,
     pytest.mark.live,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason="/usr/bin/chromium missing (apt-get install chromium)"),
+    pytest.mark.skipif(CHROMIUM is None, reason=CHROMIUM_MISSING),
     pytest.mark.skipif(sync_playwright is None,
                        reason="the playwright package is not installed (requirements-test.txt)"),
     pytest.mark.skipif(not EMBEDDED_MODEL_PATH.is_file(), reason=f"embedded model {EMBEDDED_MODEL_PATH} missing"),

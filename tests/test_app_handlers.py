@@ -125,6 +125,30 @@ def test_status_before_connect(state):
     assert "connect" in sp.store_markdown(sp.store_stats(state)).lower()
 
 
+# -- connecting when the server starts ---------------------------------------------------------
+def test_an_engine_whose_prompts_leave_the_machine_waits_for_connect(tmp_path):
+    state = h.AppState(small_settings(tmp_path, KVB_ENGINE="cloud"), env_path=tmp_path / ".env")
+    assert h.start_connect(state) is None and state.engine is None
+    status = h.engine_status(state)
+    assert "Not connected" in status and "sends prompts to the provider" in status and "**Connect**" in status
+
+
+def test_a_failed_connect_on_start_says_why_and_leaves_the_panel_to_fix_it(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a model" * 100)   # passes the settings check; loading it fails
+    state = h.AppState(small_settings(tmp_path, KVB_MODEL_PATH=str(bad)), env_path=tmp_path / ".env")
+    future = h.start_connect(state)
+    assert h.start_connect(state) is future   # a reload or a second tab never starts a second connect
+    outcome = future.result(timeout=60)
+    assert not outcome.ok and "bad.gguf" in outcome.message and state.engine is None
+    assert "bad.gguf" in h.connect_on_start_message(state)
+    assert "engine panel says why" in h.engine_status(state)
+    views = list(r.run_stream(state, "doc-qa", ["cold"], 1, None))   # Run: the cause and where to fix it
+    assert len(views) == 1 and "bad.gguf" in views[0].message and "Engine panel" in views[0].message
+    assert "Connect an engine first" not in views[0].message
+    assert h.start_connect(state) is future   # not retried on its own: the panel's Connect does that
+
+
 def test_page_builds_with_registry_engines_and_worded_labels(state):
     """Every settings input: a label in words from kvbridge.gui.labels, its KVB_ variable as the hint beneath."""
     import gradio as gr
@@ -267,12 +291,18 @@ needs_model = pytest.mark.skipif(not EMBEDDED_MODEL_PATH.is_file(),
 
 @pytest.fixture(scope="module")
 def live_state(tmp_path_factory):
+    """Connected as `kvbridge gui` connects on start; a prompt sent while the model loads waits for it."""
     tmp = tmp_path_factory.mktemp("gui")
     settings = small_settings(tmp)
     (Path(settings.input_dir) / "garden.md").write_text(TINY_DOC)
     state = h.AppState(settings, env_path=tmp / ".env")
-    outcome = h.connect_engine(state, "llamacpp", h.form_values(settings))
-    assert outcome.ok, outcome.message
+    future = h.start_connect(state)
+    assert "Connecting to" in h.engine_status(state)   # the model takes seconds to load
+    pressed = h.connect_engine(state, "llamacpp", h.form_values(settings))   # the panel's Connect meanwhile
+    assert not pressed.ok and "Wait for it" in pressed.message
+    answer = r.free_prompt(state, "Hello", "cold", 1)   # sent at once: waits for the connect, then answers
+    assert answer.ok, answer.message
+    assert future.result().ok and h.start_connect(state) is future
     yield state
     h.disconnect_engine(state)
     assert state.engine is None

@@ -17,9 +17,10 @@ from typing import Any
 import gradio as gr
 
 from kvbridge.gui.handlers import (
-    AppState, Outcome, connect_engine, disconnect_engine, engine_choices, engine_notice, engine_status,
-    field_type, fields_for_engine, form_fields, form_values, model_choices, restart_engine, save_settings,
-    selected_engine, COMMON_FIELDS, MODEL_FIELD,
+    AppState, Outcome, connect_engine, connect_on_start_message, connecting_message, connecting_now,
+    disconnect_engine, engine_choices, engine_notice, engine_status, field_type, fields_for_engine, form_fields,
+    form_values, model_choices, restart_engine, save_settings, selected_engine, start_connect, wait_for_connect,
+    COMMON_FIELDS, MODEL_FIELD,
 )
 from kvbridge.gui.labels import setting_input
 from kvbridge.gui.store_panel import (
@@ -75,8 +76,9 @@ def build_app(settings: Settings, state: AppState | None = None, lab: LabSession
     lab = lab or LabSession(settings)
     ui = SimpleNamespace()  # the components event wiring needs, by name
     with gr.Blocks(title="KVBridge testbed", analytics_enabled=False) as demo:
-        gr.Markdown("# KVBridge testbed\nHow much time-to-first-token does reusing KV save? Connect an engine, "
-                    "run a scenario in several modes, and compare. " + MODE_HELP)
+        gr.Markdown("# KVBridge testbed\nHow much time-to-first-token does reusing KV save? The engine your "
+                    "settings name connects when the GUI starts (change it in the engine panel); run a scenario in "
+                    "several modes, and compare. " + MODE_HELP)
         with gr.Tabs():
             with gr.Tab("Testbed", id="testbed", elem_id="kvb-tab-testbed"):
                 ui.status = gr.Markdown(engine_status(state), elem_id="kvb-status")
@@ -229,11 +231,12 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
                 tier_hit_rate_figure(tier_hit_rates(state), tiers),
                 gr.update(value=evictions or "", visible=evictions is not None)]
 
-    def results_values(view: ResultsView) -> list[Any]:
+    def results_values(view: ResultsView, choose_first_tier: bool = False) -> list[Any]:
         figs = view.figures
         shadow = gr.update(value=figs.get("shadow"), visible=view.has_shadow)
         return [engine_status(state), _message(view), view.summary, figs["speedup"], figs["ttft_summary"],
-                figs["ttft_per_request"], figs["hits"], figs["stages"], shadow, view.table, *store_values()]
+                figs["ttft_per_request"], figs["hits"], figs["stages"], shadow, view.table,
+                *store_values(choose_first_tier)]
 
     # engine
     def on_engine_change(key: str) -> list[Any]:
@@ -297,8 +300,19 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
     ui.confirm_btn.click(on_confirm_clear, ui.pending_tier, [*confirm_outputs[:2], *store_outputs, ui.store_msg])
     ui.restart_btn.click(on_restart, ui.drop_l1, [ui.status, *store_outputs, ui.store_msg])
 
-    # a reload (or a second tab) shows the server's current engine and results
-    demo.load(lambda: results_values(results_view(state)), None, results_outputs)
+    # a reload (or a second tab) shows the server's current engine and results; while the engine that
+    # main() connects on start still loads, the page says so and fills in once it is up (every open tab
+    # watches the one connect: not queued behind each other, nothing connects twice)
+    def on_open():
+        yield [*results_values(results_view(state)), connect_on_start_message(state), gr.update()]
+        if connecting_now(state):
+            wait_for_connect(state)
+            outcome = state.connecting.result()
+            yield [*results_values(results_view(state), choose_first_tier=True), _message(outcome),
+                   gr.update(choices=_safe_documents(state))]
+
+    demo.load(on_open, None, [*results_outputs, ui.engine_msg, ui.document], concurrency_limit=None,
+              show_progress="hidden")
 
 
 def _server_values(view: ServerView) -> list[Any]:
@@ -371,6 +385,8 @@ def main(settings: Settings | None = None, serve: bool = False) -> int:
               "available here. Set KVB_PORT to a free port (or KVB_HOST to an address of this machine).",
               file=sys.stderr)
         return 2
+    if start_connect(state) is not None:   # the configured engine, so the first Run runs (handlers say which)
+        print(f"{connecting_message(state)} The page says when it is ready.", flush=True)
     shutdown = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -39,6 +39,8 @@ class AppState:
 
     One engine per server, shared by every browser tab: `engine_lock` makes sure only one run,
     prompt, restart or clear uses it at a time; `stop_event` is what the runner checks to stop.
+    `connecting` is the connect to the configured engine started with the server (start_connect): one
+    per process, so a reload or a second tab watches it instead of starting another.
     """
 
     settings: Settings
@@ -49,6 +51,9 @@ class AppState:
     stop_event: threading.Event = field(default_factory=threading.Event)
     engine_lock: threading.Lock = field(default_factory=threading.Lock)
     censuses: dict[str, tuple[Any, Future]] = field(default_factory=dict)   # a remote tier's count of its server
+    connecting: Future | None = None    # start_connect's connect, done with its Outcome
+    closing: threading.Event = field(default_factory=threading.Event)   # set on shutdown: a late connect closes at once
+    _connect_guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 @dataclass(frozen=True)
@@ -171,18 +176,130 @@ def connect_engine(state: AppState, engine_key: str, values: dict[str, Any]) -> 
     if settings is None or problems:
         return Outcome(problems_message(problems), ok=False)
     if not state.engine_lock.acquire(blocking=False):
-        return _busy()
+        return _still_connecting(state) or _busy()
+    state.connecting = None   # the person's own Connect: from here on its message is the one that counts
+    try:
+        return _connect(state, settings)
+    finally:
+        state.engine_lock.release()
+
+
+def _connect(state: AppState, settings: Settings) -> Outcome:
+    """Start the engine `settings` name in place of the current one; the caller holds engine_lock."""
     try:
         _stop_engine(state)  # first: two engines would hold two models and two stores over one L2 directory
         backend = make_backend(settings.engine, settings)
         engine = CachedEngine(settings, backend)
         engine.start()
-        state.engine, state.settings = engine, settings
-        return Outcome(f"Connected: {resolve_engine(settings.engine).label}.")
     except Exception as exc:  # the UI boundary
         return Outcome(failure_message("Connect", exc), ok=False)
+    if state.closing.is_set():   # the server stopped while the model loaded: nothing may outlive it
+        engine.close()
+        return Outcome("Connect abandoned: the server is stopping.", ok=False)
+    state.engine, state.settings = engine, settings
+    return Outcome(f"Connected: {resolve_engine(settings.engine).label}.")
+
+
+# -- connecting when the server starts ----------------------------------------------------------
+def connect_on_start_refusal(settings: Settings) -> str:
+    """Why the configured engine is not connected on its own when the server starts; '' when it is.
+
+    Every engine whose prompts stay on this machine connects on its own: the embedded model, a
+    llama-server started or attached, Ollama. Connecting costs them only this machine's time, and
+    a server that is not there is a failure message the engine panel fixes. An engine whose prompts
+    go to a provider waits for Connect: its notice is read first, and connecting already calls the
+    provider with the person's key.
+    """
+    try:
+        spec = resolve_engine(settings.engine)
+    except KVBridgeError as exc:
+        return f"{exc}. Pick an engine and press **Connect**."
+    if getattr(spec.cls, "prompts_leave_machine", False):
+        return (f"{spec.label} sends prompts to the provider, so it waits for you: read the notice in the "
+                "engine panel, then press **Connect**.")
+    problems = settings.validate()
+    return f"{problems_message(problems)}\n\nThen press **Connect**." if problems else ""
+
+
+def start_connect(state: AppState) -> Future | None:
+    """Connect the configured engine in the background, once per server; the connect's Future (done
+    with its Outcome), or None when the engine waits for Connect (connect_on_start_refusal says why)."""
+    with state._connect_guard:
+        if state.connecting is not None or state.engine is not None or connect_on_start_refusal(state.settings):
+            return state.connecting
+        future: Future = Future()
+        state.connecting = future
+        state.engine_lock.acquire()   # taken here, released by the thread: a click in between finds it busy
+    threading.Thread(target=_connect_in_background, args=(state, future), name="kvb-connect-on-start",
+                     daemon=True).start()
+    return future
+
+
+def _connect_in_background(state: AppState, future: Future) -> None:
+    try:   # start_connect holds engine_lock for this thread; a run that comes early waits on `future`
+        outcome = _connect(state, state.settings)
+    except Exception as exc:  # the future must be answered whatever happens: pages wait on it
+        outcome = Outcome(failure_message("Connect", exc), ok=False)
     finally:
         state.engine_lock.release()
+    if outcome.ok:
+        log.info("connected on start: %s", outcome.message)
+    else:
+        log.warning("connecting on start failed: %s", outcome.message)
+    future.set_result(outcome)
+
+
+def connecting_now(state: AppState) -> bool:
+    """Whether the connect started with the server is still loading."""
+    return state.connecting is not None and not state.connecting.done()
+
+
+def _connecting_label(state: AppState) -> str:
+    try:
+        return resolve_engine(state.settings.engine).label
+    except KVBridgeError:
+        return state.settings.engine
+
+
+def connecting_message(state: AppState) -> str:
+    return f"Connecting to {_connecting_label(state)}: loading the model…"
+
+
+def _still_connecting(state: AppState) -> Outcome | None:
+    if not connecting_now(state):
+        return None
+    return Outcome(f"{connecting_message(state)} Wait for it to finish, then press Connect to change engines.",
+                   ok=False)
+
+
+def wait_for_connect(state: AppState, timeout: float | None = None) -> None:
+    """Block until the connect started with the server is done (a Run or Send pressed while it loads)."""
+    if state.connecting is not None:
+        try:
+            state.connecting.result(timeout=timeout)
+        except TimeoutError:
+            pass   # the caller finds no engine and says so
+
+
+def no_engine_message(state: AppState) -> str:
+    """What a button that needs an engine says when there is none: still connecting, the failed connect
+    at start (fixed in the engine panel), or the plain request to connect."""
+    if connecting_now(state):
+        return f"{connecting_message(state)} Wait a moment, then try again."
+    outcome = state.connecting.result() if state.connecting is not None else None
+    if outcome is not None and not outcome.ok:
+        return f"Not connected. {outcome.message} Fix it in the Engine panel and press Connect."
+    return "Connect an engine first (Engine panel, Connect)."
+
+
+def connect_on_start_message(state: AppState) -> str:
+    """The engine panel's message when the page opens: the start-up connect's progress or its failure."""
+    if connecting_now(state):
+        return connecting_message(state)
+    outcome = state.connecting.result() if state.connecting is not None else None
+    if state.engine is None and outcome is not None and not outcome.ok:
+        return f"⚠️ {outcome.message}"
+    return ""
 
 
 def _stop_engine(state: AppState) -> None:
@@ -195,7 +312,9 @@ def _stop_engine(state: AppState) -> None:
 
 
 def disconnect_engine(state: AppState, timeout: float = 20.0) -> None:
-    """Stop a running scenario, then stop the engine and close its store (shutdown path)."""
+    """Stop a running scenario, then stop the engine and close its store (shutdown path); a connect
+    still loading closes its engine as soon as it is up."""
+    state.closing.set()
     state.stop_event.set()
     got_lock = state.engine_lock.acquire(timeout=timeout)
     try:
@@ -223,7 +342,7 @@ def save_settings(state: AppState, engine_key: str, values: dict[str, Any]) -> O
 def restart_engine(state: AppState, drop_l1: bool = False) -> Outcome:
     """Drop the engine's context (or process) and keep the store, to show a restore afterwards."""
     if state.engine is None:
-        return Outcome("Connect an engine first.", ok=False)
+        return Outcome(no_engine_message(state), ok=False)
     if not state.engine_lock.acquire(blocking=False):
         return _busy()
     try:
@@ -242,7 +361,15 @@ def engine_status(state: AppState) -> str:
     """One status line: engine, where it runs, FULL or SHADOW, namespace (and budget for cloud)."""
     engine = state.engine
     if engine is None:
-        return "**Not connected.** Pick an engine and press **Connect**."
+        if connecting_now(state):
+            return f"**{connecting_message(state)}** Run waits for it; the engine panel can change it afterwards."
+        if state.connecting is None:
+            why = connect_on_start_refusal(state.settings)
+        elif not state.connecting.result().ok:
+            why = "Connecting at start failed (the engine panel says why): fix the settings there and press **Connect**."
+        else:
+            why = ""
+        return f"**Not connected.** {why or 'Pick an engine and press **Connect**.'}"
     backend = engine.backend
     try:
         label = resolve_engine(backend.key).label

@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import plotly.graph_objects as go
 
-from kvbridge.gui.handlers import AppState, Outcome, failure_message
+from kvbridge.gui.handlers import (AppState, Outcome, connecting_message, connecting_now, failure_message,
+                                   no_engine_message, wait_for_connect)
 from kvbridge.gui.store_panel import store_stats
 from kvbridge.gui.charts import ModeSummary, mode_summaries, run_figures
 from kvbridge.errors import BadSettings, KVBridgeError
@@ -170,7 +171,7 @@ def document_text(state: AppState, name: str | None) -> str | None:
 def check_run_request(state: AppState, modes: Sequence[str], n_requests: Any) -> list[str]:
     problems = []
     if state.engine is None:
-        problems.append("Connect an engine first (Engine panel, Connect).")
+        problems.append(no_engine_message(state))
     known = mode_names()
     unknown = [m for m in modes if m not in known]
     if not modes:
@@ -210,7 +211,11 @@ def run_stream(
     document: str | None = None,
     progress: ProgressFn | None = None,
 ) -> Iterator[ResultsView]:
-    """Run a scenario and yield the updated view after every request; errors end the run, not the page."""
+    """Run a scenario and yield the updated view after every request; errors end the run, not the page.
+    Pressed while the engine connects on start, it waits for that connect first."""
+    if connecting_now(state):
+        yield results_view(state, f"Waiting for the engine: {connecting_message(state)} The run starts when it is up.")
+        wait_for_connect(state)
     problems = check_run_request(state, modes, n_requests)
     if problems:
         yield results_view(state, "\n".join(problems), ok=False)
@@ -268,8 +273,9 @@ class FreePromptResult:
 def free_prompt(state: AppState, prompt: str, mode: str, n_predict: Any = None) -> FreePromptResult:
     """Send one prompt in one mode; return the answer and its record (the run's results stay)."""
     empty = records_table([])
+    wait_for_connect(state)   # sent while the engine connects on start: answered once it is up
     if state.engine is None:
-        return FreePromptResult("Connect an engine first.", False, "", empty)
+        return FreePromptResult(no_engine_message(state), False, "", empty)
     if not (prompt or "").strip():
         return FreePromptResult("Type a prompt first.", False, "", empty)
     if mode not in mode_names():

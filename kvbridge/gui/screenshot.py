@@ -1,14 +1,16 @@
 """`python -m kvbridge.gui.screenshot`: the README's picture of the GUI, taken from a real run.
 
 Place in the flow: default Settings -> the GUI served in this process on a free loopback port, with a
-private temporary L2, input/ and output/ -> Debian's Chromium, driven by playwright at the default
-window size, clicks Connect, then Run on the default scenario in the default modes, as a person would
--> waits for "Finished" -> one full-page PNG (Docs/screenshot-gui.png unless --out says otherwise).
+private temporary L2, input/ and output/, the default engine connecting on start as `kvbridge gui` does ->
+Chromium (tests/browser_helpers' lookup: apt's, playwright's own or the snap), driven by playwright at
+the default window size, clicks Run on the default scenario in the default modes at once, as a newcomer
+would (Run waits for the connect) -> waits for "Finished" -> one full-page PNG (Docs/screenshot-gui.png
+unless --out says otherwise).
 
 Deliberately not `python -m kvbridge gui` in a subprocess: that reads the project's `.env`, and the
 picture must show what a new user gets, not this machine's settings. Needs the embedded model
-(./scripts/setup.sh), the playwright package (requirements-test.txt) and /usr/bin/chromium, as the
-browser tests do; it says which is missing instead of failing half way.
+(./scripts/setup.sh), the playwright package (requirements-test.txt) and a Chromium
+(scripts/install_chromium.sh), as the browser tests do; it says which is missing instead of failing half way.
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvbridge.gui.chromium import APT_CHROMIUM, INSTALL_ADVICE, find_chromium
 from kvbridge.settings import WORK_DIR, Settings
 
-CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM = find_chromium() or APT_CHROMIUM   # the default of --chromium; a missing one is named by main()
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic"]
 WINDOW = {"width": 1280, "height": 800}   # the default window: the screenshot's and the browser tests'
@@ -36,12 +39,11 @@ def free_port() -> int:
 
 
 def run_default_scenario(page, timeout_s: float) -> str:
-    """Connect the default engine and run the preselected scenario as a person would; the run's last message."""
+    """Run the preselected scenario as a newcomer would, the first click on the page (the default engine
+    connects on start; Run waits for it); the run's last message."""
     from playwright.sync_api import expect
 
-    expect(page.locator("#kvb-status")).to_contain_text("Not connected", timeout=60_000)
-    page.click("#kvb-connect")
-    expect(page.locator("#kvb-status")).to_contain_text("Namespace", timeout=timeout_s * 1000)
+    expect(page.locator("#kvb-status")).to_contain_text(re.compile("Connecting to|Namespace"), timeout=60_000)
     page.click("#kvb-run")
     run_msg = page.locator("#kvb-run-msg")
     expect(run_msg).to_contain_text(re.compile("Finished|⚠️"), timeout=timeout_s * 1000)   # done, or an error
@@ -58,7 +60,7 @@ def take_screenshot(out: Path, window: dict[str, int] = WINDOW, chromium: Path =
     from playwright.sync_api import sync_playwright
 
     from kvbridge.gui.app import build_app, launch_app
-    from kvbridge.gui.handlers import AppState, disconnect_engine
+    from kvbridge.gui.handlers import AppState, disconnect_engine, start_connect
     from kvbridge.gui.lab import LabSession
 
     with tempfile.TemporaryDirectory(prefix="kvb-screenshot-") as tmp:
@@ -68,6 +70,7 @@ def take_screenshot(out: Path, window: dict[str, int] = WINDOW, chromium: Path =
         demo = build_app(settings, state, lab)
         try:
             url = launch_app(demo, settings)
+            start_connect(state)   # as main() does: the default engine connects while the browser starts
             with sync_playwright() as pw:
                 browser = pw.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS)
                 try:
@@ -89,7 +92,7 @@ def missing_prerequisites(chromium: Path) -> list[str]:
     """What must be installed first, in words; empty when everything is there."""
     missing = []
     if not chromium.exists():
-        missing.append(f"{chromium} is missing (apt-get install chromium, or ./scripts/test.sh installs it)")
+        missing.append(f"{chromium} is missing ({INSTALL_ADVICE})")
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
@@ -104,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m kvbridge.gui.screenshot",
         description="Start the GUI with the default settings on the embedded model, run the default scenario "
-                    "in a headless Chromium by clicking Connect and Run, and save a full-page screenshot.")
+                    "in a headless Chromium by clicking Run (the engine connects on start), and save a full-page screenshot.")
     parser.add_argument("--out", type=Path, default=SCREENSHOT, help=f"the PNG to write (default: {SCREENSHOT})")
     parser.add_argument("--width", type=int, default=WINDOW["width"],
                         help="window width in pixels (default: %(default)s)")

@@ -10,7 +10,7 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import Any
 
 from kvbridge.gui.charts import format_bytes, tier_hit_rates_from_records, tier_usages
-from kvbridge.gui.handlers import AppState, Outcome, _busy, failure_message
+from kvbridge.gui.handlers import AppState, Outcome, _busy, failure_message, no_engine_message
 from kvbridge.store.objects import StoreFault
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ def clear_question(state: AppState, tier: str | None) -> Outcome:
     """What Clear asks before clear_tier runs; ok=False: nothing to ask, the message says why."""
     tiers = store_tier_names(state)
     if not tiers:
-        return Outcome("Connect an engine first.", ok=False)
+        return Outcome(no_engine_message(state), ok=False)
     if tier not in tiers:
         return Outcome(f"Choose one of the store's tiers: {', '.join(tiers)}.", ok=False)
     others = ", ".join(t for t in tiers if t != tier) or "nothing else"
@@ -193,7 +193,7 @@ def clear_question(state: AppState, tier: str | None) -> Outcome:
 def clear_tier(state: AppState, tier: str) -> Outcome:
     """Empty one tier (called after the person confirmed); the tiers are the store's own list."""
     if state.engine is None:
-        return Outcome("Connect an engine first.", ok=False)
+        return Outcome(no_engine_message(state), ok=False)
     names = state.engine.store.tier_names
     if tier not in names:
         return Outcome(f"This store has no tier {tier!r}; its tiers are {', '.join(names)}"
