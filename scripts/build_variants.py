@@ -316,6 +316,8 @@ def run_logged(step: list[str] | str, out, env: Mapping[str, str], bar) -> int:
             if found := progress.build_step(line):
                 done, total, bar.unit = found
                 bar.update(done, total)
+            elif bar.done == 0 and (milestone := progress.build_milestone(line)):
+                print(f"{bar.label}: {milestone}…", flush=True)   # before the first step, so no bar to break
     finally:
         returncode = process.wait()
         out.flush()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.settings.progress import Progress, build_step
+from kvbridge.settings.progress import Progress, build_milestone, build_step
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 NINJA_LOG = FIXTURES / "llama-cpp-python-build-excerpt.txt"
@@ -111,8 +111,15 @@ def test_a_compile_shows_its_progress_and_keeps_its_whole_output_in_the_log(buil
     assert build_variants.main(["compile", "--log", str(kept), "--label", "llama-server", "--",
                                 "cat", str(log)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-1] == f"[setup] compiling llama-server: {last}" and len(lines) <= 11
+    assert lines[-1] == f"[setup] compiling llama-server: {last}" and len(lines) <= 12
     assert kept.read_text().splitlines()[1:] == log.read_text().splitlines()
+
+
+def test_what_a_pip_build_does_before_its_first_step_is_said():
+    said = [m for line in NINJA_LOG.read_text().splitlines() if (m := build_milestone(line))]
+    assert said == ["configuring with cmake"]
+    assert build_milestone("  Downloading llama_cpp_python-0.3.36.tar.gz (76.6 MB)") == (
+        "downloading its source llama_cpp_python-0.3.36.tar.gz (76.6 MB)")
 
 
 def test_a_failed_compile_names_its_log(build_variants, tmp_path, capsys):

@@ -151,3 +151,17 @@ def build_step(line: str) -> tuple[int, int, str] | None:
     if match := MAKE_PERCENT.match(line):
         return int(match[1]), 100, "percent"
     return None
+
+
+# what a pip build of llama-cpp-python does before its first compile step (a minute or more, on a slow network)
+MILESTONES = ((re.compile(r"^\s*Downloading (\S+\.tar\.gz) \(([^)]+)\)"), "downloading its source {0} ({1})"),
+              (re.compile(r"^\s*Installing build dependencies: started"), "installing its build tools"),
+              (re.compile(r"^\s*\*\*\* Configuring CMake"), "configuring with cmake"))
+
+
+def build_milestone(line: str) -> str | None:
+    """What a line of a pip build's output says it starts, in words; None for every other line."""
+    for pattern, words in MILESTONES:
+        if match := pattern.match(line):
+            return words.format(*match.groups())
+    return None
