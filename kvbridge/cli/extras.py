@@ -81,13 +81,15 @@ def _engine_extras(args: argparse.Namespace, which: str) -> tuple[str, tuple[str
         from kvbridge.settings import Settings
 
         name = getattr(Settings.from_env(), which)   # read, not checked: the command checks the settings itself
-    from kvbridge.errors import KVBridgeError
-    from kvbridge.settings.engines import find_engine
+    key = name.strip().lower()
+    if key not in ENGINE_EXTRAS:   # an alias, or another engine: the registry (it imports the adapters) says which
+        from kvbridge.errors import KVBridgeError
+        from kvbridge.settings.engines import find_engine
 
-    try:
-        key = find_engine(name).key
-    except KVBridgeError:   # an unknown engine: the command's own settings check says so
-        key = name
+        try:
+            key = find_engine(name).key
+        except KVBridgeError:   # an unknown engine: the command's own settings check says so
+            pass
     return name, ENGINE_EXTRAS.get(key, ())
 
 
