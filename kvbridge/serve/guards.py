@@ -4,8 +4,8 @@ setting that decides it:
     the Host header     a name this server answers to (KVB_SERVE_ALLOWED_HOSTS), else 400: a web page
                         that rebinds its own name to 127.0.0.1 sends that name, so it cannot read answers;
     the key             `Authorization: Bearer <key>` when serve has a key (KVB_SERVE_API_KEY_FILE,
-                        KVB_SERVE_API_KEY_ENV) or the tenants file lists keys, else 401; the operator's key (KVB_SERVE_ADMIN_KEY_ENV) runs no
-                        completions (403);
+                        KVB_SERVE_API_KEY_ENV) or the tenants file lists keys, else 401; the operator's key
+                        (KVB_SERVE_ADMIN_KEY_ENV) runs no completions (403);
     the Content-Type    application/json, else 415: a page's "simple" cross-site form post cannot send it;
     the body size       at most KVB_SERVE_MAX_BODY_BYTES, else 413, from Content-Length before a byte of
                         the body is read, and counted as a chunked body arrives.

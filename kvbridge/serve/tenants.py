@@ -102,8 +102,8 @@ class TenantTable:
             return self
         digest = hashlib.sha256(admin_key.encode()).digest()
         if any(hmac.compare_digest(known, digest) for known, _ in self._by_digest):
-            raise BadSettings("the key in KVB_SERVE_ADMIN_KEY_ENV's variable is also a tenant's key "
-                              "(KVB_SERVE_TENANTS_FILE, KVB_SERVE_API_KEY_FILE or KVB_SERVE_API_KEY_ENV); give the operator a key of its own")
+            raise BadSettings("the key in KVB_SERVE_ADMIN_KEY_ENV's variable is also a tenant's key (KVB_SERVE_TENANTS_FILE, "
+                              "KVB_SERVE_API_KEY_FILE or KVB_SERVE_API_KEY_ENV); give the operator a key of its own")
         table = TenantTable([], self.required)
         table._by_digest = [*self._by_digest, (digest, OPERATOR)]
         return table
@@ -146,8 +146,8 @@ class TenantTable:
                 raise BadSettings(f"{at} ({name}): cache_group must be 1-64 letters, digits, '_', '.', '-'")
             if group == DEFAULT_TENANT:
                 raise BadSettings(f"{at} ({name}): cache_group 'default' is the unsalted cache of the single key "
-                                  "(KVB_SERVE_API_KEY_FILE or _ENV), the GUI and the CLI; a tenant cannot join it: name "
-                                  "another group")
+                                  "(KVB_SERVE_API_KEY_FILE or _ENV), the GUI and the CLI; a tenant cannot join it: "
+                                  "name another group")
             if name in seen_names or digest in seen_digests:
                 raise BadSettings(f"{at} ({name}): the name or the key appears twice")
             seen_names.add(name)

@@ -216,8 +216,8 @@ def flags_table(names: set[str]) -> list[str]:
             if field is None:
                 cells.append("—")
             elif field == "cache_server_url":
-                cells.append(f"`KVB_CACHE_SERVER_URL` as tcp://HOST:PORT, default {_code(default_text(flag, command))}; "
-                             "not with `--url`")
+                default = _code(default_text(flag, command))
+                cells.append(f"`KVB_CACHE_SERVER_URL` as tcp://HOST:PORT, default {default}; not with `--url`")
             else:
                 cells.append(f"`{env_name(field)}`, default {_inline(default_text(flag, command), names)}")
         spelled = ", ".join(f"`{spelling}`" for spelling in flag.spellings)
