@@ -8,6 +8,7 @@ The terminal case draws on a real pseudo-terminal. The first model load is the e
 """
 from __future__ import annotations
 
+import ast
 import importlib.util
 import io
 import os
@@ -23,6 +24,14 @@ from kvbridge.settings.progress import Progress, build_milestone, build_step
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 NINJA_LOG = FIXTURES / "llama-cpp-python-build-excerpt.txt"
 MAKE_LOG = FIXTURES / "cmake-make-build.txt"
+
+
+def test_the_progress_module_needs_only_the_standard_library():
+    """scripts/build_variants.py loads it by path, before or without an installed kvbridge."""
+    tree = ast.parse((FIXTURES.parent.parent / "kvbridge" / "settings" / "progress.py").read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert {name.split(".")[0] for name in imported} <= set(sys.stdlib_module_names) | {"__future__"}
 
 
 class Clock:
