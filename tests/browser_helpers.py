@@ -14,7 +14,7 @@ from kvbridge.gui.labels import SETTING_CLASS
 from kvbridge.gui.chromium import MISSING as CHROMIUM_MISSING, find_chromium
 from kvbridge.gui.screenshot import CHROMIUM_ARGS, WINDOW  # noqa: F401 (re-exported: one home)
 from kvbridge.settings import EMBEDDED_MODEL_PATH, env_name
-from process_helpers import answers, clean_env, free_port, start_kvbridge, stop, wait_for  # noqa: F401 (re-exported)
+from process_helpers import clean_env, free_port, start_kvbridge, stop, wait_for  # noqa: F401 (re-exported)
 
 try:
     from playwright.sync_api import expect, sync_playwright
@@ -31,6 +31,16 @@ BROWSER_MARKS = [
     pytest.mark.skipif(not EMBEDDED_MODEL_PATH.is_file(), reason=f"embedded model {EMBEDDED_MODEL_PATH} missing"),
 ]
 VARIABLE = re.compile(r"^KVB_[A-Z0-9_]+")
+
+
+def answers(url: str) -> bool:
+    """Whether the page is served yet; a server still starting may also answer slowly (a read timeout)."""
+    import requests
+
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
 
 # Each visible settings input as drawn: its id, the label text above it and the hint beneath (Gradio's info).
 _SETTINGS_JS = """(els) => els.filter(e => e.checkVisibility()).map(e => {

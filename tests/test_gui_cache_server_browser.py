@@ -1,21 +1,17 @@
 """In a real headless Chromium: a real cache server (`python -m kvbridge cache-server` with kv_events),
-the GUI started with KVB_STORE_URL pointing at it, the embedded engine connected: the store panel
-shows the server's modules, the L1 pressure level, the page map and the event log.
+the GUI started with KVB_STORE_URL pointing at it, the embedded engine connecting on its own: the store
+panel shows the server's modules, the L1 pressure level, the page map and the event log.
 
-Drives Debian's /usr/bin/chromium through the PyPI `playwright` package, like test_gui_browser.py.
+Drives the Chromium browser_helpers finds through the PyPI `playwright` package, like test_gui_browser.py.
 """
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-import requests
 
-from browser_helpers import (BROWSER_MARKS, CHROMIUM, CHROMIUM_ARGS, clean_env, expect, free_port, stop,
-                             sync_playwright, wait_for)
-from kvbridge.settings import WORK_DIR
+from browser_helpers import (BROWSER_MARKS, CHROMIUM, CHROMIUM_ARGS, answers, clean_env, expect, free_port,
+                             start_kvbridge, stop, sync_playwright, wait_for)
 
 KV_EVENTS = json.dumps({"module_path": "kvbridge.cache_server.plugin_modules.kv_events"})
 PROMPT = "# Garden rota\n\n" + " ".join(f"Rule {i}: the bed is watered on day {i % 7}." for i in range(10)) + \
@@ -29,18 +25,14 @@ def cache_server(tmp_path):
     """The cache server as an operator starts it, with the kv_events module, on a free loopback port."""
     url = f"tcp://127.0.0.1:{free_port()}"
     log_path = tmp_path / "cache-server.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge", "cache-server", "--url", url, "--server-module", KV_EVENTS],
-            cwd=WORK_DIR, stdout=log, stderr=subprocess.STDOUT,
-            env=clean_env(KVB_L2_DIR=str(tmp_path / "server-l2"), KVB_L1_BYTES="16MiB",
-                          KVB_CACHE_SERVER_PAGE_BYTES="64KiB"))
-        try:
-            wait_for(lambda: "cache server ready on" in log_path.read_text(), "the cache server was not ready",
-                     log_path, proc, timeout_s=60)
-            yield {"url": url, "proc": proc, "log": log_path}
-        finally:
-            stop(proc)
+    proc = start_kvbridge(["cache-server", "--url", url, "--server-module", KV_EVENTS], clean_env(
+        KVB_L2_DIR=str(tmp_path / "server-l2"), KVB_L1_BYTES="16MiB", KVB_CACHE_SERVER_PAGE_BYTES="64KiB"), log_path)
+    try:
+        wait_for(lambda: "cache server ready on" in log_path.read_text(), "the cache server was not ready",
+                 log_path, proc, timeout_s=60)
+        yield {"url": url, "proc": proc, "log": log_path}
+    finally:
+        stop(proc)
 
 
 @pytest.fixture
@@ -49,26 +41,16 @@ def gui_server(tmp_path, cache_server):
     port = free_port()
     (tmp_path / "input").mkdir()
     log_path = tmp_path / "gui.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge", "gui"], cwd=WORK_DIR, stdout=log, stderr=subprocess.STDOUT,
-            env=clean_env(KVB_PORT=str(port), KVB_HOST="127.0.0.1", KVB_ENGINE="llamacpp",
-                          KVB_STORE_URL=cache_server["url"], KVB_L2_DIR=str(tmp_path / "gui-l2"), KVB_CHUNK_SIZE="32",
-                          KVB_CTX_SIZE="1024", KVB_N_PREDICT="4", KVB_INPUT_DIR=str(tmp_path / "input"),
-                          KVB_OUTPUT_DIR=str(tmp_path / "output")))
-        url = f"http://127.0.0.1:{port}/"
-
-        def answers() -> bool:
-            try:
-                return requests.get(url, timeout=2).status_code == 200
-            except requests.ConnectionError:
-                return False
-
-        try:
-            wait_for(answers, f"the GUI did not answer on {url}", log_path, proc)
-            yield {"url": url, "proc": proc, "log": log_path}
-        finally:
-            stop(proc)
+    proc = start_kvbridge(["gui"], clean_env(
+        KVB_PORT=str(port), KVB_HOST="127.0.0.1", KVB_ENGINE="llamacpp", KVB_STORE_URL=cache_server["url"],
+        KVB_L2_DIR=str(tmp_path / "gui-l2"), KVB_CHUNK_SIZE="32", KVB_CTX_SIZE="1024", KVB_N_PREDICT="4",
+        KVB_INPUT_DIR=str(tmp_path / "input"), KVB_OUTPUT_DIR=str(tmp_path / "output")), log_path)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        wait_for(lambda: answers(url), f"the GUI did not answer on {url}", log_path, proc)
+        yield {"url": url, "proc": proc, "log": log_path}
+    finally:
+        stop(proc)
 
 
 def test_the_store_panel_shows_the_cache_server(gui_server, cache_server):
@@ -79,11 +61,8 @@ def test_the_store_panel_shows_the_cache_server(gui_server, cache_server):
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(gui_server["url"])
             server = page.locator("#kvb-server")
-            expect(server).to_contain_text(cache_server["url"], timeout=30_000)   # before Connect: where it is
-            expect(server).to_contain_text("Connect an engine")
-
-            page.click("#kvb-connect")
-            expect(page.locator("#kvb-status")).to_contain_text("FULL", timeout=long)
+            expect(server).to_contain_text(cache_server["url"], timeout=30_000)   # where it is, connected or not
+            expect(page.locator("#kvb-status")).to_contain_text("FULL", timeout=long)   # connected on its own
             expect(server).to_contain_text("connected", timeout=30_000)
             for module in ("lookup", "storage", "management", "metrics", "kv_events"):
                 expect(server.locator("table").first).to_contain_text(module)
