@@ -2,8 +2,9 @@
 
 The commands, each with its arguments and body, live in kvbridge.cli (the table: kvbridge.cli.commands);
 this module only dispatches: logging, SIGTERM, the check that the command's extras are installed (before
-anything else: kvbridge.cli.extras), and an error turned into `error: ...` and exit 2: a KVBridgeError, or
-a ModuleNotFoundError for a module an extra brings, never a traceback.
+anything else: kvbridge.cli.extras), the settings' warnings (unknown KVB_ names) once on stderr, and an
+error turned into `error: ...` and exit 2: a KVBridgeError, or a ModuleNotFoundError for a module an extra
+brings, never a traceback.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 from kvbridge.cli.commands import BY_NAME, build_parser
 from kvbridge.cli.extras import for_missing_module, missing_extras_message
 from kvbridge.errors import KVBridgeError
+from kvbridge.settings import Settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: {missing}", file=sys.stderr)
         return 2
+    for warning in Settings.from_env().warnings():   # said once, at start: an unknown KVB_ name blocks nothing
+        print(f"warning: {warning}", file=sys.stderr)
     command = BY_NAME[args.command]
     if not command.own_sigterm:   # servers install their own; elsewhere SIGTERM must still run cleanup
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

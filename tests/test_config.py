@@ -147,9 +147,31 @@ def test_home_is_expanded_in_paths(tmp_path, monkeypatch):
 
 
 def test_misspelt_variable_gets_a_suggestion(tmp_path):
-    problems = problems_of(load(tmp_path, {}, "KVB_L1_BYTE=1GiB\nKVB_SOMETHING_ELSE=1\n"))
-    assert "KVB_L1_BYTE is not a KVBridge setting; did you mean KVB_L1_BYTES?" in problems
+    settings = load(tmp_path, {"KVB_TEST_L3_PASSWORD": "x"}, "KVB_L1_BYTE=1GiB\nKVB_SOMETHING_ELSE=1\n")
+    problems = problems_of(settings)
+    assert "KVB_L1_BYTE is not a KVBridge setting; did you mean KVB_L1_BYTES?" in problems   # a typo blocks
     assert not any("KVB_SOMETHING_ELSE" in p for p in problems)
+    # a name far from every setting, in .env or the environment, is a warning: named, with the closest one if any
+    far, near = settings.warnings()   # sorted by name
+    assert far.startswith("KVB_SOMETHING_ELSE is not a KVBridge setting and is ignored") and "Docs/Settings.md" in far
+    assert near.startswith("KVB_TEST_L3_PASSWORD is not") and "the closest one is KVB_L3_PASSWORD_ENV" in near
+
+
+def test_a_variable_a_setting_names_and_the_build_variables_are_not_unknown(tmp_path):
+    """KVB_TEST_CS_TOKEN holds a secret once KVB_CACHE_SERVER_TOKEN_ENV names it; KVB_BUILD_JOBS is the build's."""
+    settings = load(tmp_path, {"KVB_CACHE_SERVER_TOKEN_ENV": "KVB_TEST_CS_TOKEN", "KVB_TEST_CS_TOKEN": "s3cret",
+                               "KVB_BUILD_JOBS": "2", "KVB_SMOKE_CRASH_VARIANTS": ""},
+                    "KVB_L3_PASSWORD_ENV=KVB_TEST_REDIS_PASSWORD\nKVB_TEST_REDIS_PASSWORD=pw\n")
+    assert settings.warnings() == [] and not any("not a KVBridge setting" in p for p in problems_of(settings))
+
+
+def test_the_cli_says_an_unknown_name_once_on_stderr_and_runs(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVB_")}
+    (tmp_path / ".env").write_text("")
+    done = subprocess.run([sys.executable, "-m", "kvbridge", "scenarios"], capture_output=True, text=True, timeout=120,
+                          env={**env, "KVB_ENV_FILE": str(tmp_path / ".env"), "KVB_NOT_A_THING": "1"})
+    assert done.returncode == 0 and "doc-qa" in done.stdout, done.stderr
+    assert done.stderr.count("warning: KVB_NOT_A_THING is not a KVBridge setting") == 1, done.stderr
 
 
 def test_missing_explicit_env_file_is_reported(tmp_path):

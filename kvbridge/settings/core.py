@@ -155,6 +155,8 @@ class Settings:
     cloud_max_retries: int = 3
     # parse problems, reported by validate(); not a setting
     _problems: Problems = field(default=(), compare=False, repr=False)
+    # unknown KVB_ names far from every setting: told once at start (warnings()), not blocking; not a setting
+    _warnings: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, env_file: str | Path | None = None) -> "Settings":
@@ -193,8 +195,9 @@ class Settings:
                 continue
             if parsed is not None:
                 kwargs[f.name] = parsed
-        problems += [("", msg) for msg in _misspelt_names(values)]
-        return cls(**kwargs, _problems=tuple(problems))
+        misspelt, unknown = unknown_names(values)
+        problems += [("", msg) for msg in misspelt]
+        return cls(**kwargs, _problems=tuple(problems), _warnings=tuple(unknown))
 
     def replace(self, **changes) -> "Settings":
         """A copy with some fields changed; parse problems of the changed fields are dropped."""
@@ -208,6 +211,11 @@ class Settings:
         """
         environ = os.environ if environ is None else environ
         return [message for _, message in self._problems] + settings_problems(self, environ)
+
+    def warnings(self) -> list[str]:
+        """What is worth telling but blocks nothing: KVB_ names in the environment or `.env` that are no
+        setting and look like none (the CLI prints them once at start, on stderr; the GUI can list them)."""
+        return list(self._warnings)
 
     def resolved_threads(self) -> int:
         return self.threads or max(1, os.cpu_count() or 1)
@@ -326,15 +334,36 @@ def settings_file(environ: Mapping[str, str]) -> Path:
     return Path(named).expanduser() if named else DEFAULT_ENV_FILE
 
 
-def _misspelt_names(values: Mapping[str, str]) -> list[str]:
-    """KVB_ variables that are no setting but look like one: almost always a typo."""
-    known = [env_name(n) for n in SETTING_NAMES] + [ENV_FILE_VARIABLE]
-    problems = []
-    for name in sorted(n for n in values if n.startswith("KVB_") and n not in known):
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+MISSPELT_CUTOFF = 0.85    # this close to a setting's name, an unknown name is a typo: validate() reports it
+PLAUSIBLE_CUTOFF = 0.7    # this close, a far-off unknown name's warning still suggests the setting
+
+
+def unknown_names(values: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """(misspelt, unknown): the KVB_ names in `values` that are no setting, as messages for a person.
+
+    A name close to a setting's is almost always a typo whose value would be silently ignored: it is a
+    problem validate() reports, and the run stops. A name far from every setting (a test's own variable, a
+    name another tool reads) is a warning: said once, blocking nothing. Never reported: the build scripts'
+    variables (kvbridge.settings.reference.BUILD_TIME) and a variable some `*_ENV` setting names, which
+    holds a secret (the API key variable that KVB_SERVE_API_KEY_ENV names is legitimate, whatever its name).
+    """
+    from kvbridge.settings.reference import BUILD_TIME   # here, not at import: reference imports this module
+
+    known = [env_name(n) for n in SETTING_NAMES]
+    named_by_env = {values.get(env_name(n), "").strip() for n in SETTING_NAMES if n.endswith("_env")}
+    legitimate = {*known, ENV_FILE_VARIABLE, *(b.name for b in BUILD_TIME), *named_by_env}
+    misspelt, unknown = [], []
+    for name in sorted(n for n in values if n.startswith("KVB_") and n not in legitimate):
+        close = difflib.get_close_matches(name, known, n=1, cutoff=MISSPELT_CUTOFF)
         if close:
-            problems.append(f"{name} is not a KVBridge setting; did you mean {close[0]}?")
-    return problems
+            misspelt.append(f"{name} is not a KVBridge setting; did you mean {close[0]}?")
+            continue
+        plausible = difflib.get_close_matches(name, known, n=1, cutoff=PLAUSIBLE_CUTOFF)
+        hint = (f"the closest one is {plausible[0]}" if plausible
+                else "the settings are listed in .env.example and Docs/Settings.md")
+        unknown.append(f"{name} is not a KVBridge setting and is ignored; {hint} (a variable holding a secret "
+                       "is not reported once the *_ENV setting that reads it names it)")
+    return misspelt, unknown
 
 
 # ---------------------------------------------------------------------------------------------
