@@ -44,6 +44,7 @@ LONG_FILLING = 6   # words in a hole from which on its filling is checked as a m
 HOLE = "\x00"   # stands for an f-string's {…} part, so a doc piece cannot run across it
 PERCENT_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*\d*(?:\.\d+)?[sdrfgi]")
 REST_OF_LINE = r"(?:…|<[^<>\n]+>|\W)*$"
+FORMAT_FIELD = re.compile(r"\{\w*(?:[!:][^{}]*)?\}")
 SHELL_STRING = re.compile(r'"(?:[^"\\]|\\.)*"(?:[ \t]+"(?:[^"\\]|\\.)*")*')   # echo "a" "b" prints "a b"
 SHELL_EXPANSION = re.compile(r"\$\((?:[^()]|\([^()]*\))*\)|\$\{[^}]*\}|\$(?:\w+|[*@#?])")
 
@@ -87,8 +88,8 @@ def literal_pieces(line: str) -> list[str]:
 
 def _render(node: ast.AST) -> str | None:
     """A string expression as text, its non-literal parts as HOLE; None for what is not a string."""
-    if isinstance(node, ast.Constant):   # "%s" and the like are holes too: logging and %-formatting fill them
-        return PERCENT_FIELD.sub(HOLE, node.value) if isinstance(node.value, str) else None
+    if isinstance(node, ast.Constant):   # "%s", "{port}" are holes too: logging, % and str.format fill them
+        return FORMAT_FIELD.sub(HOLE, PERCENT_FIELD.sub(HOLE, node.value)) if isinstance(node.value, str) else None
     if isinstance(node, ast.JoinedStr):
         return "".join(part.value if isinstance(part, ast.Constant) else HOLE for part in node.values)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
