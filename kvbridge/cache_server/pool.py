@@ -210,19 +210,23 @@ class PagedPool(PoolReport):
                 self._drop_object(key)
                 self._counts["replaced"] += 1
             if n > self._total:
-                self._refuse("too_large", f"{size} bytes need {n} pages; the pool has {self._total}")
+                self._refuse("too_large", _too_large(size, n, self._total, self.segment.page_bytes))
             # Cold objects make room first, so a full but unleased pool is never "under pressure".
             self._evict_until(lambda: self._free_count() >= n
                               and self._free_count() - n >= self.watermarks.hard_free * self._total,
                               for_key=key, for_meta=meta, for_size=size)
             level = self._level()
             if level >= PressureLevel.HARD and priority < self.hard_min_priority:
-                self._refuse("pressure", f"the pool is at {level.name}; priority {priority} < {self.hard_min_priority}")
+                self._refuse("pressure", f"the pool is under {level.name} pressure (few pages free, the rest leased), "
+                                         f"so it takes stores only from clients of priority {self.hard_min_priority} "
+                                         f"and above (KVB_CACHE_SERVER_HARD_MIN_PRIORITY); this one has {priority} "
+                                         "(KVB_CLIENT_PRIORITY). The store is skipped; the pool frees as leases end")
             if level == PressureLevel.CRITICAL:
                 self._revoke_writes_below(priority)
             pages = self._pages.allocate(n)
             if pages is None:
-                self._refuse("no_space", f"{n} pages wanted, {self._free_count()} free; the rest is leased")
+                self._refuse("no_space", f"{n} pages wanted, {self._free_count()} free: the rest is leased to readers "
+                                         "and writers now; the store is skipped, the pool frees as leases end")
             self._pages.mark(pages, PENDING)
             self._generation += 1
             lease = self._new_lease(client_id, True, key, pages, size, self._generation, priority, meta)
@@ -438,3 +442,10 @@ class PagedPool(PoolReport):
                 break
             self._make_zombie(lease)
             self._counts["revoked"] += 1
+
+
+def _too_large(size: int, pages: int, total_pages: int, page_bytes: int) -> str:
+    """An object bigger than the whole pool: what it needs, what there is, and the two settings that fit them."""
+    return (f"an object of {size / 2**20:.1f} MiB needs {pages} pages of {page_bytes // 1024} KiB, more than the whole "
+            f"pool ({total_pages} pages, {total_pages * page_bytes / 2**20:.1f} MiB): give the cache server a larger "
+            "pool (its KVB_L1_BYTES), or store smaller objects (a smaller KVB_CHUNK_SIZE on the engines)")

@@ -63,6 +63,7 @@ class Session:
 
     def call(self, kind: str, body: Any, reply_type: Any, data: tuple = (), with_data: bool = False):
         """Send, wait, decode; says hello again once when the server does not know us (restarted, or new key)."""
+        why = ""
         for attempt in (1, 2):
             self.ensure_hello()
             future = self.send(kind, body, data=data)
@@ -70,16 +71,19 @@ class Session:
                 reply, frames = self._wait(future, kind, may_rekey=attempt == 1)
             except _NewServerKey:
                 continue
-            if reply.code == Code.HELLO_REQUIRED and attempt == 1:
-                self.hello = None
-                continue
+            if reply.code == Code.HELLO_REQUIRED:
+                self.hello = None   # the next call says hello again
+                why = reply.error
+                if attempt == 1:
+                    continue
+                break
             if not reply.success:
                 if reply.code in (Code.UNAUTHORIZED, Code.VERSION):
                     raise CacheServerRefused(reply.error)
                 raise CacheServerError(reply.code, reply.error)
             result = protocol.decode_reply_body(reply, reply_type)
             return (result, frames) if with_data else result
-        raise CacheServerError(Code.HELLO_REQUIRED, "the server kept asking for hello")
+        raise CacheServerError(Code.HELLO_REQUIRED, _forgot_us(self.url, kind, why))
 
     def _wait(self, future: Future, kind: str, may_rekey: bool = False):
         try:
@@ -177,3 +181,12 @@ class Session:
 
 class _NewServerKey(Exception):
     """Internal: a failed handshake, and the key file now holds another key (a restarted server)."""
+
+
+def _forgot_us(url: str, kind: str, why: str) -> str:
+    """Why a request was refused right after a hello the server accepted, and what to look at."""
+    return (f"cache server {url} forgot this client again right after accepting its hello, so the {kind} request "
+            f"was not served ({why or 'hello_required twice'}). Either the server restarts or reaps clients between "
+            "a hello and the next request (is it restarting in a loop? see its log; is its "
+            "KVB_CACHE_SERVER_REAP_TIMEOUT only a second or two?), or another process sends with this client's "
+            "identity (a CacheClient shared across fork: make one per process). The next call says hello again")
