@@ -37,7 +37,7 @@ SOURCES = [ROOT / "kvbridge", ROOT / "scripts"]
 QUOTE_TAG = "output"
 # What wraps a message on its way out; each must itself be printed by the code (checked below).
 PREFIXES = ("error: ", "[setup] ERROR: ", "[build_llama_server] ERROR: ", "[setup] ", "KV caching refused: ",
-            "Cannot start the serve endpoint: ")
+            "Cannot start the serve endpoint: ", "cleanup.sh: ")
 PLACEHOLDER = re.compile(r"…|<[^<>\n]+>")
 FENCE = re.compile(r"^```(\S*)\s*$")
 LONG_FILLING = 6   # words in a hole from which on its filling is checked as a message of its own
@@ -114,7 +114,8 @@ def code_strings() -> tuple[str, ...]:
             # a line continued with a backslash is one command, so one string; its "..." strings, expansions as holes
             for line in path.read_text(encoding="utf-8").replace("\\\n", " ").splitlines():
                 strings.add(line)
-                strings.update(re.sub(r'"[ \t]+"', " ", quoted[1:-1])
+                # (a script's embedded Python has f-strings: their {…} are holes too)
+                strings.update(FORMAT_FIELD.sub(HOLE, re.sub(r'"[ \t]+"', " ", quoted[1:-1]))
                                for quoted in SHELL_STRING.findall(SHELL_EXPANSION.sub(HOLE, line)))
     return tuple(strings)
 
