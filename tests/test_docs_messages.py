@@ -7,16 +7,19 @@ A quoted message is a line of a fenced block tagged `output` in README.md or Doc
     ```
 
 A quoted line holds to ONE string of the code (a Python string literal or f-string, implicitly or
-`+` joined, anywhere under kvbridge/ or scripts/, or one line of a shell script there) in one of two ways:
+`+` joined, anywhere under kvbridge/ or scripts/, or a "..." string of a shell script there; `{…}`,
+`%s`, `$var` are its holes) in one of two ways:
 - pieces: its parts that vary written as `…` or `<a name>`, the literal pieces left appear in that order
-  in the string (an f-string's `{…}` parts, `$var` in shell, break the pieces);
-- whole: the string's one line with every `{…}` part filled by an example value (`Port 8080 on …`);
-  what follows the match may only be placeholders.
-A wrapper's prefix (`error: ` from the CLI's main, `[setup] ERROR: ` from setup) is stripped first,
-and each prefix is itself checked. Words of other programs (pip, Redis)
-stand as a placeholder in an `output` block, or go in a block tagged `text`, which is not checked.
-Troubleshooting.md, the page of quoted messages, has no untagged block: each is `bash`, `output` or
-`text`, so a new quote cannot slip past this test unmarked.
+  in the string, none across a hole;
+- whole: one line of the string with its holes filled by example values (`Port 8080 on 127.0.0.1 is
+  already in use …`), then only placeholders or punctuation. A hole filled with a sentence (another
+  string's text, `{rebuild_advice()}`), or a sentence after the match (`message += ...`), must itself
+  hold to the code.
+A wrapper's prefix (`error: ` from the CLI's main, `[setup] ERROR: ` from setup) is stripped first, and
+each prefix is itself checked. Other programs' words (pip's, Redis's) stand as a placeholder in an
+`output` block, or go in a block tagged `text`, which is not checked. Troubleshooting.md, the page of
+quoted messages, has no untagged block: each is `bash`, `output` or `text`, so a new quote cannot slip
+past this test unmarked.
 
 Left out on purpose: whether the code still reaches the line that prints (tests of each feature do
 that), and messages quoted in running text (the docs put what a reader should recognise in a block).
@@ -39,11 +42,11 @@ QUOTE_TAG = "output"
 PREFIXES = ("error: ", "[setup] ERROR: ", "[build_llama_server] ERROR: ", "[setup] ", "KV caching refused: ",
             "Cannot start the serve endpoint: ", "cleanup.sh: ")
 PLACEHOLDER = re.compile(r"…|<[^<>\n]+>")
+REST_OF_LINE = r"(?:…|<[^<>\n]+>|\W)*$"   # what may follow a whole match: placeholders and punctuation
 FENCE = re.compile(r"^```(\S*)\s*$")
-LONG_FILLING = 6   # words in a hole from which on its filling is checked as a message of its own
-HOLE = "\x00"   # stands for an f-string's {…} part, so a doc piece cannot run across it
+LONG_FILLING = 6   # plain words in a hole from which on its filling is checked as a message of its own
+HOLE = "\x00"   # stands for a string's {…} / %s / $var part, so a doc piece cannot run across it
 PERCENT_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*\d*(?:\.\d+)?[sdrfgi]")
-REST_OF_LINE = r"(?:…|<[^<>\n]+>|\W)*$"
 FORMAT_FIELD = re.compile(r"\{\w*(?:[!:][^{}]*)?\}")
 SHELL_STRING = re.compile(r'"(?:[^"\\]|\\.)*"(?:[ \t]+"(?:[^"\\]|\\.)*")*')   # echo "a" "b" prints "a b"
 SHELL_EXPANSION = re.compile(r"\$\((?:[^()]|\([^()]*\))*\)|\$\{[^}]*\}|\$(?:\w+|[*@#?])")
@@ -166,14 +169,18 @@ def filled_in(line: str) -> bool:
             continue
         for pattern in template_patterns(runs):
             match = pattern.match(line)
-            if match and all(not is_sentence(part) or printed_by_the_code(part) for part in match.groups()) \
-                    and (pattern.pattern.endswith(REST_OF_LINE) or not runs[-1] or printed_by_the_code(match.groups()[-1])):
+            if not match or not all(not is_sentence(part) or printed_by_the_code(part) for part in match.groups()):
+                continue
+            appended = not pattern.pattern.endswith(REST_OF_LINE) and runs[-1]   # the second pattern's rest
+            if not appended or printed_by_the_code(match.groups()[-1]):
                 return True
     return False
 
 
 def printed_by_the_code(line: str) -> bool:
-    return any(pieces_found(candidate) or filled_in(candidate) for candidate in dict.fromkeys((strip_prefix(line), line)))
+    """The line, its wrapper's prefix stripped (or as it stands), holds to the code in one of the two ways."""
+    candidates = dict.fromkeys((strip_prefix(line), line))
+    return any(pieces_found(candidate) or filled_in(candidate) for candidate in candidates)
 
 
 def pieces_found(line: str) -> bool:
@@ -221,6 +228,7 @@ def test_the_rule_on_hand_written_cases():
     assert pieces_in_order(["Cannot serve on", "the port is in use"], f"Cannot serve on {HOLE}: the port is in use")
     assert not pieces_in_order(["the port is in use", "Cannot serve on"], f"Cannot serve on {HOLE}: the port is in use")
     assert _render(ast.parse('f"a {b} c" + d').body[0].value) == f"a {HOLE} c{HOLE}"
-    port_line = "Port 8080 on 127.0.0.1 is already in use (KVB_LLAMA_SERVER_PORT); choose another port or 0 for any free one."
+    port_line = ("Port 8080 on 127.0.0.1 is already in use (KVB_LLAMA_SERVER_PORT); choose another port or 0 for "
+                 "any free one.")
     assert printed_by_the_code(port_line)
     assert not printed_by_the_code(port_line.replace("choose another", "pick another"))

@@ -60,7 +60,8 @@ def test_the_units_are_there():
     assert {unit.name for unit in UNITS} == {CACHE_SERVER, SERVE}
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed (Debian: systemd)")
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze is not installed (Debian: apt-get install systemd)")
 def test_systemd_analyze_verifies_every_unit(tmp_path):
     command = Path(sys.executable).with_name("kvbridge")
     assert command.is_file(), f"{command} is missing: run ./scripts/setup.sh (it installs the kvbridge command)"
