@@ -340,7 +340,7 @@ def test_live_run_streams_records_and_keeps_them_on_failure(live_state):
 @needs_model
 def test_live_stop_and_busy(live_state):
     views = []
-    for view in r.run_stream(live_state, "system-prompt", ["cold"], 3, None):
+    for view in r.run_stream(live_state, "doc-qa", ["cold"], 3, "input/garden.md"):   # short cold prefills
         views.append(view)
         if len(view.table["data"]) == 1:  # the person presses Stop while request 2 is due
             assert r.request_stop(live_state).ok
