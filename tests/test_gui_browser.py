@@ -72,6 +72,11 @@ def test_gui_end_to_end(gui_server):
                     else elsewhere.append(request.url))
             page.goto(gui_server["url"])
             drive_the_page(page, gui_server)
+            # A reload shows the server's engine and results again; nothing connects a second time.
+            page.reload()
+            expect(page.locator("#kvb-status")).to_contain_text("FULL", timeout=30_000)
+            expect(page.locator("#kvb-results-table [role=row][data-index]")).to_have_count(3 * N_REQUESTS)
+            assert gui_server["log"].read_text().count("connected on start") == 1
             assert elsewhere == []
         finally:
             browser.close()

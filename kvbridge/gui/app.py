@@ -19,7 +19,7 @@ import gradio as gr
 from kvbridge.gui.handlers import (
     AppState, Outcome, connect_engine, connect_on_start_message, connecting_message, connecting_now,
     disconnect_engine, engine_choices, engine_notice, engine_status, field_type, fields_for_engine, form_fields,
-    form_values, model_choices, restart_engine, save_settings, selected_engine, start_connect, wait_for_connect,
+    form_values, model_choices, restart_engine, save_settings, selected_engine, start_connect,
     COMMON_FIELDS, MODEL_FIELD,
 )
 from kvbridge.gui.labels import setting_input
@@ -304,10 +304,10 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
     # main() connects on start still loads, the page says so and fills in once it is up (every open tab
     # watches the one connect: not queued behind each other, nothing connects twice)
     def on_open():
+        loading = state.connecting if connecting_now(state) else None
         yield [*results_values(results_view(state)), connect_on_start_message(state), gr.update()]
-        if connecting_now(state):
-            wait_for_connect(state)
-            outcome = state.connecting.result()
+        if loading is not None:
+            outcome = loading.result()
             yield [*results_values(results_view(state), choose_first_tier=True), _message(outcome),
                    gr.update(choices=_safe_documents(state))]
 

@@ -251,7 +251,14 @@ def _connect_in_background(state: AppState, future: Future) -> None:
 
 def connecting_now(state: AppState) -> bool:
     """Whether the connect started with the server is still loading."""
-    return state.connecting is not None and not state.connecting.done()
+    future = state.connecting   # read once: the panel's own Connect may clear it meanwhile
+    return future is not None and not future.done()
+
+
+def start_outcome(state: AppState) -> Outcome | None:
+    """The finished start-up connect's Outcome; None while it loads, or when there was none."""
+    future = state.connecting
+    return future.result() if future is not None and future.done() else None
 
 
 def _connecting_label(state: AppState) -> str:
@@ -274,9 +281,10 @@ def _still_connecting(state: AppState) -> Outcome | None:
 
 def wait_for_connect(state: AppState, timeout: float | None = None) -> None:
     """Block until the connect started with the server is done (a Run or Send pressed while it loads)."""
-    if state.connecting is not None:
+    future = state.connecting
+    if future is not None:
         try:
-            state.connecting.result(timeout=timeout)
+            future.result(timeout=timeout)
         except TimeoutError:
             pass   # the caller finds no engine and says so
 
@@ -286,7 +294,7 @@ def no_engine_message(state: AppState) -> str:
     at start (fixed in the engine panel), or the plain request to connect."""
     if connecting_now(state):
         return f"{connecting_message(state)} Wait a moment, then try again."
-    outcome = state.connecting.result() if state.connecting is not None else None
+    outcome = start_outcome(state)
     if outcome is not None and not outcome.ok:
         return f"Not connected. {outcome.message} Fix it in the Engine panel and press Connect."
     return "Connect an engine first (Engine panel, Connect)."
@@ -296,7 +304,7 @@ def connect_on_start_message(state: AppState) -> str:
     """The engine panel's message when the page opens: the start-up connect's progress or its failure."""
     if connecting_now(state):
         return connecting_message(state)
-    outcome = state.connecting.result() if state.connecting is not None else None
+    outcome = start_outcome(state)
     if state.engine is None and outcome is not None and not outcome.ok:
         return f"⚠️ {outcome.message}"
     return ""
@@ -363,9 +371,10 @@ def engine_status(state: AppState) -> str:
     if engine is None:
         if connecting_now(state):
             return f"**{connecting_message(state)}** Run waits for it; the engine panel can change it afterwards."
+        outcome = start_outcome(state)
         if state.connecting is None:
             why = connect_on_start_refusal(state.settings)
-        elif not state.connecting.result().ok:
+        elif outcome is not None and not outcome.ok:
             why = "Connecting at start failed (the engine panel says why): fix the settings there and press **Connect**."
         else:
             why = ""
