@@ -76,7 +76,7 @@ def test_gui_end_to_end(gui_server):
             page.reload()
             expect(page.locator("#kvb-status")).to_contain_text("FULL", timeout=30_000)
             expect(page.locator("#kvb-results-table [role=row][data-index]")).to_have_count(3 * N_REQUESTS)
-            assert gui_server["log"].read_text().count("connected on start") == 1
+            assert gui_server["log"].read_text().count("Run is ready on the page") == 1   # main() says it once
             assert elsewhere == []
         finally:
             browser.close()

@@ -385,8 +385,10 @@ def main(settings: Settings | None = None, serve: bool = False) -> int:
               "available here. Set KVB_PORT to a free port (or KVB_HOST to an address of this machine).",
               file=sys.stderr)
         return 2
-    if start_connect(state) is not None:   # the configured engine, so the first Run runs (handlers say which)
+    connecting = start_connect(state)   # the configured engine, so the first Run runs (handlers say which)
+    if connecting is not None:
         print(f"{connecting_message(state)} The page says when it is ready.", flush=True)
+        connecting.add_done_callback(lambda done: _print_connected(done.result()))
     shutdown = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -407,6 +409,14 @@ def main(settings: Settings | None = None, serve: bool = False) -> int:
     demo.close()
     print("Stopped.", flush=True)
     return 0
+
+
+def _print_connected(outcome: Outcome) -> None:
+    """The terminal's line once the start-up connect is done (the page says the same)."""
+    if outcome.ok:
+        print(f"{outcome.message} Run is ready on the page.", flush=True)
+    else:
+        print(f"{outcome.message} Fix it in the page's engine panel and press Connect.", file=sys.stderr, flush=True)
 
 
 def _start_serving(settings: Settings, lab: LabSession):
