@@ -7,6 +7,7 @@ is caught even where Python's import order happens to hide it.
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,7 @@ def _module_level_imports(path: Path, module: str, is_package: bool, known: set[
     return deps
 
 
+@functools.lru_cache(maxsize=None)   # read once a run: every layer's test asks for it
 def import_graph() -> dict[str, set[str]]:
     modules = _all_modules()
     known = set(modules)

@@ -14,6 +14,7 @@ when imported (so the dependency in code runs from the plugin to its host, never
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import subprocess
 import sys
@@ -48,6 +49,12 @@ LAYERS = (
 )
 
 
+@functools.lru_cache(maxsize=None)
+def _nodes(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of a module's syntax tree, parsed once a run: several checks walk every module."""
+    return tuple(ast.walk(ast.parse(path.read_text(), filename=str(path))))
+
+
 def _package_of(module: str) -> str:
     parts = module.split(".")
     return ".".join(parts[:2])
@@ -65,7 +72,7 @@ def _imports_anywhere(path: Path, module: str) -> set[str]:
     """Every kvbridge module name an import statement anywhere in the file names (functions and TYPE_CHECKING too)."""
     is_package = path.name == "__init__.py"
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in _nodes(path):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -78,6 +85,7 @@ def _imports_anywhere(path: Path, module: str) -> set[str]:
     return {n for n in names if n.startswith("kvbridge.")}
 
 
+@functools.lru_cache(maxsize=None)
 def package_graph() -> dict[str, dict[str, list[str]]]:
     """package -> {package it imports: ["module imports target", ...]}, the facade left out."""
     graph: dict[str, dict[str, list[str]]] = {}
@@ -171,7 +179,7 @@ def _calls_of(name: str) -> list[str]:
     for module, path in _modules().items():
         if module.startswith("kvbridge.formats"):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _nodes(path):
             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == name:
                 found.append(module)
                 break
@@ -181,7 +189,7 @@ def _calls_of(name: str) -> list[str]:
 def _definitions_of(name: str) -> list[str]:
     found = []
     for module, path in _modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _nodes(path):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
                 found.append(module)
     return sorted(found)
@@ -201,7 +209,7 @@ def test_the_geometry_is_probed_in_one_place():
     for module, path in _modules().items():
         if module.startswith("kvbridge.formats"):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _nodes(path):
             if (isinstance(node, ast.Attribute) and node.attr == "geometry" and isinstance(node.value, ast.Call)
                     and getattr(node.value.func, "id", None) == "parse_state"):
                 takers.append(module)
@@ -280,7 +288,7 @@ def test_a_module_names_a_higher_layer_only_in_a_plugin_table():
     for module, path in _modules().items():
         if module == "kvbridge":
             continue   # the facade names the public API's homes
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _nodes(path):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in known:
                 target = _package_of(node.value)
                 if rank.get(target, -1) > rank[_package_of(module)] and node.value not in listed:
