@@ -55,5 +55,5 @@ def answers(url: str) -> bool:
 
     try:
         return requests.get(url, timeout=2).status_code == 200
-    except requests.ConnectionError:
+    except (requests.ConnectionError, requests.Timeout):   # not listening yet, or busy starting: not ready
         return False
