@@ -2,8 +2,8 @@
 # Idempotent set-up of what KVBridge runs: a compiler and cmake, .venv, the Python packages of
 # requirements.txt, the embedded models, llama-cpp-python built with an instruction set this CPU
 # really runs (scripts/build_variants.py). With --test, also what the tests need: the packages of
-# requirements-test.txt, Debian's chromium, redis-server and prometheus. Safe to run again: each step is
-# skipped when already done. start.sh calls it plain, test.sh with --test.
+# requirements-test.txt, a chromium (Debian's; playwright's own on Ubuntu), redis-server and prometheus.
+# Safe to run again: each step is skipped when already done. start.sh calls it plain, test.sh with --test.
 # First run on 2 cores: about 10 minutes (the llama-cpp-python compile is 5 of them), ~1.5 GB in
 # .venv and models/; --test adds ~2 minutes and ~600 MB.
 # Usage: scripts/setup.sh [--test] [--no-browser] [--model NAME|all]...
@@ -184,7 +184,7 @@ if [[ $want_test -eq 1 ]]; then
         pip_install -r requirements-test.txt
         sha256_of requirements-test.txt >"$test_stamp"
     fi
-    # 5b. Chromium for the browser tests (playwright drives a system chromium; no `playwright install`):
+    # 5b. Chromium for the browser tests (Debian's from apt; on Ubuntu, whose apt chromium is a snap, playwright's own):
     #     scripts/install_chromium.sh finds or installs one and says what it did.
     if [[ $want_browser -eq 1 ]]; then
         "$REPO_ROOT/scripts/install_chromium.sh"

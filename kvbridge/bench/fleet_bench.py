@@ -148,6 +148,7 @@ def fleet_settings(settings: Settings, size: Sizing, folder: Path, *, scale: int
         ctx_size=size.ctx_size, sched_kv_cells=size.worker_cells * scale, l1_bytes=int(l1),
         sched_max_running=1, sched_cached_prefixes=0, cache_type_k="f32", cache_type_v="f32", flash_attn=False,
         threads=size.threads, serve_engine="scheduler", serve_host="127.0.0.1", serve_api_key_env="",
+        serve_api_key_file="",
         serve_admin_key_env="", serve_tenants_file="", l2_dir=str(folder / "l2"), l2_enabled=False, l3_url="",
         store_url="")
 

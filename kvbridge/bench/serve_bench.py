@@ -87,7 +87,8 @@ class ServerRun:
 
 def our_settings(settings: Settings, l2_dir: Path) -> Settings:
     return settings.replace(l2_dir=str(l2_dir), l2_enabled=True, store_url="", l3_url="", serve_engine="scheduler",
-                            serve_host="127.0.0.1", serve_api_key_env="", ctx_size=CTX_SIZE, sched_kv_cells=KV_CELLS,
+                            serve_host="127.0.0.1", serve_api_key_env="", serve_api_key_file="",
+                            ctx_size=CTX_SIZE, sched_kv_cells=KV_CELLS,
                             sched_max_running=1, flash_attn=True, threads=settings.resolved_threads())
 
 

@@ -135,7 +135,7 @@ class CacheServer:
                 self._router.bind(self.url)
         except zmq.ZMQError as exc:
             raise BadSettings(f"the cache server cannot listen on {self.url}: {exc} (another cache server there? "
-                              "choose another address with --url or KVB_CACHE_SERVER_URL)") from None
+                              "choose another address with --url, --host/--port or KVB_CACHE_SERVER_URL)") from None
         self._bound = True
         # after the bind, so a second server refused the address never overwrites the first one's files
         if self._token_generated:   # nothing configured: a token only this OS user can read

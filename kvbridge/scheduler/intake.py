@@ -58,4 +58,4 @@ def check_request(settings: Settings, n_cells: int, tokens: list[int], priority,
     budget = min(settings.ctx_size, n_cells)
     if len(tokens) + 1 > budget:
         raise RequestRefused(f"the prompt has {len(tokens)} tokens; one request may use at most {budget} "
-                             f"(KVB_CTX_SIZE={settings.ctx_size}, KVB_SCHED_KV_CELLS={n_cells})")
+                             f"(KVB_CTX_SIZE={settings.ctx_size}, serve's -c; KVB_SCHED_KV_CELLS={n_cells})")

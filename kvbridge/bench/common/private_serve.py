@@ -133,4 +133,4 @@ def require_openai_sdk() -> None:
         import openai  # noqa: F401
     except ImportError:
         raise EngineUnavailable("this bench talks to the servers through the official openai SDK, which is not "
-                                "installed: run ./scripts/setup.sh --test, or pip install openai") from None
+                                "installed: run ./scripts/setup.sh --test, or pip install 'openai==3.57.0'") from None

@@ -156,7 +156,8 @@ def run_tenant_timing(settings: Settings, documents: int = 80, words: int = 60, 
             {"name": "attacker", "key_sha256": key_digest(KEYS["attacker"])},
             {"name": "insider", "key_sha256": key_digest(KEYS["insider"]), "cache_group": "victim"}]}))
         serve = OurServe(settings.replace(serve_tenants_file=str(tenants), l2_dir=str(Path(tmp) / "l2"),
-                                          serve_engine="scheduler", serve_api_key_env="", serve_admin_key_env="",
+                                          serve_engine="scheduler", serve_api_key_env="", serve_api_key_file="",
+                                          serve_admin_key_env="",
                                           sched_max_running=1, chunk_size=CHUNK_TOKENS), Path(tmp) / "serve.log")
         serve.start()
         try:
