@@ -74,14 +74,20 @@ def server_binary_and_no_orphans():
 
 @pytest.fixture
 def settings(tmp_path) -> Settings:
+    return small_settings(tmp_path / "l2")
+
+
+def small_settings(l2_dir: Path) -> Settings:
     # one thread: on a shared 2-core machine two spinning threads slow llama.cpp down tenfold
     return dataclasses.replace(Settings(), ctx_size=2048, threads=1, chunk_size=16, n_predict=12,
-                               l2_dir=str(tmp_path / "l2"), llama_start_timeout=60.0)
+                               l2_dir=str(l2_dir), llama_start_timeout=60.0)
 
 
-@pytest.fixture
-def backend(settings):
-    b = LlamaServerBackend(settings)
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory):
+    """One llama-server for the module's tests that need a running one (each leaves it running, with any
+    slot content: every test first runs its own cold request); a test that kills it restarts it."""
+    b = LlamaServerBackend(small_settings(tmp_path_factory.mktemp("l2")))
     b.start()
     yield b
     b.stop()
