@@ -35,6 +35,8 @@ def engine_on(kind: str, settings: Settings) -> CachedEngine:
 
 
 def test_three_modes_and_a_restore_equal_to_cold(settings):
+    """Cold, native and lmcache (a miss, then an L1 hit) on one engine; the same engine then answers
+    another question on the document (the restore file reused) and its stages add up to the TTFT."""
     with engine_on("llama-server", settings) as engine:
         cold = engine.infer(QUESTION, mode="cold")
         assert not cold.error and cold.text and cold.engine_cached_tokens == 0
@@ -53,6 +55,10 @@ def test_three_modes_and_a_restore_equal_to_cold(settings):
         assert hit.prefill_tokens == 1 and "ineffective" not in hit.notes
         assert hit.text == cold.text
         assert hit.ttft_ms < cold.ttft_ms
+        assert "restore file reused" not in hit.notes                # the first hit builds the restore file
+
+        reused_restore_file_gives_the_cold_answer_for_another_question(engine)
+    stages_add_up_to_ttft_through_llama_server(cold, hit)
 
 
 def test_restart_drops_the_server_and_l1_then_hits_l2(settings):
@@ -156,31 +162,23 @@ def test_a_restore_the_server_does_not_use_is_marked_ineffective(settings):
         assert record.text == cold.text   # recomputed, still correct
 
 
-def test_reused_restore_file_gives_the_cold_answer_for_another_question(settings):
-    """Questions on one document restore the same prefix: the second restore reloads the restore file
-    (no rebuild), and the server trims what the new question does not share; output equals cold."""
+def reused_restore_file_gives_the_cold_answer_for_another_question(engine: CachedEngine) -> None:
+    """Questions on one document restore the same prefix: after QUESTION's hit, the second restore reloads
+    the restore file (no rebuild), and the server trims what the new question does not share; output equals cold."""
     other = [{"role": "user", "content": DOCUMENT + "\nWhat is 12 squared?"}]
-    with engine_on("llama-server", settings) as engine:
-        engine.infer(QUESTION, mode="lmcache")                 # miss: stores the document prefix
-        first_hit = engine.infer(QUESTION, mode="lmcache")     # builds and loads the restore file
-        assert first_hit.restore_ok and "restore file reused" not in first_hit.notes
-        cold = engine.infer(other, mode="cold")
-        second_hit = engine.infer(other, mode="lmcache")       # same document prefix: the file is reused
-        assert "restore file reused" in second_hit.notes and second_hit.restore_ok
-        assert 0 < second_hit.matched_tokens < second_hit.prompt_tokens
-        assert second_hit.engine_cached_tokens >= second_hit.matched_tokens
-        assert second_hit.text == cold.text
+    cold = engine.infer(other, mode="cold")
+    second_hit = engine.infer(other, mode="lmcache")       # same document prefix: the file is reused
+    assert "restore file reused" in second_hit.notes and second_hit.restore_ok
+    assert 0 < second_hit.matched_tokens < second_hit.prompt_tokens
+    assert second_hit.engine_cached_tokens >= second_hit.matched_tokens
+    assert second_hit.text == cold.text
 
 
-def test_stages_add_up_to_ttft_through_llama_server(settings):
+def stages_add_up_to_ttft_through_llama_server(cold, hit) -> None:
     """Through llama-server the prefill is the server's own `timings.prompt_ms`; the slot file written
     and restored is the handoff; the stages add up to the TTFT within max(5 ms, 5 %)."""
     from kvbridge.engine.stages import stages_gap_ms
 
-    with engine_on("llama-server", settings) as engine:
-        cold = engine.infer(QUESTION, mode="cold")
-        engine.infer(QUESTION, mode="lmcache")
-        hit = engine.infer(QUESTION, mode="lmcache")
     assert hit.restore_ok and hit.text == cold.text
     for record in (cold, hit):
         assert abs(stages_gap_ms(record)) <= max(5.0, 0.05 * record.ttft_ms), record
