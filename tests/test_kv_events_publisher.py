@@ -446,7 +446,7 @@ def test_the_real_vllm_router_routes_by_these_events(tmp_path, sources):
 def _answers(port: int) -> bool:
     try:
         return requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-    except requests.ConnectionError:
+    except (requests.ConnectionError, requests.Timeout):   # not listening yet, or busy starting
         return False
 
 

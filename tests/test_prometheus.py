@@ -92,7 +92,7 @@ class Prometheus:
     def _ready(self) -> bool:
         try:
             return requests.get(self.url + "/-/ready", timeout=2).status_code == 200
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.Timeout):   # not listening yet, or busy starting
             return False
 
     def query(self, expr: str) -> dict[tuple, float]:
