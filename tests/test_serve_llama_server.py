@@ -16,7 +16,8 @@ from test_serve import Served, doc_messages
 
 
 def test_serve_through_llama_server_restores_the_document_and_answers_as_cold(tmp_path):
-    served = Served(tmp_path, "serve-ls", KVB_SERVE_ENGINE="llama-server").start()
+    # one llama.cpp thread: on a shared 2-core machine two spinning threads slow llama-server down tenfold
+    served = Served(tmp_path, "serve-ls", KVB_SERVE_ENGINE="llama-server", KVB_THREADS="1").start()
     try:
         client = served.client()
         assert served.health()["engine"] == "llama-server"

@@ -20,7 +20,7 @@ import requests
 from conftest import needs_model
 from kvbridge.serve.tenants import key_digest
 from kvbridge.settings import WORK_DIR
-from test_serve import DOCUMENT, Served, doc_messages
+from test_serve import Served, doc_messages
 
 openai = pytest.importorskip("openai", reason="the openai SDK is not installed (requirements.txt)")
 pytestmark = [needs_model, pytest.mark.timeout(600)]
@@ -204,7 +204,7 @@ def test_the_tenant_benchmark_runs_and_shows_the_isolation(make_settings):
     alice's second and carol's (her group) reuse the document."""
     from kvbridge.bench.probes.tenant_bench import format_report, run_tenant_bench
 
-    result = run_tenant_bench(make_settings(serve_max_tokens=16), documents=1, doc_chars=1500)
+    result = run_tenant_bench(make_settings(serve_max_tokens=16), documents=1, doc_chars=600)
     assert result["bob (other tenant)"]["cached_tokens"] == [0]
     prompt = result["alice cold"]["prompt_tokens"][0]
     assert result["alice warm"]["cached_tokens"][0] >= prompt - 32
