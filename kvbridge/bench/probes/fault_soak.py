@@ -196,9 +196,10 @@ class _Client:
 
 def soak(seconds: float, n_clients: int = 2, seed: int = 1, interval_s: float = 5.0,
          settings: Settings | None = None, with_serve: bool = True, min_faults: int = 0,
-         min_serve_answers: int = 0) -> SoakReport:
+         min_serve_answers: int = 0, min_answers: int = 0) -> SoakReport:
     """Inject faults for `seconds`, and on past that until `min_faults` were injected (a loaded machine
-    makes each fault's own time longer: a clean stop flushes L1), but never past four times `seconds`;
+    makes each fault's own time longer: a clean stop flushes L1) and the engines answered `min_answers`
+    in all (a short window on a loaded machine leaves few), but never past four times `seconds`;
     then wait (up to RECOVERY_S) for every client, and serve, to answer again, and for serve to have
     answered `min_serve_answers` in all (its cold answers come first, and take longer on a loaded machine)."""
     from kvbridge.bench.common.private_redis import PrivateRedis
@@ -232,7 +233,9 @@ def soak(seconds: float, n_clients: int = 2, seed: int = 1, interval_s: float = 
                 asker.wait_ready(timeout_s=300)
             deadline = time.monotonic() + seconds
             ceiling = time.monotonic() + 4 * seconds
-            while time.monotonic() < deadline or (len(fault_log) < min_faults and time.monotonic() < ceiling):
+            while time.monotonic() < deadline or (
+                    (len(fault_log) < min_faults or _answer_count(clients) < min_answers)
+                    and time.monotonic() < ceiling):
                 time.sleep(rng.uniform(0.5, 1.5) * interval_s)
                 kind = rng.choice(FAULTS) if fault_log else "server-restart"   # the restart at least once
                 target = rng.randrange(n_clients)
@@ -335,6 +338,11 @@ def _read_serve(asker: _ServeAsker, last_fault: float, report: SoakReport) -> No
             report.serve_wrong += 1
     if not any(t > last_fault and not e for t, _, e in asker.answers):
         report.clients_back = False
+
+
+def _answer_count(clients: list[_Client]) -> int:
+    """The answers the engines wrote so far, right or wrong."""
+    return sum(client.out.read_text().count('"kind": "answer"') for client in clients if client.out.exists())
 
 
 def _answered_since(client: _Client, since: float) -> bool:
