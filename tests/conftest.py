@@ -73,3 +73,31 @@ def short_doc() -> str:
     from kvbridge.bench.common.scenarios import builtin_document
 
     return builtin_document()[:SHORT_DOC_CHARS]
+
+
+@pytest.fixture(scope="module")
+def make_module_settings(tmp_path_factory):
+    """make_settings for an engine a whole test module shares (one model load, not one a test): the same
+    defaults, a private L2 under the module's own temporary folder. Tests that share the engine empty its
+    store between them where they need a fresh one (store.clear per tier is far cheaper than a new engine)."""
+    root = tmp_path_factory.mktemp("module")
+
+    def make(**changes) -> Settings:
+        base = dict(chunk_size=32, ctx_size=2048, n_predict=12, l2_dir=str(root / "l2"),
+                    output_dir=str(root / "output"), input_dir=str(root / "input"))
+        base.update(changes)
+        return dataclasses.replace(Settings(), **base)
+
+    return make
+
+
+def as_fresh(engine) -> None:
+    """A shared engine put back to what a new one would hold: every tier of its store emptied (queued L2
+    writes first), its counters at zero and no restored state still held hot in the assembly buffer."""
+    engine.store.flush()
+    for tier in engine.store.tier_names:
+        engine.store.clear(tier)
+    engine.metrics.reset()
+    if engine._kv is not None:
+        engine._kv._buffer.forget()
+        engine._kv.hot_hits = 0
