@@ -23,16 +23,30 @@ from process_helpers import clean_env, free_port, start_kvbridge, stop, wait_for
 openai = pytest.importorskip("openai", reason="the openai SDK is not installed (requirements.txt)")
 
 pytestmark = [needs_model, pytest.mark.timeout(600)]
-DOCUMENT = "# Orchard rota\n\n" + " ".join(
-    f"Rule {i}: the {['north', 'south', 'east', 'west'][i % 4]} orchard is pruned in week {i % 9} by crew {i % 5}."
-    for i in range(40))
+
+
+def orchard_rota(rules: int) -> str:
+    return "# Orchard rota\n\n" + " ".join(
+        f"Rule {i}: the {['north', 'south', 'east', 'west'][i % 4]} orchard is pruned in week {i % 9} by crew {i % 5}."
+        for i in range(rules))
+
+
+DOCUMENT = orchard_rota(40)     # about 760 tokens: past Gemma 3's 512-token window
+# about 260 tokens, for tests that compare no shared (resident) answer with a cold one: a hit (all but the
+# question's ~24 tokens) and a cold prefill (< 64) still cannot be mistaken, and each cold prefill is a
+# third as long. A resident share's greedy answer to it left the cold one under f16 K/V (Research.md §11)
+SHORT_DOCUMENT = orchard_rota(14)
 QUESTION = "Which orchard is pruned in week 3?"
 WORDS = ["apple", "river", "candle", "violin", "tiger", "garden", "rocket", "pepper"]
 
 
-def doc_messages(question: str = QUESTION) -> list[dict]:
+def doc_messages(question: str = QUESTION, document: str = DOCUMENT) -> list[dict]:
     return [{"role": "system", "content": "Answer from the document."},
-            {"role": "user", "content": f"Document:\n{DOCUMENT}\n\nQuestion: {question}"}]
+            {"role": "user", "content": f"Document:\n{document}\n\nQuestion: {question}"}]
+
+
+def short_doc_messages(question: str = QUESTION) -> list[dict]:
+    return doc_messages(question, SHORT_DOCUMENT)
 
 
 class Served:
@@ -178,9 +192,11 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(served):
     assert ok.choices[0].message.content is not None
 
 
-@pytest.fixture
-def small_queue(tmp_path):
-    server = Served(tmp_path, "queue", KVB_SCHED_MAX_RUNNING="1", KVB_SCHED_MAX_WAITING="1",
+@pytest.fixture(scope="module")
+def small_queue(tmp_path_factory):
+    """A server with a key, CORS and a one-place queue. The restart test, the module's last on it, restarts
+    it and ends it with SIGTERM (one server start fewer than a server of its own)."""
+    server = Served(tmp_path_factory.mktemp("queue"), "queue", KVB_SCHED_MAX_RUNNING="1", KVB_SCHED_MAX_WAITING="1",
                     KVB_SERVE_API_KEY_ENV="SERVE_TEST_KEY", SERVE_TEST_KEY="s3cret-key",
                     KVB_SERVE_CORS_ORIGINS="http://localhost:3000").start()
     yield server
@@ -220,14 +236,14 @@ def test_key_cors_and_a_full_queue(small_queue):
     assert "KVB_SCHED_MAX_WAITING" in refused.json()["error"]["message"]
 
 
-def test_a_restart_keeps_the_cache_and_sigterm_lets_a_running_request_finish(tmp_path):
-    served = Served(tmp_path, "restart").start()
-    client = served.client()
+def test_a_restart_keeps_the_cache_and_sigterm_lets_a_running_request_finish(small_queue):
+    served = small_queue
+    client = served.client("s3cret-key")
     cold = client.chat.completions.create(model="x", temperature=0, max_tokens=16, messages=doc_messages())
     assert served.stop() == 0
     served.start()                                        # the same L2 directory
-    raw = served.client().chat.completions.with_raw_response.create(model="x", temperature=0, max_tokens=16,
-                                                                    messages=doc_messages())
+    raw = served.client("s3cret-key").chat.completions.with_raw_response.create(model="x", temperature=0,
+                                                                                max_tokens=16, messages=doc_messages())
     warm = raw.parse()
     assert raw.headers["X-KVBridge-Tier"] in ("L1", "L2")
     assert warm.usage.prompt_tokens_details.cached_tokens >= warm.usage.prompt_tokens - 32
@@ -240,7 +256,8 @@ def test_a_restart_keeps_the_cache_and_sigterm_lets_a_running_request_finish(tmp
     first_chunk = threading.Event()
 
     def read() -> None:
-        with requests.post(served.url + "/v1/chat/completions", json=body, stream=True, timeout=120) as response:
+        with requests.post(served.url + "/v1/chat/completions", json=body, stream=True, timeout=120,
+                           headers={"Authorization": "Bearer s3cret-key"}) as response:
             for line in response.iter_lines():
                 if line:
                     events.append(line)

@@ -12,7 +12,7 @@ from kvbridge.settings import WORK_DIR
 from process_helpers import clean_env, free_port
 from test_llama_server import pytestmark  # noqa: F401  (the same live marker and skip conditions)
 from test_llama_server import server_binary_and_no_orphans  # noqa: F401  (autouse: build if needed, no orphans)
-from test_serve import Served, doc_messages
+from test_serve import Served, short_doc_messages
 
 
 def test_serve_through_llama_server_restores_the_document_and_answers_as_cold(tmp_path):
@@ -21,15 +21,15 @@ def test_serve_through_llama_server_restores_the_document_and_answers_as_cold(tm
     try:
         client = served.client()
         assert served.health()["engine"] == "llama-server"
-        cold = client.chat.completions.create(model="x", temperature=0, max_tokens=16, messages=doc_messages())
+        cold = client.chat.completions.create(model="x", temperature=0, max_tokens=16, messages=short_doc_messages())
         raw = client.chat.completions.with_raw_response.create(model="x", temperature=0, max_tokens=16,
-                                                               messages=doc_messages())
+                                                               messages=short_doc_messages())
         warm = raw.parse()
         assert warm.usage.prompt_tokens_details.cached_tokens >= warm.usage.prompt_tokens - 32
         assert raw.headers["X-KVBridge-Tier"] in ("L1", "L2")
         assert warm.choices[0].message.content == cold.choices[0].message.content
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model="x", temperature=0, max_tokens=16, messages=doc_messages(), stream=True) if c.choices)
+            model="x", temperature=0, max_tokens=16, messages=short_doc_messages(), stream=True) if c.choices)
         assert streamed == cold.choices[0].message.content
         with pytest.raises(Exception) as top_p:
             client.chat.completions.create(model="x", top_p=0.5, messages=[{"role": "user", "content": "Hi"}])

@@ -15,7 +15,7 @@ import requests
 from conftest import needs_model
 from kvbridge.serve.tenants import key_digest
 from process_helpers import wait_for
-from test_serve import Served, doc_messages
+from test_serve import Served, short_doc_messages
 
 openai = pytest.importorskip("openai", reason="the openai SDK is not installed (requirements.txt)")
 pytestmark = [needs_model, pytest.mark.timeout(600)]
@@ -72,18 +72,18 @@ def value(text: str, series: str) -> float:
 
 
 def test_the_header_and_the_usage_name_each_miss_and_each_hit(served):
-    headers, usage = ask(served, DEFAULT_KEY, doc_messages())
+    headers, usage = ask(served, DEFAULT_KEY, short_doc_messages())
     assert headers["X-KVBridge-Miss"] == "none_stored" and headers["X-KVBridge-Tier"] == "none"
     assert usage["kvbridge"]["miss_reason"] == "none_stored" and usage["kvbridge"]["hit_tiers"] == {}
     assert usage["kvbridge"]["miss_detail"].startswith(f"from token 0 of {usage['prompt_tokens']}: nothing is stored")
 
-    headers, usage = ask_streamed(served, DEFAULT_KEY, doc_messages())   # resident now: shared, a hit
+    headers, usage = ask_streamed(served, DEFAULT_KEY, short_doc_messages())   # resident now: shared, a hit
     assert headers["X-KVBridge-Miss"] == "hit" and headers["X-KVBridge-Tier"] == "resident"
     reused = usage["prompt_tokens"] - 1                                  # the last token is always computed
     assert usage["prompt_tokens_details"]["cached_tokens"] == reused
     assert usage["kvbridge"] == {"miss_reason": "hit", "miss_detail": "", "hit_tiers": {"context": reused}}
 
-    headers, usage = ask(served, DEFAULT_KEY, doc_messages(LONG_QUESTION))   # the document again, another question
+    headers, usage = ask(served, DEFAULT_KEY, short_doc_messages(LONG_QUESTION))   # the document again, a new question
     detail = usage["kvbridge"]["miss_detail"]
     assert headers["X-KVBridge-Miss"] == "diverged" and usage["kvbridge"]["miss_reason"] == "diverged", detail
     assert usage["kvbridge"]["hit_tiers"] == {"context": usage["prompt_tokens_details"]["cached_tokens"]}
@@ -92,9 +92,9 @@ def test_the_header_and_the_usage_name_each_miss_and_each_hit(served):
 
 
 def test_a_salted_tenant_never_learns_of_the_unsalted_cache(served):
-    ask(served, DEFAULT_KEY, doc_messages())                   # resident in the unsalted cache, and stored:
+    ask(served, DEFAULT_KEY, short_doc_messages())                   # resident in the unsalted cache, and stored:
     wait_for(lambda: unsalted_bytes(served) > 0, "the unsalted prompt in the store", served.log, served.proc, 120)
-    headers, usage = ask(served, ALICE_KEY, doc_messages())    # alice's salt: none of it is hers
+    headers, usage = ask(served, ALICE_KEY, short_doc_messages())    # alice's salt: none of it is hers
     assert headers["X-KVBridge-Miss"] == "none_stored" and headers["X-KVBridge-Tier"] == "none"
     assert usage["kvbridge"]["miss_reason"] == "none_stored"
     assert "cache_salt" not in usage["kvbridge"]["miss_detail"] and "namespace" not in usage["kvbridge"]["miss_detail"]

@@ -20,7 +20,7 @@ import requests
 from conftest import needs_model
 from kvbridge.serve.tenants import key_digest
 from kvbridge.settings import WORK_DIR
-from test_serve import Served, doc_messages
+from test_serve import Served, short_doc_messages
 
 openai = pytest.importorskip("openai", reason="the openai SDK is not installed (requirements.txt)")
 pytestmark = [needs_model, pytest.mark.timeout(600)]
@@ -53,7 +53,7 @@ def served(tmp_path_factory, tenants_file):
 
 def ask(served, who: str, **extra):
     raw = served.client(KEYS[who]).chat.completions.with_raw_response.create(
-        model="x", temperature=0, max_tokens=16, messages=doc_messages(), **extra)
+        model="x", temperature=0, max_tokens=16, messages=short_doc_messages(), **extra)
     return raw.parse(), raw.headers["X-KVBridge-Tier"]
 
 
@@ -120,7 +120,7 @@ def test_a_tenants_metrics_do_not_move_with_another_tenants_requests(served):
         ask(served, who)
     ask(served, "bob", extra_body={"cache_salt": "bob's own"})
     with pytest.raises(openai.BadRequestError):
-        served.client(KEYS["bob"]).chat.completions.create(model="x", max_tokens=4, n=2, messages=doc_messages())
+        served.client(KEYS["bob"]).chat.completions.create(model="x", max_tokens=4, n=2, messages=short_doc_messages())
     served.client(KEYS["alice"]).models.list()
     metrics_text(served, KEYS["alice"])
     after = metrics_text(served, KEYS["alice"])
@@ -149,7 +149,7 @@ def test_health_says_only_up_to_all_but_the_operator(served):
     full = requests.get(served.url + "/health", timeout=10, headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
     assert full["status"] == "ok" and {"running", "waiting", "swapped", "free_blocks"} <= set(full)
     with pytest.raises(openai.PermissionDeniedError) as refused:   # the operator's key runs no completions
-        served.client(ADMIN_KEY).chat.completions.create(model="x", max_tokens=4, messages=doc_messages())
+        served.client(ADMIN_KEY).chat.completions.create(model="x", max_tokens=4, messages=short_doc_messages())
     assert "KVB_SERVE_ADMIN_KEY_ENV" in refused.value.body["message"]
     assert ADMIN_KEY not in served.log.read_text()
 
