@@ -92,7 +92,8 @@ def test_bad_options_are_refused_before_anything_starts(capsys):
 def test_a_quick_run_answers_as_cold_and_writes_its_figures(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KVB_CHUNK_SIZE", "32")
     monkeypatch.setenv("KVB_OUTPUT_DIR", str(tmp_path / "output"))
-    assert main(["--quick"]) == 0, capsys.readouterr().err[-3000:]
+    # a user reads an answer for 0.5 s (2 s by default): each workload waits once, on both users at a time
+    assert main(["--quick", "--think-s", "0.5"]) == 0, capsys.readouterr().err[-3000:]
     out = capsys.readouterr().out
     assert "Targets, as ratios of this one run:" in out and "kv_aware hit rate / one instance" in out
 
@@ -106,7 +107,7 @@ def test_a_quick_run_answers_as_cold_and_writes_its_figures(tmp_path, monkeypatc
         assert not cold["error"] and cold["text"] and cold["cached_tokens"] == 0, (key, cold)
     setup = result["setup"]
     assert setup["workers"] == 2 and setup["single_kv_cells"] == 3 * setup["worker_kv_cells"]
-    assert setup["single_l1_bytes"] == 3 * setup["worker_l1_bytes"] and result["think_s"] == 2.0
+    assert setup["single_l1_bytes"] == 3 * setup["worker_l1_bytes"] and result["think_s"] == 0.5
     for name, fig in result["figures"].items():
         run = result["runs"][name]
         assert not run["error"] and fig["completed"] == fig["requests"] == 4, (name, run["error"])
