@@ -206,3 +206,19 @@ def test_a_key_file_of_another_user_is_refused(tmp_path):
     os.chown(path, 12345, -1)
     with pytest.raises(BadSettings, match="belongs to another user .*chmod 600"):
         secret_from_file("KVB_SERVE_API_KEY_FILE", str(path))
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
+def test_a_systemd_credential_is_trusted_whoever_owns_it(tmp_path, monkeypatch):
+    """systemd's LoadCredential= copy is root's with an ACL for the service (deploy/systemd/): inside
+    $CREDENTIALS_DIRECTORY it is read; the same file anywhere else is refused."""
+    credentials = tmp_path / "credentials"
+    credentials.mkdir()
+    path = key_file(credentials)
+    os.chown(path, 12345, -1)
+    path.chmod(0o640)
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(credentials))
+    assert secret_from_file("KVB_SERVE_API_KEY_FILE", str(path)) == KEY
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path / "elsewhere"))
+    with pytest.raises(BadSettings, match="belongs to another user"):
+        secret_from_file("KVB_SERVE_API_KEY_FILE", str(path))

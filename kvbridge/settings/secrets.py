@@ -33,11 +33,23 @@ def secret_from(setting: str, variable: str, environ: Mapping[str, str] | None =
     return value
 
 
+def _systemd_credential(path: str) -> bool:
+    """The file is a credential systemd placed for this service (LoadCredential=, deploy/systemd/): inside the
+    directory $CREDENTIALS_DIRECTORY names. systemd makes that copy readable by the service alone, often owned by
+    root with an ACL for the service's user, so its owner and mode bits say nothing about who can read it."""
+    directory = os.environ.get("CREDENTIALS_DIRECTORY", "")   # set by systemd for the service, not a setting
+    if not directory:
+        return False
+    return Path(path).expanduser().resolve().is_relative_to(Path(directory).resolve())
+
+
 def _status_problem(setting: str, path: str, status: os.stat_result) -> str | None:
     """Why a key file with this status cannot hold a secret: not a file, someone else's, open to others."""
     chmod = f"chmod 600 {shlex.quote(path)}"
     if not stat.S_ISREG(status.st_mode):
         return f"{setting}={path} is not a file; point it at a file holding the key alone"
+    if _systemd_credential(path):
+        return None
     if status.st_uid != os.getuid():
         return (f"{setting}={path} belongs to another user (uid {status.st_uid}, you are {os.getuid()}); a key "
                 f"file must be yours: copy the key into a file of your own, then {chmod}")
