@@ -215,6 +215,16 @@ if [[ $want_test -eq 1 ]]; then
             say "prometheus or promtool is missing (the Prometheus test will be skipped). To install: sudo apt-get update && sudo apt-get install -y prometheus"
         fi
     fi
+    # 5e. systemd-analyze for tests/test_systemd_units.py (`systemd-analyze verify` on deploy/systemd/). A bare
+    #     container image lacks Debian's systemd package; installing it starts nothing there.
+    if ! command -v systemd-analyze >/dev/null 2>&1; then
+        if is_root; then
+            say "installing Debian's systemd for systemd-analyze (the unit files' test; a few seconds)"
+            apt_install systemd
+        else
+            say "systemd-analyze is missing (the unit files' test will be skipped). To install: sudo apt-get update && sudo apt-get install -y systemd"
+        fi
+    fi
 fi
 
 # 6. Only with --test: the wheels the packaging test installs offline (scripts/wheelhouse.sh), so the

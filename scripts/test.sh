@@ -9,7 +9,7 @@ cd "$REPO_ROOT"
 start_s=$SECONDS
 
 # --test: also the test packages, chromium, redis-server and prometheus; --model all: the model matrix's tests
-# run on every embedded model. First run on 2 cores: about 20 minutes of set-up and builds, then pytest (~15 min).
+# run on every embedded model. How long it takes on 2 cores: README's "Before you start" (one place for the figure).
 "$REPO_ROOT/scripts/setup.sh" --test --model all
 "$REPO_ROOT/scripts/build_llama_server.sh"
 # LMCache's own TokenHasher (CPU-only extract) for the hashing parity test; if it cannot be installed
