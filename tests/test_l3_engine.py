@@ -98,7 +98,12 @@ def test_both_hosts_answer_correctly_when_l3_dies_between_requests(settings):
         a = host(settings, "a", server.url, "lmcache:0", "wait", "cold:2", "lmcache:2")
         first = records(a, 1)[0]
         assert first["stored_objects"] > 0
-        time.sleep(1.0)                          # the write-behind reaches L3 well within this
+        with server.client() as client:          # the write-behind reaches L3, every stored object, then the kill
+            deadline = time.monotonic() + 60
+            while len(client.keys("kvb:obj:*")) < first["stored_objects"]:
+                assert time.monotonic() < deadline, f"L3 holds {len(client.keys('kvb:obj:*'))} of " \
+                                                    f"{first['stored_objects']} stored objects after 60 s"
+                time.sleep(0.05)
         server.kill()
         a.stdin.write("go\n")
         a.stdin.flush()
