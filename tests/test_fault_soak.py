@@ -21,17 +21,15 @@ from tests.redis_helpers import needs_redis
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_faults_never_give_a_wrong_answer_and_everything_comes_back(make_settings):
-    # a short window that runs on until its minimums: 5 faults and 10 answers whatever the machine's load (each
-    # fault takes its own time). Seed 7's first five faults are five kinds: server-restart, client-kill,
-    # server-kill, redis-kill, client-stop (the rest come on a longer window or the full run)
-    report = soak(seconds=15, n_clients=2, seed=7, interval_s=2.0, settings=make_settings(), min_faults=5,
-                  min_answers=10, min_serve_answers=5)
+    # at least 5 faults whatever the machine's load (4 came in 45 s on a loaded one: each takes its own time)
+    report = soak(seconds=45, n_clients=2, seed=3, interval_s=4.0, settings=make_settings(), min_faults=5,
+                  min_serve_answers=5)
     print(report.table())
     assert sum(report.faults.values()) >= 5
     # the first fault is a clean restart (a new key pair and token): the engines answered after it, re-authenticated
     assert report.faults["server-restart"] >= 1 and "server-restart" in report.recovery_s, report.table()
-    # enough answers to have met every fault (the window runs on until 10); the exact count follows the
-    # machine's load, not KVBridge's behaviour
+    # enough answers to have met every fault (17-21 seen on a loaded machine, where a clean stop flushing L1
+    # once took most of the window); the exact count follows the machine's load, not KVBridge's behaviour
     assert report.answers >= 10 and report.restored > 0
     assert report.wrong == 0, report.table()
     assert report.serve_answers >= 5 and report.serve_wrong == 0, report.table()   # through serve, f32, one running
