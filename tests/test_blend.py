@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import needs_model
+from conftest import as_fresh, needs_model
 from kvbridge.blend.passages import PASSAGE_KIND, blend_namespace, passage_key
 from kvbridge.blend.runner import ANSWER, SCRATCH
 from kvbridge.engine.segments import segment_spans, tokenize_segments
@@ -42,11 +42,23 @@ def test_segments_keep_one_bos_and_drop_the_separator():
     assert tokenize_segments("no separator here", SEP, fake_tokenize) is None
 
 
-@pytest.fixture
-def engine(make_settings):
-    settings = make_settings(ctx_size=4096, n_predict=8, blend_recompute_tokens=8)
+@pytest.fixture(scope="module")
+def shared_engine(make_module_settings):
+    """One engine for the module (one model load): each test gets it through `engine`, as a fresh one."""
+    settings = make_module_settings(ctx_size=4096, n_predict=8, blend_recompute_tokens=8)
     with CachedEngine(settings, LlamaCppBackend(settings)) as e:
         yield e
+
+
+@pytest.fixture
+def engine(shared_engine):
+    """The module's engine as a new one would be (conftest.as_fresh) and no blend runner yet (a new runner's
+    context starts at CELL_STEP cells and grows with the prompts)."""
+    as_fresh(shared_engine)
+    runner = shared_engine._mode_runners.pop("blend", None)
+    if runner is not None:
+        runner.close()
+    return shared_engine
 
 
 def rag(engine, passage_ids, question="What is the steepest gradient on the line?"):
@@ -134,24 +146,24 @@ def _rebased(data, delta):
 
 
 def test_blend_reuses_passages_anywhere_and_stores_them_apart_from_exact_chunks(engine):
-    first = engine.infer(rag(engine, ["p02", "p05", "p09"]), "blend")
+    first = engine.infer(rag(engine, ["p02", "p05"]), "blend")
     assert not first.error and first.mode == "blend"
-    assert "0 of 4 segments reused" in first.notes and first.stored_objects == 4   # instruction + 3 passages
+    assert "0 of 3 segments reused" in first.notes and first.stored_objects == 3   # instruction + 2 passages
     assert first.matched_tokens == 0 and first.text
 
-    shuffled = engine.infer(rag(engine, ["p09", "p02", "p05"]), "blend")
-    assert "4 of 4 segments reused" in shuffled.notes and shuffled.tier == "L1"
+    shuffled = engine.infer(rag(engine, ["p05", "p02"]), "blend")   # each passage where the other stood
+    assert "3 of 3 segments reused" in shuffled.notes and shuffled.tier == "L1"
     assert shuffled.matched_tokens > 0.8 * shuffled.prompt_tokens and shuffled.stored_objects == 0
     assert shuffled.prefill_tokens == shuffled.prompt_tokens - shuffled.matched_tokens
 
     # the blend objects sit in their own namespace, as passages: an exact lookup never reaches them
-    instruction = first_prompt = engine.prepare(rag(engine, ["p02", "p05", "p09"]))
+    instruction = first_prompt = engine.prepare(rag(engine, ["p02", "p05"]))
     p05 = list(first_prompt.tokens[first_prompt.segments[2]:first_prompt.segments[3]])
     key = passage_key(blend_namespace(engine.namespace), list(instruction.tokens[: instruction.segments[1]]), p05)
     stored = engine.store.get(key, namespace=blend_namespace(engine.namespace))
     assert stored is not None and stored.meta.kind == PASSAGE_KIND
     assert engine.store.get(key, namespace=engine.namespace) is None
-    exact = engine.infer(rag(engine, ["p09", "p02", "p05"]), "lmcache")
+    exact = engine.infer(rag(engine, ["p05", "p02"]), "lmcache")
     assert exact.matched_tokens == 0 and exact.tier == "none"
 
 
@@ -160,7 +172,7 @@ def test_a_new_passage_between_stored_ones_is_prefilled_in_place_and_the_first_p
     not stored yet is prefilled where it stands, between stored ones, and stored after the answer; the
     passage after it has its last tokens recomputed (KVB_BLEND_RECOMPUTE_TOKENS)."""
     recompute = engine.settings.blend_recompute_tokens
-    engine.infer(rag(engine, ["p02", "p05", "p09"]), "blend")
+    engine.infer(rag(engine, ["p05", "p09"]), "blend")   # stores the instruction, p05 and p09
     messages = rag(engine, ["p05", "p13", "p09"])
     record = engine.infer(messages, "blend")
     assert not record.error and "3 of 4 segments reused" in record.notes and record.stored_objects == 1
@@ -185,13 +197,13 @@ def test_one_passage_where_it_was_computed_answers_exactly_as_cold(engine):
 
 
 def test_blends_placement_of_exact_kv_answers_as_cold_token_for_token(engine):
-    """Cold's own cells of three passages, put back through blend's placement (scratch sequence, seq_cp into
+    """Cold's own cells of two passages, put back through blend's placement (scratch sequence, seq_cp into
     the answer) where they were computed: the placement itself loses nothing, so what blend loses against
     cold is the passages' stale context alone (Docs/Research.md section 16)."""
     from kvbridge.bench.probes.blend_bench import place_exact
 
     runner = engine._blend_runner()
-    prompt = engine.prepare(rag(engine, ["p07", "p03", "p11"], "What is the longest tunnel on the route?"))
+    prompt = engine.prepare(rag(engine, ["p07", "p03"], "What is the longest tunnel on the route?"))
     tokens, starts = [int(t) for t in prompt.tokens], list(prompt.segments)
     cold = runner.run(tokens, starts, recompute=0, n_predict=12, reuse=False, store=False)
     cells = parse_state(runner.ctx.save_seq(ANSWER))
@@ -251,18 +263,18 @@ def test_the_rag_scenario_compares_blend_with_cold_on_shuffled_passages(engine):
     from kvbridge.bench.common.report import format_summary, summarize
     from kvbridge.bench.common.runner import run_scenario
 
-    records = list(run_scenario(engine, "rag", ["cold", "blend"], n_requests=2, n_predict=6))
-    assert [r.mode for r in records] == ["cold", "cold", "blend", "blend"] and not any(r.error for r in records)
+    records = list(run_scenario(engine, "rag", ["cold", "blend"], n_requests=1, n_predict=6))
+    assert [r.mode for r in records] == ["cold", "blend"] and not any(r.error for r in records)
     blended = [r for r in records if r.mode == "blend"]
-    # the warm-up stored every passage once: each measured prompt reuses all four and the instruction
+    # the warm-up stored every passage once: the measured prompt reuses all four and the instruction
     assert all("5 of 5 segments reused" in r.notes for r in blended)
     assert all(r.matched_tokens > 0.8 * r.prompt_tokens and r.scenario == "rag" for r in blended)
     summary = summarize(records)
-    assert summary["blend"]["answers_equal_cold"]["compared"] == 2
+    assert summary["blend"]["answers_equal_cold"]["compared"] == 1
     assert "answers = cold" in format_summary(summary)
-    # the task's own quality: each measured answer judged against the corpus's answer, cold's as well
+    # the task's own quality: the measured answer judged against the corpus's answer, cold's as well
     assert all(r.expected for r in records)
-    assert summary["cold"]["answers_with_fact"]["judged"] == summary["blend"]["answers_with_fact"]["judged"] == 2
+    assert summary["cold"]["answers_with_fact"]["judged"] == summary["blend"]["answers_with_fact"]["judged"] == 1
     assert "answers stating the expected fact" in format_summary(summary)
 
 
@@ -275,10 +287,12 @@ def test_the_blend_bench_prints_the_curve_and_llama_servers_cache_reuse_beside_i
     if not built_binary(pinned_llama_cpp_version()).is_file():
         pytest.skip("llama-server is not built: run ./scripts/build_llama_server.sh")
     monkeypatch.setenv("KVB_OUTPUT_DIR", str(tmp_path))
+    # the smallest run that reaches every part: one prompt, warmed up by the warm-up prompts holding its passages
     assert blend_bench.main(["--passages", "2", "--recompute", "0,4", "--at", "end", "--prompts", "1",
-                             "--n-predict", "4", "--no-restore-cost", "--cache-reuse", "16", "--ceiling"]) == 0
+                             "--n-predict", "4", "--no-restore-cost", "--cache-reuse", "16", "--ceiling",
+                             "--warm-up", "measured", "--cache-reuse-passages", "2"]) == 0
     out = capsys.readouterr().out
-    assert "recompute" in out and "llama-server --cache-reuse 16, 4 passages, 1 prompts" in out
+    assert "recompute" in out and "llama-server --cache-reuse 16, 2 passages, 1 prompts" in out
     result = json.loads(next(tmp_path.glob("kvbridge-blend-*.json")).read_text())
     assert [(r["passages"], r["recompute"], r["at"]) for r in result["curve"]] == [(2, 0, "-"), (2, 4, "end")]
     assert all(0 <= r["mean_kl"] and r["blend_ttft_ms"] > 0 for r in result["curve"])
@@ -299,7 +313,7 @@ def test_the_blend_context_grows_with_the_prompts_up_to_kvb_ctx_size(engine):
 
     runner = engine._blend_runner()
     assert runner.ctx.n_cells == CELL_STEP and runner.max_cells == 4096
-    messages = rag(engine, ["p01", "p02", "p03", "p04"])
+    messages = rag(engine, ["p01", "p02"])   # ~600 tokens: past the first CELL_STEP
     prompt = engine.prepare(messages)
     cold = engine.infer(messages, mode="cold", n_predict=8, temperature=0.0)
     blended = engine.infer(messages, mode="blend", n_predict=8, temperature=0.0)   # nothing stored yet: prefilled

@@ -76,21 +76,37 @@ def kl_divergence(cold_logits: np.ndarray, blend_logits: np.ndarray) -> float:
     return float(np.sum(np.exp(lp) * (lp - lq)))
 
 
+WARM_UPS = ("all", "measured")
+
+
+def warm_up(engine, runner, corpus: dict, n_passages: int, seed: int, measured: Sequence, how: str = "all") -> None:
+    """Store the passages before measuring, each computed in a warm-up prompt (not where it is measured):
+    every warm-up prompt ("all", the default), or only those holding a passage of a measured prompt
+    ("measured", a quick run's size). A passage is stored by the first warm-up prompt holding it, which
+    "measured" keeps, so the measured prompts find the same stored KV either way."""
+    prompts = warmup_prompts(corpus, engine.settings.blend_separator, n_passages, seed)
+    if how == "measured":
+        needed = {pid for prompt in measured for pid in prompt.passage_ids}
+        prompts = [prompt for prompt in prompts if needed & set(prompt.passage_ids)]
+    for prompt in prompts:
+        p = engine.prepare(prompt.messages)
+        runner.run(p.tokens, p.segments, recompute=0, n_predict=1, store=True)   # prefills only what is not stored
+
+
 def measure_curve(engine, passages: list[int], recompute: list[int], n_prompts: int, n_predict: int,
-                  seed: int = DEFAULT_SEED, progress=print, at: tuple[str, ...] = ("end", "start")) -> list[CurveRow]:
+                  seed: int = DEFAULT_SEED, progress=print, at: tuple[str, ...] = ("end", "start"),
+                  warm: str = "all") -> list[CurveRow]:
     runner = engine._blend_runner()
     corpus = load_corpus()
     sep = engine.settings.blend_separator
     rows: list[CurveRow] = []
     for n_passages in passages:
-        for prompt in warmup_prompts(corpus, sep, n_passages, seed):
-            p = engine.prepare(prompt.messages)
-            runner.run(p.tokens, p.segments, recompute=0, n_predict=1, store=True)   # prefills only what is not stored
+        prompts = build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages, seed=seed)
+        warm_up(engine, runner, corpus, n_passages, seed, prompts, warm)
         variants = [(r, where) for where in at for r in recompute if r or where == at[0]]   # 0 is one variant
         per_r: dict[tuple[int, str], list] = {v: [] for v in variants}
         colds, cold_facts = [], []
-        for index, prompt in enumerate(build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages,
-                                                     seed=seed)):
+        for index, prompt in enumerate(prompts):
             p = engine.prepare(prompt.messages)
             cold = runner.run(p.tokens, p.segments, recompute=0, n_predict=n_predict, reuse=False, store=False)
             colds.append(cold.ttft_ms)
@@ -114,17 +130,17 @@ def measure_curve(engine, passages: list[int], recompute: list[int], n_prompts: 
     return rows
 
 
-def measure_restore_cost(engine, n_prompts: int, seed: int = DEFAULT_SEED, n_passages: int = 4) -> dict:
+def measure_restore_cost(engine, n_prompts: int, seed: int = DEFAULT_SEED, n_passages: int = 4,
+                         warm: str = "all") -> dict:
     """Blended placement (recompute 0) against an exact prefix restore of the same cells, both + the question."""
     runner, store = engine._blend_runner(), engine.store
     ctx = runner.ctx
     corpus = load_corpus()
     sep = engine.settings.blend_separator
-    for prompt in warmup_prompts(corpus, sep, n_passages, seed):
-        p = engine.prepare(prompt.messages)
-        runner.run(p.tokens, p.segments, recompute=0, n_predict=1, store=True)   # prefills only what is not stored
+    prompts = build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages, seed=seed)
+    warm_up(engine, runner, corpus, n_passages, seed, prompts, warm)
     blend_ms, exact_ms, n_bytes = [], [], []
-    for prompt in build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages, seed=seed):
+    for prompt in prompts:
         p = engine.prepare(prompt.messages)
         q_start = p.segments[-1]
         question = list(p.tokens[q_start:])
@@ -245,7 +261,8 @@ def place_exact(runner: BlendRunner, tokens: list[int], starts: Sequence[int], c
     return result
 
 
-def measure_ceiling(engine, n_prompts: int, n_predict: int, seed: int = DEFAULT_SEED, n_passages: int = 4) -> dict:
+def measure_ceiling(engine, n_prompts: int, n_predict: int, seed: int = DEFAULT_SEED, n_passages: int = 4,
+                    warm: str = "all") -> dict:
     """How far recomputing tokens can take blend: against cold, a pure shift, the default, the last half of
     every passage recomputed in context (one run per passage, its tokens seeing each other), the passage that
     answers (relevant_passage) recomputed whole, and cold's own KV placed by blend's placement (the
@@ -257,10 +274,8 @@ def measure_ceiling(engine, n_prompts: int, n_predict: int, seed: int = DEFAULT_
     try:
         corpus = load_corpus()
         sep = settings.blend_separator
-        for prompt in warmup_prompts(corpus, sep, n_passages, seed):
-            p = engine.prepare(prompt.messages)
-            runner.run(p.tokens, p.segments, recompute=0, n_predict=1, store=True)   # prefills only what is not stored
         prompts = build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages, seed=seed)
+        warm_up(engine, runner, corpus, n_passages, seed, prompts, warm)
         default = settings.blend_recompute_tokens
         names = ("pure shift", f"default ({default} at each passage's end)", "the last half of every passage",
                  "the passage that answers, whole", "cold's own KV placed by blend (no staleness)")
@@ -339,9 +354,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="also measure how far recompute can go (the largest --passages): the last half of every passage, "
                              "the answering passage whole, and cold's own KV placed by blend (no staleness)")
     parser.add_argument("--cache-reuse", type=int, default=16, metavar="N",
-                        help="also run llama-server --cache-reuse N on the 4-passage prompts (0: skip)")
+                        help="also run llama-server --cache-reuse N on prompts of --cache-reuse-passages passages (0: skip)")
+    parser.add_argument("--cache-reuse-passages", type=int, default=4, metavar="N",
+                        help="passages per prompt for the llama-server --cache-reuse comparison")
+    parser.add_argument("--warm-up", choices=WARM_UPS, default="all",
+                        help="warm up with every passage of the corpus (all), or only with the warm-up prompts "
+                             "holding a measured prompt's passage (measured: the same rows, a quicker run)")
     args = parser.parse_args(argv)
     passages, recompute = _ints(args.passages, "passages"), _ints(args.recompute, "recompute")
+    if args.cache_reuse_passages < 1:
+        raise SystemExit(f"--cache-reuse-passages needs at least 1 passage, got {args.cache_reuse_passages}")
     at = tuple(a.strip() for a in args.at.split(",") if a.strip())
     if not at or any(a not in ("end", "start") for a in at):
         raise SystemExit(f"--at takes end, start or both (comma-separated), got {args.at!r}")
@@ -357,21 +379,24 @@ def main(argv: list[str] | None = None) -> int:
         settings = base.replace(ctx_size=max(base.ctx_size, 4096), l2_dir=l2)
         with CachedEngine(settings, LlamaCppBackend(settings)) as engine:
             print(f"blend bench: {engine.backend.describe()}, {args.prompts} prompts per row", flush=True)
-            rows = measure_curve(engine, passages, recompute, args.prompts, args.n_predict, args.seed, at=at)
+            rows = measure_curve(engine, passages, recompute, args.prompts, args.n_predict, args.seed, at=at,
+                                 warm=args.warm_up)
             print(format_curve(rows))
-            cost = None if args.no_restore_cost else measure_restore_cost(engine, min(args.prompts, 6), args.seed)
+            cost = (None if args.no_restore_cost
+                    else measure_restore_cost(engine, min(args.prompts, 6), args.seed, warm=args.warm_up))
             if cost:
                 print(f"\nrestore cost, {cost['passages']} passages, nothing recomputed: blended "
                       f"{cost['blend_restore_ms']:.1f} ms against an exact prefix restore of the same cells "
                       f"{cost['exact_restore_ms']:.1f} ms ({cost['restored_mb']:.1f} MB): {cost['ratio']:.2f}x "
                       f"(question decode {cost['question_decode_ms']:.1f} ms taken off both)")
-            ceiling = (measure_ceiling(engine, args.prompts, args.n_predict, args.seed, n_passages=max(passages))
-                       if args.ceiling else None)
+            ceiling = (measure_ceiling(engine, args.prompts, args.n_predict, args.seed, n_passages=max(passages),
+                                       warm=args.warm_up) if args.ceiling else None)
             if ceiling:
                 print(format_ceiling(ceiling))
             peer = None
             if args.cache_reuse > 0:
-                peer = measure_cache_reuse(engine, args.prompts, args.n_predict, args.seed, chunk=args.cache_reuse)
+                peer = measure_cache_reuse(engine, args.prompts, args.n_predict, args.seed,
+                                           n_passages=args.cache_reuse_passages, chunk=args.cache_reuse)
                 if "skipped" in peer:
                     print(f"\nllama-server --cache-reuse: skipped, {peer['skipped']}")
                 else:
@@ -381,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{peer['prompt_tokens']:.0f} prompt tokens reused, prompt {peer['reuse_prompt_ms']:.0f} ms "
                           f"against {peer['cold_prompt_ms']:.0f} ms cold")
     result = {"command": "blend-bench", "settings": {"passages": passages, "recompute": recompute, "at": at,
-                                                     "prompts": args.prompts, "n_predict": args.n_predict},
+                                                     "prompts": args.prompts, "n_predict": args.n_predict,
+                                                     "warm_up": args.warm_up},
               "curve": [asdict(r) for r in rows], "restore_cost": cost, "ceiling": ceiling,
               "llama_server_cache_reuse": peer}
     path = write_result_json(result, base.output_dir, "blend")
