@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from conftest import needs_model
+from conftest import as_fresh, needs_model
 from kvbridge.backends import make_backend
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.settings import WORK_DIR
@@ -29,7 +29,7 @@ N_PREDICT = 12
 FULL_ENGINES = ("llamacpp", "llama-server")
 
 
-@pytest.fixture(params=FULL_ENGINES)
+@pytest.fixture(scope="module", params=FULL_ENGINES)
 def kind(request) -> str:
     if request.param == "llama-server":
         request.getfixturevalue("llama_server_binary")
@@ -57,6 +57,23 @@ def engine_for(kind):
     return make
 
 
+@pytest.fixture(scope="module")
+def shared_engine(kind, tmp_path_factory, make_module_settings):
+    """One started engine per kind on the default settings (one model load or server start, not one a test)."""
+    settings = make_module_settings(l2_dir=str(tmp_path_factory.mktemp(f"{kind}-l2")))
+    if kind == "llama-server":
+        settings = settings.replace(threads=1)   # two spinning server threads on 2 shared cores crawl
+    with CachedEngine(settings, make_backend(kind, settings)) as engine:
+        yield engine
+
+
+@pytest.fixture
+def engine(shared_engine):
+    """This kind's shared engine as a new one on make_settings() would be (conftest.as_fresh)."""
+    as_fresh(shared_engine)
+    return shared_engine
+
+
 def doc_prompt(doc: str, question: str) -> list[dict]:
     return [{"role": "system", "content": "Answer from the document."},
             {"role": "user", "content": f"Document:\n{doc}\n\nQuestion: {question}"}]
@@ -71,42 +88,39 @@ def cold_then_restore(engine, prompt):
     return cold, warm
 
 
-def test_restore_from_l1_and_l2_equals_cold(make_settings, engine_for, short_doc):
-    with engine_for(make_settings()) as engine:
-        prompt = doc_prompt(short_doc, "Who leads the operations team?")
-        first = engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)   # miss: stores chunks and tail
-        assert first.error == "" and first.matched_tokens == 0 and first.stored_objects > 0
-        cold, warm = cold_then_restore(engine, prompt)
-        assert warm.tier == "L1" and warm.restore_ok is True
-        assert warm.matched_tokens == warm.prompt_tokens - 1       # token-granular: all but the last token
-        assert warm.prefill_tokens == 1
-        assert warm.text == cold.text and cold.text.strip()
+def test_restore_from_l1_and_l2_equals_cold(engine, short_doc):
+    prompt = doc_prompt(short_doc, "Who leads the operations team?")
+    first = engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)   # miss: stores chunks and tail
+    assert first.error == "" and first.matched_tokens == 0 and first.stored_objects > 0
+    cold, warm = cold_then_restore(engine, prompt)
+    assert warm.tier == "L1" and warm.restore_ok is True
+    assert warm.matched_tokens == warm.prompt_tokens - 1       # token-granular: all but the last token
+    assert warm.prefill_tokens == 1
+    assert warm.text == cold.text and cold.text.strip()
 
-        engine.store.clear("L1")
-        engine.infer(UNRELATED, mode="native", n_predict=4)
-        from_l2 = engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)
-        assert from_l2.tier == "L2" and from_l2.matched_tokens == warm.matched_tokens
-        assert from_l2.text == cold.text
-
-
-def test_partial_share_restores_only_the_common_prefix(make_settings, engine_for, short_doc):
-    with engine_for(make_settings()) as engine:
-        engine.infer(doc_prompt(short_doc, "Who founded the cooperative?"), mode="lmcache", n_predict=N_PREDICT)
-        other = doc_prompt(short_doc, "When is the annual meeting held and where?")
-        cold, warm = cold_then_restore(engine, other)
-        assert 0 < warm.matched_tokens < warm.prompt_tokens - 1
-        # the tail makes reuse token-granular: more than the last full chunk boundary
-        assert warm.matched_tokens > warm.chunks_hit * 32
-        assert warm.text == cold.text
+    engine.store.clear("L1")
+    engine.infer(UNRELATED, mode="native", n_predict=4)
+    from_l2 = engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)
+    assert from_l2.tier == "L2" and from_l2.matched_tokens == warm.matched_tokens
+    assert from_l2.text == cold.text
 
 
-def test_prompts_sharing_only_the_system_prompt(make_settings, engine_for, short_doc):
+def test_partial_share_restores_only_the_common_prefix(engine, short_doc):
+    engine.infer(doc_prompt(short_doc, "Who founded the cooperative?"), mode="lmcache", n_predict=N_PREDICT)
+    other = doc_prompt(short_doc, "When is the annual meeting held and where?")
+    cold, warm = cold_then_restore(engine, other)
+    assert 0 < warm.matched_tokens < warm.prompt_tokens - 1
+    # the tail makes reuse token-granular: more than the last full chunk boundary
+    assert warm.matched_tokens > warm.chunks_hit * 32
+    assert warm.text == cold.text
+
+
+def test_prompts_sharing_only_the_system_prompt(engine, short_doc):
     system = {"role": "system", "content": "You are a careful assistant. " + short_doc[:600]}
-    with engine_for(make_settings()) as engine:
-        engine.infer([system, {"role": "user", "content": "Summarise section one."}], mode="lmcache", n_predict=N_PREDICT)
-        other = [system, {"role": "user", "content": "List every number you see, please."}]
-        cold, warm = cold_then_restore(engine, other)
-        assert warm.matched_tokens > 0 and warm.text == cold.text
+    engine.infer([system, {"role": "user", "content": "Summarise section one."}], mode="lmcache", n_predict=N_PREDICT)
+    other = [system, {"role": "user", "content": "List every number you see, please."}]
+    cold, warm = cold_then_restore(engine, other)
+    assert warm.matched_tokens > 0 and warm.text == cold.text
 
 
 def test_shared_prefix_is_stored_once(make_settings, engine_for, short_doc):
@@ -128,22 +142,21 @@ def test_shared_prefix_is_stored_once(make_settings, engine_for, short_doc):
         assert unique_chunk_tokens * per_token <= stored <= unique_chunk_tokens * per_token * 1.05 + tails
 
 
-def test_corrupt_l2_object_is_a_counted_miss_not_wrong_output(make_settings, engine_for, short_doc):
-    settings = make_settings()
+def test_corrupt_l2_object_is_a_counted_miss_not_wrong_output(engine, short_doc):
+    settings = engine.settings
     prompt = doc_prompt(short_doc, "What is the pH of the spring water?")
-    with engine_for(settings) as engine:
-        engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)
-        cold = engine.infer(prompt, mode="cold", n_predict=N_PREDICT)
-        engine.store.clear("L1")
-        files = sorted(pathlib.Path(settings.l2_dir).rglob("*.kvb"))   # object files, not the owner lock
-        assert files
-        for path in files:   # flip one payload byte in every stored object
-            data = bytearray(path.read_bytes())
-            data[-10] ^= 0xFF
-            path.write_bytes(bytes(data))
-        warm = engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)
-        assert warm.matched_tokens == 0 and warm.text == cold.text
-        assert engine.store.stats()["corrupt"] >= 1
+    engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)
+    cold = engine.infer(prompt, mode="cold", n_predict=N_PREDICT)
+    engine.store.clear("L1")
+    files = sorted(pathlib.Path(settings.l2_dir).rglob("*.kvb"))   # object files, not the owner lock
+    assert files
+    for path in files:   # flip one payload byte in every stored object
+        data = bytearray(path.read_bytes())
+        data[-10] ^= 0xFF
+        path.write_bytes(bytes(data))
+    warm = engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)
+    assert warm.matched_tokens == 0 and warm.text == cold.text
+    assert engine.store.stats()["corrupt"] >= 1
 
 
 def test_foreign_namespace_is_never_restored(make_settings, engine_for, short_doc):
@@ -157,13 +170,12 @@ def test_foreign_namespace_is_never_restored(make_settings, engine_for, short_do
         assert warm.matched_tokens == 0
 
 
-def test_native_mode_reuses_the_engines_own_cache(make_settings, engine_for, short_doc):
-    with engine_for(make_settings()) as engine:
-        engine.infer(doc_prompt(short_doc, "Question one?"), mode="native", n_predict=4)
-        second = engine.infer(doc_prompt(short_doc, "Question two?"), mode="native", n_predict=4)
-        assert second.engine_cached_tokens > 0 and second.prefill_tokens < second.prompt_tokens
-        cold = engine.infer(doc_prompt(short_doc, "Question two?"), mode="cold", n_predict=4)
-        assert cold.prefill_tokens == cold.prompt_tokens and cold.matched_tokens == 0
+def test_native_mode_reuses_the_engines_own_cache(engine, short_doc):
+    engine.infer(doc_prompt(short_doc, "Question one?"), mode="native", n_predict=4)
+    second = engine.infer(doc_prompt(short_doc, "Question two?"), mode="native", n_predict=4)
+    assert second.engine_cached_tokens > 0 and second.prefill_tokens < second.prompt_tokens
+    cold = engine.infer(doc_prompt(short_doc, "Question two?"), mode="cold", n_predict=4)
+    assert cold.prefill_tokens == cold.prompt_tokens and cold.matched_tokens == 0
 
 
 def test_prompt_too_long_for_context_is_a_record_error(make_settings, engine_for, short_doc):
@@ -173,64 +185,61 @@ def test_prompt_too_long_for_context_is_a_record_error(make_settings, engine_for
 
 
 @pytest.mark.parametrize("prompt", ["", []], ids=["empty-text", "no-messages"])
-def test_an_empty_prompt_is_a_clear_record_error(make_settings, engine_for, prompt):
-    with engine_for(make_settings()) as engine:
-        record = engine.infer(prompt, mode="lmcache", n_predict=4)
-        assert "prompt is empty" in record.error
-        after = engine.infer(UNRELATED, mode="lmcache", n_predict=4)   # the engine still serves
-        assert after.error == "" and after.text
+def test_an_empty_prompt_is_a_clear_record_error(engine, prompt):
+    record = engine.infer(prompt, mode="lmcache", n_predict=4)
+    assert "prompt is empty" in record.error
+    after = engine.infer(UNRELATED, mode="lmcache", n_predict=4)   # the engine still serves
+    assert after.error == "" and after.text
 
 
-def test_a_state_saved_after_another_client_used_the_engine_is_not_stored(make_settings, engine_for, short_doc):
+def test_a_state_saved_after_another_client_used_the_engine_is_not_stored(engine, short_doc, monkeypatch):
     """Between our generation and our save, another conversation runs on the same context (a shared
     llama-server slot, or another caller of the in-process engine): its KV must not be filed under our hashes."""
     from kvbridge.backends.base import EngineReport
 
-    with engine_for(make_settings()) as engine:
-        prompt = doc_prompt(short_doc, "Who leads the operations team?")
-        other = engine.prepare(doc_prompt(short_doc[::-1], "What is this?"))
-        store_after = engine._store_after
+    prompt = doc_prompt(short_doc, "Who leads the operations team?")
+    other = engine.prepare(doc_prompt(short_doc[::-1], "What is this?"))
+    store_after = engine._store_after
 
-        def another_client_first(tokens, hashes, record):
-            for _ in engine.backend.generate(other, n_predict=2, temperature=0.0, use_native_cache=True,
-                                             report=EngineReport()):
-                pass
-            store_after(tokens, hashes, record)
+    def another_client_first(tokens, hashes, record):
+        for _ in engine.backend.generate(other, n_predict=2, temperature=0.0, use_native_cache=True,
+                                         report=EngineReport()):
+            pass
+        store_after(tokens, hashes, record)
 
-        engine._store_after = another_client_first
-        record = engine.infer(prompt, mode="lmcache", n_predict=4)
-        assert record.error == "" and record.stored_objects == 0
-        assert "nothing stored" in record.notes
-        assert engine.metrics.count("store_skipped_foreign_state") == 1
-        assert engine.store.stats()["tiers"]["L1"]["objects"] == 0
+    monkeypatch.setattr(engine, "_store_after", another_client_first)   # undone after the test
+    record = engine.infer(prompt, mode="lmcache", n_predict=4)
+    assert record.error == "" and record.stored_objects == 0
+    assert "nothing stored" in record.notes
+    assert engine.metrics.count("store_skipped_foreign_state") == 1
+    assert engine.store.stats()["tiers"]["L1"]["objects"] == 0
 
-        engine._store_after = store_after
-        cold = engine.infer(prompt, mode="cold", n_predict=N_PREDICT)
-        engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)   # stores this time
-        engine.infer(UNRELATED, mode="native", n_predict=4)
-        warm = engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)
-        assert warm.matched_tokens > 0 and warm.text == cold.text
+    engine._store_after = store_after
+    cold = engine.infer(prompt, mode="cold", n_predict=N_PREDICT)
+    engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)   # stores this time
+    engine.infer(UNRELATED, mode="native", n_predict=4)
+    warm = engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)
+    assert warm.matched_tokens > 0 and warm.text == cold.text
 
 
-def test_a_restore_that_loads_fewer_cells_than_claimed_is_caught(make_settings, engine_for, short_doc):
+def test_a_restore_that_loads_fewer_cells_than_claimed_is_caught(engine, short_doc, monkeypatch):
     """A restore that loads less than it claims (here: the assembled state silently lacks its last
     piece) is caught by the engine's own account of what it holds, and recomputed, not trusted."""
-    with engine_for(make_settings()) as engine:
-        prompt = doc_prompt(short_doc, "What is the pH of the spring water?")
-        engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)
-        cold = engine.infer(prompt, mode="cold", n_predict=N_PREDICT)
-        assemble = engine._kv.assemble
+    prompt = doc_prompt(short_doc, "What is the pH of the spring water?")
+    engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)
+    cold = engine.infer(prompt, mode="cold", n_predict=N_PREDICT)
+    assemble = engine._kv.assemble
 
-        def assemble_short(plan, buffer_for=None):
-            plan.pieces = plan.pieces[:-1]                     # the state holds fewer cells ...
-            plan.matched_tokens = sum(keep for _, keep in plan.pieces)
-            return assemble(plan, buffer_for)                  # ... while plan.tokens still claims them all
+    def assemble_short(plan, buffer_for=None):
+        plan.pieces = plan.pieces[:-1]                     # the state holds fewer cells ...
+        plan.matched_tokens = sum(keep for _, keep in plan.pieces)
+        return assemble(plan, buffer_for)                  # ... while plan.tokens still claims them all
 
-        engine._kv.assemble = assemble_short
-        engine.infer(UNRELATED, mode="native", n_predict=4)
-        warm = engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)
-        # in-process: llama.cpp's position count disagrees after the load; llama-server: the slot
-        # file writer already refuses a state whose cells and token ids disagree. Either way: not trusted.
-        assert warm.restore_ok is False and ("restore ineffective" in warm.notes or "restore failed" in warm.notes)
-        assert engine.metrics.count("restore_ineffective") + engine.metrics.count("restore_failed") == 1
-        assert warm.text == cold.text
+    monkeypatch.setattr(engine._kv, "assemble", assemble_short)   # undone after the test
+    engine.infer(UNRELATED, mode="native", n_predict=4)
+    warm = engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)
+    # in-process: llama.cpp's position count disagrees after the load; llama-server: the slot
+    # file writer already refuses a state whose cells and token ids disagree. Either way: not trusted.
+    assert warm.restore_ok is False and ("restore ineffective" in warm.notes or "restore failed" in warm.notes)
+    assert engine.metrics.count("restore_ineffective") + engine.metrics.count("restore_failed") == 1
+    assert warm.text == cold.text
