@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import as_fresh, needs_model
+from conftest import needs_model
 from kvbridge.backends import make_backend
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.engine.records import RECORD_FIELDS
@@ -15,7 +15,7 @@ from kvbridge.store import TieredStore
 
 pytestmark = [needs_model, pytest.mark.timeout(300)]
 
-DOCUMENT = " ".join(f"Note {i}: shelf {i} holds {i * 3} boxes of blue paper." for i in range(30))   # ~450 tokens
+DOCUMENT = " ".join(f"Note {i}: shelf {i} holds {i * 3} boxes of blue paper." for i in range(40))
 QUESTIONS = ["Which shelf holds 30 boxes?", "How many boxes are on shelf 7?"]
 
 
@@ -55,23 +55,10 @@ def check_records(records: dict) -> None:
     assert records["miss"].fetch_bytes == 0
 
 
-@pytest.fixture(scope="module")
-def shared_engine(make_module_settings):
-    """The in-process engine both in-process tests use (one model load)."""
-    settings = make_module_settings(chunk_size=64, n_predict=6)
+def test_in_process_stages_add_up_to_ttft(make_settings):
+    settings = make_settings(chunk_size=64, n_predict=4)
     with CachedEngine(settings, make_backend("llama.cpp", settings), TieredStore.from_settings(settings)) as engine:
-        yield engine
-
-
-@pytest.fixture
-def engine(shared_engine):
-    """The shared engine as a new one would be (conftest.as_fresh)."""
-    as_fresh(shared_engine)
-    return shared_engine
-
-
-def test_in_process_stages_add_up_to_ttft(engine):
-    check_records(run_modes(engine))
+        check_records(run_modes(engine))
 
 
 def test_stages_through_a_cache_server_add_up_to_ttft(make_settings, tmp_path):
@@ -99,26 +86,28 @@ def test_the_stage_fields_are_in_every_export():
     assert len(STAGES) == len(STAGE_FIELDS)
 
 
-def test_a_hot_prefix_is_restored_from_the_state_already_assembled(engine):
+def test_a_hot_prefix_is_restored_from_the_state_already_assembled(make_settings):
     """Two questions on one document: the second restore finds the same prefix's state still assembled
     in the scratch buffer and hands it to the engine without assembling again (one copy, not two); the
     answers equal cold. Another document is assembled afresh."""
-    engine.infer(ask(QUESTIONS[0]), mode="lmcache")                 # a miss: stores the document
-    first = engine.infer(ask(QUESTIONS[1]), mode="lmcache")         # assembled from the chunks
-    second = engine.infer(ask(QUESTIONS[0]), mode="lmcache")        # the same document prefix: hot
-    cold = engine.infer(ask(QUESTIONS[0]), mode="cold")
-    assert engine._kv.hot_hits == 1 and engine.metrics.count("hot_restores") == 1
-    assert first.matched_tokens == second.matched_tokens and second.restore_ok
-    assert second.text == cold.text and second.fetch_bytes < first.fetch_bytes / 2   # the tail only, no chunk
-    repeat = engine.infer(ask(QUESTIONS[0]), mode="lmcache")   # the store now reaches further than the hot state
-    assert repeat.matched_tokens == repeat.prompt_tokens - 1 > second.matched_tokens and repeat.prefill_tokens == 1
-    assert engine._kv.hot_hits == 1 and repeat.text == cold.text
-    for tier in engine.store.tier_names:     # the user empties the store: a miss, whatever is in memory
-        engine.store.clear(tier)
-    emptied = engine.infer(ask(QUESTIONS[0]), mode="lmcache")
-    assert emptied.matched_tokens == 0 and emptied.tier == "none" and engine._kv.hot_hits == 1
-    other = [{"role": "user", "content": DOCUMENT.replace("blue", "red") + "\n\nWhich shelf holds 30 boxes?"}]
-    engine.infer(other, mode="lmcache")
-    again = engine.infer(other, mode="lmcache")
-    assert again.matched_tokens > 0 and engine._kv.hot_hits == 1   # not the hot state of the first document
-    assert again.text == engine.infer(other, mode="cold").text
+    settings = make_settings(chunk_size=64, n_predict=6)
+    with CachedEngine(settings, make_backend("llama.cpp", settings), TieredStore.from_settings(settings)) as engine:
+        engine.infer(ask(QUESTIONS[0]), mode="lmcache")                 # a miss: stores the document
+        first = engine.infer(ask(QUESTIONS[1]), mode="lmcache")         # assembled from the chunks
+        second = engine.infer(ask(QUESTIONS[0]), mode="lmcache")        # the same document prefix: hot
+        cold = engine.infer(ask(QUESTIONS[0]), mode="cold")
+        assert engine._kv.hot_hits == 1 and engine.metrics.count("hot_restores") == 1
+        assert first.matched_tokens == second.matched_tokens and second.restore_ok
+        assert second.text == cold.text and second.fetch_bytes < first.fetch_bytes / 2   # the tail only, no chunk
+        repeat = engine.infer(ask(QUESTIONS[0]), mode="lmcache")   # the store now reaches further than the hot state
+        assert repeat.matched_tokens == repeat.prompt_tokens - 1 > second.matched_tokens and repeat.prefill_tokens == 1
+        assert engine._kv.hot_hits == 1 and repeat.text == cold.text
+        for tier in engine.store.tier_names:     # the user empties the store: a miss, whatever is in memory
+            engine.store.clear(tier)
+        emptied = engine.infer(ask(QUESTIONS[0]), mode="lmcache")
+        assert emptied.matched_tokens == 0 and emptied.tier == "none" and engine._kv.hot_hits == 1
+        other = [{"role": "user", "content": DOCUMENT.replace("blue", "red") + "\n\nWhich shelf holds 30 boxes?"}]
+        engine.infer(other, mode="lmcache")
+        again = engine.infer(other, mode="lmcache")
+        assert again.matched_tokens > 0 and engine._kv.hot_hits == 1   # not the hot state of the first document
+        assert again.text == engine.infer(other, mode="cold").text
