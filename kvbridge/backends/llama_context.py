@@ -50,7 +50,12 @@ class Sampler:
 
 
 class LlamaContext:
-    def __init__(self, settings: Settings, n_cells: int, n_seq: int) -> None:
+    def __init__(self, settings: Settings, n_cells: int, n_seq: int, exact: bool = False) -> None:
+        """n_cells: the KV budget of every sequence together (the unified cache's size). exact: one stream of
+        cells per sequence id instead (non-unified), each filled from cell 0 as a fresh context is and each
+        holding the longest request (min(n_cells, KVB_CTX_SIZE)), so a sequence's attention never depends on
+        the cells beside it (kvbridge.scheduler.exact); n_seq times the memory, and cells reach another
+        sequence by a state copy, not by sharing."""
         import llama_cpp
 
         self._llama = llama_cpp
@@ -66,13 +71,16 @@ class LlamaContext:
         if not self.model:
             raise EngineUnavailable(f"llama.cpp could not load {path} (KVB_MODEL_PATH)")
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx = n_cells
+        self.exact = exact
+        stream_cells = -(-min(n_cells, settings.ctx_size) // 256) * 256   # llama.cpp pads a stream to 256 cells
+        params.n_ctx = stream_cells * n_seq if exact else n_cells
+        self.stream_cells = stream_cells if exact else n_cells   # the most one sequence may hold
         params.n_batch = params.n_ubatch = BATCH_TOKENS
         # a recurrent or hybrid model's recurrent memory has n_seq_max cells, one per sequence id, each holding
         # that sequence's whole state: every sequence id the scheduler hands out has room, nothing more is needed
         # (seq_cp shares a cell; llama.cpp copies it into the destination's own cell at its next decode)
         params.n_seq_max = n_seq
-        params.kv_unified = True           # one pool of cells for every sequence: the KV budget
+        params.kv_unified = not exact      # one pool of cells for every sequence: the KV budget
         params.swa_full = True             # a sliding-window model keeps every cell, as the in-process engine does
         params.n_threads = params.n_threads_batch = settings.resolved_threads()
         params.type_k = ggml_type_id(settings.cache_type_k, "KVB_CACHE_TYPE_K")
@@ -84,7 +92,8 @@ class LlamaContext:
             llama_cpp.llama_model_free(self.model)
             raise EngineUnavailable(f"llama.cpp could not make a context of {n_cells} cells for {n_seq} sequences "
                                     "(KVB_SCHED_KV_CELLS, KVB_SCHED_MAX_RUNNING)")
-        self.n_cells = int(llama_cpp.llama_n_ctx(self.ctx))
+        # the ledger's budget: the unified cache's cells, or in exact mode the budget the streams are held to
+        self.n_cells = n_cells if exact else int(llama_cpp.llama_n_ctx(self.ctx))
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
@@ -128,12 +137,29 @@ class LlamaContext:
 
     # -- sequences ----------------------------------------------------------------------------------
     def seq_cp(self, src: int, dst: int, n_tokens: int) -> None:
-        """Share positions [0, n_tokens) of `src` with `dst` (one set of cells, two sequences)."""
+        """Share positions [0, n_tokens) of `src` with `dst` (one set of cells, two sequences); in exact mode
+        `dst` (empty) gets a copy in its own stream, at the cell indices `src` has them."""
+        if self.exact:
+            self._copy_across_streams(src, dst, 0, n_tokens)
+            return
         self._llama.llama_memory_seq_cp(self.memory, src, dst, 0, n_tokens)
 
     def seq_cp_range(self, src: int, dst: int, start: int, stop: int) -> None:
         """Share positions [start, stop) of `src` with `dst` (blend mode places a passage's cells this way)."""
+        if self.exact:
+            self._copy_across_streams(src, dst, start, stop)
+            return
         self._llama.llama_memory_seq_cp(self.memory, src, dst, start, stop)
+
+    def _copy_across_streams(self, src: int, dst: int, start: int, stop: int) -> None:
+        """Positions [start, stop) of `src` into the empty sequence `dst` of another stream, at once: the whole
+        sequence's state read and written (llama.cpp's own cross-stream seq_cp copies whole streams, and only
+        at the next decode, too late for a state read in between), then the rest removed."""
+        self.load_seq(dst, self.save_seq(src))
+        if stop >= 0:
+            self.seq_rm(dst, stop, -1)
+        if start > 0:
+            self.seq_rm(dst, 0, start)
 
     def seq_add(self, seq: int, start: int, stop: int, delta: int) -> None:
         """Move positions [start, stop) of `seq` by `delta`; llama.cpp re-rotates their K at the next decode."""

@@ -76,6 +76,7 @@ class ChunkKV:
         self.hot_hits = 0   # restores served from the state already assembled in the scratch buffer
         self.hot_restores = True   # False: every restore reads and assembles its objects (the transport benches)
         self.prefault_scratch = True   # the engine turns it off when the backend supplies its own buffer
+        self.n_stream = 1   # the streams of the cache restores go into (a non-unified cache: one per sequence id)
         self.incomplete = 0   # objects not stored because sliding-window rows were missing (the engine counts them)
         # names the cause of a miss (kvbridge.engine.misses); it remembers what this process could not store
         self.misses = MissExplainer(store, namespace, seed, chunk_size)
@@ -215,7 +216,7 @@ class ChunkKV:
         if plan.state is not None:
             return plan.state
         n = plan.matched_tokens
-        size = assembled_size(self.geometry, n)
+        size = assembled_size(self.geometry, n, n_stream=self.n_stream)
         out = buffer_for(size, plan.tokens) if buffer_for is not None else None
         if plan.hot:
             # the scratch buffer holds this very state from the last assembly: the same tokens under the same
@@ -235,7 +236,7 @@ class ChunkKV:
         else:
             self._buffer.forget()           # the hot state is only the one assembled last
         # the state lives in `out`: valid until the next assemble (one request at a time)
-        data = assemble_state(self.geometry, plan.pieces, out=out, run=self._buffer.run_jobs)
+        data = assemble_state(self.geometry, plan.pieces, out=out, run=self._buffer.run_jobs, n_stream=self.n_stream)
         torn = [obj for obj in plan.borrowed if obj.intact is not None and not obj.intact()]
         plan.release()
         if torn:

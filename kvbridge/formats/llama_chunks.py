@@ -124,19 +124,20 @@ def _section_cells(geometry: KVGeometry, n_cells: int, window_only: bool) -> lis
     return out
 
 
-def assembled_size(geometry: KVGeometry, n_cells: int, window_only: bool = False) -> int:
+def assembled_size(geometry: KVGeometry, n_cells: int, window_only: bool = False, n_stream: int = 1) -> int:
     """Bytes of a sequence state holding n_cells cells of this geometry."""
     g = geometry
     size = 8
     for layers, first in _section_cells(g, n_cells, window_only):
         cells = n_cells - first
         size += 8 + (12 + g.cell_ext) * cells + 8 + sum(24 + cells * (g.k_rows[i] + g.v_rows[i]) for i in layers)
+        size += 4 * (n_stream - 1)   # the other streams' empty cell counts
     return size + g.recurrent
 
 
 def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]], seq_id: int = 0,
                    out: np.ndarray | None = None, run: Callable[[list[Callable[[], None]]], None] | None = None,
-                   window_only: bool = False, first_pos: int = 0) -> memoryview:
+                   window_only: bool = False, first_pos: int = 0, n_stream: int = 1) -> memoryview:
     """Concatenate the first `keep` cells of each chunk into one valid sequence state for `seq_id`.
 
     Writes into `out` (a uint8 buffer at least assembled_size() long, reused across restores to avoid
@@ -153,6 +154,10 @@ def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]]
     first_pos: the position of the first cell (blend mode restores a passage where it was computed,
     after its instruction, into a scratch sequence, then shifts it; kvbridge.blend.runner).
 
+    n_stream: the streams of the cache it is loaded into (a non-unified cache, KVB_SCHED_EXACT's, has one
+    per sequence id); the cells are written as the first stream's, the others empty, and llama.cpp puts
+    them in the stream of the sequence it loads into.
+
     A recurrent model's state ends with the last piece's recurrent section, which must be kept whole
     and follow the last position restored: a section cannot be cut.
     """
@@ -165,7 +170,7 @@ def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]]
     if g.recurrent and (first_pos or last_keep != last.n_cells or last.recurrent_pos != n - 1):
         raise LayoutError(f"a recurrent state restores only where a stored piece ends with its section "
                           f"(position {n - 1} asked, the last piece's section follows {last.recurrent_pos})")
-    size = assembled_size(g, n, window_only)
+    size = assembled_size(g, n, window_only, n_stream)
     if out is None or len(out) < size:
         out = np.empty(size, dtype=np.uint8)
     out = out[:size]
@@ -173,7 +178,7 @@ def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]]
     off = 8
     jobs: list[Callable[[], None]] = []
     for layers, first in _section_cells(g, n, window_only):
-        off = _write_section(out, off, g, pieces, layers, first, n, seq_id, jobs, first_pos)
+        off = _write_section(out, off, g, pieces, layers, first, n, seq_id, jobs, first_pos, n_stream)
     if g.recurrent:
         out[off: off + g.recurrent] = np.frombuffer(last.recurrent, np.uint8)
         off += g.recurrent
@@ -187,10 +192,11 @@ def assemble_state(geometry: KVGeometry, pieces: Sequence[tuple[ChunkView, int]]
 
 
 def _write_section(out: np.ndarray, off: int, g: KVGeometry, pieces: Sequence[tuple[ChunkView, int]],
-                   layers: range, first: int, n: int, seq_id: int, jobs: list, first_pos: int = 0) -> int:
+                   layers: range, first: int, n: int, seq_id: int, jobs: list, first_pos: int = 0,
+                   n_stream: int = 1) -> int:
     """One cache's cells first..n-1: headers written now, the row copies appended to `jobs`."""
     cells = n - first
-    out[off: off + 8] = np.frombuffer(struct.pack("<II", 1, cells), np.uint8)
+    out[off: off + 8] = np.frombuffer(struct.pack("<II", n_stream, cells), np.uint8)
     off += 8
     width = 12 + g.cell_ext   # pos, n_seq_id, the cell's extra bytes, seq_id
     raw = out[off: off + width * cells].reshape(cells, width)
@@ -227,6 +233,9 @@ def _write_section(out: np.ndarray, off: int, g: KVGeometry, pieces: Sequence[tu
             jobs.append(_rows_job(out[off: off + cells * row].reshape(cells, row),
                                   [(pieces[p][0].v[il], lo, hi) for p, lo, hi in spans]))
         off += cells * row
+    if n_stream > 1:
+        out[off: off + 4 * (n_stream - 1)] = 0   # the other streams: no cells
+        off += 4 * (n_stream - 1)
     return off
 
 

@@ -161,6 +161,9 @@ class _Reader:
         return arr
 
 
+MAX_STREAMS = 4096   # llama.cpp's sequence ids a non-unified cache may give a stream each
+
+
 @dataclass
 class _Cache:
     """One cache's section of a sequence state: cells ordered by position first_pos..first_pos+n-1."""
@@ -174,12 +177,25 @@ class _Cache:
 
 
 def _read_cache(r: _Reader, seq_id: int, cell_ext: int = 0) -> _Cache:
+    """One cache's section: its streams, of which one holds the sequence's cells (a unified cache has one
+    stream; a non-unified one, KVB_SCHED_EXACT's, a stream per sequence id, the others written empty)."""
     (n_stream,) = r.unpack("<I")
-    if n_stream != 1:
-        raise LayoutError(f"{n_stream} KV streams; only one is supported")
-    (n_cells,) = r.unpack("<I")
-    if n_cells == 0:
+    if not 1 <= n_stream <= MAX_STREAMS:
+        raise LayoutError(f"{n_stream} KV streams; 1 to {MAX_STREAMS} are understood")
+    cache = None
+    for _ in range(n_stream):
+        (n_cells,) = r.unpack("<I")
+        if n_cells == 0:
+            continue
+        if cache is not None:
+            raise LayoutError("cells in more than one KV stream: not one sequence's state")
+        cache = _read_stream(r, seq_id, cell_ext, n_cells)
+    if cache is None:
         raise LayoutError("empty sequence state")
+    return cache
+
+
+def _read_stream(r: _Reader, seq_id: int, cell_ext: int, n_cells: int) -> _Cache:
     width = 12 + cell_ext   # pos, n_seq_id, the cell's extra bytes, seq_id
     raw = r.array(width * n_cells).reshape(n_cells, width)
     meta = raw.view("<i4")

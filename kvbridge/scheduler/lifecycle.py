@@ -139,6 +139,17 @@ class Lifecycle:
         self.cache.keep(request)
         self.pool.free_holder(request)
 
+    def end_full_streams(self, batch, stream_cells: int) -> bool:
+        """Exact mode: a sequence whose stream (KVB_CTX_SIZE cells) has no room for its next token ends its answer
+        there, as llama-server's slot does at its context's end; whether one did."""
+        ended = False
+        for request, feed in batch:
+            if request.kv_tokens + len(feed) > stream_cells and request.state == "running":
+                request.record.add_note(f"the answer stopped at the context's end ({stream_cells} cells, KVB_CTX_SIZE)")
+                self.finish(request)
+                ended = True
+        return ended
+
     def drop_cancelled(self) -> None:
         """Requests whose Future was cancelled leave their queue, their sequence and blocks freed."""
         queues = self.queues

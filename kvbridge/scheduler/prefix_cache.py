@@ -21,6 +21,7 @@ from typing import Iterator, Sequence
 
 from kvbridge.engine.chunks import common_prefix_length
 from kvbridge.scheduler.events import Journal
+from kvbridge.scheduler.exact import safe_reuse
 from kvbridge.scheduler.ledger import Holding
 from kvbridge.scheduler.requests import CachedPrefix, Request
 from kvbridge.scheduler.sequences import SequencePool
@@ -34,7 +35,7 @@ class PrefixCache:
     """The cached prefixes, and the resident run (theirs or a running request's) a new context shares."""
 
     def __init__(self, ctx, pool: SequencePool, running: list[Request], limit: int, ids: Iterator[int],
-                 journal: Journal, whole_only: bool = False) -> None:
+                 journal: Journal, whole_only: bool = False, exact: bool = False) -> None:
         self._ctx = ctx
         self.pool = pool
         self.ledger = pool.ledger
@@ -43,9 +44,11 @@ class PrefixCache:
         self._ids = ids           # the scheduler's: a prefix and a request never have the same number
         self.journal = journal
         self.whole_only = whole_only   # a recurrent model: share a resident sequence only whole
+        # KVB_SCHED_EXACT: share only prompt cells a prefill computed, cut where a solo prefill would cut
+        self.exact = exact
         self.prefixes: list[CachedPrefix] = []
 
-    def best_source(self, context: list[int], salt: str):
+    def best_source(self, context: list[int], salt: str, prompt_len: int | None = None):
         """The resident sequence (running request or cached prefix) of the same cache salt sharing the
         longest token run with `context`, and that length (at most len(context) - 1: the last token is
         always fed)."""
@@ -55,7 +58,11 @@ class PrefixCache:
             if source.salt != salt or getattr(source, "blend", False):   # blended cells are not exact KV
                 continue
             tokens = source.context[:source.kv_tokens] if isinstance(source, Request) else source.tokens
+            if self.exact and isinstance(source, Request):
+                tokens = tokens[:len(source.prompt)]   # its answer's cells were decoded one token a call
             n = common_prefix(tokens, context, limit)
+            if self.exact:
+                n = safe_reuse(n, prompt_len if prompt_len is not None else len(context))
             if self.whole_only and n < len(tokens):
                 continue   # its recurrent state is past the common run: cannot be shared
             if n > best_len:
@@ -64,7 +71,7 @@ class PrefixCache:
 
     def share_into(self, request: Request):
         """Fill the request's new sequence with the longest resident run: (its source, tokens shared)."""
-        source, shared = self.best_source(request.context, request.salt)
+        source, shared = self.best_source(request.context, request.salt, len(request.prompt))
         if shared > 0:
             self.pool.share(request, source, shared)
             self.journal.counters["shared_tokens"] += shared

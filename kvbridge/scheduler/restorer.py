@@ -25,6 +25,7 @@ from kvbridge.backends.base import WindowCapture
 from kvbridge.errors import KVBridgeError, StateTransferError
 from kvbridge.formats.llama_state import KVGeometry, LayoutError, parse_recurrent_capture, parse_state
 from kvbridge.scheduler.events import Journal
+from kvbridge.scheduler.exact import safe_reuse
 from kvbridge.scheduler.misses import AdmissionMisses, resident_tokens
 from kvbridge.scheduler.prefix_cache import PrefixCache
 from kvbridge.scheduler.requests import Request
@@ -47,8 +48,9 @@ def resolve(future: Future, result) -> None:
 class Restorer:
     def __init__(self, ctx, pool: SequencePool, cache: PrefixCache, store_for: Callable[[str], SequenceStore],
                  window: int, chunk_size: int, journal: Journal, geometry: KVGeometry | None = None,
-                 misses: AdmissionMisses | None = None) -> None:
+                 misses: AdmissionMisses | None = None, exact: bool = False) -> None:
         self._ctx = ctx
+        self.exact = exact   # KVB_SCHED_EXACT: restores cut where a solo prefill would cut; swap-outs kept whole
         self.pool = pool
         self.ledger = pool.ledger
         self.cache = cache
@@ -112,10 +114,16 @@ class Restorer:
             if explain:
                 self.misses.refused(request, kv, exc)
             return kv, "resident" if kv else "none", (time.perf_counter() - start) * 1e3
-        self.ledger.grow(request.held, plan.matched_tokens, request.holder)
-        self.journal.counters["restored_tokens"] += plan.matched_tokens
-        self.journal.event("restore", request, f"{plan.matched_tokens} tokens from {plan.tier}")
-        return plan.matched_tokens, plan.tier, (time.perf_counter() - start) * 1e3
+        held = plan.matched_tokens
+        if self.exact:   # the rest prefills as a solo run would: from a cut its own pieces have (kvbridge.scheduler.exact)
+            held = safe_reuse(held, len(request.prompt))
+            if held < plan.matched_tokens:
+                self._ctx.seq_rm(request.seq, held, -1)
+                self.journal.counters["exact_cut_tokens"] += plan.matched_tokens - held
+        self.ledger.grow(request.held, held, request.holder)
+        self.journal.counters["restored_tokens"] += held
+        self.journal.event("restore", request, f"{held} tokens from {plan.tier}")
+        return held, plan.tier if held else "none", (time.perf_counter() - start) * 1e3
 
     def _restore_snapshot(self, request: Request, source, shared: int) -> tuple[int, str, float]:
         """A recurrent model's swapped-out sequence back from its whole-sequence snapshot
@@ -175,7 +183,9 @@ class Restorer:
     def swap_out(self, request: Request, n_tokens: int) -> SwapTicket:
         """Store the first n_tokens of the request's context from its sequence, pinned until it resumes."""
         data = self._ctx.save_seq(request.seq)
-        if self.geometry is not None:   # its recurrent state cannot be cut into chunks (SequenceStore.swap_out_whole)
+        # a recurrent state cannot be cut into chunks, and exact mode's swapped-out cells come back bit for bit and
+        # stay private: its generated tokens' KV, computed one at a time, must never serve another prompt's prefill
+        if self.geometry is not None or self.exact:
             return self.store_for(request.salt).swap_out_whole(data, n_tokens)
         capture = self.window_captures(request.seq, data)
         return self.store_for(request.salt).swap_out(data, request.context[:n_tokens], capture)

@@ -35,7 +35,7 @@ from kvbridge.engine.namespace import namespace_for
 from kvbridge.engine.records import RequestRecord
 from kvbridge.engine.segments import no_passages_note
 from kvbridge.errors import EngineUnavailable, KVBridgeError
-from kvbridge.scheduler import events
+from kvbridge.scheduler import events, exact
 from kvbridge.scheduler.blend_placement import BlendPlacer
 from kvbridge.scheduler.intake import RequestRefused, check_queue, check_request, prompt_tokens
 from kvbridge.scheduler.kv_listeners import KVListeners
@@ -66,7 +66,9 @@ class Scheduler:
     def __init__(self, settings: Settings, store=None) -> None:
         self.settings = s = settings
         self.chunk_size = s.chunk_size
-        self._ctx = LlamaContext(s, s.sched_kv_cells, s.sched_max_running + s.sched_cached_prefixes + 1)
+        self.exact = bool(s.sched_exact)
+        self._ctx = LlamaContext(s, s.sched_kv_cells, s.sched_max_running + s.sched_cached_prefixes + 1,
+                                 exact=self.exact)
         self.ledger = BlockLedger(self._ctx.n_cells, s.sched_block_tokens, s.sched_soft, s.sched_hard, s.sched_critical)
         self.seqs = SequencePool(self._ctx, self.ledger)
         self.store = store if store is not None else open_store(s)
@@ -74,23 +76,36 @@ class Scheduler:
         traits = traits_of_model(self._ctx.model)
         layout = self._decide_layout(traits)
         self._geometry = geometry = layout.geometry
+        if self.exact and geometry.recurrent:
+            self._ctx.close()
+            raise EngineUnavailable(f"KVB_SCHED_EXACT=1 is not available for {traits.architecture} (recurrent state); "
+                                    "it is proven on attention-only models. Set KVB_SCHED_EXACT=0 to run it.")
+        # exact mode: how many decode tokens one call may carry, measured on this model and CPU (kvbridge.scheduler.exact)
+        self.decode_width = exact.probe_decode_width(self._ctx, self.seqs.free[:s.sched_max_running],
+                                                     s.sched_max_running, exact.probe_tokens()) if self.exact else 0
         # a recurrent model's state is captured where each chunk ends while it prefills (0: not recurrent)
         boundary_step = s.chunk_size if geometry.recurrent else 0
         remember_geometry(geometry)   # the int8 codec finds a chunk's K and V rows by it
         self.namespace = namespace_for(s, fingerprint=llama_cpp_fingerprint(s, traits), model_path=self._ctx.model_path,
-                                       kv_layout=layout.namespace_key, store=self.store)
+                                       kv_layout=exact.namespace_key(layout.namespace_key, self.exact), store=self.store)
         self._store_shared = SequenceStoreShared()   # one writer thread and one restore buffer for every salt
         self._swaps = SaltStores(lambda salt: SequenceStore(self.store, s, salt_namespace(self.namespace, salt),
-                                                            geometry, shared=self._store_shared), s.sched_max_salts)
+                                                            geometry, shared=self._store_shared,
+                                                            n_stream=self._ctx.n_seq if self.exact else 1),
+                              s.sched_max_salts)
         self.swap = self._swaps.get("")
         self.queues = Queues()
         self.journal = events.Journal()
         self._ids = iter(range(1, 1 << 62))   # requests and cached prefixes: one numbering
         self.prefixes = PrefixCache(self._ctx, self.seqs, self.queues.running, s.sched_cached_prefixes, self._ids,
-                                    self.journal, whole_only=bool(geometry.recurrent))
+                                    self.journal, whole_only=bool(geometry.recurrent), exact=self.exact)
         misses = AdmissionMisses(self._detokenize, s.explain_misses, s.sched_block_tokens // 2)
         self.restorer = Restorer(self._ctx, self.seqs, self.prefixes, self._swap_for, geometry.window, s.chunk_size,
-                                 self.journal, geometry=geometry, misses=misses)
+                                 self.journal, geometry=geometry, misses=misses, exact=self.exact)
+        if self.exact:
+            self.journal.notes.append(
+                f"exact mode: one KV stream per sequence, prefill pieces on their own, up to {self.decode_width} "
+                "decode tokens a call (as many as leave each sequence's logits those of a decode alone on this CPU)")
         if geometry.recurrent:
             self.journal.notes.append(
                 f"{traits.architecture} keeps recurrent state: prefill steps end at every {s.chunk_size}-token chunk "
@@ -171,16 +186,18 @@ class Scheduler:
             tokens = self._prompt_tokens(prompt, cut=True) if blend else self._prompt_tokens(prompt)
             segments = getattr(tokens, "segments", ())
             check_request(self.settings, self._ctx.n_cells, tokens, priority, n_predict)
-            if blend and len(segments) >= 3:
+            if blend and len(segments) >= 3 and not self.exact:
                 self.blend.runner_for(cache_salt)   # a model that cannot blend is refused here, on this request
         except (RequestRefused, ValueError, TypeError, KVBridgeError) as exc:
             future.set_exception(exc if isinstance(exc, RequestRefused) else RequestRefused(str(exc)))
             return future
         n_predict = self.settings.n_predict if n_predict is None else int(n_predict)
-        blending = bool(blend) and len(segments) >= 3
+        blending = bool(blend) and len(segments) >= 3 and not self.exact
         record = RequestRecord(mode="blend" if blending else "lmcache", engine="llamacpp-scheduler", kv_mode="full",
                                label=label, request_index=request_id, prompt_tokens=len(tokens), priority=priority)
-        if blend and not blending:
+        if blend and self.exact:
+            record.add_note("blend: off in exact mode (KVB_SCHED_EXACT=1); the prompt was computed exactly")
+        elif blend and not blending:
             record.add_note(no_passages_note(self.settings.blend_separator))
         request = Request(request_id, label or f"request {request_id}", int(priority), tokens, n_predict,
                           Sampler(temperature, top_p, seed), tuple(stop), on_token, future, record, salt=cache_salt,
@@ -312,17 +329,30 @@ class Scheduler:
             self.policy.relieve_pressure()
             self.policy.resume_swapped()
             self.policy.admit_waiting()
-            batch = plan_batch(self.queues.running, self._boundary_step)
+            if self.exact:
+                calls = exact.plan_exact(self.queues.running, self.decode_width)
+            else:
+                calls = [plan_batch(self.queues.running, self._boundary_step)]
+        calls = calls or [[]]   # nothing to run: the empty batch waits for a submit
+        for batch in calls:
+            if not self._run_batch(batch):
+                return
+
+    def _run_batch(self, batch) -> bool:
+        """One llama_decode of the batch and what comes out of it; False when the step must end here (nothing
+        to run, or no room: the pressure relieved, the next step plans again)."""
         if not batch:   # nothing can run now: wait for a submit, a cancel or a finished store
             with self._lock:
                 self._lock.wait(0.02)
-            return
+            return False
         entries = [entry for _, feed in batch for entry in feed]
         with self.lifecycle.working_on(*(request for request, _ in batch)):
             rc = self._ctx.decode(entries)
             with self._lock:
                 if rc != 0:
-                    self.policy.no_room(rc)
-                    return
+                    if not (self.exact and self.lifecycle.end_full_streams(batch, self._ctx.stream_cells)):
+                        self.policy.no_room(rc)
+                    return False
                 self.streamer.after_decode(batch)
                 self._lock.notify_all()
+        return True

@@ -130,7 +130,9 @@ class SequenceStore:
     resume, and finished prompts, stored behind the loop; both restored by the longest stored prefix."""
 
     def __init__(self, store, settings: Settings, namespace: str, geometry: KVGeometry,
-                 shared: SequenceStoreShared | None = None) -> None:
+                 shared: SequenceStoreShared | None = None, n_stream: int = 1) -> None:
+        """n_stream: the KV streams of the scheduler's context (KVB_SCHED_EXACT: one per sequence id), which a
+        restored state must name."""
         self.store = store
         self.hasher = make_hasher(settings.chunk_size, namespace, settings.prefer_lmcache_hasher)
         self.seed = getattr(self.hasher, "seed", b"")
@@ -138,6 +140,7 @@ class SequenceStore:
         self.shared = shared if shared is not None else SequenceStoreShared()
         self.kv = ChunkKV(store, namespace, self.seed, settings.chunk_size, geometry, buffer=self.shared.buffer)
         self.kv.prefault_scratch = False
+        self.kv.n_stream = n_stream
         # told (tokens, whole chunks the store holds) after a prompt or a swapped-out context was written: the
         # scheduler's kv listeners, on the unsalted store only (kvbridge.scheduler.kv_listeners)
         self.on_stored: Callable[[tuple[int, ...], int], None] | None = None

@@ -1,0 +1,181 @@
+"""KVB_SCHED_EXACT: every answer equals the same request run alone in a fresh context, token for token,
+whatever else runs, is preempted, swapped or shared.
+
+What a solo run's arithmetic depends on, found on llama.cpp's CPU kernels (Docs/Research.md, "The same
+answer under concurrency"), and what this mode does about each:
+
+1. The cells beside a sequence. In the unified cache a sequence's cells sit among other sequences' cells,
+   and attention sums over cell indices in SIMD lanes, so the same values one cell further on round
+   differently (with one sequence per decode call, SmolLM2's answers still differed). Here the context is
+   non-unified (`LlamaContext(exact=True)`): each sequence id has a stream of its own, filled from cell 0
+   as in a fresh context, so every sequence attends over exactly the cells its solo run would.
+2. The batch shape of each step. Several sequences' decode tokens go into one llama_decode only as many
+   at a time as leave every sequence's logits bit for bit those of a decode alone (`probe_decode_width`,
+   measured at start: a quantised matmul may switch kernel at four rows, Gemma 3's Q4_K does); prefill
+   pieces never share a call with anything else.
+3. Where a prefill piece starts and how long it is. A solo run prefills its prompt in BATCH_TOKENS
+   pieces from position 0; a piece here ends where a solo piece ends, or at a multiple of ALIGN tokens
+   with ALIGN or more left of that solo piece (kernels pick their path by rows: 4 rows and 8 differ, and
+   repacked weights group rows by 4), and so does reused KV (shared cells, a restore): `safe_reuse`.
+4. How reused KV was computed. Only prefill-computed prompt cells are shared (never a running request's
+   generated tokens, which its decode steps computed one at a time), a preempted sequence is kept whole
+   in this process (its own cells back bit for bit), and the store's objects live under a namespace of
+   their own (`NAMESPACE_TAG`), so KV computed in a unified cache beside other sequences never comes back.
+
+Batched decoding stays where it is exact: SmolLM2's decode tokens all share one call.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import numpy as np
+
+from kvbridge.backends.llama_context import BATCH_TOKENS
+from kvbridge.scheduler.planner import SHARED_STEP_PREFILL, Batch
+from kvbridge.scheduler.requests import Request
+
+log = logging.getLogger(__name__)
+
+ALIGN = 32                  # a cut inside a solo prefill piece: at a multiple of this, with as many tokens beyond
+NAMESPACE_TAG = "exact"     # the store's objects of an exact scheduler: KV computed as a solo run computes it
+PROBE_TOKENS = 24           # each probe sequence's prompt
+PROBE_STEPS = 2             # decode steps compared at each width
+
+
+def solo_piece_end(position: int, prompt_len: int) -> int:
+    """Where the solo prefill piece holding `position` ends (pieces of BATCH_TOKENS from position 0)."""
+    return min((position // BATCH_TOKENS + 1) * BATCH_TOKENS, prompt_len)
+
+
+def safe_reuse(n_tokens: int, prompt_len: int) -> int:
+    """The most of `n_tokens` reused prompt tokens (shared or restored) after which the rest of the prompt
+    prefills with the solo run's arithmetic: at most all but the last token, at a multiple of ALIGN that
+    starts a solo piece or leaves ALIGN or more tokens of it."""
+    cut = (min(n_tokens, prompt_len - 1) // ALIGN) * ALIGN
+    while cut > 0:
+        start = (cut // BATCH_TOKENS) * BATCH_TOKENS
+        if cut == start or solo_piece_end(cut, prompt_len) - cut >= ALIGN:
+            return cut
+        cut -= ALIGN
+    return 0
+
+
+def next_piece(request: Request, room: int) -> int:
+    """How many of the request's pending prompt tokens its next prefill piece takes: to the end of the solo
+    piece it is in, or, when that is more than `room`, to an ALIGN cut that leaves ALIGN or more of it."""
+    start, prompt_len = request.kv_tokens, len(request.prompt)
+    end = solo_piece_end(start, prompt_len)
+    if end - start > room:
+        cut = ((start + room) // ALIGN) * ALIGN
+        if cut - start >= ALIGN and end - cut >= ALIGN:
+            end = cut
+    return end - start
+
+
+def plan_exact(running: list[Request], width: int) -> list[Batch]:
+    """The step's llama_decode calls: every decoding sequence's token, `width` sequences a call, then each
+    prefilling request's next piece in a call of its own (priority order, BATCH_TOKENS of them in all, or
+    SHARED_STEP_PREFILL while sequences decode, so no one waits for a long prefill step). Generated tokens
+    that must be computed again (none, while swap-outs are whole) are fed one a call, as decode fed them."""
+    ordered = sorted(running, key=lambda r: (-r.priority, r.submitted))
+    decoding = [r for r in ordered if r.kv_tokens >= len(r.prompt) - 1 and r.pending]
+    prefilling = [r for r in ordered if r.kv_tokens < len(r.prompt) - 1]
+    calls: list[Batch] = []
+    for at in range(0, len(decoding), max(1, width)):
+        group = decoding[at:at + max(1, width)]
+        calls.append([(r, [(r.pending[0], r.kv_tokens, r.seq, len(r.pending) == 1)]) for r in group])
+    room = SHARED_STEP_PREFILL if decoding or len({r.priority for r in prefilling}) > 1 else BATCH_TOKENS
+    for request in prefilling:
+        if room <= 0:
+            break
+        take = next_piece(request, room)
+        feed = request.pending[:take]
+        last = len(feed) == len(request.pending)
+        calls.append([(request, [(token, request.kv_tokens + i, request.seq, last and i == len(feed) - 1)
+                                 for i, token in enumerate(feed)])])
+        room -= len(feed)
+    return calls
+
+
+def probe_decode_width(ctx, seqs: Sequence[int], max_width: int, tokens: Sequence[int]) -> int:
+    """The most sequences one decode call may carry with every sequence's logits bit for bit those of its
+    decode alone, measured on this machine's kernels: each width up to `max_width` is tried on free sequences
+    `seqs` holding short prompts cut from `tokens`, and the first width that changes a logit ends the search.
+    The sequences are emptied again."""
+    width = 1
+    n = min(max_width, len(seqs))
+    if n < 2:
+        return 1
+    prompts = [list(tokens[i:i + PROBE_TOKENS]) or [1] for i in range(n)]
+    try:
+        for seq, prompt in zip(seqs, prompts):
+            _must(ctx.decode([(t, i, seq, i == len(prompt) - 1) for i, t in enumerate(prompt)]))
+        for w in range(2, n + 1):
+            if not _same_batched(ctx, seqs[:w], prompts[:w]):
+                log.info("exact mode: a decode call carries at most %d sequences on this model and CPU", width)
+                break
+            width = w
+    finally:
+        for seq in seqs[:n]:
+            ctx.seq_rm(seq)
+    return width
+
+
+def _same_batched(ctx, seqs: Sequence[int], prompts: list[list[int]]) -> bool:
+    for step in range(PROBE_STEPS):
+        entries = [(prompt[step % len(prompt)], len(prompt), seq, True) for seq, prompt in zip(seqs, prompts)]
+        alone = []
+        for entry in entries:
+            _must(ctx.decode([entry]))
+            alone.append(ctx.logits(0))
+            ctx.seq_rm(entry[2], entry[1], -1)
+        _must(ctx.decode(entries))
+        together = [ctx.logits(i) for i in range(len(entries))]
+        for entry in entries:
+            ctx.seq_rm(entry[2], entry[1], -1)
+        if not all(np.array_equal(a, b) for a, b in zip(alone, together)):
+            return False
+    return True
+
+
+def _must(rc: int) -> None:
+    if rc != 0:
+        raise RuntimeError(f"llama_decode returned {rc} while probing the exact mode's decode width")
+
+
+def solo_answer(ctx, tokens: Sequence[int], n_predict: int, seq: int = 0) -> list[int]:
+    """The greedy answer a solo run gives: the prompt prefilled in BATCH_TOKENS pieces from position 0 into
+    empty sequence `seq` of a context no other sequence uses, then one token a decode; stops at an end token.
+    The reference every exact answer is held to (tests, the benchmark's identity check)."""
+    tokens = list(tokens)
+    logits = None
+    for start in range(0, len(tokens), BATCH_TOKENS):
+        piece = tokens[start:start + BATCH_TOKENS]
+        _must(ctx.decode([(t, start + i, seq, start + i == len(tokens) - 1) for i, t in enumerate(piece)]))
+        logits = ctx.logits(len(piece) - 1)
+    answer: list[int] = []
+    position = len(tokens)
+    while len(answer) < n_predict:
+        token = int(np.argmax(logits))
+        if ctx.is_end(token):
+            break
+        answer.append(token)
+        if len(answer) == n_predict:
+            break
+        _must(ctx.decode([(token, position, seq, True)]))
+        logits = ctx.logits(0)
+        position += 1
+    ctx.seq_rm(seq)
+    return answer
+
+
+def probe_tokens() -> list[int]:
+    """Token ids for probe_decode_width's prompts: ordinary ids every vocabulary has (no text needed)."""
+    return list(range(300, 300 + PROBE_TOKENS + 64))
+
+
+def namespace_key(kv_layout: str, exact: bool) -> str:
+    """The KV layout's key in the namespace: tagged in exact mode, so the store's objects an exact scheduler
+    reads are only ones an exact scheduler wrote (KV computed as a solo run computes it)."""
+    return f"{kv_layout}+{NAMESPACE_TAG}" if exact else kv_layout

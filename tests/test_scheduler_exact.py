@@ -1,0 +1,187 @@
+"""KVB_SCHED_EXACT (kvbridge.scheduler.exact): with several sequences running at once, preemption with swap,
+shared prefixes and restores from the store, every greedy answer equals the same request run alone in a fresh
+context, token for token, on the default f16 K/V; on SmolLM2 and Gemma 3 (sliding window), f16 and f32.
+
+The solo run is exact.solo_answer on a context of its own (one sequence, the unified cache, nothing else in
+it), not the scheduler: an answer is held to what llama.cpp computes for that request alone. The same
+workload with the mode off is run too and must differ somewhere on SmolLM2, so the check can fail.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from conftest import needs_model
+from kvbridge.backends.llama_context import BATCH_TOKENS, LlamaContext
+from kvbridge.scheduler import Scheduler, exact
+from kvbridge.scheduler.exact import ALIGN, next_piece, plan_exact, safe_reuse
+from kvbridge.scheduler.requests import Request
+from kvbridge.scheduler.streaming import Streamer
+from kvbridge.settings import Settings
+from kvbridge.settings.models import EMBEDDED_MODELS
+from kvbridge.settings.checks import settings_problems
+
+GEMMA = EMBEDDED_MODELS["gemma3-270m"]
+needs_gemma = pytest.mark.skipif(not GEMMA.path.is_file(),
+                                 reason=f"{GEMMA.path} missing: ./scripts/setup.sh --model gemma3-270m")
+QUESTIONS = ["Who leads the operations team?", "What is the first section about?", "When are reports due?"]
+URGENT = [[{"role": "user", "content": "Say hello in one short sentence."}],
+          [{"role": "user", "content": "Name two colours of apples."}]]
+
+
+def chat(doc: str, question: str) -> list[dict]:
+    return [{"role": "system", "content": "Answer from the document."},
+            {"role": "user", "content": f"Document:\n{doc}\n\nQuestion: {question}"}]
+
+
+def run_workload(settings: Settings, doc: str, monkeypatch) -> tuple[list, list[list[int]], dict, dict]:
+    """Three document chats at priority 1 share the document's cells; two urgent requests arrive while they
+    decode and preempt one: (records, prompts' tokens, generated tokens by request id, counters)."""
+    generated: dict[int, list[int]] = {}
+    on_token = Streamer.on_token
+
+    def spying_on_token(self, request, token):
+        generated.setdefault(request.id, []).append(token)
+        on_token(self, request, token)
+
+    monkeypatch.setattr(Streamer, "on_token", spying_on_token)
+    lows = [chat(doc, q) for q in QUESTIONS]
+    streamed = [threading.Event() for _ in lows]
+    with Scheduler(settings) as scheduler:
+        futures = [scheduler.submit(m, priority=1, on_token=lambda piece, e=e: e.set()) for m, e in zip(lows, streamed)]
+        for i, messages in enumerate(URGENT):   # each arrives while the document chats decode
+            assert streamed[i].wait(240)
+            futures.append(scheduler.submit(messages, priority=9, n_predict=8))
+        records = [f.result(timeout=300) for f in futures]
+        prompts = [scheduler.tokens_of(m) for m in lows + URGENT]
+        assert scheduler.drain(60)
+        counters = scheduler.snapshot()["counters"]
+    return records, prompts, generated, counters
+
+
+def solo_answers(settings: Settings, prompts, records, generated) -> list[tuple[list[int], list[int]]]:
+    """(ours, solo) per request: the solo run of each prompt on a context of its own, as long as ours."""
+    ctx = LlamaContext(settings.replace(sched_exact=False), settings.ctx_size, 1)
+    try:
+        pairs = []
+        for tokens, record in zip(prompts, records):
+            ours = generated[record.request_index]
+            solo = exact.solo_answer(ctx, tokens, len(ours) + 1)
+            pairs.append((ours, solo[:len(ours)] if record.gen_tokens == len(ours) else solo))
+        return pairs
+    finally:
+        ctx.close()
+
+
+def exact_settings(make_settings, **changes) -> Settings:
+    base = dict(sched_exact=True, sched_kv_cells=1024, sched_max_running=3, sched_cached_prefixes=2,
+                sched_block_tokens=16, n_predict=16, ctx_size=1024)
+    return make_settings(**{**base, **changes})
+
+
+@needs_model
+@pytest.mark.timeout(600)
+def test_five_concurrent_requests_with_preemption_equal_their_solo_runs_on_f16(make_settings, short_doc, monkeypatch):
+    """The issue's "done when": five requests, three running at once, one preempted and swapped, the document
+    shared and its prompts restored, KVB_SCHED_EXACT=1 on the default f16 K/V: every answer is its solo run's.
+    The same workload with the mode off differs from its solo runs somewhere (this check can fail)."""
+    settings = exact_settings(make_settings)
+    assert settings.cache_type_k == "f16" and settings.cache_type_v == "f16"
+    records, prompts, generated, counters = run_workload(settings, short_doc, monkeypatch)
+    assert counters["preemptions"] >= 1 and counters["swap_ins"] >= 1
+    assert counters["shared_tokens"] > 0
+    assert max(r.matched_tokens for r in records) > 0
+    pairs = solo_answers(settings, prompts, records, generated)
+    differing = [r.request_index for r, (ours, solo) in zip(records, pairs) if ours != solo]
+    assert not differing, f"requests {differing} differ from their solo runs in exact mode"
+    assert all(len(ours) >= 4 for ours, _ in pairs)
+
+    off = settings.replace(sched_exact=False, l2_dir=settings.l2_dir + "-off")
+    records, prompts, generated, _ = run_workload(off, short_doc, monkeypatch)
+    pairs = solo_answers(off, prompts, records, generated)
+    assert any(ours != solo for ours, solo in pairs), \
+        "with the mode off every answer equalled its solo run too: this workload no longer shows what exact mode fixes"
+
+
+@needs_model
+@needs_gemma
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("model,kv", [("smollm2-135m", "f32"), ("gemma3-270m", "f16"), ("gemma3-270m", "f32")])
+def test_exact_answers_on_gemma3_and_f32(make_settings, short_doc, monkeypatch, model, kv):
+    """The same proof on Gemma 3 (sliding window, repacked Q4_K weights whose matmul changes kernel at four
+    rows: decode calls carry at most three sequences there) and with f32 K/V."""
+    settings = exact_settings(make_settings, model=model, cache_type_k=kv, cache_type_v=kv)
+    records, prompts, generated, counters = run_workload(settings, short_doc, monkeypatch)
+    assert counters["preemptions"] >= 1
+    pairs = solo_answers(settings, prompts, records, generated)
+    differing = [r.request_index for r, (ours, solo) in zip(records, pairs) if ours != solo]
+    assert not differing, f"{model} {kv}: requests {differing} differ from their solo runs in exact mode"
+
+
+@needs_model
+def test_the_decode_width_is_measured_and_the_notes_say_so(make_settings):
+    with Scheduler(exact_settings(make_settings)) as scheduler:
+        assert 1 <= scheduler.decode_width <= 3
+        assert any("exact mode" in note for note in scheduler.snapshot().get("notes", []) + scheduler.journal.notes)
+        assert scheduler.seqs.free == list(range(scheduler._ctx.n_seq))   # the probe left no sequence behind
+        assert all(scheduler._ctx.seq_len(seq) == 0 for seq in scheduler.seqs.free)
+
+
+def test_reuse_is_cut_where_a_solo_prefill_would_cut():
+    assert safe_reuse(0, 100) == 0
+    assert safe_reuse(99, 100) == 64          # 96 would leave 4 tokens of the solo piece [0, 100)
+    assert safe_reuse(70, 100) == 64
+    assert safe_reuse(63, 100) == 32
+    assert safe_reuse(600, 1000) == 576       # inside [512, 1000): 424 tokens left
+    assert safe_reuse(513, 1000) == 512       # a solo piece's start is always a cut
+    assert safe_reuse(512, 513) == 512        # the solo run's last piece is its last token alone too
+    for n in range(0, 1100, 7):
+        for length in (40, 200, 513, 530, 1100):
+            cut = safe_reuse(n, length)
+            assert cut % ALIGN == 0 and cut <= min(n, length - 1)
+            end = min((cut // BATCH_TOKENS + 1) * BATCH_TOKENS, length)
+            assert cut % BATCH_TOKENS == 0 or end - cut >= ALIGN
+
+
+def make_request(prompt_len: int, kv: int, priority: int = 5, generated: int = 0) -> Request:
+    from concurrent.futures import Future
+
+    from kvbridge.backends.llama_context import Sampler
+    from kvbridge.engine.records import RequestRecord
+
+    request = Request(1, "r", priority, list(range(prompt_len)), 8, Sampler(0, 1, None), (), None, Future(),
+                      RequestRecord(mode="lmcache"))
+    request.seq, request.kv_tokens = 0, kv
+    request.pending = request.context[kv:] if not generated else [7]
+    return request
+
+
+def test_prefill_pieces_end_where_solo_pieces_end_or_at_an_aligned_cut():
+    assert next_piece(make_request(1000, 0), 512) == 512
+    assert next_piece(make_request(1000, 512), 512) == 488
+    assert next_piece(make_request(1000, 0), 128) == 128
+    assert next_piece(make_request(1000, 480), 128) == 32       # to the solo piece's end
+    assert next_piece(make_request(530, 512), 128) == 18
+    assert next_piece(make_request(150, 0), 128) == 150        # a cut at 128 would leave 22 tokens of it
+
+
+def test_decode_tokens_go_in_calls_of_the_measured_width_and_each_prefill_alone():
+    decoding = [make_request(50, 60, generated=11) for _ in range(4)]
+    for i, r in enumerate(decoding):
+        r.seq = i
+    prefilling = [make_request(300, 0, priority=9), make_request(300, 64, priority=1)]
+    prefilling[0].seq, prefilling[1].seq = 4, 5
+    calls = plan_exact(decoding + prefilling, width=3)
+    assert [len(call) for call in calls] == [3, 1, 1]      # the low prefill waits: the step's room is taken
+    assert all(len(entries) == 1 for call in calls[:2] for _, entries in call)
+    assert calls[2][0][0] is prefilling[0] and len(calls[2][0][1]) == 128    # the urgent one, 128 while others decode
+    same = [make_request(300, 0), make_request(300, 64)]   # one priority, nothing decoding: a step of 512 tokens
+    alone = plan_exact(same, width=3)
+    # the second stops at an aligned cut (256) that leaves 44 tokens of its solo piece, within the room left (212)
+    assert [(r, len(e)) for call in alone for r, e in call] == [(same[0], 300), (same[1], 192)]
+
+
+def test_exact_mode_refuses_flash_attention_naming_both_settings():
+    problems = settings_problems(Settings().replace(sched_exact=True, flash_attn=True), {})
+    assert any("KVB_SCHED_EXACT" in p and "KVB_FLASH_ATTN" in p for p in problems)
