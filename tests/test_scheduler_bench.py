@@ -80,7 +80,7 @@ def test_one_run_compares_the_scheduler_with_llama_server_on_both_workloads(llam
     monkeypatch.setenv("KVB_THREADS", "1")
     monkeypatch.setenv("KVB_CHUNK_SIZE", "32")
     monkeypatch.setenv("KVB_OUTPUT_DIR", str(tmp_path / "output"))
-    assert main(["bench-scheduler", "--tokens", "64", "--repeats", "1", *TINY]) == 0
+    assert main(["bench-scheduler", "--tokens", "64", "--repeats", "1", *TINY, "--exact"]) == 0
     out = capsys.readouterr().out
     [written] = (tmp_path / "output").glob("kvbridge-bench-scheduler-*.json")
     result = json.loads(written.read_text())
@@ -98,6 +98,12 @@ def test_one_run_compares_the_scheduler_with_llama_server_on_both_workloads(llam
         assert figures["throughput_tok_s"] > 0 and figures["wall_s"] > 0
         assert 0 < figures["peak_cells"] <= figures["kv_cells"]
     assert burst["ratios"]["urgent_ttft_median_ms"] > 0 and burst["ratios"]["throughput_tok_s"] > 0
+    # --exact: the scheduler again with KVB_SCHED_EXACT=1, every answer held to the same request run alone
+    for part in ("burst", "shared"):
+        exact = result[part]["exact"]
+        assert exact["solo_equal"]["ours, exact"] == [3, 3], exact["solo_equal"]
+        assert exact["exact_vs_off"]["throughput_tok_s"] > 0 and exact["exact_vs_llama_server"]["wall_s"] > 0
+        assert [r["error"] for r in result[part]["runs"]["ours, exact"]["requests"]] == [""] * 3
 
     shared = result["shared"]
     ours = shared["runs"]["ours"]["requests"]
@@ -113,5 +119,6 @@ def test_one_run_compares_the_scheduler_with_llama_server_on_both_workloads(llam
 
     for line in ("Priority burst: 3 requests", "urgent TTFT median (ms)", "ours / llama-server",
                  "Shared system prompt, many users: 3 requests", f"reused all {shared_tokens} shared tokens",
-                 "recompute / swap:", f"wrote {written}"):
+                 "recompute / swap:", f"wrote {written}", "KVB_SCHED_EXACT=1 (flash attention off) against the mode off",
+                 "ours, exact: 3 of 3 answers equal the same request run alone"):
         assert line in out

@@ -50,6 +50,7 @@ POLL_S = 0.05           # how often KV cells used are sampled
 RUN_TIMEOUT_S = 900.0   # the longest one engine may take for the whole workload
 PARTS = ("swap", "burst", "shared")
 OURS, THEIRS = "ours", "llama-server"
+EXACT = "ours, exact"   # the scheduler again with KVB_SCHED_EXACT=1 (--exact): what the mode costs, side by side
 
 
 @dataclass
@@ -66,6 +67,8 @@ class RequestResult:
     gen_tokens: int = 0
     preemptions: int = 0
     error: str = ""
+    text: str = ""                  # ours: the answer (--exact checks it against the request's solo run)
+    solo_equal: bool | None = None  # ours with --exact: the answer equals the same request run alone
 
 
 @dataclass
@@ -84,26 +87,28 @@ class EngineRun:
 
 
 # -- ours -------------------------------------------------------------------------------------------
-def scheduler_settings(workload: Workload, settings: Settings) -> Settings:
+def scheduler_settings(workload: Workload, settings: Settings, exact: bool = False) -> Settings:
     d = workload.defaults
     # flash attention on, as llama-server's default `-fa auto` picks on a CPU (about 18% faster
-    # prefill here): both engines run the same kernels
+    # prefill here): both engines run the same kernels. Exact mode needs it off (kvbridge.scheduler.exact)
     return settings.replace(sched_kv_cells=d.kv_cells, sched_max_running=d.max_running, sched_soft=d.soft,
-                            sched_hard=d.hard, sched_critical=d.critical, ctx_size=d.kv_cells, flash_attn=True)
+                            sched_hard=d.hard, sched_critical=d.critical, ctx_size=d.kv_cells, flash_attn=not exact,
+                            sched_exact=exact)
 
 
-def run_scheduler(workload: Workload, settings: Settings, *, timeout_s: float = RUN_TIMEOUT_S) -> EngineRun:
+def run_scheduler(workload: Workload, settings: Settings, *, timeout_s: float = RUN_TIMEOUT_S,
+                  exact: bool = False) -> EngineRun:
     from kvbridge.scheduler import RequestRefused, Scheduler
 
-    settings = scheduler_settings(workload, settings)
+    settings = scheduler_settings(workload, settings, exact)
     results = [_empty_result(r) for r in workload.requests]
     futures: list[Future | None] = [None] * len(results)
     first_text: list[float | None] = [None] * len(results)
     ended: list[float | None] = [None] * len(results)
     with Scheduler(settings) as scheduler:
         blocks = scheduler.snapshot()["blocks"]
-        run = EngineRun(OURS, blocks["total"] * blocks["block_tokens"], settings.sched_max_running,
-                        settings.resolved_threads())
+        run = EngineRun(EXACT if exact else OURS, blocks["total"] * blocks["block_tokens"],
+                        settings.sched_max_running, settings.resolved_threads())
         start = time.perf_counter()
 
         def submit(i: int, timed: TimedRequest) -> None:
@@ -158,6 +163,7 @@ def _fill_from_record(result: RequestResult, record, first_text: float | None, s
     sent = start + result.submitted_s
     # no text at all (the first token ended it): the scheduler's own TTFT, which starts after tokenizing
     result.ttft_ms = (first_text - sent) * 1e3 if first_text is not None else record.ttft_ms
+    result.text = record.text
     result.total_ms = record.total_ms
     result.prompt_tokens = record.prompt_tokens
     result.computed_tokens = record.prefill_tokens
@@ -370,30 +376,69 @@ BURST_RATIOS = ("urgent_ttft_median_ms", "urgent_ttft_p95_ms", "low_ttft_median_
 SHARED_RATIOS = ("peak_cells", "shared_tokens_computed", "throughput_tok_s", "wall_s")
 
 
-def compare_priority_burst(settings: Settings, *, timeout_s: float = RUN_TIMEOUT_S, **sizes) -> dict:
-    """priority_burst(**sizes) on our scheduler, then on llama-server."""
+def compare_priority_burst(settings: Settings, *, timeout_s: float = RUN_TIMEOUT_S, exact: bool = False,
+                           **sizes) -> dict:
+    """priority_burst(**sizes) on our scheduler (with exact: again with KVB_SCHED_EXACT=1), then on llama-server."""
     workload = priority_burst(**sizes)
-    runs = _run_both(workload, settings, timeout_s)
+    runs = _run_both(workload, settings, timeout_s, exact)
     figures = {name: burst_figures(run) for name, run in runs.items()}
-    return _result(workload, settings, runs, figures, ratios(figures[OURS], figures[THEIRS], BURST_RATIOS))
+    return _result(workload, settings, runs, figures, ratios(figures[OURS], figures[THEIRS], BURST_RATIOS),
+                   exact_figures(runs, figures, BURST_RATIOS))
 
 
-def compare_shared_system_prompt(settings: Settings, *, timeout_s: float = RUN_TIMEOUT_S, **sizes) -> dict:
-    """shared_system_prompt(**sizes) on our scheduler, then on llama-server."""
+def compare_shared_system_prompt(settings: Settings, *, timeout_s: float = RUN_TIMEOUT_S, exact: bool = False,
+                                 **sizes) -> dict:
+    """shared_system_prompt(**sizes) on our scheduler (with exact: again in exact mode), then on llama-server."""
     workload = shared_system_prompt(**sizes)
     shared = shared_prefix_tokens(workload, settings)
-    runs = _run_both(workload, settings, timeout_s)
+    runs = _run_both(workload, settings, timeout_s, exact)
     figures = {name: shared_figures(run, shared) for name, run in runs.items()}
-    return _result(workload, settings, runs, figures, ratios(figures[OURS], figures[THEIRS], SHARED_RATIOS))
+    return _result(workload, settings, runs, figures, ratios(figures[OURS], figures[THEIRS], SHARED_RATIOS),
+                   exact_figures(runs, figures, SHARED_RATIOS))
 
 
-def _run_both(workload: Workload, settings: Settings, timeout_s: float) -> dict[str, EngineRun]:
+def _run_both(workload: Workload, settings: Settings, timeout_s: float, exact: bool = False) -> dict[str, EngineRun]:
     binary = llama_server_binary(settings)   # a missing binary is said before our run, not after it
-    ours = run_scheduler(workload, settings, timeout_s=timeout_s)
-    return {OURS: ours, THEIRS: run_llama_server(workload, settings, timeout_s=timeout_s, binary=binary)}
+    runs = {OURS: run_scheduler(workload, settings, timeout_s=timeout_s)}
+    if exact:   # the mode on, right after it off: the same workload, the same machine, minutes apart
+        runs[EXACT] = run_scheduler(workload, settings, timeout_s=timeout_s, exact=True)
+    runs[THEIRS] = run_llama_server(workload, settings, timeout_s=timeout_s, binary=binary)
+    if exact:
+        for name in (OURS, EXACT):
+            check_against_solo(workload, scheduler_settings(workload, settings, name == EXACT), runs[name])
+    return runs
 
 
-def _result(workload: Workload, settings: Settings, runs: dict[str, EngineRun], figures: dict, ratio: dict) -> dict:
+def check_against_solo(workload: Workload, settings: Settings, run: EngineRun) -> None:
+    """Each completed answer against the same request run alone (kvbridge.scheduler.exact.solo_answer on a
+    context of its own, the run's K/V type and attention kernels), greedy, as long as the answer."""
+    from kvbridge.backends.llama_context import LlamaContext
+    from kvbridge.scheduler.exact import solo_answer
+
+    ctx = LlamaContext(settings.replace(sched_exact=False), settings.ctx_size, 1)
+    try:
+        for timed, result in zip(workload.requests, run.requests):
+            if result.error:
+                continue
+            tokens = ctx.tokenize(ctx.render(list(timed.messages)))
+            answer = solo_answer(ctx, tokens, timed.n_predict)
+            result.solo_equal = b"".join(ctx.piece(t) for t in answer).decode("utf-8", "replace") == result.text
+    finally:
+        ctx.close()
+
+
+def exact_figures(runs: dict[str, EngineRun], figures: dict, names: tuple[str, ...]) -> dict:
+    """--exact: the mode's figures against the mode off (exact / off) and how many answers equal their solo runs."""
+    if EXACT not in runs:
+        return {}
+    done = {name: [r for r in runs[name].requests if not r.error] for name in (OURS, EXACT)}
+    return {"exact_vs_off": ratios(figures[EXACT], figures[OURS], names),
+            "exact_vs_llama_server": ratios(figures[EXACT], figures[THEIRS], names),
+            "solo_equal": {name: [sum(bool(r.solo_equal) for r in done[name]), len(done[name])] for name in done}}
+
+
+def _result(workload: Workload, settings: Settings, runs: dict[str, EngineRun], figures: dict, ratio: dict,
+            exact: dict | None = None) -> dict:
     d = workload.defaults
     return {"workload": {"key": workload.key, "title": workload.title, "kv_cells": d.kv_cells,
                          "max_running": d.max_running, "threads": settings.resolved_threads(),
@@ -401,11 +446,11 @@ def _result(workload: Workload, settings: Settings, runs: dict[str, EngineRun], 
                          "llama_server_args": llama_server_args(workload, settings),
                          "requests": [dataclasses.asdict(r) for r in workload.requests]},
             "runs": {name: dataclasses.asdict(run) for name, run in runs.items()},
-            "figures": figures, "ratios": ratio}
+            "figures": figures, "ratios": ratio, **({"exact": exact} if exact else {})}
 
 
 def run_bench_scheduler(settings: Settings, parts=PARTS, *, swap: dict | None = None, burst: dict | None = None,
-                        shared: dict | None = None, timeout_s: float = RUN_TIMEOUT_S) -> dict:
+                        shared: dict | None = None, timeout_s: float = RUN_TIMEOUT_S, exact: bool = False) -> dict:
     """The parts asked for, in one run: swap cost, then the burst and shared-prompt comparisons."""
     from kvbridge.bench.scheduler_bench import bench_swap_vs_recompute
 
@@ -413,7 +458,7 @@ def run_bench_scheduler(settings: Settings, parts=PARTS, *, swap: dict | None = 
     if "swap" in parts:
         result["swap"] = bench_swap_vs_recompute(settings, **(swap or {}))
     if "burst" in parts:
-        result["burst"] = compare_priority_burst(settings, timeout_s=timeout_s, **(burst or {}))
+        result["burst"] = compare_priority_burst(settings, timeout_s=timeout_s, exact=exact, **(burst or {}))
     if "shared" in parts:
-        result["shared"] = compare_shared_system_prompt(settings, timeout_s=timeout_s, **(shared or {}))
+        result["shared"] = compare_shared_system_prompt(settings, timeout_s=timeout_s, exact=exact, **(shared or {}))
     return result

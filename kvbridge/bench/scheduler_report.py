@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvbridge.bench.common.report import write_result_json
-from kvbridge.bench.scheduler_compare import OURS, THEIRS
+from kvbridge.bench.scheduler_compare import EXACT, OURS, THEIRS
 
 
 def format_bench_scheduler(result: dict) -> str:
@@ -68,7 +68,24 @@ def _format(result: dict, rows: list[tuple[str, str]]) -> str:
                      f"{_fmt(b['ttft_ms']):>21}{b['gen_tokens']:>5}{b['computed_tokens']:>9}{b['reused_tokens']:>7}")
     for engine, requests_ in ((OURS, ours), (THEIRS, theirs)):
         lines += [f"  {engine} {r['label']} failed: {r['error']}" for r in requests_ if r["error"]]
+    if "exact" in result:
+        lines += _format_exact(result, rows)
     return "\n".join(lines)
+
+
+def _format_exact(result: dict, rows: list[tuple[str, str]]) -> list[str]:
+    """--exact: the scheduler with KVB_SCHED_EXACT=1 beside itself with the mode off, and the answers that equal
+    their solo runs in each."""
+    figures, exact = result["figures"], result["exact"]
+    lines = [f"  KVB_SCHED_EXACT=1 (flash attention off) against the mode off (above, flash attention on):",
+             f"  {'':36}{'exact':>12}{'exact / off':>14}{'exact / llama-server':>21}"]
+    for title, key in rows:
+        lines.append(f"  {title:36}{_fmt(figures[EXACT][key]):>12}{_fmt_ratio(exact['exact_vs_off'].get(key)):>14}"
+                     f"{_fmt_ratio(exact['exact_vs_llama_server'].get(key)):>21}")
+    for name, (equal, done) in exact["solo_equal"].items():
+        lines.append(f"  {name}: {equal} of {done} answers equal the same request run alone")
+    lines += [f"  {EXACT} {r['label']} failed: {r['error']}" for r in result["runs"][EXACT]["requests"] if r["error"]]
+    return lines
 
 
 def _fmt(value) -> str:

@@ -153,7 +153,7 @@ def solo_answer(ctx, tokens: Sequence[int], n_predict: int, seq: int = 0) -> lis
     for start in range(0, len(tokens), BATCH_TOKENS):
         piece = tokens[start:start + BATCH_TOKENS]
         _must(ctx.decode([(t, start + i, seq, start + i == len(tokens) - 1) for i, t in enumerate(piece)]))
-        logits = ctx.logits(len(piece) - 1)
+    logits = ctx.logits(len(tokens) - 1 - (len(tokens) - 1) // BATCH_TOKENS * BATCH_TOKENS)   # the last piece's last
     answer: list[int] = []
     position = len(tokens)
     while len(answer) < n_predict:
