@@ -317,9 +317,15 @@ def test_live_connect_status(live_state):
     assert "input/garden.md" in r.document_choices(live_state)
 
 
+@pytest.fixture
+def no_settle(monkeypatch):
+    """No pause after a request for a page to draw its charts: no page here (run_stream's GUI_SETTLE_S)."""
+    monkeypatch.setattr(r, "GUI_SETTLE_S", 0.0)
+
+
 @pytest.mark.live
 @needs_model
-def test_live_run_streams_records_and_keeps_them_on_failure(live_state):
+def test_live_run_streams_records_and_keeps_them_on_failure(live_state, no_settle):
     seen = []
     views = list(r.run_stream(live_state, "doc-qa", ["cold", "lmcache"], 2, "input/garden.md",
                               progress=lambda value, desc, unit: seen.append(value)))
@@ -338,7 +344,7 @@ def test_live_run_streams_records_and_keeps_them_on_failure(live_state):
 
 @pytest.mark.live
 @needs_model
-def test_live_stop_and_busy(live_state):
+def test_live_stop_and_busy(live_state, no_settle):
     views = []
     for view in r.run_stream(live_state, "doc-qa", ["cold"], 3, "input/garden.md"):   # short cold prefills
         views.append(view)

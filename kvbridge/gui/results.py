@@ -120,13 +120,13 @@ def headline(summaries: Sequence[ModeSummary]) -> str:
     return "Time to first token, times faster than cold on average: " + " · ".join(faster)
 
 
-def results_view(state: AppState, message: str = "", ok: bool = True) -> ResultsView:
+def results_view(state: AppState, message: str = "", ok: bool = True,
+                 figures: dict[str, go.Figure] | None = None) -> ResultsView:
+    """The view of the shown records; `figures` reuses charts built for an earlier view of the same run
+    (run_stream rebuilds them at most every FIGURES_EVERY_S), else every chart is built now."""
     records = list(state.records)
-    figures = run_figures(records, store_stats(state))
-    if "long_context" in figures:
-        # a long-context run's curve takes the per-request plot's place: TTFT against prompt length is
-        # what its requests mean, and the page has no plot of its own for it
-        figures["ttft_per_request"] = figures["long_context"]
+    if figures is None:
+        figures = build_figures(state, records)
     return ResultsView(
         message=message,
         ok=ok,
@@ -135,6 +135,15 @@ def results_view(state: AppState, message: str = "", ok: bool = True) -> Results
         figures=figures,
         has_shadow=any(r.kv_mode == "shadow" for r in records),
     )
+
+
+def build_figures(state: AppState, records: Sequence[RequestRecord]) -> dict[str, go.Figure]:
+    figures = run_figures(records, store_stats(state))
+    if "long_context" in figures:
+        # a long-context run's curve takes the per-request plot's place: TTFT against prompt length is
+        # what its requests mean, and the page has no plot of its own for it
+        figures["ttft_per_request"] = figures["long_context"]
+    return figures
 
 
 # -- scenario choices -------------------------------------------------------------------------
@@ -201,6 +210,10 @@ def run_meta(state: AppState, scenario: str, modes: Sequence[str], n_requests: i
 
 
 GUI_SETTLE_S = 0.5   # seconds between requests of a GUI run (see run_stream)
+# A running run's charts are rebuilt at most this often (every plotly figure of the run, ~0.1-0.3 s of CPU on
+# 2 cores, and the page redraws each); the table and the summary follow every request, the charts catch up
+# with the next rebuild and always with the run's last view.
+FIGURES_EVERY_S = 0.5
 
 
 def run_stream(
@@ -233,16 +246,24 @@ def run_stream(
         yield results_view(state, f"Running **{scenario}** in {', '.join(modes)}…")
         on_progress = None if progress is None else (
             lambda done, total, what: progress((done, total), desc=what, unit="requests"))
+        figures: dict[str, go.Figure] | None = None   # the charts last shown, while they are fresh enough
+        drawn_at = time.monotonic()
         for record in run_scenario(state.engine, scenario, modes, n_requests=n, document=text,
                                    progress=on_progress, stop_event=state.stop_event):
             new_records.append(record)
             if len(new_records) == 1:  # the new run replaces the old results only now
                 state.records, state.run_meta = new_records, meta
-            yield results_view(state, f"Running **{scenario}**: {len(new_records)} requests done "
-                                      f"(last: {record.mode} #{record.request_index}, TTFT {record.ttft_ms:.0f} ms).")
-            # let the page draw the updated charts before the next timed request: on a 2-core machine the
-            # browser's own rendering would otherwise share the CPU with that request's prefill
-            time.sleep(GUI_SETTLE_S)
+            redraw = figures is None or time.monotonic() - drawn_at >= FIGURES_EVERY_S
+            view = results_view(state, f"Running **{scenario}**: {len(new_records)} requests done "
+                                       f"(last: {record.mode} #{record.request_index}, TTFT {record.ttft_ms:.0f} ms).",
+                                figures=None if redraw else figures)
+            figures = view.figures
+            yield view
+            if redraw:
+                # let the page draw the updated charts before the next timed request: on a 2-core machine the
+                # browser's own rendering would otherwise share the CPU with that request's prefill
+                time.sleep(GUI_SETTLE_S)
+                drawn_at = time.monotonic()
         word = "Stopped" if state.stop_event.is_set() else "Finished"
         failed = sum(bool(r.error) for r in new_records)
         yield results_view(state, f"{word} **{scenario}**: {len(new_records)} requests"
