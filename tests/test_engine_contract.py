@@ -123,23 +123,22 @@ def test_prompts_sharing_only_the_system_prompt(engine, short_doc):
     assert warm.matched_tokens > 0 and warm.text == cold.text
 
 
-def test_shared_prefix_is_stored_once(make_settings, engine_for, short_doc):
-    """Two documents behind one long shared system prompt: shared chunks stored once."""
-    settings = make_settings(l2_enabled=False)
+def test_shared_prefix_is_stored_once(engine, short_doc):
+    """Two documents behind one long shared system prompt: shared chunks stored once (counted in L1, which
+    every stored object enters)."""
     system = {"role": "system", "content": short_doc}
-    with engine_for(settings) as engine:
-        a = engine.infer([system, {"role": "user", "content": "Document A: the moon orbits the earth."}], mode="lmcache", n_predict=2)
-        chunk_objects_after_a = engine.store.stats()["tiers"]["L1"]["objects"]
-        b = engine.infer([system, {"role": "user", "content": "Document B: bees make honey from nectar."}], mode="lmcache", n_predict=2)
-        assert b.chunks_hit >= a.prompt_tokens // 32 - 1
-        # only the chunks after the shared part are new (plus tails), not a second copy of the system prompt
-        new_objects = engine.store.stats()["tiers"]["L1"]["objects"] - chunk_objects_after_a
-        assert new_objects <= (b.prompt_tokens - b.chunks_hit * 32) // 32 + 2
-        per_token = engine.geometry.bytes_per_cell
-        stored = engine.store.stats()["tiers"]["L1"]["bytes"]
-        unique_chunk_tokens = (a.prompt_tokens // 32) * 32 + (b.prompt_tokens // 32 - b.chunks_hit) * 32
-        tails = 2 * 2 * 64 * per_token   # at most two tails per prompt, each under two chunks long
-        assert unique_chunk_tokens * per_token <= stored <= unique_chunk_tokens * per_token * 1.05 + tails
+    a = engine.infer([system, {"role": "user", "content": "Document A: the moon orbits the earth."}], mode="lmcache", n_predict=2)
+    chunk_objects_after_a = engine.store.stats()["tiers"]["L1"]["objects"]
+    b = engine.infer([system, {"role": "user", "content": "Document B: bees make honey from nectar."}], mode="lmcache", n_predict=2)
+    assert b.chunks_hit >= a.prompt_tokens // 32 - 1
+    # only the chunks after the shared part are new (plus tails), not a second copy of the system prompt
+    new_objects = engine.store.stats()["tiers"]["L1"]["objects"] - chunk_objects_after_a
+    assert new_objects <= (b.prompt_tokens - b.chunks_hit * 32) // 32 + 2
+    per_token = engine.geometry.bytes_per_cell
+    stored = engine.store.stats()["tiers"]["L1"]["bytes"]
+    unique_chunk_tokens = (a.prompt_tokens // 32) * 32 + (b.prompt_tokens // 32 - b.chunks_hit) * 32
+    tails = 2 * 2 * 64 * per_token   # at most two tails per prompt, each under two chunks long
+    assert unique_chunk_tokens * per_token <= stored <= unique_chunk_tokens * per_token * 1.05 + tails
 
 
 def test_corrupt_l2_object_is_a_counted_miss_not_wrong_output(engine, short_doc):
@@ -159,14 +158,17 @@ def test_corrupt_l2_object_is_a_counted_miss_not_wrong_output(engine, short_doc)
     assert engine.store.stats()["corrupt"] >= 1
 
 
-def test_foreign_namespace_is_never_restored(make_settings, engine_for, short_doc):
+def test_foreign_namespace_is_never_restored(engine, engine_for, short_doc):
     prompt = doc_prompt(short_doc, "Who is the general manager?")
-    with engine_for(make_settings(chunk_size=32)) as engine:
-        engine.infer(prompt, mode="lmcache", n_predict=4)
-        ns32 = engine.namespace
-    with engine_for(make_settings(chunk_size=48)) as engine:   # another chunk size -> another namespace
-        assert engine.namespace != ns32
-        warm = engine.infer(prompt, mode="lmcache", n_predict=4)
+    assert engine.settings.chunk_size == 32
+    engine.infer(prompt, mode="lmcache", n_predict=4)
+    engine.store.flush()   # the queued L2 writes on disk, where the other engine looks
+    ns32 = engine.namespace
+    assert any(pathlib.Path(engine.settings.l2_dir).rglob("*.kvb"))
+    # the same L2 directory, another chunk size -> another namespace
+    with engine_for(engine.settings.replace(chunk_size=48)) as other:
+        assert other.namespace != ns32
+        warm = other.infer(prompt, mode="lmcache", n_predict=4)
         assert warm.matched_tokens == 0
 
 
