@@ -52,13 +52,20 @@ def shared_engine(make_module_settings):
 
 @pytest.fixture
 def engine(shared_engine):
-    """The module's engine as a new one would be (conftest.as_fresh) and no blend runner yet (a new runner's
-    context starts at CELL_STEP cells and grows with the prompts)."""
+    """The module's engine as a new one would be (conftest.as_fresh). Its blend runner (a second context, made by
+    the first test that needs it) is kept: every run, placement and store empties the sequences it uses first,
+    and the passages it finds come from the store, emptied here."""
     as_fresh(shared_engine)
-    runner = shared_engine._mode_runners.pop("blend", None)
+    return shared_engine
+
+
+@pytest.fixture
+def engine_without_runner(engine):
+    """The engine with no blend runner yet: a new runner's context starts at CELL_STEP cells and grows with the prompts."""
+    runner = engine._mode_runners.pop("blend", None)
     if runner is not None:
         runner.close()
-    return shared_engine
+    return engine
 
 
 def rag(engine, passage_ids, question="What is the steepest gradient on the line?"):
@@ -306,11 +313,12 @@ def test_the_blend_bench_prints_the_curve_and_llama_servers_cache_reuse_beside_i
     assert exact["identical"] == 1.0 and exact["mean_kl"] < 1e-9, result["ceiling"]
 
 
-def test_the_blend_context_grows_with_the_prompts_up_to_kvb_ctx_size(engine):
+def test_the_blend_context_grows_with_the_prompts_up_to_kvb_ctx_size(engine_without_runner):
     """llama.cpp's K shift rotates every cell of the context, so the blend context is sized to the prompts it
     has answered (steps of CELL_STEP), not to KVB_CTX_SIZE; the answer is the same either way."""
     from kvbridge.blend.runner import CELL_STEP
 
+    engine = engine_without_runner
     runner = engine._blend_runner()
     assert runner.ctx.n_cells == CELL_STEP and runner.max_cells == 4096
     messages = rag(engine, ["p01", "p02"])   # ~600 tokens: past the first CELL_STEP
