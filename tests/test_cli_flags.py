@@ -77,7 +77,8 @@ def test_every_flag_sets_a_real_setting_of_its_type_and_its_help_says_which():
         for command, field in flag.fields.items():
             assert field in SETTING_NAMES, (flag.name, field)
             if field != "cache_server_url":   # cache-server's --host/--port both make one URL
-                assert (flag.kind == "int") == isinstance(getattr(Settings(), field), int), flag.name
+                kind = type(getattr(Settings(), field))
+                assert (flag.kind == "int") == (kind is int) and (flag.kind == "switch") == (kind is bool), flag.name
     for command in COMMANDS:
         with pytest.raises(SystemExit):
             parsed(command, "--help")

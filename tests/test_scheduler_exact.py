@@ -185,3 +185,19 @@ def test_decode_tokens_go_in_calls_of_the_measured_width_and_each_prefill_alone(
 def test_exact_mode_refuses_flash_attention_naming_both_settings():
     problems = settings_problems(Settings().replace(sched_exact=True, flash_attn=True), {})
     assert any("KVB_SCHED_EXACT" in p and "KVB_FLASH_ATTN" in p for p in problems)
+
+
+def test_serve_and_the_lab_turn_it_on():
+    """`kvbridge serve --exact` / `gui --exact` (KVB_SCHED_EXACT=1) and the lab's "Exact answers" box; the lab
+    turns flash attention off with it (the mode's condition) instead of refusing."""
+    from kvbridge.gui.lab import lab_settings
+    from kvbridge.settings.flags import GUI, SERVE, overrides
+
+    base = Settings().replace(flash_attn=True)
+    for command in (SERVE, GUI):
+        assert overrides(command, {"exact": True}, base)["sched_exact"] is True
+        assert "sched_exact" not in overrides(command, {"exact": None}, base)
+    settings, problems = lab_settings(base, 2048, 3, 0.25, 0.1, 0.05, exact=True)
+    assert problems == [] and settings.sched_exact and not settings.flash_attn
+    settings, _ = lab_settings(base, 2048, 3, 0.25, 0.1, 0.05, exact=False)
+    assert not settings.sched_exact and settings.flash_attn

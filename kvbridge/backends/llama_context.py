@@ -201,13 +201,27 @@ class LlamaContext:
             raise StateTransferError(f"llama_state_seq_get_data_ext wrote {written} of {size} bytes")
         return buf.tobytes()
 
-    def save_window(self, seq: int, scratch: int, end: int) -> memoryview:
+    def save_window(self, seq: int, scratch: int, end: int, spare: int | None = None) -> memoryview:
         """A sliding-window model: the window rows of `seq` for the window ending at position end - 1,
         read through `scratch` (an empty sequence) sharing seq's first `end` positions, so nothing of
-        `seq` changes (its cells keep every row: the SWA cache is full-size)."""
+        `seq` changes (its cells keep every row: the SWA cache is full-size). In exact mode `scratch` is
+        another stream: llama.cpp copies seq's whole stream into it (a state copy would hold only seq's
+        last window), at the next decode, which a token decoded into the empty sequence `spare` and removed
+        again brings about (no logits)."""
         llama = self._llama
         flags = llama.LLAMA_STATE_SEQ_FLAGS_SWA_ONLY
-        self.seq_cp(seq, scratch, end)
+        if self.exact:
+            if spare is None:
+                raise StateTransferError("no spare sequence to read a window through in exact mode")
+            llama.llama_memory_seq_cp(self.memory, seq, scratch, -1, -1)
+            self.seq_rm(scratch, end, -1)
+            rc = self.decode([(0, 0, spare, False)])
+            self.seq_rm(spare)
+            if rc != 0:
+                self.seq_rm(scratch)
+                raise StateTransferError(f"llama_decode returned {rc} while copying a stream for a window")
+        else:
+            self.seq_cp(seq, scratch, end)
         try:
             size = llama.llama_state_seq_get_size_ext(self.ctx, scratch, flags)
             buf = np.empty(size, dtype=np.uint8)

@@ -22,6 +22,10 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
     """The llama-server-style flags `command` takes (kvbridge.settings.flags.FLAGS), each defaulting to None:
     not given, the environment and `.env` decide."""
     for flag in flags_for(command):
+        if flag.kind == "switch":
+            parser.add_argument(*flag.spellings, dest=flag.dest, action="store_const", const=True, default=None,
+                                help=help_text(flag, command))
+            continue
         parser.add_argument(*flag.spellings, dest=flag.dest, metavar=flag.metavar, default=None,
                             type=int if flag.kind == "int" else str, help=help_text(flag, command))
 

@@ -130,8 +130,9 @@ def request_rows(requests: Sequence[TimedRequest]) -> list[list[Any]]:
 
 
 def lab_settings(base: Settings, kv_cells: Any, max_running: Any, soft: Any, hard: Any,
-                 critical: Any) -> tuple[Settings | None, list[str]]:
-    """The base settings with the tab's scheduler controls; problems name the KVB_SCHED_ variables."""
+                 critical: Any, exact: Any = None) -> tuple[Settings | None, list[str]]:
+    """The base settings with the tab's scheduler controls; problems name the KVB_SCHED_ variables. exact: the
+    tab's "Exact answers" box (KVB_SCHED_EXACT; flash attention off with it); None keeps the base's."""
     values = dict(zip(SCHEDULER_FIELDS, (kv_cells, max_running, soft, hard, critical)))
     names = {"sched_kv_cells": "KV budget (KVB_SCHED_KV_CELLS)", "sched_max_running": "running sequences "
              "(KVB_SCHED_MAX_RUNNING)", "sched_soft": "KVB_SCHED_SOFT", "sched_hard": "KVB_SCHED_HARD",
@@ -149,13 +150,17 @@ def lab_settings(base: Settings, kv_cells: Any, max_running: Any, soft: Any, har
                             f"got {value!r}")
     if problems:
         return None, problems
+    if exact is not None:
+        changes["sched_exact"] = bool(exact)
+    if changes.get("sched_exact", base.sched_exact):
+        changes["flash_attn"] = False   # exact mode's condition (kvbridge.scheduler.exact)
     settings = base.replace(**changes)
     problems = [p for p in settings.validate() if "KVB_SCHED_" in p]
     return (None, problems) if problems else (settings, [])
 
 
 def start_lab(lab: LabSession, key: str, kv_cells: Any, max_running: Any, soft: Any, hard: Any, critical: Any,
-              rows: Any) -> Outcome:
+              rows: Any, exact: Any = None) -> Outcome:
     """Start the workload with the tab's settings and priorities; the page then polls lab_view."""
     if lab.run is not None and lab.run.active:
         return Outcome("A workload is running; press Stop first (or wait for it to finish).", ok=False)
@@ -163,7 +168,7 @@ def start_lab(lab: LabSession, key: str, kv_cells: Any, max_running: Any, soft: 
         workload = get_workload(key, **lab.workload_options.get(key, {})).with_priorities(_priorities(rows))
     except KVBridgeError as exc:
         return Outcome(f"Cannot start: {exc}. Nothing was changed.", ok=False)
-    settings, problems = lab_settings(lab.settings, kv_cells, max_running, soft, hard, critical)
+    settings, problems = lab_settings(lab.settings, kv_cells, max_running, soft, hard, critical, exact)
     if settings is None:
         return Outcome("Cannot start: " + "; ".join(problems) + ". Nothing was changed.", ok=False)
     run = LabRun(workload)
@@ -171,7 +176,8 @@ def start_lab(lab: LabSession, key: str, kv_cells: Any, max_running: Any, soft: 
     run.thread = threading.Thread(target=_drive, args=(lab, run, settings), name="kvbridge-lab", daemon=True)
     run.thread.start()
     return Outcome(f"Started **{workload.title}**: {len(workload.requests)} requests on "
-                   f"{settings.sched_kv_cells} KV cells, {settings.sched_max_running} running at once.")
+                   f"{settings.sched_kv_cells} KV cells, {settings.sched_max_running} running at once"
+                   + (", exact answers (each equals the request run alone)." if settings.sched_exact else "."))
 
 
 def stop_lab(lab: LabSession) -> Outcome:

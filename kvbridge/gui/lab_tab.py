@@ -48,6 +48,7 @@ def build_lab_tab(lab: LabSession) -> None:
                 soft = gr.Number(defaults.soft, elem_id="kvb-lab-soft", **setting_input("sched_soft"))
                 hard = gr.Number(defaults.hard, elem_id="kvb-lab-hard", **setting_input("sched_hard"))
                 critical = gr.Number(defaults.critical, elem_id="kvb-lab-critical", **setting_input("sched_critical"))
+            exact = gr.Checkbox(lab.settings.sched_exact, elem_id="kvb-lab-exact", **setting_input("sched_exact"))
         with gr.Column(scale=1):
             requests = gr.Dataframe(rows, headers=REQUEST_COLUMNS, label="Requests (edit a priority: 0-9, higher is "
                                     "more urgent)", interactive=True, wrap=True, elem_id="kvb-lab-requests",
@@ -85,8 +86,8 @@ def build_lab_tab(lab: LabSession) -> None:
         text, marks, table = workload_defaults(lab, key)
         return [text, marks.kv_cells, marks.max_running, marks.soft, marks.hard, marks.critical, table]
 
-    def on_run(key: str, cells: Any, running: Any, s: Any, h: Any, c: Any, table: Any) -> list[Any]:
-        outcome = start_lab(lab, key, cells, running, s, h, c, table)
+    def on_run(key: str, cells: Any, running: Any, s: Any, h: Any, c: Any, table: Any, exact_on: Any) -> list[Any]:
+        outcome = start_lab(lab, key, cells, running, s, h, c, table, exact_on)
         if not outcome.ok:
             gr.Warning(" ".join(outcome.message.split())[:300])
             return [f"⚠️ {outcome.message}", *[gr.update()] * 6, gr.Timer(active=False)]
@@ -99,7 +100,7 @@ def build_lab_tab(lab: LabSession) -> None:
 
     scenario.change(on_scenario, scenario, [about, kv_cells, max_running, soft, hard, critical, requests],
                     queue=False)
-    run_btn.click(on_run, [scenario, kv_cells, max_running, soft, hard, critical, requests], view_outputs,
+    run_btn.click(on_run, [scenario, kv_cells, max_running, soft, hard, critical, requests, exact], view_outputs,
                   queue=False)
     stop_btn.click(on_stop, None, view_outputs, queue=False)
     timer.tick(lambda: view_values(), None, view_outputs, queue=False, show_progress="hidden")

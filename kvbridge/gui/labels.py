@@ -56,6 +56,7 @@ FIELD_TEXT: dict[str, tuple[str, str]] = {
     "sched_soft": ("Soft mark (free fraction)", "evict cold prefixes below"),
     "sched_hard": ("Hard mark", "stop admitting below"),
     "sched_critical": ("Critical mark", "preempt below"),
+    "sched_exact": ("Exact answers", "each equals the request run alone; flash attention off"),
 }
 
 

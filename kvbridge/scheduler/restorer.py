@@ -236,13 +236,15 @@ class Restorer:
         free sequence id, for ChunkKV.store_prompt to take later (its capture calls, precomputed:
         each asks one position past the rows still missing). None: no window, or no free sequence."""
         window = self.window
-        if not window or not self.pool.free:
+        if not window or len(self.pool.free) < (2 if self.exact else 1):
             return None
         start = parse_state(data, window=window).window_start
         scratch = self.pool.free[-1]
+        spare = self.pool.free[-2] if self.exact else None   # exact mode: flushes llama.cpp's stream copy
         captured: dict[int, WindowCapture] = {}
         while start > 0:
             end = start + 1
-            captured[end] = WindowCapture(self._ctx.save_window(seq, scratch, end), whole_state=False, trusted_end=end)
+            captured[end] = WindowCapture(self._ctx.save_window(seq, scratch, end, spare), whole_state=False,
+                                          trusted_end=end)
             start = max(0, end - window)
         return captured.get

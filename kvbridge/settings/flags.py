@@ -42,7 +42,7 @@ class Flag:
     fields: Mapping[str, str]      # command -> the Settings field the flag sets there
     metavar: str
     help: str                      # the same in every command that takes it
-    kind: str = "text"             # text, int or path (made absolute, `~` expanded)
+    kind: str = "text"             # text, int, path (made absolute, `~` expanded) or switch (no value: on)
     unset: str = ""                # what an unset field means, when its default value does not say it
 
     @property
@@ -76,6 +76,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--api-key-file",), {SERVE: "serve_api_key_file"}, "PATH",
          "a file you own, readable by you alone (chmod 600), holding the bearer token clients must send; "
          "read once at start, never shown; not with KVB_SERVE_API_KEY_ENV", kind="path", unset="no key"),
+    Flag(("--exact",), {SERVE: "sched_exact", GUI: "sched_exact"}, "",
+         "every answer equals the same request run alone, however many run at once (KVBridge's own; needs "
+         "KVB_FLASH_ATTN=0)", kind="switch"),
 )
 
 

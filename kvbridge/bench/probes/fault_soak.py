@@ -99,16 +99,15 @@ def client_main(args) -> int:
 # -- serve, asked through HTTP --------------------------------------------------------------------------
 class _ServeAsker:
     """`python -m kvbridge serve` on the same cache server (its scheduler swaps and restores through it),
-    run as its answers are proven equal to solo runs (f32 K/V, one running sequence: llama.cpp on CPU is
-    not batch-invariant), asked from a thread. Each question's cold answer comes first, with a
+    run as its answers are proven equal to solo runs: KVB_SCHED_EXACT=1 on the default f16 K/V with two running
+    sequences (kvbridge.scheduler.exact), asked from a thread. Each question's cold answer comes first, with a
     cache_salt of its own (a salt shares nothing: a real cold prefill)."""
 
     def __init__(self, directory: Path, env: dict) -> None:
         import threading
 
         self.log = directory / "serve.log"
-        env = dict(env, KVB_CACHE_TYPE_K="f32", KVB_CACHE_TYPE_V="f32", KVB_SCHED_MAX_RUNNING="1",
-                   KVB_SERVE_MAX_TOKENS="12")
+        env = dict(env, KVB_SCHED_EXACT="1", KVB_SCHED_MAX_RUNNING="2", KVB_SERVE_MAX_TOKENS="12")
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "serve", "--port", "0"], env=env,
                                          cwd=WORK_DIR,
