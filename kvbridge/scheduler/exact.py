@@ -19,8 +19,10 @@ answer under concurrency"), and what this mode does about each:
    repacked weights group rows by 4), and so does reused KV (shared cells, a restore): `safe_reuse`.
 4. How reused KV was computed. Only prefill-computed prompt cells are shared (never a running request's
    generated tokens, which its decode steps computed one at a time), a preempted sequence is kept whole
-   in this process (its own cells back bit for bit), and the store's objects live under a namespace of
-   their own (`NAMESPACE_TAG`), so KV computed in a unified cache beside other sequences never comes back.
+   in this process (its own cells back bit for bit; a sliding-window model's, whose saved state holds
+   only its last window, goes through the store under a salt of the scheduler's own and comes back
+   whole), and the store's objects live under a namespace of their own (`NAMESPACE_TAG`), so KV
+   computed in a unified cache beside other sequences never comes back.
 
 Batched decoding stays where it is exact: SmolLM2's decode tokens all share one call.
 """

@@ -17,6 +17,7 @@ restore is checked to leave the recurrent state after the last restored position
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from concurrent.futures import Future, InvalidStateError
 from typing import Callable
@@ -50,7 +51,10 @@ class Restorer:
                  window: int, chunk_size: int, journal: Journal, geometry: KVGeometry | None = None,
                  misses: AdmissionMisses | None = None, exact: bool = False) -> None:
         self._ctx = ctx
-        self.exact = exact   # KVB_SCHED_EXACT: restores cut where a solo prefill would cut; swap-outs kept whole
+        self.exact = exact   # KVB_SCHED_EXACT: restores cut where a solo prefill would cut; swap-outs private
+        # exact mode's swapped-out contexts of a sliding-window model: under a salt nobody can send (random per
+        # scheduler), so a swapped answer's KV, decoded one token a call, never serves another prompt's prefill
+        self._swap_salt_tag = "\x00exact-swap-" + secrets.token_hex(16)
         self.pool = pool
         self.ledger = pool.ledger
         self.cache = cache
@@ -90,7 +94,9 @@ class Restorer:
                 self.misses.resident_only(request, self.store_for(request.salt), shared, resident_tokens(source))
             return kept     # the resident run covers all the store could give
         start = time.perf_counter()
-        sequences = self.store_for(request.salt)
+        ticket = request.swap
+        sequences = ticket.sequences if ticket is not None and ticket.sequences is not None else \
+            self.store_for(request.salt)
         try:
             plan = sequences.restore(request.context, request.swap, at_least=enough)
         except StoreFault as exc:   # a storage fault is a counted miss: the resident cells stay, the rest is computed
@@ -115,7 +121,8 @@ class Restorer:
                 self.misses.refused(request, kv, exc)
             return kv, "resident" if kv else "none", (time.perf_counter() - start) * 1e3
         held = plan.matched_tokens
-        if self.exact:   # the rest prefills as a solo run would: from a cut its own pieces have (kvbridge.scheduler.exact)
+        whole_swap = ticket is not None and held == len(request.context) - 1   # a swapped context, all of it back
+        if self.exact and not whole_swap:   # the rest prefills as a solo run would (kvbridge.scheduler.exact)
             held = safe_reuse(held, len(request.prompt))
             if held < plan.matched_tokens:
                 self._ctx.seq_rm(request.seq, held, -1)
@@ -185,10 +192,16 @@ class Restorer:
         data = self._ctx.save_seq(request.seq)
         # a recurrent state cannot be cut into chunks, and exact mode's swapped-out cells come back bit for bit and
         # stay private: its generated tokens' KV, computed one at a time, must never serve another prompt's prefill
-        if self.geometry is not None or self.exact:
+        if self.geometry is not None or (self.exact and not self.window):
             return self.store_for(request.salt).swap_out_whole(data, n_tokens)
+        # a sliding-window model's state holds only its last window's rows: exact mode swaps it out through the
+        # store, whose restore gives back every cell where it was, under a salt of the scheduler's own
+        sequences = self.store_for(request.salt + self._swap_salt_tag if self.exact else request.salt)
         capture = self.window_captures(request.seq, data)
-        return self.store_for(request.salt).swap_out(data, request.context[:n_tokens], capture)
+        ticket = sequences.swap_out(data, request.context[:n_tokens], capture)
+        if self.exact:
+            ticket.sequences = sequences
+        return ticket
 
     def worth_storing(self, request: Request) -> bool:
         """What it reused came from the store or from a sequence whose prompt was stored, so only what

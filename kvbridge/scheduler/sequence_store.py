@@ -66,6 +66,8 @@ class SwapTicket:
     # recurrent state after its last position) and how many positions that is
     snapshot: bytes | memoryview | None = None
     n_tokens: int = 0
+    # the SequenceStore holding it when not its request's salt's (exact mode's private swap space)
+    sequences: "SequenceStore | None" = None
 
     def release(self) -> None:
         self.pins.close()
