@@ -122,19 +122,18 @@ def test_restores_from_l1_and_l2_answer_as_cold(make_settings, model, kind):
 def test_a_fresh_process_restores_from_l2(make_settings, model):
     """Another process with the same settings finds the chunks a first one stored, and answers as cold."""
     settings = make_settings(model=model, chunk_size=CHUNK, ctx_size=2048, n_predict=N_PREDICT)
+    # the first engine stays open for the oracle (its cold answer; an L2 directory takes several embedded stores)
     with open_engine(settings, "llamacpp") as engine:
         prompt = doc_prompt(engine.doc, QUESTIONS[1])
         engine.infer(doc_prompt(engine.doc, QUESTIONS[0]), mode="lmcache", n_predict=N_PREDICT)
-        doc = engine.doc
-    child = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps(dict(model=model, l2_dir=settings.l2_dir, chunk_size=CHUNK,
-                                                       ctx_size=2048, prompt=prompt))],
-        capture_output=True, text=True, timeout=300, cwd=WORK_DIR)
-    assert child.returncode == 0, child.stderr[-2000:]
-    record = json.loads(child.stdout.strip().splitlines()[-1])
-    assert record["tier"] == "L2" and record["matched_tokens"] > 512 + CHUNK
-    with open_engine(settings, "llamacpp") as engine:
-        engine.doc = doc
+        engine.store.flush()   # the queued L2 writes on disk before the other process looks
+        child = subprocess.run(
+            [sys.executable, "-c", _CHILD, json.dumps(dict(model=model, l2_dir=settings.l2_dir, chunk_size=CHUNK,
+                                                           ctx_size=2048, prompt=prompt))],
+            capture_output=True, text=True, timeout=300, cwd=WORK_DIR)
+        assert child.returncode == 0, child.stderr[-2000:]
+        record = json.loads(child.stdout.strip().splitlines()[-1])
+        assert record["tier"] == "L2" and record["matched_tokens"] > 512 + CHUNK
         restored = type("R", (), {"text": record["text"], "error": record["error"]})()
         oracle(engine, prompt, restored)
 
