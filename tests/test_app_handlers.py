@@ -28,7 +28,10 @@ def small_settings(tmp_path: Path, **env: str) -> Settings:
     (tmp_path / "input").mkdir(exist_ok=True)
     base = {"KVB_L2_DIR": str(tmp_path / "l2"), "KVB_CHUNK_SIZE": "32", "KVB_N_PREDICT": "4",
             "KVB_CTX_SIZE": "1024", "KVB_INPUT_DIR": str(tmp_path / "input"), "KVB_OUTPUT_DIR": str(tmp_path / "out"),
-            "KVB_L1_BYTES": "256MiB", "KVB_L2_BYTES": "512MiB"}
+            "KVB_L1_BYTES": "256MiB", "KVB_L2_BYTES": "512MiB",
+            # one llama.cpp thread: two spin-wait for each other and crawl on 2 cores shared with anything else
+            # (the live run test's 4 requests: 11 s and 5 s with one thread, 31 s and 22 s with two, at load ~2.3)
+            "KVB_THREADS": "1"}
     return Settings.from_env(env={**base, **env}, env_file=None)
 
 
