@@ -103,7 +103,9 @@ def test_one_run_compares_the_scheduler_with_llama_server_on_both_workloads(llam
         exact = result[part]["exact"]
         assert exact["solo_equal"]["ours, exact"] == [3, 3], exact["solo_equal"]
         assert exact["exact_vs_off"]["throughput_tok_s"] > 0 and exact["exact_vs_llama_server"]["wall_s"] > 0
-        assert [r["error"] for r in result[part]["runs"]["ours, exact"]["requests"]] == [""] * 3
+        for name in ("ours, exact", "ours, flash attention off"):
+            assert [r["error"] for r in result[part]["runs"][name]["requests"]] == [""] * 3
+        assert exact["exact_vs_off_flash_attention_off"]["wall_s"] > 0
 
     shared = result["shared"]
     ours = shared["runs"]["ours"]["requests"]

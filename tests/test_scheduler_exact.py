@@ -173,6 +173,8 @@ def test_prefill_pieces_end_where_solo_pieces_end_or_at_an_aligned_cut():
     assert next_piece(make_request(1000, 480), 128) == 32       # to the solo piece's end
     assert next_piece(make_request(530, 512), 128) == 18
     assert next_piece(make_request(150, 0), 128) == 150        # a cut at 128 would leave 22 tokens of it
+    assert next_piece(make_request(1000, 0), 7, first=False) == 0   # no cut fits: it waits for the next step
+    assert next_piece(make_request(1000, 0), 7) == 512         # the step's first piece always goes
 
 
 def test_decode_tokens_go_in_calls_of_the_measured_width_and_each_prefill_alone():

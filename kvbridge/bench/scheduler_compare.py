@@ -51,6 +51,7 @@ RUN_TIMEOUT_S = 900.0   # the longest one engine may take for the whole workload
 PARTS = ("swap", "burst", "shared")
 OURS, THEIRS = "ours", "llama-server"
 EXACT = "ours, exact"   # the scheduler again with KVB_SCHED_EXACT=1 (--exact): what the mode costs, side by side
+NO_FA = "ours, flash attention off"   # --exact: the mode off on exact mode's kernels, to tell the two costs apart
 
 
 @dataclass
@@ -87,27 +88,29 @@ class EngineRun:
 
 
 # -- ours -------------------------------------------------------------------------------------------
-def scheduler_settings(workload: Workload, settings: Settings, exact: bool = False) -> Settings:
+def scheduler_settings(workload: Workload, settings: Settings, exact: bool = False,
+                       flash_attn: bool | None = None) -> Settings:
     d = workload.defaults
     # flash attention on, as llama-server's default `-fa auto` picks on a CPU (about 18% faster
     # prefill here): both engines run the same kernels. Exact mode needs it off (kvbridge.scheduler.exact)
     return settings.replace(sched_kv_cells=d.kv_cells, sched_max_running=d.max_running, sched_soft=d.soft,
-                            sched_hard=d.hard, sched_critical=d.critical, ctx_size=d.kv_cells, flash_attn=not exact,
-                            sched_exact=exact)
+                            sched_hard=d.hard, sched_critical=d.critical, ctx_size=d.kv_cells,
+                            flash_attn=not exact if flash_attn is None else flash_attn, sched_exact=exact)
 
 
 def run_scheduler(workload: Workload, settings: Settings, *, timeout_s: float = RUN_TIMEOUT_S,
-                  exact: bool = False) -> EngineRun:
+                  exact: bool = False, flash_attn: bool | None = None) -> EngineRun:
     from kvbridge.scheduler import RequestRefused, Scheduler
 
-    settings = scheduler_settings(workload, settings, exact)
+    settings = scheduler_settings(workload, settings, exact, flash_attn)
     results = [_empty_result(r) for r in workload.requests]
     futures: list[Future | None] = [None] * len(results)
     first_text: list[float | None] = [None] * len(results)
     ended: list[float | None] = [None] * len(results)
     with Scheduler(settings) as scheduler:
         blocks = scheduler.snapshot()["blocks"]
-        run = EngineRun(EXACT if exact else OURS, blocks["total"] * blocks["block_tokens"],
+        name = EXACT if exact else NO_FA if flash_attn is False else OURS
+        run = EngineRun(name, blocks["total"] * blocks["block_tokens"],
                         settings.sched_max_running, settings.resolved_threads())
         start = time.perf_counter()
 
@@ -402,6 +405,7 @@ def _run_both(workload: Workload, settings: Settings, timeout_s: float, exact: b
     runs = {OURS: run_scheduler(workload, settings, timeout_s=timeout_s)}
     if exact:   # the mode on, right after it off: the same workload, the same machine, minutes apart
         runs[EXACT] = run_scheduler(workload, settings, timeout_s=timeout_s, exact=True)
+        runs[NO_FA] = run_scheduler(workload, settings, timeout_s=timeout_s, flash_attn=False)
     runs[THEIRS] = run_llama_server(workload, settings, timeout_s=timeout_s, binary=binary)
     if exact:
         for name in (OURS, EXACT):
@@ -433,6 +437,7 @@ def exact_figures(runs: dict[str, EngineRun], figures: dict, names: tuple[str, .
         return {}
     done = {name: [r for r in runs[name].requests if not r.error] for name in (OURS, EXACT)}
     return {"exact_vs_off": ratios(figures[EXACT], figures[OURS], names),
+            "exact_vs_off_flash_attention_off": ratios(figures[EXACT], figures[NO_FA], names),
             "exact_vs_llama_server": ratios(figures[EXACT], figures[THEIRS], names),
             "solo_equal": {name: [sum(bool(r.solo_equal) for r in done[name]), len(done[name])] for name in done}}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvbridge.bench.common.report import write_result_json
-from kvbridge.bench.scheduler_compare import EXACT, OURS, THEIRS
+from kvbridge.bench.scheduler_compare import EXACT, NO_FA, OURS, THEIRS
 
 
 def format_bench_scheduler(result: dict) -> str:
@@ -77,14 +77,19 @@ def _format_exact(result: dict, rows: list[tuple[str, str]]) -> list[str]:
     """--exact: the scheduler with KVB_SCHED_EXACT=1 beside itself with the mode off, and the answers that equal
     their solo runs in each."""
     figures, exact = result["figures"], result["exact"]
-    lines = [f"  KVB_SCHED_EXACT=1 (flash attention off) against the mode off (above, flash attention on):",
-             f"  {'':36}{'exact':>12}{'exact / off':>14}{'exact / llama-server':>21}"]
+    lines = ["  KVB_SCHED_EXACT=1 (flash attention off) against the mode off (above, flash attention on) and the mode off "
+             "with flash attention off too (its kernels):",
+             f"  {'':36}{'exact':>12}{'exact / off':>14}{'off, no FA':>12}{'exact / off, no FA':>20}"
+             f"{'exact / llama-server':>22}"]
     for title, key in rows:
         lines.append(f"  {title:36}{_fmt(figures[EXACT][key]):>12}{_fmt_ratio(exact['exact_vs_off'].get(key)):>14}"
-                     f"{_fmt_ratio(exact['exact_vs_llama_server'].get(key)):>21}")
+                     f"{_fmt(figures[NO_FA][key]):>12}"
+                     f"{_fmt_ratio(exact['exact_vs_off_flash_attention_off'].get(key)):>20}"
+                     f"{_fmt_ratio(exact['exact_vs_llama_server'].get(key)):>22}")
     for name, (equal, done) in exact["solo_equal"].items():
         lines.append(f"  {name}: {equal} of {done} answers equal the same request run alone")
-    lines += [f"  {EXACT} {r['label']} failed: {r['error']}" for r in result["runs"][EXACT]["requests"] if r["error"]]
+    lines += [f"  {name} {r['label']} failed: {r['error']}" for name in (EXACT, NO_FA)
+              for r in result["runs"][name]["requests"] if r["error"]]
     return lines
 
 

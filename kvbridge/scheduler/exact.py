@@ -63,15 +63,19 @@ def safe_reuse(n_tokens: int, prompt_len: int) -> int:
     return 0
 
 
-def next_piece(request: Request, room: int) -> int:
+def next_piece(request: Request, room: int, first: bool = True) -> int:
     """How many of the request's pending prompt tokens its next prefill piece takes: to the end of the solo
-    piece it is in, or, when that is more than `room`, to an ALIGN cut that leaves ALIGN or more of it."""
+    piece it is in, or, when that is more than `room`, to an ALIGN cut that leaves ALIGN or more of it. When
+    no such cut fits the room, the step's first piece takes its whole solo piece (so every step makes
+    progress) and a later one takes nothing this step (0): the step stays as short as the room says."""
     start, prompt_len = request.kv_tokens, len(request.prompt)
     end = solo_piece_end(start, prompt_len)
     if end - start > room:
         cut = ((start + room) // ALIGN) * ALIGN
         if cut - start >= ALIGN and end - cut >= ALIGN:
             end = cut
+        elif not first:
+            return 0
     return end - start
 
 
@@ -88,10 +92,13 @@ def plan_exact(running: list[Request], width: int) -> list[Batch]:
         group = decoding[at:at + max(1, width)]
         calls.append([(r, [(r.pending[0], r.kv_tokens, r.seq, len(r.pending) == 1)]) for r in group])
     room = SHARED_STEP_PREFILL if decoding or len({r.priority for r in prefilling}) > 1 else BATCH_TOKENS
+    full = room
     for request in prefilling:
         if room <= 0:
             break
-        take = next_piece(request, room)
+        take = next_piece(request, room, first=room == full)
+        if take == 0:
+            continue
         feed = request.pending[:take]
         last = len(feed) == len(request.pending)
         calls.append([(request, [(token, request.kv_tokens + i, request.seq, last and i == len(feed) - 1)
