@@ -107,7 +107,11 @@ class Restorer:
             if explain:
                 self.misses.store_fault(request, shared, exc)
             return kept
-        restored = plan.matched_tokens > enough and plan.state is not None
+        usable = plan.matched_tokens
+        whole_swap = ticket is not None and usable == len(request.context) - 1   # a swapped context, all of it back
+        if self.exact and not whole_swap:   # the rest prefills as a solo run would (kvbridge.scheduler.exact)
+            usable = safe_reuse(usable, len(request.prompt))
+        restored = usable > enough and plan.state is not None   # judged on what exact mode keeps of it
         if explain:
             self.misses.after_lookup(request, sequences, plan, shared, resident_tokens(source), restored)
         if not restored:
@@ -120,10 +124,8 @@ class Restorer:
             if explain:
                 self.misses.refused(request, kv, exc)
             return kv, "resident" if kv else "none", (time.perf_counter() - start) * 1e3
-        held = plan.matched_tokens
-        whole_swap = ticket is not None and held == len(request.context) - 1   # a swapped context, all of it back
-        if self.exact and not whole_swap:   # the rest prefills as a solo run would (kvbridge.scheduler.exact)
-            held = safe_reuse(held, len(request.prompt))
+        held = usable
+        if self.exact:
             if held < plan.matched_tokens:
                 self._ctx.seq_rm(request.seq, held, -1)
                 self.journal.counters["exact_cut_tokens"] += plan.matched_tokens - held
