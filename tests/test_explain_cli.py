@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,13 +20,16 @@ import pytest
 from conftest import SHORT_DOC_CHARS, needs_model
 from kvbridge.backends import make_backend
 from kvbridge.engine.cached_engine import CachedEngine
+from kvbridge.engine.cold_cut import on_grid, restorable
 from kvbridge.engine.misses import MISS_REASONS
 from kvbridge.settings import Settings, settings_to_env
 
 PROJECT = Path(__file__).resolve().parents[1]
-QUESTION_A = "\n\nQuestion: where is Well One? Answer:"
-QUESTION_B = "\n\nQuestion: who keeps the north gate? Answer:"
-UNRELATED = "Bananas ripen faster in a paper bag because ethylene gas collects around them."
+# questions that diverge well before a restore's end (the last 8 to 15 tokens are always computed: cold_cut)
+QUESTION_A = "\n\nQuestion: where is Well One, and how deep is it? Answer in one sentence:"
+QUESTION_B = "\n\nQuestion: who keeps the north gate, and on which nights? Answer in one sentence:"
+UNRELATED = ("Bananas ripen faster in a paper bag because ethylene gas collects around them, so keep the bag "
+             "away from apples.")   # long enough that a restore could give some of it (cold_cut)
 JSON_KEYS = {"schema", "namespace", "kv_mode", "layout", "prompt_tokens", "chunks_total", "chunks_hit",
              "restorable_tokens", "tier", "hit_tiers", "miss", "store_calls", "explain_ms", "key_history",
              "recent_evictions", "notes", "engine", "store"}
@@ -78,7 +82,8 @@ def test_explain_predicts_what_an_lmcache_run_restores_and_why_it_stops(filled, 
     assert files_under(Path(filled.l2_dir)) == before, "explain wrote into the store"
     assert said["restorable_tokens"] > 10 * filled.chunk_size and said["hit_tiers"] == {"L2": said["restorable_tokens"]}
     assert said["miss"]["reason"] == "diverged" and said["miss"]["at_token"] == said["restorable_tokens"]
-    assert f"at token {said['restorable_tokens']}" in said["miss"]["detail"] and "Well One" in said["miss"]["detail"]
+    diverges_at = int(re.search(r"at token (\d+)", said["miss"]["detail"]).group(1))   # restored to there, on the grid
+    assert on_grid(diverges_at) == said["restorable_tokens"] and "Well One" in said["miss"]["detail"]
     assert "layout probe" in said["layout"] and "not evaluated" in said["layout"]
     with CachedEngine(filled, make_backend(filled.engine, filled)) as engine:
         record = engine.infer(document + QUESTION_B, mode="lmcache")
@@ -109,7 +114,7 @@ def test_explain_json_schema(filled, document, tmp_path):
     assert set(said) == JSON_KEYS and said["schema"] == "kvbridge-explain-1"
     assert 0 < said["restorable_tokens"] < said["prompt_tokens"] and said["chunks_hit"] <= said["chunks_total"]
     assert set(said["miss"]) == {"reason", "detail", "at_token"} and said["miss"]["at_token"] == said["restorable_tokens"]
-    whole = said["restorable_tokens"] == said["prompt_tokens"] - 1
+    whole = said["restorable_tokens"] == restorable(said["prompt_tokens"])   # all a restore may give (cold_cut)
     assert (said["miss"]["reason"] == "") == whole and (said["miss"]["reason"] in MISS_REASONS or whole)
     assert sum(said["hit_tiers"].values()) == said["restorable_tokens"]
     assert isinstance(said["store_calls"], int) and said["store_calls"] >= 2 and said["explain_ms"] >= 0

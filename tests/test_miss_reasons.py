@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import signal
 
@@ -22,6 +23,7 @@ from conftest import needs_model
 from kvbridge.backends.llamacpp import LlamaCppBackend
 from kvbridge.bench.common.scenarios import builtin_document
 from kvbridge.engine.cached_engine import CachedEngine
+from kvbridge.engine.cold_cut import GRID, on_grid, restorable
 from kvbridge.engine.misses import MISS_REASONS, parse_hit_tiers
 from kvbridge.errors import StateTransferError
 from kvbridge.models import zoo_model
@@ -33,7 +35,9 @@ pytestmark = [needs_model, pytest.mark.live, pytest.mark.timeout(300)]
 DOC = builtin_document()
 # each test its own stretch of the handbook, so the tests sharing one engine never share a stored prefix
 PIECES = [DOC[i:i + 600] for i in range(0, 6000, 600)]
-Q1, Q2 = "\nQuestion: where is Well One?", "\nQuestion: who runs the pump house?"
+# questions that diverge well before a restore's end (the last 8 to 15 tokens are always computed: cold_cut)
+Q1, Q2 = ("\nQuestion: where is Well One, and who inspects it each spring?",
+          "\nQuestion: who runs the pump house, and when does it close for the winter?")
 needs_probe = pytest.mark.skipif(not hasattr(TieredStore, "probe_miss"),
                                  reason="TieredStore.probe_miss is not there yet (issue 35, the store side): "
                                         "without it this cause reads none_stored by design")
@@ -85,17 +89,21 @@ def test_a_prompt_that_extends_a_stored_one_is_none_stored_not_diverged(engine):
     stored = engine.infer(PIECES[2] + Q1, mode="lmcache")
     longer = engine.infer(PIECES[2] + Q1 + " Answer in one word, then say why.", mode="lmcache")
     assert stored.stored_objects > 0
-    assert longer.matched_tokens >= stored.prompt_tokens - 1
-    assert_cause(longer, "none_stored", f"the store holds the first {longer.matched_tokens} tokens",
+    assert longer.matched_tokens == on_grid(stored.prompt_tokens)   # the stored prompt, cut back to the grid
+    assert_cause(longer, "none_stored", f"the store holds the first {stored.prompt_tokens} tokens",
                  "nothing stored continues it")
+    if longer.matched_tokens < stored.prompt_tokens:   # the detail says why the restore stops short of them
+        assert f"restored to token {longer.matched_tokens}: a restore ends on a {GRID}-token grid" in longer.miss_detail
     assert parse_hit_tiers(longer.hit_tiers) == {"L1": longer.matched_tokens}
 
 
 def test_the_same_document_with_another_question_is_diverged_at_the_question(engine):
     engine.infer(PIECES[3] + Q1, mode="lmcache")
     record = engine.infer(PIECES[3] + Q2, mode="lmcache")
-    assert 0 < record.matched_tokens < record.prompt_tokens - 1
-    assert_cause(record, "diverged", f"diverges from a stored prompt at token {record.matched_tokens}")
+    assert 0 < record.matched_tokens < restorable(record.prompt_tokens)
+    assert_cause(record, "diverged", "diverges from a stored prompt at token ")
+    at = int(re.search(r"at token (\d+)", record.miss_detail).group(1))   # restored to there, cut back to the grid
+    assert on_grid(at) == record.matched_tokens
     here, _, stored = record.miss_detail.partition("stored …")
     assert "who runs" in here and "where is" in stored      # the text either side, ours and the stored one
     assert parse_hit_tiers(record.hit_tiers) == {"L1": record.matched_tokens}
@@ -119,7 +127,7 @@ def test_a_hit_costs_no_store_call_and_no_explain_time(engine, settings):
         engine.settings = settings
     again = engine.infer(prompt, mode="lmcache")
     for record in (on, off, again):
-        assert record.matched_tokens == record.prompt_tokens - 1 and record.miss_reason == "", record.miss_detail
+        assert record.matched_tokens == restorable(record.prompt_tokens) and record.miss_reason == "", record.miss_detail
         assert record.explain_ms == 0
     assert again.store_calls == off.store_calls     # the same restore, explained or not
     assert on.hit_tiers == f"L1={on.matched_tokens}"

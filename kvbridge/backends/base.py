@@ -16,6 +16,11 @@ from typing import TYPE_CHECKING, ClassVar, Iterator, Literal, Sequence
 from kvbridge.settings import Settings
 from kvbridge.backends.chat_template import chatml
 
+# tokens per llama_decode call: every llama.cpp engine here (the in-process adapter, llama-server, the scheduler's
+# context) prefills a prompt in pieces of this size from position 0, and a restore's cut counts on it
+# (kvbridge.engine.cold_cut)
+BATCH_TOKENS = 512
+
 if TYPE_CHECKING:
     from kvbridge.formats.architectures import ModelTraits
 

@@ -16,14 +16,13 @@ from typing import Sequence
 
 import numpy as np
 
-from kvbridge.backends.base import Message
+from kvbridge.backends.base import BATCH_TOKENS, Message   # prefill pieces share it with decode steps
 from kvbridge.backends.build_check import ensure_llama_cpp_runs
 from kvbridge.backends.chat_template import template_of_llama
 from kvbridge.backends.llama_cpp_model import check_model_file, ggml_type_id, model_path_for
 from kvbridge.errors import EngineUnavailable, StateTransferError
 from kvbridge.settings import Settings
 
-BATCH_TOKENS = 512     # tokens per llama_decode call (prefill chunks share it with decode steps)
 TOP_K = 40    # llama.cpp's usual top-k when sampling at a temperature (kvbridge.backends.base.Sampling)
 
 

@@ -20,7 +20,8 @@ from kvbridge.errors import BadSettings, EngineUnavailable, StateTransferError
 from kvbridge.backends.build_check import ensure_llama_cpp_runs
 from kvbridge.backends.llama_cpp_model import (cache_type_problems, check_model_file, ggml_type_id,
                                               llama_cpp_fingerprint, model_file_problems, model_path_for)
-from kvbridge.backends.base import Backend, EngineReport, Message, Prompt, Sampling, SeqState, WindowCapture
+from kvbridge.backends.base import (BATCH_TOKENS, Backend, EngineReport, Message, Prompt, Sampling, SeqState,
+                                    WindowCapture)
 from kvbridge.backends.model_traits import traits_of_model
 from kvbridge.backends.chat_template import ChatTemplate, template_of_llama
 from kvbridge.backends.registry import EngineSpec, register_engine
@@ -62,7 +63,7 @@ class LlamaCppBackend(Backend):
         try:
             self.llm = llama_cpp.Llama(
                 model_path=str(path), n_ctx=self.settings.ctx_size, n_threads=self.settings.resolved_threads(),
-                n_batch=512, flash_attn=self.settings.flash_attn, type_k=type_k, type_v=type_v, verbose=False,
+                n_batch=BATCH_TOKENS, flash_attn=self.settings.flash_attn, type_k=type_k, type_v=type_v, verbose=False,
                 # a sliding-window model keeps every cell (llama.cpp's full-size SWA cache), so the window
                 # rows of earlier positions can still be captured after the prefill (capture_window)
                 swa_full=True)

@@ -135,6 +135,7 @@ class CachedEngine:
         if self.backend.kv_mode == "full" and not self.kv_refusal:
             self._kv = ChunkKV(self.store, self.namespace, seed, self.settings.chunk_size, self.geometry)
             self._kv.prefault_scratch = not self.backend.assembles_in_place
+            self._kv.cold_cut = True   # the engine prefills what a restore leaves as its cold run did
             if self.settings.explain_misses:
                 self._kv.misses.learn_namespaces()
         elif self.backend.kv_mode != "full":

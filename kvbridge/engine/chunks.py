@@ -10,30 +10,32 @@ a chunk boundary to the end of the prompt, with their token ids, filed under tai
 (tail_key(seed) for j = 0). Tails are kept at the last two boundaries, so a prompt that diverges
 inside the previous prompt's last full chunk still reuses up to the divergence. After k chunks
 match, the tail's longest common token prefix with the new prompt is restored too and the rest
-trimmed: reuse is token-granular like llama.cpp's own cache, and deduplicated like LMCache.
+trimmed: reuse is token-granular like llama.cpp's own cache, and deduplicated like LMCache. With `cold_cut`
+(CachedEngine) a restore ends where the engine prefills the rest with its cold run's arithmetic (cold_cut).
 
 A recurrent or hybrid model's state cannot be cut by position: each chunk carries the recurrent state
 captured where it ends (Backend.boundary_state), the one tail ends one token before the prompt's end
 (where the engine captured too), and a restore ends where a whole stored piece ends.
 
 Where the layout is not understood (kvbridge.formats.llama_state.LayoutError), whole-sequence snapshots are kept
-instead (kind "snapshot"), and the engine's own prefix matching trims them after a restore. What a lookup
+instead (kind "snapshot", snapshots), and the engine's own prefix matching trims them after a restore. What a lookup
 found is a RestorePlan (restore_plan); shadow engines keep the same hashes and tails as token ids only
 (shadow_index).
 """
 from __future__ import annotations
 
 import logging
-import struct
 from typing import Callable, Sequence
 
 import numpy as np
 
 from kvbridge.backends.base import SeqState, WindowCapture
 from kvbridge.engine.assembly_buffer import AssemblyBuffer
+from kvbridge.engine.cold_cut import on_grid, restorable
 from kvbridge.engine.hashing import tail_key, tokens_digest
 from kvbridge.engine.misses import MissExplainer
-from kvbridge.engine.restore_plan import RestorePlan, owned
+from kvbridge.engine.restore_plan import RestorePlan, common_prefix_length
+from kvbridge.engine.snapshots import plan_snapshot, snapshot_blob
 from kvbridge.engine.stages import StageTimer
 from kvbridge.formats.llama_chunks import ChunkView, assemble_state, assembled_size, decode_chunk, encode_chunk
 from kvbridge.formats.llama_state import (KVGeometry, LayoutError, ParsedState, RecurrentSection, parse_recurrent_capture,
@@ -42,21 +44,10 @@ from kvbridge.store import ObjectMeta, ObjectVanished, TieredStore
 
 log = logging.getLogger(__name__)
 TAIL_DEPTH = 2          # tails kept at the last TAIL_DEPTH chunk boundaries of each stored prompt
-_SNAPSHOT_HEADER = struct.Struct("<8sI")  # magic, n_token_ids; then i32 ids, then the raw engine state
-_SNAPSHOT_MAGIC = b"KVBSNAP1"
 
 
 class ForeignState(Exception):
     """A saved engine state whose own token ids are not the prompt's: nothing of it may be stored."""
-
-
-def common_prefix_length(a: np.ndarray | Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens `a` and `b` have in common."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n], dtype=np.int64))[0]
-    return int(diff[0]) if diff.size else n
 
 
 class ChunkKV:
@@ -78,6 +69,9 @@ class ChunkKV:
         self.prefault_scratch = True   # the engine turns it off when the backend supplies its own buffer
         self.n_stream = 1   # the streams of the cache restores go into (a non-unified cache: one per sequence id)
         self.incomplete = 0   # objects not stored because sliding-window rows were missing (the engine counts them)
+        # True: a restore ends where the engine prefills the rest as its cold run did (kvbridge.engine.cold_cut);
+        # CachedEngine's promise (greedy output equals cold). False: all but the last token (the scheduler's rule)
+        self.cold_cut = False
         # names the cause of a miss (kvbridge.engine.misses); it remembers what this process could not store
         self.misses = MissExplainer(store, namespace, seed, chunk_size)
 
@@ -100,7 +94,8 @@ class ChunkKV:
 
     def find_prefix(self, tokens: Sequence[int], hashes: Sequence[bytes],
                     tail_override: tuple[bytes, bytes] | None = None, timer: StageTimer | None = None) -> RestorePlan:
-        """Fetch and confirm the longest stored prefix of `tokens` (at most len-1: the last token is recomputed).
+        """Fetch and confirm the longest stored prefix of `tokens`: at most len-1 (the last token is recomputed),
+        or with `cold_cut` at most what kvbridge.engine.cold_cut allows, on its grid.
 
         Objects a remote store lends (shared-memory views) are kept in plan.borrowed: the caller
         calls plan.release() once the plan is assembled or abandoned. `tail_override` (boundary, key):
@@ -110,12 +105,16 @@ class ChunkKV:
         """
         timer = timer or StageTimer()
         limit = len(tokens) - 1
-        if limit < 1:
-            return RestorePlan()
         if self.geometry is None:
+            if limit < 1:
+                return RestorePlan()
             with timer.stage("fetch"):
                 return self._plan_snapshot(tokens, hashes, limit)
-        plan = RestorePlan()
+        if self._cuts():
+            limit = restorable(len(tokens))
+        plan = RestorePlan(limit=max(limit, 0))
+        if limit < 1:
+            return plan
         try:
             self._find_chunks(plan, tokens, hashes, limit, tail_override, timer)
         except BaseException:
@@ -154,6 +153,8 @@ class ChunkKV:
         plan.count_fetched(obj)
         _, keep = self._tail_keep(obj, tokens, wanted * c, limit, plan)
         reach = wanted * c + keep
+        if self._cuts():
+            reach = on_grid(reach)
         if reach > len(hot) or reach == 0:
             return False   # the store holds more of this prompt (or none of it: a miss stays a miss)
         plan.hot = True
@@ -179,36 +180,50 @@ class ChunkKV:
         plan.store_calls += 1
         for obj in fetched:
             plan.count_fetched(obj)
+        found: list[tuple[ChunkView, object, int]] = []   # (view, object, cells that continue the prompt)
         for i, obj in enumerate(fetched[:wanted]):
             view = self._confirmed(obj, tokens[i * c:(i + 1) * c], plan)
             if view is None:
                 break
-            plan.pieces.append((view, c))
-            plan.blobs.append(obj.blob)
-            plan.tier = self.store.slower(plan.tier, obj.tier)
-            plan.add_tokens(obj.tier, c)
-            plan.lossy |= {obj.meta.lossy} - {""}
-        plan.chunks_hit = len(plan.pieces)
-        start = plan.chunks_hit * c
-        if plan.chunks_hit == wanted:
+            found.append((view, obj, c))
+        start = len(found) * c
+        if len(found) == wanted:
             obj = fetched[-1]
         else:
-            prev = hashes[plan.chunks_hit - 1] if plan.chunks_hit else self.seed
+            prev = hashes[len(found) - 1] if found else self.seed
             obj = plan.borrow(self.store.get(boundary_key.get(prev) or tail_key(prev), namespace=self.namespace))
             plan.store_calls += 1
             plan.count_fetched(obj)
         view, keep = self._tail_keep(obj, tokens, start, limit, plan)
         if keep > 0:
-            plan.pieces.append((view, keep))
+            found.append((view, obj, keep))
+        left = n = self._on_grid(start + keep, plan)
+        for view, obj, cells in found:
+            take = min(cells, left)
+            if take < 1:
+                break
+            plan.pieces.append((view, take))
             plan.blobs.append(obj.blob)
             plan.tier = self.store.slower(plan.tier, obj.tier)
-            plan.add_tokens(obj.tier, keep)
+            plan.add_tokens(obj.tier, take)
             plan.lossy |= {obj.meta.lossy} - {""}
-        n = sum(keep for _, keep in plan.pieces)
+            left -= take
+        plan.chunks_hit = min(start, n) // c
         plan.tokens = list(tokens[:n])
         plan.matched_tokens = n
         if plan.lossy:
             plan.notes.append(f"restored from lossy {'+'.join(sorted(plan.lossy))} KV: output may differ from cold")
+
+    def _cuts(self) -> bool:
+        """Whether restores end on the cold-cut grid: asked for, and the KV can be cut by position."""
+        return self.cold_cut and self.geometry is not None and not self.geometry.recurrent
+
+    def _on_grid(self, n: int, plan: RestorePlan) -> int:
+        """`n` restorable tokens, brought onto the cold-cut grid when restores are cut (plan.reach keeps `n`)."""
+        if not self._cuts() or on_grid(n) == n:
+            return n
+        plan.reach = n
+        return on_grid(n)
 
     def assemble(self, plan: RestorePlan,
                  buffer_for: Callable[[int, Sequence[int]], np.ndarray | None] | None = None) -> SeqState:
@@ -285,28 +300,8 @@ class ChunkKV:
         return view
 
     def _plan_snapshot(self, tokens: Sequence[int], hashes: Sequence[bytes], limit: int) -> RestorePlan:
-        plan = RestorePlan(notes=["whole-sequence snapshot mode (KV layout not understood)"])
         keys = [tail_key(hashes[-1])] if hashes else []
-        keys.append(tail_key(self.seed))
-        for key in keys:
-            obj = owned(self.store.get(key, namespace=self.namespace))
-            if obj is None or obj.meta.kind != "snapshot":
-                continue
-            magic, n_ids = _SNAPSHOT_HEADER.unpack_from(obj.blob, 0)
-            if magic != _SNAPSHOT_MAGIC:
-                continue
-            ids = np.frombuffer(obj.blob, dtype="<i4", count=n_ids, offset=_SNAPSHOT_HEADER.size)
-            match = min(common_prefix_length(ids, tokens), limit)
-            if match < 1:
-                continue
-            raw = memoryview(obj.blob)[_SNAPSHOT_HEADER.size + 4 * n_ids:]
-            plan.state = SeqState(data=raw, n_tokens=n_ids)
-            plan.tokens = [int(t) for t in ids]   # the whole snapshot; the engine's prefix matching trims it
-            plan.matched_tokens = match
-            plan.chunks_hit = match // self.chunk_size
-            plan.tier = obj.tier
-            return plan
-        return plan
+        return plan_snapshot(self.store, self.namespace, keys + [tail_key(self.seed)], tokens, limit, self.chunk_size)
 
     # store -------------------------------------------------------------------------------
     def _parse(self, data) -> ParsedState:
@@ -470,7 +465,7 @@ class ChunkKV:
         # the engine's own ids for every cell of the snapshot (prompt and generated tokens), already
         # checked to begin with the prompt's: a restore then knows exactly which positions it loads
         ids = np.asarray(state.token_ids[: state.n_tokens], dtype="<i4")
-        blob = _SNAPSHOT_HEADER.pack(_SNAPSHOT_MAGIC, len(ids)) + ids.tobytes() + bytes(state.data)
+        blob = snapshot_blob(ids, state.data)
         keys = {tail_key(self.seed)} | ({tail_key(hashes[-1])} if hashes else set())
         return sum(self._put(key, blob, list(ids), "snapshot") for key in keys)
 

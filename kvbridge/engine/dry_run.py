@@ -128,6 +128,7 @@ def _explain(engine: CachedEngine, namespace: str, seed: bytes, tokens: list[int
         # the engine's own ChunkKV keeps what this process failed to store (window_incomplete); a salt gets its own
         kv = engine._kv if namespace == engine.namespace else ChunkKV(store, namespace, seed, settings.chunk_size,
                                                                       engine.geometry)
+        kv.cold_cut = engine._kv is not None and engine._kv.cold_cut   # cut where the engine's restores are cut
         hot, kv.hot_restores = kv.hot_restores, False   # read what a fresh restore reads, not a state held
         try:
             plan = kv.find_prefix(tokens, hashes)

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from kvbridge.engine.cold_cut import GRID
 from kvbridge.engine.hashing import ChunkHasher, tail_key
 from kvbridge.engine.namespace import NAMESPACE_VERSION
 from kvbridge.store.history import MIN_HISTORY, MissProbe
@@ -171,17 +172,29 @@ class MissExplainer:
         """
         started = time.perf_counter()
         n = len(tokens)
-        limit = n - 1
+        # the most a restore may give: all but the last token, or less where restores end on the cold-cut grid
+        said = getattr(plan, "limit", -1) if plan is not None else -1
+        limit = said if said >= 0 else n - 1
         matched = plan.matched_tokens if plan is not None else 0
         by_tier = dict(getattr(plan, "tier_tokens", {}) or {}) if plan is not None else {}
+        if n > 1 and limit < 1:
+            return MissReport(reason="below_chunk", at_token=0, hit_tiers=by_tier,
+                              detail=f"the prompt has {n} tokens: a restore leaves the last {GRID} or more of a prompt "
+                              "to the engine (so its answer equals a cold run's), and this one is computed whole")
         if limit < 1:
             return MissReport(reason="below_chunk" if n else "", at_token=0, hit_tiers=by_tier,
                               detail="the prompt has one token: the last token of a prompt is always computed")
         if matched >= limit:
             return MissReport(hit_tiers=by_tier, at_token=matched)
         at = matched
-        report = self._cause(tokens, hashes, plan, at, fault, probe)
-        return MissReport(reason=report[0], detail=report[1], at_token=at, hit_tiers=by_tier,
+        # a restore cut back to the cold-cut grid: the cause is why the stored KV stops where it does (its reach)
+        reach = max(at, getattr(plan, "reach", 0) if plan is not None else 0)
+        report = self._cause(tokens, hashes, plan, reach, fault, probe)
+        detail = report[1]
+        if reach > at:
+            detail += (f" (restored to token {at}: a restore ends on a {GRID}-token grid, so the engine computes "
+                       "the rest with the kernels its cold run used)")
+        return MissReport(reason=report[0], detail=detail, at_token=at, hit_tiers=by_tier,
                           probe_ms=(time.perf_counter() - started) * 1000, round_trips=report[2])
 
     def _cause(self, tokens, hashes, plan, at: int, fault: str, probe: bool) -> tuple[str, str, int]:

@@ -9,6 +9,9 @@ read to be kept is copied out at once (owned).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
 
 from kvbridge.backends.base import SeqState
 from kvbridge.store import StoredObject
@@ -24,6 +27,8 @@ class RestorePlan:
     tokens: list[int] = field(default_factory=list)
     chunks_hit: int = 0
     matched_tokens: int = 0
+    limit: int = -1                    # the most of the prompt a restore may give (all but the last token, or the
+                                       # cold cut: kvbridge.engine.cold_cut); -1: not said (all but the last token)
     tier: str = "none"
     notes: list[str] = field(default_factory=list)
     borrowed: list = field(default_factory=list)  # objects whose blob views memory on loan (release them)
@@ -35,6 +40,7 @@ class RestorePlan:
     tier_tokens: dict[str, int] = field(default_factory=dict)   # restored tokens by the tier they came from
     continuation: tuple | None = None   # (start, token ids) of a stored object read after the matched run
     uncut: str = ""                     # why a stored piece that continues the prompt could not be cut to it
+    reach: int = 0   # how far the stored KV continued the prompt where a restore was cut back to the cold-cut grid
 
     def add_tokens(self, tier: str, n: int) -> None:
         if n > 0:
@@ -67,3 +73,12 @@ def owned(obj):
     finally:
         obj.release()
     return StoredObject(blob, obj.meta, obj.tier) if intact else None
+
+
+def common_prefix_length(a: np.ndarray | Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` have in common."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n], dtype=np.int64))[0]
+    return int(diff[0]) if diff.size else n

@@ -16,6 +16,7 @@ from kvbridge.errors import EngineUnavailable
 from kvbridge.formats.architectures import ModelTraits
 from kvbridge.backends.llama_server.process import (
     ServerProcess, build_advice, built_binary, free_port, pinned_llama_cpp_version, port_is_free)
+from kvbridge.backends.base import BATCH_TOKENS
 from kvbridge.backends.llama_cpp_model import check_model_file, ggml_type_id, model_path_for
 
 
@@ -40,7 +41,7 @@ def start_own_server(settings: Settings, traits_of: Callable[[Path], ModelTraits
         "--cache-type-k", settings.cache_type_k.lower(),
         "--cache-type-v", settings.cache_type_v.lower(),
         # the in-process engine's batch sizes, so both evaluate prompts the same way
-        "--batch-size", "512", "--ubatch-size", "512",
+        "--batch-size", str(BATCH_TOKENS), "--ubatch-size", str(BATCH_TOKENS),
         "--no-webui", "--no-warmup",
     ]
     if traits_of(model).n_swa:
