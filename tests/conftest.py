@@ -91,6 +91,23 @@ def make_module_settings(tmp_path_factory):
     return make
 
 
+@pytest.fixture
+def generated_tokens(monkeypatch) -> dict[int, list[int]]:
+    """Every token the scheduler streams, by request id, as it streams it (a spy on Streamer.on_token, undone after
+    the test). Ids start again with each Scheduler: clear the dict between two runs in one test."""
+    from kvbridge.scheduler.streaming import Streamer
+
+    generated: dict[int, list[int]] = {}
+    on_token = Streamer.on_token
+
+    def spying_on_token(self, request, token):
+        generated.setdefault(request.id, []).append(token)
+        on_token(self, request, token)
+
+    monkeypatch.setattr(Streamer, "on_token", spying_on_token)
+    return generated
+
+
 def as_fresh(engine) -> None:
     """A shared engine put back to what a new one would hold: every tier of its store emptied (queued L2
     writes first), its counters at zero and no restored state still held hot in the assembly buffer."""

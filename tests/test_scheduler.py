@@ -14,7 +14,6 @@ from conftest import needs_model
 from kvbridge.formats.llama_state import parse_state
 from kvbridge.scheduler import QueueFull, RequestRefused, Scheduler
 from kvbridge.scheduler.lifecycle import Lifecycle
-from kvbridge.scheduler.streaming import Streamer
 
 pytestmark = [needs_model, pytest.mark.timeout(300)]
 
@@ -192,7 +191,7 @@ def solo_greedy(ctx, tokens: list[int], n_predict: int) -> tuple[list[int], list
 
 
 def test_greedy_answers_equal_solo_cold_runs_across_sharing_eviction_and_preemptions(make_settings, short_doc,
-                                                                                      monkeypatch):
+                                                                                      generated_tokens):
     """The oracle: every answer equals the same request run alone (cold), token for token, across sharing,
     eviction and two preemptions with swap, with two sequences running at once on the default f16 K/V:
     KVB_SCHED_EXACT=1 (kvbridge.scheduler.exact). Mode off, llama.cpp's CPU kernels round a sequence by the
@@ -203,14 +202,7 @@ def test_greedy_answers_equal_solo_cold_runs_across_sharing_eviction_and_preempt
 
     settings = make_settings(sched_exact=True, sched_kv_cells=2048, sched_max_running=2, sched_cached_prefixes=1,
                              n_predict=16, ctx_size=1024)
-    generated: dict[int, list[int]] = {}
-    on_token = Streamer.on_token
-
-    def spying_on_token(self, request, token):
-        generated.setdefault(request.id, []).append(token)
-        on_token(self, request, token)
-
-    monkeypatch.setattr(Streamer, "on_token", spying_on_token)
+    generated = generated_tokens
     # two document chats: the second shares the first's cells. A third would share cells the second
     # had shared in turn, and decoding over such a chain moved logits by 0.1 even with f32 K/V, while
     # its prompt KV stayed bit-identical to a solo prefill (Research.md §11)

@@ -17,7 +17,6 @@ from kvbridge.backends.llama_context import BATCH_TOKENS, LlamaContext
 from kvbridge.scheduler import Scheduler, exact
 from kvbridge.scheduler.exact import ALIGN, next_piece, plan_exact, safe_reuse
 from kvbridge.scheduler.requests import Request
-from kvbridge.scheduler.streaming import Streamer
 from kvbridge.settings import Settings
 from kvbridge.settings.models import EMBEDDED_MODELS
 from kvbridge.settings.checks import settings_problems
@@ -35,17 +34,11 @@ def chat(doc: str, question: str) -> list[dict]:
             {"role": "user", "content": f"Document:\n{doc}\n\nQuestion: {question}"}]
 
 
-def run_workload(settings: Settings, doc: str, monkeypatch) -> tuple[list, list[list[int]], dict, dict]:
+def run_workload(settings: Settings, doc: str, generated: dict) -> tuple[list, list[list[int]], dict, dict]:
     """Three document chats at priority 1 share the document's cells; two urgent requests arrive while they
-    decode and preempt one: (records, prompts' tokens, generated tokens by request id, counters)."""
-    generated: dict[int, list[int]] = {}
-    on_token = Streamer.on_token
-
-    def spying_on_token(self, request, token):
-        generated.setdefault(request.id, []).append(token)
-        on_token(self, request, token)
-
-    monkeypatch.setattr(Streamer, "on_token", spying_on_token)
+    decode and preempt one: (records, prompts' tokens, generated tokens by request id, counters).
+    `generated` is the generated_tokens fixture's dict (emptied first: request ids start again)."""
+    generated.clear()
     lows = [chat(doc, q) for q in QUESTIONS]
     streamed = [threading.Event() for _ in lows]
     with Scheduler(settings) as scheduler:
@@ -82,13 +75,14 @@ def exact_settings(make_settings, **changes) -> Settings:
 
 @needs_model
 @pytest.mark.timeout(600)
-def test_five_concurrent_requests_with_preemption_equal_their_solo_runs_on_f16(make_settings, short_doc, monkeypatch):
+def test_five_concurrent_requests_with_preemption_equal_their_solo_runs_on_f16(make_settings, short_doc,
+                                                                               generated_tokens):
     """The issue's "done when": five requests, three running at once, one preempted and swapped, the document
     shared and its prompts restored, KVB_SCHED_EXACT=1 on the default f16 K/V: every answer is its solo run's.
     The same workload with the mode off differs from its solo runs somewhere (this check can fail)."""
     settings = exact_settings(make_settings)
     assert settings.cache_type_k == "f16" and settings.cache_type_v == "f16"
-    records, prompts, generated, counters = run_workload(settings, short_doc, monkeypatch)
+    records, prompts, generated, counters = run_workload(settings, short_doc, generated_tokens)
     assert counters["preemptions"] >= 1 and counters["swap_ins"] >= 1
     assert counters["shared_tokens"] > 0
     assert max(r.matched_tokens for r in records) > 0
@@ -98,7 +92,7 @@ def test_five_concurrent_requests_with_preemption_equal_their_solo_runs_on_f16(m
     assert all(len(ours) >= 4 for ours, _ in pairs)
 
     off = settings.replace(sched_exact=False, l2_dir=settings.l2_dir + "-off")
-    records, prompts, generated, _ = run_workload(off, short_doc, monkeypatch)
+    records, prompts, generated, _ = run_workload(off, short_doc, generated_tokens)
     pairs = solo_answers(off, prompts, records, generated)
     assert any(ours != solo for ours, solo in pairs), \
         "with the mode off every answer equalled its solo run too: this workload no longer shows what exact mode fixes"
@@ -108,7 +102,7 @@ def test_five_concurrent_requests_with_preemption_equal_their_solo_runs_on_f16(m
 @needs_gemma
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("model,kv", [("smollm2-135m", "f32"), ("gemma3-270m", "f16"), ("gemma3-270m", "f32")])
-def test_exact_answers_on_gemma3_and_f32(make_settings, short_doc, monkeypatch, model, kv):
+def test_exact_answers_on_gemma3_and_f32(make_settings, short_doc, generated_tokens, model, kv):
     """The same proof on Gemma 3 (sliding window, repacked Q4_K weights whose matmul changes kernel at four
     rows: decode calls carry at most three sequences there) and with f32 K/V. Gemma 3's document is longer
     than its 512-token window on f16, so a preempted chat's saved state holds only its last window's rows and
@@ -118,7 +112,7 @@ def test_exact_answers_on_gemma3_and_f32(make_settings, short_doc, monkeypatch, 
     settings = exact_settings(make_settings, model=model, cache_type_k=kv, cache_type_v=kv)
     long_doc = model.startswith("gemma") and kv == "f16"   # one long case: each costs a minute of prefill
     doc = builtin_document()[:2400] if long_doc else short_doc
-    records, prompts, generated, counters = run_workload(settings, doc, monkeypatch)
+    records, prompts, generated, counters = run_workload(settings, doc, generated_tokens)
     if long_doc:
         assert min(len(p) for p in prompts[:3]) > 512
         assert any(r.preemptions and r.prompt_tokens > 512 for r in records)

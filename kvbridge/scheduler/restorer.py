@@ -125,10 +125,9 @@ class Restorer:
                 self.misses.refused(request, kv, exc)
             return kv, "resident" if kv else "none", (time.perf_counter() - start) * 1e3
         held = usable
-        if self.exact:
-            if held < plan.matched_tokens:
-                self._ctx.seq_rm(request.seq, held, -1)
-                self.journal.counters["exact_cut_tokens"] += plan.matched_tokens - held
+        if held < plan.matched_tokens:   # exact mode's cut (usable is the plan's reach otherwise)
+            self._ctx.seq_rm(request.seq, held, -1)
+            self.journal.counters["exact_cut_tokens"] += plan.matched_tokens - held
         self.ledger.grow(request.held, held, request.holder)
         self.journal.counters["restored_tokens"] += held
         self.journal.event("restore", request, f"{held} tokens from {plan.tier}")

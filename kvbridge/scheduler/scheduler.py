@@ -77,9 +77,8 @@ class Scheduler:
         layout = self._decide_layout(traits)
         self._geometry = geometry = layout.geometry
         if self.exact and geometry.recurrent:
-            self._ctx.close()
-            raise EngineUnavailable(f"KVB_SCHED_EXACT=1 is not available for {traits.architecture} (recurrent state); "
-                                    "it is proven on attention-only models. Set KVB_SCHED_EXACT=0 to run it.")
+            self._refuse(f"KVB_SCHED_EXACT=1 is not available for {traits.architecture} (recurrent state); it is "
+                         "proven on attention-only models. Set KVB_SCHED_EXACT=0 to run it.")
         # exact mode: how many decode tokens one call may carry, measured on this model and CPU (kvbridge.scheduler.exact)
         self.decode_width = exact.probe_decode_width(self._ctx, self.seqs.free[:s.sched_max_running],
                                                      s.sched_max_running, exact.probe_tokens()) if self.exact else 0
@@ -131,11 +130,15 @@ class Scheduler:
         layout = decide_layout(traits, lambda: probe_state_on_sequence(self._ctx, self.seqs.free[0], PROBE_TEXT),
                                captures_recurrent=True)
         if layout.refusal:
-            self._ctx.close()
-            if self._own_store:
-                self.store.close()
-            raise EngineUnavailable(f"The scheduler cannot run {self._ctx.model_path.name}: {layout.refusal.split(';')[0]}.")
+            self._refuse(f"The scheduler cannot run {self._ctx.model_path.name}: {layout.refusal.split(';')[0]}.")
         return layout
+
+    def _refuse(self, why: str) -> None:
+        """Give back what start-up took so far (the context, a store of its own) and refuse to run: `why`."""
+        self._ctx.close()
+        if self._own_store:
+            self.store.close()
+        raise EngineUnavailable(why)
 
     # -- the public API -------------------------------------------------------------------------------
     def __enter__(self) -> "Scheduler":
