@@ -93,7 +93,7 @@ def test_a_prompt_that_extends_a_stored_one_is_none_stored_not_diverged(engine):
     assert_cause(longer, "none_stored", f"the store holds the first {stored.prompt_tokens} tokens",
                  "nothing stored continues it")
     if longer.matched_tokens < stored.prompt_tokens:   # the detail says why the restore stops short of them
-        assert f"restored to token {longer.matched_tokens}: a restore ends on a {GRID}-token grid" in longer.miss_detail
+        assert f"restored to token {longer.matched_tokens}: restores end on a grid of {GRID} tokens" in longer.miss_detail
     assert parse_hit_tiers(longer.hit_tiers) == {"L1": longer.matched_tokens}
 
 

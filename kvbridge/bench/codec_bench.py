@@ -38,6 +38,7 @@ def _kv(engine, store):
     kv = ChunkKV(store, engine.namespace, getattr(engine.hasher, "seed", b""), engine.settings.chunk_size,
                  engine.geometry)
     kv.hot_restores = False   # each restore reads and decodes its objects: that is what the codecs are timed on
+    kv.cold_cut = engine._kv is not None and engine._kv.cold_cut   # and restores what the engine's restores do
     return kv
 
 

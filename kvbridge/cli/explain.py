@@ -86,7 +86,9 @@ def report_text(r, engine: str, store: str, chunk_size: int, salted: bool = Fals
         lines.append(f"not restored: from token {r.at_token} on: {r.reason} ({MISS_REASONS[r.reason]})")
         lines.append(f"why:         {r.detail}")
     else:
-        lines.append("not restored: only the last token, which every request computes")
+        left = r.prompt_tokens - r.restorable_tokens
+        lines.append(f"not restored: only the last {left} token{'s' if left != 1 else ''}, which the engine computes "
+                     "as its cold run did")
     lines.append(f"cost:        {r.store_calls} store call(s), {r.explain_ms:.1f} ms for lookup, fetch, confirm and the "
                  "cause; nothing was stored")
     for note in r.notes:

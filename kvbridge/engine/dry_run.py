@@ -38,7 +38,7 @@ class DryRun:
     prompt_tokens: int
     chunks_total: int
     chunks_hit: int = 0
-    restorable_tokens: int = 0     # what an lmcache request would restore now (the last token is always computed)
+    restorable_tokens: int = 0     # what an lmcache request would restore now (at most kvbridge.engine.cold_cut.restorable)
     tier: str = "none"             # the slowest tier a restorable piece comes from
     hit_tiers: dict[str, int] = field(default_factory=dict)
     reason: str = ""               # kvbridge.engine.misses.MISS_REASONS; "" when everything restorable is

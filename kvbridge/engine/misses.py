@@ -192,7 +192,7 @@ class MissExplainer:
         report = self._cause(tokens, hashes, plan, reach, fault, probe)
         detail = report[1]
         if reach > at:
-            detail += (f" (restored to token {at}: a restore ends on a {GRID}-token grid, so the engine computes "
+            detail += (f" (restored to token {at}: restores end on a grid of {GRID} tokens, so the engine computes "
                        "the rest with the kernels its cold run used)")
         return MissReport(reason=report[0], detail=detail, at_token=at, hit_tiers=by_tier,
                           probe_ms=(time.perf_counter() - started) * 1000, round_trips=report[2])
