@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvbridge.backends.llama_context import BATCH_TOKENS, LlamaContext
+from kvbridge.backends.base import BATCH_TOKENS
+from kvbridge.backends.llama_context import LlamaContext
+from kvbridge.bench.probes.exact_probe import probe_settings
 from kvbridge.engine.cold_cut import restorable
 from kvbridge.settings import Settings
 
@@ -70,10 +72,7 @@ def differing_cuts(settings: Settings, tokens: list[int], cuts: list[int] | None
 
 
 def main() -> None:
-    settings = Settings.from_env().replace(ctx_size=1024, flash_attn=False)
-    probe = LlamaContext(settings, 256, 1)
-    n_vocab = probe.n_vocab
-    probe.close()
+    settings, n_vocab = probe_settings()
     rng = np.random.default_rng(7)
     print(f"{settings.model_path or settings.model}, K/V {settings.cache_type_k}/{settings.cache_type_v}, "
           f"{settings.resolved_threads()} threads: restore ends whose answer differs from cold (last {WINDOW} positions)")

@@ -73,11 +73,19 @@ def together(settings: Settings, prompts_: list[list[int]], width: int, exact: b
         ctx.close()
 
 
-def main() -> None:
+def probe_settings() -> tuple[Settings, int]:
+    """The probes' settings (the environment's model and K/V type, a 1,024-token context, flash attention off)
+    and the model's vocabulary size, read from a small context opened and closed at once."""
     settings = Settings.from_env().replace(ctx_size=1024, flash_attn=False)
     probe = LlamaContext(settings, 256, 1)
-    n_vocab = probe.n_vocab
-    probe.close()
+    try:
+        return settings, probe.n_vocab
+    finally:
+        probe.close()
+
+
+def main() -> None:
+    settings, n_vocab = probe_settings()
     prompts_ = prompts(n_vocab)
     reference = [solo(settings, p, STEPS) for p in prompts_]
     print(f"{settings.model_path or settings.model}, K/V {settings.cache_type_k}/{settings.cache_type_v}, "
