@@ -166,7 +166,7 @@ def report_server_death(server: subprocess.Popen, when: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)   # run by path: no kvbridge import, no short flags
     parser.add_argument("engine", choices=("llama", "server"))
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--variant", default="", help="build variant name (for the test hook and the report)")

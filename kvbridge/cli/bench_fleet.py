@@ -6,6 +6,7 @@ import sys
 from kvbridge.bench.registry import bench_command
 from kvbridge.cli.command import Command
 from kvbridge.cli.common import settings_from
+from kvbridge.settings.cmdline import Parser
 
 POLICIES = ("round_robin", "cache_aware", "kv_aware")   # kvbridge.bench.fleet_bench.POLICIES, without its imports
 
@@ -73,9 +74,7 @@ COMMAND = Command("bench-fleet", bench_command("bench-fleet").measures, run, add
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvbridge.cli.bench_fleet [options]`, until the command table lists bench-fleet."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="kvbridge bench-fleet", description=COMMAND.help)
+    parser = Parser(prog="kvbridge bench-fleet", description=COMMAND.help)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

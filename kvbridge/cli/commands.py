@@ -9,6 +9,7 @@ from kvbridge.cli import (bench, bench_cache_server, bench_floor, bench_fleet, b
                           serve, setup)
 from kvbridge.cli import explain
 from kvbridge.cli.command import Command
+from kvbridge.settings.cmdline import Parser
 
 COMMANDS: tuple[Command, ...] = (
     setup.COMMAND, gui.COMMAND, demo.COMMAND, bench.COMMAND, bench_store.COMMAND, bench_restore.COMMAND,
@@ -21,7 +22,7 @@ BY_NAME = {command.name: command for command in COMMANDS}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kvbridge" if sys.argv and sys.argv[0].endswith("/kvbridge") else "python -m kvbridge",
         description="KVBridge: an LMCache-style KV-cache layer for llama.cpp, llama-server, Ollama and "
                     "OpenAI-compatible engines. Settings come from KVB_ variables and .env (see .env.example).",

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from kvbridge.gui.chromium import APT_CHROMIUM, INSTALL_ADVICE, find_chromium
 from kvbridge.settings import WORK_DIR, Settings
+from kvbridge.settings.cmdline import Parser
 
 CHROMIUM = find_chromium() or APT_CHROMIUM   # the default of --chromium; a missing one is named by main()
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -104,7 +105,7 @@ def missing_prerequisites(chromium: Path) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m kvbridge.gui.screenshot",
         description="Start the GUI with the default settings on the embedded model, run the default scenario "
                     "in a headless Chromium by clicking Run (the engine connects on start), and save a full-page screenshot.")

@@ -29,10 +29,11 @@ from kvbridge.models.matrix_paths import PATHS, base_settings, in_process_engine
 from kvbridge.models.matrix_report import render_markdown
 from kvbridge.models.matrix_rows import FORMAT
 from kvbridge.models.matrix_oracle import Row
+from kvbridge.settings.cmdline import Parser
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m kvbridge.models.matrix", description=__doc__.split("\n")[0])
+    parser = Parser(prog="python -m kvbridge.models.matrix", description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=("test", "bench"), default="test", help="zoo model size (default test)")
     parser.add_argument("--archs", default="", help="comma-separated architectures (default: the whole zoo)")
     parser.add_argument("--paths", default=",".join(PATHS),

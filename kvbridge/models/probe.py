@@ -11,13 +11,14 @@ tokens. The zoo's head gains are chosen so the median margin is well above that 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from kvbridge.settings.cmdline import Parser
 
 PROMPTS = (
     "The quick brown fox jumps over the lazy dog. Once upon a time",
@@ -94,7 +95,7 @@ def probe_in_child(path: Path, n_tokens: int = 8, prefill: int = 0, timeout_s: f
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvbridge.models.probe", description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m kvbridge.models.probe", description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path)
     parser.add_argument("--tokens", type=int, default=8, help="greedy tokens per prompt")
     parser.add_argument("--prefill", type=int, default=0, help="also time a cold prefill of this many tokens")

@@ -6,12 +6,12 @@ llama.cpp will not load. Then `KVB_MODEL_PATH=PATH` runs KVBridge on it like any
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from kvbridge.models.catalog import ZOO_ARCHITECTURES, UnknownArchitecture, make_model
 from kvbridge.models.dims import SIZES
+from kvbridge.settings.cmdline import Parser
 
 
 def list_text() -> str:
@@ -24,7 +24,7 @@ def list_text() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvbridge.models.zoo",
+    parser = Parser(prog="python -m kvbridge.models.zoo",
                                      description="Tiny random-weight GGUFs of llama.cpp architectures, "
                                                  "with SmolLM2's tokenizer")
     commands = parser.add_subparsers(dest="command", required=True)

@@ -146,13 +146,13 @@ def _cache_server_problems(s: Settings) -> list[str]:
         if message:
             problems.append(message)
     if s.cache_server_token_env and not s.cache_server_token_env.replace("_", "").isalnum():
-        problems.append(f"KVB_CACHE_SERVER_TOKEN_ENV={s.cache_server_token_env!r} must be the NAME of an environment "
-                        "variable (like CACHE_SERVER_SECRET), not the secret itself")
+        problems.append("KVB_CACHE_SERVER_TOKEN_ENV must be the NAME of an environment variable (like "
+                        "CACHE_SERVER_SECRET), not the secret itself (its value is not shown)")
     if s.cache_server_secret_key_env and not s.cache_server_secret_key_env.replace("_", "").isalnum():
         problems.append("KVB_CACHE_SERVER_SECRET_KEY_ENV must be the NAME of an environment variable (like "
-                        "CACHE_SERVER_SECRET_KEY), not the key itself")
+                        "CACHE_SERVER_SECRET_KEY), not the key itself (its value is not shown)")
     if s.cache_server_public_key and not is_z85_key(s.cache_server_public_key):
-        problems.append(f"KVB_CACHE_SERVER_PUBLIC_KEY={s.cache_server_public_key!r} is not a Z85 CURVE key (40 "
+        problems.append("KVB_CACHE_SERVER_PUBLIC_KEY is not a Z85 CURVE key (40 "
                         "characters); copy the public key the cache server logs at start, or leave it empty to use "
                         "the owner's key file")
     return problems
@@ -204,8 +204,8 @@ def _l3_problems(s: Settings) -> list[str]:
         if message:
             problems.append(message)
     if s.l3_password_env and not s.l3_password_env.replace("_", "").isalnum():
-        problems.append(f"KVB_L3_PASSWORD_ENV={s.l3_password_env!r} must be the NAME of an environment variable "
-                        "(like REDIS_PASSWORD), not the password itself")
+        problems.append("KVB_L3_PASSWORD_ENV must be the NAME of an environment variable (like REDIS_PASSWORD), "
+                        "not the password itself (its value is not shown)")
     return problems
 
 
@@ -305,17 +305,17 @@ def _serve_problems(s: Settings) -> list[str]:
          "comma-separated (like localhost,127.0.0.1,::1), or * for any"),
         (s.serve_drain_timeout < 0, f"KVB_SERVE_DRAIN_TIMEOUT={s.serve_drain_timeout} cannot be negative"),
         (bool(s.serve_api_key_env) and not s.serve_api_key_env.replace("_", "").isalnum(),
-         f"KVB_SERVE_API_KEY_ENV={s.serve_api_key_env!r} must be the NAME of an environment variable (like "
-         "SERVE_API_KEY), not the key itself"),
+         "KVB_SERVE_API_KEY_ENV must be the NAME of an environment variable (like SERVE_API_KEY), not the key "
+         "itself (its value is not shown)"),
         (bool(s.serve_admin_key_env) and not s.serve_admin_key_env.replace("_", "").isalnum(),
-         f"KVB_SERVE_ADMIN_KEY_ENV={s.serve_admin_key_env!r} must be the NAME of an environment variable (like "
-         "SERVE_ADMIN_KEY), not the key itself"),
+         "KVB_SERVE_ADMIN_KEY_ENV must be the NAME of an environment variable (like SERVE_ADMIN_KEY), not the "
+         "key itself (its value is not shown)"),
         (any(not o.startswith(("http://", "https://")) and o != "*" for o in origins),
          f"KVB_SERVE_CORS_ORIGINS={s.serve_cors_origins!r}: list origins like http://localhost:3000, comma-separated"),
     )
     if s.serve_api_key_file and s.serve_api_key_env:
-        rules += ((True, f"KVB_SERVE_API_KEY_FILE ({s.serve_api_key_file}, --api-key-file) and KVB_SERVE_API_KEY_ENV "
-                         f"({s.serve_api_key_env}) both name serve's key; keep one of them"),)
+        rules += ((True, "KVB_SERVE_API_KEY_FILE (--api-key-file) and KVB_SERVE_API_KEY_ENV both name serve's key; "
+                         "keep one of them"),)
     elif s.serve_api_key_file:
         key_problem = key_file_problem("KVB_SERVE_API_KEY_FILE", s.serve_api_key_file)
         rules += ((bool(key_problem), key_problem or ""),)

@@ -28,6 +28,7 @@ from kvbridge.settings.checks import settings_problems
 from kvbridge.settings.models import DEFAULT_MODEL, EMBEDDED_MODELS
 from kvbridge.settings.paths import DEFAULT_ENV_FILE, WORK_DIR
 from kvbridge.settings.presets import CLOUD_PRESETS, CloudPreset
+from kvbridge.settings.redact import may_show, scrub
 
 EMBEDDED_MODEL_FILE = EMBEDDED_MODELS[DEFAULT_MODEL].file     # the default embedded model (SmolLM2)
 EMBEDDED_MODEL_PATH = EMBEDDED_MODELS[DEFAULT_MODEL].path
@@ -206,12 +207,15 @@ class Settings:
         return dataclasses.replace(self, **changes, _problems=kept)
 
     def validate(self, environ: Mapping[str, str] | None = None) -> list[str]:
-        """Problems written for a person; empty when the settings are usable. Never raises.
+        """Problems written for a person; empty when the settings are usable. Never raises. No problem shows the
+        value of a setting whose name says key, token, secret or password (kvbridge.settings.redact).
 
         environ: where the API key variable is looked for (default os.environ, as the cloud engine does).
         """
         environ = os.environ if environ is None else environ
-        return [message for _, message in self._problems] + settings_problems(self, environ)
+        problems = [message for _, message in self._problems] + settings_problems(self, environ)
+        hidden = [value for f in setting_fields() if not may_show(f.name, value := getattr(self, f.name))]
+        return [scrub(message, hidden) for message in problems]   # whatever a check wrote, no secret leaves
 
     def warnings(self) -> list[str]:
         """What is worth telling but blocks nothing: KVB_ names in the environment or `.env` that are no

@@ -17,7 +17,9 @@ Decisions, where llama-server's meaning needed one here:
   lab tab's scheduler and `gui --serve`'s).
 - `cache-server` takes `--host`/`--port` only: together they make KVB_CACHE_SERVER_URL tcp://HOST:PORT (the
   one given keeps the other's part of that URL); `--url` stays, and is refused beside them. It runs no model.
-Deliberately left out: llama-server flags whose meaning differs here (-n, -b, -ngl, --slots, -fa).
+Deliberately left out: llama-server flags whose meaning differs here (-n, -b, -ngl, --slots, -fa). A flag not
+in the table is refused by name (kvbridge.settings.cmdline: no spelling is read as another); REFUSED says why
+and what to use instead for the llama-server flags a person is likeliest to bring, its secrets first.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from pathlib import Path
 
 from kvbridge.settings.core import Settings, env_name
 from kvbridge.settings.models import DEFAULT_MODEL, EMBEDDED_MODELS
+from kvbridge.settings.redact import shown
 
 SERVE, GUI, CACHE_SERVER = "serve", "gui", "cache-server"
 COMMANDS = (SERVE, GUI, CACHE_SERVER)
@@ -80,6 +83,21 @@ FLAGS: tuple[Flag, ...] = (
          "every answer equals the same request run alone, however many run at once (KVBridge's own; needs "
          "KVB_FLASH_ATTN=0)", kind="switch"),
 )
+
+
+_KEY_INSTEAD = ("put the key in a file of yours (chmod 600) and give --api-key-file PATH (KVB_SERVE_API_KEY_FILE), "
+                "or name a variable that holds it in KVB_SERVE_API_KEY_ENV")
+
+# llama-server flags refused by name: spelling -> why, and what to use instead (never the value given)
+REFUSED: Mapping[str, str] = {
+    "--api-key": "a key on the command line can be read by every local account (ps, /proc); " + _KEY_INSTEAD,
+    "--ssl-key-file": "serve speaks plain HTTP; put TLS in a proxy in front of it (its private key stays there)",
+    "--ssl-cert-file": "serve speaks plain HTTP; put TLS in a proxy in front of it",
+    "-hft": "KVBridge takes no Hugging Face token; fetch the model first and give -m PATH",
+    "--hf-token": "KVBridge takes no Hugging Face token; fetch the model first and give -m PATH",
+    "-n": "it is llama-server's --n-predict; in serve a request's max_tokens decides, at most KVB_SERVE_MAX_TOKENS",
+    "--n-predict": "in serve a request's max_tokens decides, at most KVB_SERVE_MAX_TOKENS",
+}
 
 
 def flags_for(command: str) -> tuple[Flag, ...]:
@@ -164,14 +182,15 @@ def tcp_url(current: str, host: object, port: object) -> str:
 
 
 def blame(command: str, given: Mapping[str, object], problems: list[str]) -> tuple[list[str], list[str]]:
-    """(the problems a flag given to `command` caused, each naming the flag and its value; the others).
+    """(the problems a flag given to `command` caused, each naming the flag and its value, a secret's never; the
+    others).
     A problem is the flag's when it names the KVB_ variable the flag set."""
     named = []
     for flag in flags_for(command):
         value = given.get(flag.dest)
         if value is not None:
             fields = ("model_path", "model") if flag.dest == "model" else (flag.fields[command],)
-            named.append((f"{flag.spellings[0]} {value}", [env_name(f) for f in fields]))
+            named.append((f"{flag.spellings[0]} {shown(flag.spellings[-1], value)}", [env_name(f) for f in fields]))
     flagged, others = [], []
     for problem in problems:
         by = [spelled for spelled, variables in named if any(re.search(rf"\b{v}\b", problem) for v in variables)]

@@ -14,7 +14,6 @@ private folder whose bytes are counted while it runs: a bar on a terminal, a lin
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import subprocess
@@ -26,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
+from kvbridge.settings.cmdline import Parser
 from kvbridge.settings.models import EMBEDDED_MODELS, EmbeddedModel
 from kvbridge.settings.progress import Progress
 
@@ -182,7 +182,7 @@ def fetch_models(names: list[str], say: Callable[[str], None] = print, tag: str 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Fetch embedded models into the models folder.")
+    parser = Parser(description="Fetch embedded models into the models folder.")
     parser.add_argument("names", nargs="+", metavar="NAME", help=f"one of {', '.join(EMBEDDED_MODELS)}")
     parser.add_argument("--tag", default="setup", help="prefix of the progress lines")
     args = parser.parse_args(argv)

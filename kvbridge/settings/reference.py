@@ -13,7 +13,6 @@ and `.env` (the page is the same on every machine, and no secret's value can rea
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import get_type_hints
 
+from kvbridge.settings.cmdline import Parser
 from kvbridge.settings.core import PATH_FIELDS, SIZE_FIELDS, Settings, env_name, settings_to_env
 from kvbridge.settings.flags import COMMANDS, FLAGS, default_text
 from kvbridge.settings.paths import WORK_DIR
@@ -277,7 +277,7 @@ def generate() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Docs/Settings.md from Settings and .env.example.")
+    parser = Parser(description="Docs/Settings.md from Settings and .env.example.")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="write Docs/Settings.md")
     mode.add_argument("--check", action="store_true", help="exit 1 when the committed page is out of date")

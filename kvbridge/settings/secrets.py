@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Mapping
 
 from kvbridge.errors import BadSettings
+from kvbridge.settings.redact import may_show, shown
 
 
 def secret_from(setting: str, variable: str, environ: Mapping[str, str] | None = None, *,
@@ -28,19 +29,37 @@ def secret_from(setting: str, variable: str, environ: Mapping[str, str] | None =
     value = (os.environ if environ is None else environ).get(variable, "")
     if not value:
         hint = f" or {unset_hint}" if unset_hint else ""
-        raise BadSettings(f"{setting} names {variable}, but that variable is empty or not set; set it "
-                          f"(export {variable}=...){hint}")
+        if may_show(setting, variable):
+            raise BadSettings(f"{setting} names {variable}, but that variable is empty or not set; set it "
+                              f"(export {variable}=...){hint}")
+        raise BadSettings(f"{setting} names a variable that is empty or not set (its name is not shown: it is not "
+                          f"shaped like one, and may be the secret itself); put the variable's NAME in {setting} "
+                          f"and the secret in that variable{hint}")
     return value
 
 
-def _systemd_credential(path: str) -> bool:
-    """The file is a credential systemd placed for this service (LoadCredential=, deploy/systemd/): inside the
-    directory $CREDENTIALS_DIRECTORY names. systemd makes that copy readable by the service alone, often owned by
-    root with an ACL for the service's user, so its owner and mode bits say nothing about who can read it."""
+def _systemd_credential(path: str, status: os.stat_result) -> bool:
+    """The file with `status` (the opened file's fstat) is a credential systemd placed for this service
+    (LoadCredential=, deploy/systemd/): an entry of the directory $CREDENTIALS_DIRECTORY names. systemd makes that
+    copy readable by the service alone, often owned by root with an ACL for the service's user, so its owner and
+    mode bits say nothing about who can read it.
+
+    Decided by the file itself, not by its name: `path` only says which entry of the directory to compare, and
+    the entry must be the very file opened (same device and inode, the entry not a link). Resolving the name
+    alone would let whoever can write the folder `path` lies in open one file and then point the name into the
+    credentials directory before it is looked at."""
     directory = os.environ.get("CREDENTIALS_DIRECTORY", "")   # set by systemd for the service, not a setting
     if not directory:
         return False
-    return Path(path).expanduser().resolve().is_relative_to(Path(directory).resolve())
+    credentials = Path(directory).resolve()
+    resolved = Path(path).expanduser().resolve()
+    if not resolved.is_relative_to(credentials):
+        return False
+    try:
+        entry = os.lstat(resolved)
+    except OSError:
+        return False
+    return stat.S_ISREG(entry.st_mode) and (entry.st_dev, entry.st_ino) == (status.st_dev, status.st_ino)
 
 
 def _status_problem(setting: str, path: str, status: os.stat_result) -> str | None:
@@ -48,7 +67,7 @@ def _status_problem(setting: str, path: str, status: os.stat_result) -> str | No
     chmod = f"chmod 600 {shlex.quote(path)}"
     if not stat.S_ISREG(status.st_mode):
         return f"{setting}={path} is not a file; point it at a file holding the key alone"
-    if _systemd_credential(path):
+    if _systemd_credential(path, status):
         return None
     if status.st_uid != os.getuid():
         return (f"{setting}={path} belongs to another user (uid {status.st_uid}, you are {os.getuid()}); a key "
@@ -64,11 +83,11 @@ def key_file_problem(setting: str, path: str) -> str | None:
     by others), else None. Looks at the file's status only, never at its content (what validate() runs)."""
     try:
         status = Path(path).expanduser().stat()
-    except FileNotFoundError:
-        return (f"{setting}={path} does not exist; write the key into it (one line) and "
-                f"chmod 600 {shlex.quote(path)}")
+    except FileNotFoundError:   # no file: its name is not shown, in case the key itself was typed where it goes
+        return (f"{setting} names a file that does not exist (the name is not shown: it may be the key itself); "
+                "write the key into a file of yours (one line), chmod 600 it, and name that file")
     except OSError as error:
-        return f"{setting}={path} cannot be read: {error.strerror or error}"
+        return f"{setting}={shown(setting, path)} cannot be read: {error.strerror or error}"
     return _status_problem(setting, path, status)
 
 
@@ -79,7 +98,7 @@ def secret_from_file(setting: str, path: str) -> str:
     try:
         fd = os.open(Path(path).expanduser(), os.O_RDONLY | os.O_NONBLOCK)   # a FIFO must not hang the start
     except OSError as error:
-        raise BadSettings(key_file_problem(setting, path) or f"{setting}={path} cannot be read: "
+        raise BadSettings(key_file_problem(setting, path) or f"{setting}={shown(setting, path)} cannot be read: "
                                                              f"{error.strerror or error}") from None
     with os.fdopen(fd, "rb") as handle:
         problem = _status_problem(setting, path, os.fstat(handle.fileno()))   # the file read, not the name's

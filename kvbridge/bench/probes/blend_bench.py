@@ -24,7 +24,6 @@ restore against restore, the shift counted where llama.cpp does it.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import sys
@@ -44,6 +43,7 @@ from kvbridge.engine.segments import segment_spans
 from kvbridge.formats.llama_chunks import assemble_state, decode_chunk, encode_chunk
 from kvbridge.formats.llama_state import parse_state
 from kvbridge.settings import Settings
+from kvbridge.settings.cmdline import Parser
 from kvbridge.store.objects import ObjectMeta
 
 
@@ -342,7 +342,7 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvbridge.bench.probes.blend_bench", description=__doc__.split("\n")[0])
+    parser = Parser(prog="python -m kvbridge.bench.probes.blend_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--passages", default="2,4,6,8", help="passages per prompt, comma-separated")
     parser.add_argument("--recompute", default="0,4,8,16,32", help="recomputed tokens per passage, comma-separated")
     parser.add_argument("--prompts", type=int, default=12, help="measured prompts per passage count")

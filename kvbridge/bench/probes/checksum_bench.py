@@ -13,7 +13,6 @@ dependencies; install them into a scratch folder and put it on PYTHONPATH to com
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
@@ -26,6 +25,7 @@ import numpy as np
 from blake3 import blake3
 
 from kvbridge.cache_server.shm import Segment
+from kvbridge.settings.cmdline import Parser
 
 PAGE = 1 << 20
 
@@ -90,7 +90,7 @@ def table(times: dict[str, list[float]], size_bytes: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=47.0, help="object size in MB (default 47)")
     parser.add_argument("--repeats", type=int, default=9, help="interleaved rounds (default 9)")
     parser.add_argument("--dir", default="/dev/shm", help="where the segment lives (default /dev/shm)")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbridge.settings import WORK_DIR, Settings, settings_to_env
+from kvbridge.settings.cmdline import Parser
 
 QUESTIONS = ["Who leads the operations team?", "How deep are the wells?", "When is the annual meeting held?",
              "What happens when turbidity is high?"]
@@ -398,7 +399,7 @@ def _redis_command(port: int, *words: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvbridge.bench.probes.fault_soak", description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m kvbridge.bench.probes.fault_soak", description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=300.0, help="how long faults are injected (default 300)")
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1)

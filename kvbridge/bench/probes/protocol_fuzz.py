@@ -20,7 +20,6 @@ that would only erase data (clear) are not sent.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import random
@@ -39,6 +38,7 @@ from kvbridge.cache_server import protocol
 from kvbridge.cache_server.auth import client_token
 from kvbridge.cache_server.curve import apply_client, client_keys
 from kvbridge.cache_server.protocol import Kind
+from kvbridge.settings.cmdline import Parser
 
 # valid kinds the authenticated connection fuzzes (CLEAR erases data: left out; GOODBYE ends the session)
 FUZZED_KINDS = [Kind.PING, Kind.STATUS, Kind.LOOKUP, Kind.RETRIEVE, Kind.RETRIEVE_MANY, Kind.RELEASE,
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvbridge.settings import Settings
     from kvbridge.store.objects import ObjectMeta
 
-    parser = argparse.ArgumentParser(prog="python -m kvbridge.bench.probes.protocol_fuzz", description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m kvbridge.bench.probes.protocol_fuzz", description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=50_000, help="messages to send (default 50000)")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)

@@ -25,6 +25,7 @@ import zmq
 
 from kvbridge.cache_server import protocol
 from kvbridge.cache_server.protocol import Kind
+from kvbridge.settings.cmdline import Parser
 
 PLANTED = b"planted KV that the squatter hands to anyone who asks"
 
@@ -93,7 +94,7 @@ class Squatter:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m kvbridge.bench.probes.squatter", description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m kvbridge.bench.probes.squatter", description=__doc__.splitlines()[0])
     parser.add_argument("url")
     parser.add_argument("--curve", action="store_true", help="speak CURVE with a key pair of its own")
     parser.add_argument("--watch", default="", help="a file whose bytes to look for among those received")

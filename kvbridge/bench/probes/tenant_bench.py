@@ -8,7 +8,6 @@ figures go to Docs/Research.md §14. Tests run it with one small document (tests
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import statistics
@@ -20,6 +19,7 @@ from pathlib import Path
 from kvbridge.bench.common.scenarios import builtin_document
 from kvbridge.bench.common.private_serve import OurServe, require_openai_sdk
 from kvbridge.settings import Settings
+from kvbridge.settings.cmdline import Parser
 
 KEYS = {"alice": "bench-key-alice", "bob": "bench-key-bob", "carol": "bench-key-carol"}
 def key_digest(key: str) -> str:
@@ -87,7 +87,7 @@ def format_report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvbridge.bench.probes.tenant_bench", description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m kvbridge.bench.probes.tenant_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--documents", type=int, default=4)
     parser.add_argument("--doc-chars", type=int, default=4000)
     args = parser.parse_args(argv)

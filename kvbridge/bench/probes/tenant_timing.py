@@ -23,7 +23,6 @@ then also time the victim's batch), and any attacker that is not a tenant of thi
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -37,6 +36,7 @@ from pathlib import Path
 
 from kvbridge.bench.common.private_serve import OurServe, require_openai_sdk
 from kvbridge.settings import Settings
+from kvbridge.settings.cmdline import Parser
 
 CHUNK_TOKENS = 32   # KVB_CHUNK_SIZE of the bench's serve: short documents are stored as whole chunks, not a tail
 KEYS = {"victim": "timing-key-victim", "attacker": "timing-key-attacker", "insider": "timing-key-insider"}
@@ -200,7 +200,7 @@ def format_report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvbridge.bench.probes.tenant_timing", description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m kvbridge.bench.probes.tenant_timing", description=__doc__.splitlines()[0])
     parser.add_argument("--documents", type=int, default=80, help="documents probed (half cached by the victim)")
     parser.add_argument("--words", type=int, default=60, help="words per document")
     parser.add_argument("--seed", type=int, default=7)
