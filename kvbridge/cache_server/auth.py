@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets
 import stat
 from pathlib import Path
 
+from kvbridge.cache_server.connection import CacheServerRefused
 from kvbridge.errors import BadSettings
 from kvbridge.settings import Settings
 from kvbridge.settings.checks import is_loopback_host
@@ -70,15 +72,38 @@ def token_dir() -> Path:
     return Path(cache) / "kvbridge" / "run"
 
 
-def token_file(url: str) -> Path:
-    """Where the server at `url` keeps its generated token: by port for TCP (so 127.0.0.1, localhost,
-    ::1 and the host's other addresses name one server), by the socket's path for ipc://."""
+LOOPBACK_NAME = "loopback"
+# The names under which a client reaches the one server listening on this host's loopback: a server bound on a
+# wildcard address serves them too (and Linux refuses a second listener on 127.0.0.1:P beside one on 0.0.0.0:P).
+_SAME_AS_LOOPBACK = {"127.0.0.1", "localhost", "::1", "ip6-localhost", "*", "0.0.0.0", "::"}
+
+
+def endpoint_name(url: str) -> str:
+    """The file name stem of the server at `url`: a canonical host and the port for TCP (127.0.0.1, localhost,
+    ::1 and wildcard binds are one name, so they meet; 127.0.0.2 or a LAN address keeps its own, so two
+    servers on one port of different addresses never share files), the socket's resolved path for ipc://."""
     scheme, _, rest = url.partition("://")
     if scheme == "tcp":
-        name = f"tcp-{rest.rpartition(':')[2]}"
-    else:
-        name = f"ipc-{hashlib.blake2b(str(Path(rest).resolve()).encode(), digest_size=8).hexdigest()}"
-    return token_dir() / f"cache-server-{name}.token"
+        host, _, port = rest.rpartition(":")
+        host = host.strip("[]").lower()
+        host = LOOPBACK_NAME if host in _SAME_AS_LOOPBACK else re.sub(r"[^a-z0-9.-]", "_", host)
+        return f"tcp-{host}-{port}"
+    return f"ipc-{hashlib.blake2b(str(Path(rest).resolve()).encode(), digest_size=8).hexdigest()}"
+
+
+def token_file(url: str) -> Path:
+    """Where the server at `url` keeps its generated token (named by `endpoint_name`)."""
+    return token_dir() / f"cache-server-{endpoint_name(url)}.token"
+
+
+def files_url(url: str) -> str:
+    """Whose files a client of `url` reads: `url`'s own when its server wrote them, else, for TCP, those of the
+    server on this host's loopback at that port (a server bound on a wildcard address, reached by another of this
+    host's addresses: 127.0.0.2, a LAN address). A key that belongs to another server only fails the handshake."""
+    scheme, _, rest = url.partition("://")
+    if scheme != "tcp" or (token_dir() / f"cache-server-{endpoint_name(url)}.key").exists():
+        return url
+    return f"tcp://127.0.0.1:{rest.rpartition(':')[2]}"
 
 
 def new_token() -> str:
@@ -123,18 +148,25 @@ def read_private_file(path: Path) -> str | None:
         if st.st_uid != os.getuid():
             raise UntrustedFile(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})")
         if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise UntrustedFile(f"{path} has mode {oct(st.st_mode & 0o777)}; only its owner may read it (0600)")
+            raise UntrustedFile(f"{path} has mode {st.st_mode & 0o777:04o}, so other accounts may read or write it; "
+                                f"only its owner may: run chmod 600 {path} (or restart the server that writes it)")
         return os.read(fd, 1 << 16).decode(errors="replace")
     finally:
         os.close(fd)
 
 
+class UntrustedTokenFile(CacheServerRefused):
+    """The server's token file is there but this user must not trust it (loose mode, another owner, a link)."""
+
+
 def client_token(url: str, configured: str = "") -> str:
     """What a client proves itself with: the configured secret, else the token file of the server at `url`
-    when this user may trust it ('' otherwise: the server will refuse, saying so)."""
+    ('' when there is none: the server will refuse, saying so). A token file this user must not trust is
+    refused naming the file and what is wrong with it (UntrustedTokenFile), never sent as a wrong token."""
     if configured:
         return configured
+    path = token_file(files_url(url))
     try:
-        return (read_private_file(token_file(url)) or "").strip()
-    except UntrustedFile:
-        return ""
+        return (read_private_file(path) or "").strip()
+    except UntrustedFile as exc:
+        raise UntrustedTokenFile(f"not using the cache server token file for {url}: {exc}") from None

@@ -5,8 +5,9 @@ server's ROUTER (set up by `server_keys`), whose handshakes `ZapGate` judges. Ev
 handshake is encrypted; a peer that fails it never gets one frame accepted, by either side.
 
 The server proves itself with its key pair: made fresh at each start (or read from the variable
-KVB_CACHE_SERVER_SECRET_KEY_ENV names, for clients on other hosts) and written beside the token file
-(`key_file`: mode 0600, owner-only, removed at stop). A client trusts only the public key it is
+KVB_CACHE_SERVER_SECRET_KEY_ENV names, for clients on other hosts); its public key, never the secret
+one, is written beside the token file (`key_file`: mode 0600, owner-only, removed at stop, and left
+by a crash, which is why no secret goes there). A client trusts only the public key it is
 configured with (KVB_CACHE_SERVER_PUBLIC_KEY) or the one in such a file that its own uid owns and no
 one else can read; with neither it refuses (CacheServerRefused naming the file and the setting), so
 a squatter on the port (another account, while the owner's server is down) learns nothing: it does
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -39,7 +41,7 @@ from typing import Mapping
 import zmq
 from zmq.utils import z85
 
-from kvbridge.cache_server.auth import (UntrustedFile, read_private_file, token_file, token_dir,
+from kvbridge.cache_server.auth import (UntrustedFile, files_url, read_private_file, token_file, token_dir,
                                         write_private_file)
 from kvbridge.cache_server.connection import CacheServerRefused
 from kvbridge.errors import BadSettings
@@ -47,7 +49,7 @@ from kvbridge.settings import Settings
 from kvbridge.settings.secrets import secret_from
 
 log = logging.getLogger("kvbridge.cache_server")
-KEY_FILE_MAGIC = "kvbridge cache-server key v1"
+KEY_FILE_MAGIC = "kvbridge cache-server key v2"   # v2: no secret key (v1 held it)
 ZAP_DOMAIN = b"kvbridge-cache-server"
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"   # fixed by the ZAP spec (RFC 27): libzmq asks whoever binds it
 PUBLIC_KEY_SETTING = "KVB_CACHE_SERVER_PUBLIC_KEY"
@@ -121,10 +123,27 @@ def key_file(url: str) -> Path:
     return token_file(url).with_suffix(".key")
 
 
-def write_key_file(url: str, keys: KeyPair) -> Path:
+def write_key_file(url: str, keys: KeyPair, segment: str = "") -> Path:
+    """The server's public key for this user's clients, with what a killed server leaves for
+    kvbridge.cache_server.leftovers to find (its pid and L1 segment). Never the secret key: only the
+    server's memory needs it, and a file outlives a crash."""
+    lines = [KEY_FILE_MAGIC, f"public {keys.public}", f"pid {os.getpid()}"] + ([f"segment {segment}"] if segment else [])
     path = key_file(url)
-    write_private_file(path, f"{KEY_FILE_MAGIC}\npublic {keys.public}\nsecret {keys.secret}\n")
+    write_private_file(path, "\n".join(lines) + "\n")
     return path
+
+
+def read_key_file(path: Path) -> dict[str, str] | None:
+    """The key file's fields (public, pid, segment) when it is a trusted file of this format; None when it does
+    not exist. UntrustedFile for a file this user must not trust, ValueError for one of another format."""
+    text = read_private_file(path)
+    if text is None:
+        return None
+    lines = text.splitlines()
+    fields = dict(line.split(" ", 1) for line in lines[1:] if " " in line)
+    if lines[:1] != [KEY_FILE_MAGIC] or z85_key_problem(fields.get("public", "")):
+        raise ValueError(f"{path} is damaged or not a {KEY_FILE_MAGIC!r} file")
+    return fields
 
 
 def apply_server(sock: zmq.Socket, keys: KeyPair) -> None:
@@ -132,6 +151,9 @@ def apply_server(sock: zmq.Socket, keys: KeyPair) -> None:
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret.encode())
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public.encode())
     sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+    # Without it libzmq treats a ZAP handler it cannot reach (its thread died) as "no authentication
+    # wanted" and admits any CURVE key; with it, every handshake fails until the handler is back.
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
 
 class ZapGate:
@@ -209,24 +231,20 @@ def trusted_server_key(url: str, configured: str = "") -> tuple[str, str]:
             raise ServerNotAuthenticated(f"{PUBLIC_KEY_SETTING} {problem}; copy the server's public key from its "
                                          "log line 'public key ...' or its key file")
         return configured, PUBLIC_KEY_SETTING
-    path = key_file(url)
+    path = key_file(files_url(url))
     try:
-        text = read_private_file(path)
+        fields = read_key_file(path)
     except UntrustedFile as exc:
         raise ServerNotAuthenticated(f"not trusting the cache server at {url}: its key file {exc}") from None
-    if text is None:
+    except ValueError:
+        raise ServerNotAuthenticated(f"not trusting the cache server at {url}: its key file {path} is damaged or "
+                                     f"not a {KEY_FILE_MAGIC!r} file (restart the server to write it again)") from None
+    if fields is None:
         raise NoServerKey(
             f"no key to authenticate the cache server at {url}: {path} does not exist (the server is not running, "
             f"or runs as another OS user) and {PUBLIC_KEY_SETTING} is not set. Start the cache server as this user "
             f"(its key file appears in {token_dir()}), or set {PUBLIC_KEY_SETTING} to the key the server logs at start")
-    lines = text.splitlines()
-    fields = dict(line.split(" ", 1) for line in lines[1:] if " " in line)
-    public, secret = fields.get("public", ""), fields.get("secret", "")
-    if lines[:1] != [KEY_FILE_MAGIC] or z85_key_problem(public) or z85_key_problem(secret) \
-            or pair_from_secret(secret).public != public:
-        raise ServerNotAuthenticated(f"not trusting the cache server at {url}: its key file {path} is damaged or "
-                                     f"not a {KEY_FILE_MAGIC!r} file (restart the server to write it again)")
-    return public, str(path)
+    return fields["public"], str(path)
 
 
 def client_keys(url: str, token: str, configured_server_key: str = "") -> ClientKeys:

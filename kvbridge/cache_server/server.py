@@ -42,6 +42,8 @@ import zmq
 from kvbridge.cache_server import protocol
 from kvbridge.cache_server.auth import REFUSED_TOKEN, check_bind_url, new_token, read_token, write_token_file
 from kvbridge.cache_server.curve import ZapGate, apply_server, client_key_pair, server_keys, write_key_file
+from kvbridge.cache_server.door import ConnectionCap, apply_handshake_interval, check_door_settings
+from kvbridge.cache_server.leftovers import forget_server_files
 from kvbridge.cache_server.shm import remove_stale_segments
 from kvbridge.cache_server.calls import Answer, Call, ClientInfo, RequestFailed
 from kvbridge.cache_server.clients import ClientTable
@@ -70,6 +72,7 @@ class CacheServer:
         self.settings = settings
         self.url = url or settings.cache_server_url
         check_bind_url(self.url, encrypted=True)
+        check_door_settings(settings)
         configured = read_token(settings) if token is None else token
         self.token = configured or new_token()   # generated: written to the owner's token file at bind
         self._token_generated = not configured
@@ -80,6 +83,9 @@ class CacheServer:
         self.server_id = uuid.uuid4().hex
         self.clients = ClientTable()
         self.metrics = ServerMetrics()
+        left = forget_server_files(self.url)   # a SIGKILLed predecessor's files and segment, found by the address
+        if left:
+            log.info("removed what a cache server killed at %s left: %s", self.url, ", ".join(str(p) for p in left))
         removed = remove_stale_segments(segment_dir)
         if removed:
             log.info("removed %d shared-memory segment(s) left by cache servers that died: %s", len(removed),
@@ -100,6 +106,8 @@ class CacheServer:
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, 2 * settings.cache_server_max_message_bytes + (1 << 20))
         apply_server(self._router, self.keys)
+        apply_handshake_interval(self._router, settings)
+        self._door = ConnectionCap(self._router, settings.cache_server_max_connections)
         self._replies_url = _REPLY_ENDPOINT.format(self.server_id)
         self._replies = self.ctx.socket(zmq.PULL)
         self._replies.bind(self._replies_url)
@@ -137,10 +145,11 @@ class CacheServer:
             raise BadSettings(f"the cache server cannot listen on {self.url}: {exc} (another cache server there? "
                               "choose another address with --url, --host/--port or KVB_CACHE_SERVER_URL)") from None
         self._bound = True
+        self._door.watch()
         # after the bind, so a second server refused the address never overwrites the first one's files
         if self._token_generated:   # nothing configured: a token only this OS user can read
             self.token_path = write_token_file(self.url, self.token)
-        self.key_path = write_key_file(self.url, self.keys)
+        self.key_path = write_key_file(self.url, self.keys, segment=str(self.store.segment.path))
         self.modules.register_zmq_services(self)
         log.info("cache server %s listening on %s (L1 %s, tiers %s)", self.server_id[:8], self.url,
                  self.store.segment.path, ", ".join(self.store.tier_names))
@@ -153,6 +162,7 @@ class CacheServer:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._replies, zmq.POLLIN)
+        poller.register(self._door.socket, zmq.POLLIN)
         wake = self.ctx.socket(zmq.PAIR)
         wake.connect(f"inproc://kvb-wake-{self.server_id}")
         poller.register(wake, zmq.POLLIN)
@@ -174,6 +184,8 @@ class CacheServer:
                         signal_r.recv(4096)
                 if self._replies in events:
                     self._drain_replies()
+                if self._door.socket in events:
+                    self._door.drain()
                 if self._router in events:
                     self._receive_requests()
         finally:
@@ -207,6 +219,7 @@ class CacheServer:
                 path.unlink(missing_ok=True)
         if self._zap is not None:
             self._zap.close()
+        self._door.close()
         self._router.close(0)
         self._replies.close(0)
         self._wake.close(0)

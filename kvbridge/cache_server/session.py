@@ -150,8 +150,8 @@ class Session:
                 self._say_hello()
 
     def _say_hello(self) -> None:
-        token = client_token(self.url, self._token)
         try:
+            token = client_token(self.url, self._token)   # a token file it must not trust: refused, named
             keys = client_keys(self.url, token, self._server_key)
         except CacheServerRefused:
             self.conn.use_keys(None)

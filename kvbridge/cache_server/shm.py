@@ -309,40 +309,41 @@ class Segment:
 
 
 def stale_segments(directory: Path = DEFAULT_DIRECTORY, prefix: str = DEFAULT_PREFIX) -> list[Path]:
-    """This user's segment files whose creating process is gone (left by a crash), for removal.
-
-    /dev/shm is world-writable, so another account can plant an entry named like one of ours: each
-    candidate is looked at with lstat (a link is never followed) and only a regular file this uid
-    owns counts. What is skipped is logged, and never touched: with protected_symlinks, following
-    another user's link in a sticky directory fails with EACCES (that stopped a start once).
-    """
-    pattern = _segment_name_pattern(prefix)
-    uid = os.getuid()
-    stale = []
+    """This user's segment files whose creating process is gone (left by a crash), for removal."""
     try:
         entries = sorted(Path(directory).iterdir())
     except FileNotFoundError:
         return []
-    for path in entries:
-        match = pattern.match(path.name)
-        if not match or int(match.group(1)) != uid:
-            continue
-        try:
-            info = os.lstat(path)
-        except FileNotFoundError:
-            continue   # removed meanwhile
-        except OSError as exc:
-            log.warning("skipped %s while looking for stale segments: %s", path, exc.strerror or exc)
-            continue
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
-            kind = ("a regular file" if stat.S_ISREG(info.st_mode) else
-                    "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a regular file")
-            log.warning("left %s alone: named like a segment of uid %d, but it is %s owned by uid %d",
-                        path, uid, kind, info.st_uid)
-            continue
-        if not creator_alive(path, int(match.group(2))):
-            stale.append(path)
-    return stale
+    return [path for path in entries if is_stale_segment(path, prefix)]
+
+
+def is_stale_segment(path: Path, prefix: str = DEFAULT_PREFIX) -> bool:
+    """Whether `path` is a segment file of this user whose creating server is gone (safe to remove).
+
+    /dev/shm is world-writable, so another account can plant an entry named like one of ours: the
+    entry is looked at with lstat (a link is never followed) and only a regular file this uid owns
+    counts. What is skipped is logged, and never touched: with protected_symlinks, following
+    another user's link in a sticky directory fails with EACCES (that stopped a start once).
+    """
+    path = Path(path)
+    match = _segment_name_pattern(prefix).match(path.name)
+    uid = os.getuid()
+    if not match or int(match.group(1)) != uid:
+        return False
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False   # removed meanwhile
+    except OSError as exc:
+        log.warning("skipped %s while looking for stale segments: %s", path, exc.strerror or exc)
+        return False
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
+        kind = ("a regular file" if stat.S_ISREG(info.st_mode) else
+                "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a regular file")
+        log.warning("left %s alone: named like a segment of uid %d, but it is %s owned by uid %d",
+                    path, uid, kind, info.st_uid)
+        return False
+    return not creator_alive(path, int(match.group(2)))
 
 
 def creator_alive(path: Path, pid: int) -> bool:
@@ -371,16 +372,23 @@ def remove_stale_segments(directory: Path | str | None = None) -> list[Path]:
     directory (/dev/shm is one) unlink refuses, with EPERM, to remove another user's entry unless the
     caller is root; root may remove anything, which is why stale_segments checks the owner itself.
     """
-    removed = []
-    for path in stale_segments(Path(directory) if directory is not None else DEFAULT_DIRECTORY):
-        try:
-            path.unlink()
-            removed.append(path)
-        except FileNotFoundError:
-            pass   # another server starting removed it first
-        except OSError as exc:
-            log.warning("could not remove the stale segment %s: %s", path, exc.strerror or exc)
-    return removed
+    directory = Path(directory) if directory is not None else DEFAULT_DIRECTORY
+    return [path for path in stale_segments(directory) if remove_if_stale(path)]
+
+
+def remove_if_stale(path: Path) -> bool:
+    """Remove `path` when it is a stale segment of this user (is_stale_segment); whether it was removed.
+    An entry that cannot be removed is logged and left."""
+    if not is_stale_segment(path):
+        return False
+    try:
+        Path(path).unlink()
+        return True
+    except FileNotFoundError:
+        return False   # another server starting removed it first
+    except OSError as exc:
+        log.warning("could not remove the stale segment %s: %s", path, exc.strerror or exc)
+        return False
 
 
 def object_checksum(data) -> bytes:

@@ -130,6 +130,8 @@ class Settings:
     cache_server_hard_min_priority: int = 5      # under HARD pressure, stores from clients below this are refused
     cache_server_write_queue: int = 256          # objects waiting for the background L2 writer
     cache_server_max_message_bytes: int = 256 << 20
+    cache_server_handshake_s: float = 5.0        # a connection not authenticated within this is dropped
+    cache_server_max_connections: int = 256      # connections the cache server holds at once; newer ones are closed
     # GUI
     host: str = "127.0.0.1"
     port: int = 7860
