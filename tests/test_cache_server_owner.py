@@ -5,7 +5,8 @@ as root, which file modes do not stop).
 The guest is a real process that imports the project's own code, then drops to the guest's uid and
 gid (the venv's python lives under /root, which the guest could not execute from), with a HOME of its
 own, exactly as another account on the machine would run it with default settings. As a client: it
-cannot read the owner's token or key file, so its client refuses to connect; even knowing the
+cannot read the owner's token or key file (the folders above them are made searchable by every account
+for the test, as a 0755 home is, so the files' own 0600 is what stops it), so its client refuses to connect; even knowing the
 server's public key (not a secret) it is turned away in the handshake; it cannot open the
 shared-memory segment; nothing it does stores, reads or clears anything. As a squatter: while the
 owner's server is down it takes the owner's port with a server that says yes to any hello
@@ -13,14 +14,17 @@ owner's server is down it takes the owner's port with a server that says yes to 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -85,11 +89,30 @@ def guest():
         subprocess.run(["userdel", GUEST], check=False)
 
 
+@contextlib.contextmanager
+def traversable_by_others(path: Path):
+    """Every folder from `path` up to / searchable by every account, for the duration: the test's HOME is a
+    private temp folder, and on a real machine ~ is often 0755, so the file's own mode must be what stops a
+    reader (a token file written 0644 would be readable here)."""
+    changed = []
+    for folder in [path, *path.parents]:
+        mode = stat.S_IMODE(folder.stat().st_mode)
+        if not mode & stat.S_IXOTH:
+            os.chmod(folder, mode | stat.S_IXOTH)
+            changed.append((folder, mode))
+    try:
+        yield
+    finally:
+        for folder, mode in changed:
+            os.chmod(folder, mode)
+
+
 def test_another_os_user_cannot_read_plant_or_clear(guest, make_settings):
     entry, home = guest
     settings = make_settings()
     meta = ObjectMeta(namespace="ns", n_tokens=1, tokens_digest=b"", kind="chunk")
-    with running_server(settings) as server, CacheClient(server.url, timeout_s=5) as owner:
+    with running_server(settings) as server, CacheClient(server.url, timeout_s=5) as owner, \
+            traversable_by_others(token_file(server.url).parent):
         assert owner.store(b"o" * 16, b"the owner's KV", meta)[0]
         child = subprocess.run(
             [sys.executable, "-c", _GUEST_CLIENT, str(entry.pw_uid), str(entry.pw_gid), home, server.url,
