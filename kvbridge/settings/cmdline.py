@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvbridge.settings.redact import HIDDEN, scrub, secret_words
+from kvbridge.settings.redact import scrub, secret_words
 
 
 class Parser(argparse.ArgumentParser):
@@ -79,7 +79,7 @@ def unknown_message(extras: list[str], parser: argparse.ArgumentParser) -> str:
         lines.append(f"unknown flag {flag}{also}; flags are spelled in full, as `{parser.prog} --help` lists them")
     others = len(extras) - len(flags)
     if others:
-        words = f"{others} {'more ' if flags else ''}word{'s' if others > 1 else ''} no flag takes"
-        lines.append(f"{words}, {HIDDEN} in case one is a secret" + ("" if flags else f"; `{parser.prog} --help` "
-                                                                                     "lists what it takes"))
+        words = f"{others} {'more ' if flags else ''}word{'s' if others > 1 else ''} that no flag takes"
+        lines.append(f"{words}, not shown in case {'it is' if others == 1 else 'one is'} a secret"
+                     + ("" if flags else f"; `{parser.prog} --help` lists what it takes"))
     return "; ".join(lines)
