@@ -15,10 +15,12 @@ import hashlib
 import http.server
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,6 +32,7 @@ import requests
 import zmq
 
 from conftest import needs_model
+from guest_account import guest, guest_result, needs_root, start_guest_subscriber  # noqa: F401 (guest: a fixture)
 from kvbridge.kv_events import BlockView, KVEventPublisher, KVEvents, KVEventsUrlError, start_kv_events, wire
 
 pytestmark = pytest.mark.timeout(120)
@@ -92,6 +95,14 @@ class Subscriber:
                 self.messages.append((topic, wire.read_seq(seq), payload))
         return self.events()
 
+    def drain(self, seconds: float) -> None:
+        """Read whatever arrives for `seconds`."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.sock.poll(50):
+                topic, seq, payload = self.sock.recv_multipart()
+                self.messages.append((topic, wire.read_seq(seq), payload))
+
     def close(self) -> None:
         self.sock.close(linger=0)
         self.ctx.term()
@@ -101,7 +112,7 @@ class Subscriber:
 def view_and_sub():
     scheduler = StandInScheduler()
     publisher = KVEventPublisher("tcp://127.0.0.1:0")
-    view = BlockView(scheduler, publisher.publish, chunk_size=CS, check_s=0.2)
+    view = BlockView(scheduler, publisher.publish, chunk_size=CS, check_s=0.2, resync_interval_s=0.2)
     publisher.on_subscribe = view.request_resync
     sub = Subscriber(publisher.endpoint)
     sub.until(lambda evs: any(isinstance(e, wire.AllBlocksCleared) for e in evs), "a subscriber is told to clear")
@@ -249,6 +260,70 @@ def test_an_ipc_endpoint_is_mode_0600(tmp_path):
         publisher.close()
 
 
+def test_a_subscription_storm_costs_one_announcement_per_interval():
+    """Every new subscription asks for AllBlocksCleared and every claim, which PUB sends to every subscriber
+    (the router too): 60 subscriptions in about a second make at most a few announcements, not 60, and the
+    last joiner still learns every claim."""
+    scheduler = StandInScheduler()
+    publisher = KVEventPublisher("tcp://127.0.0.1:0")
+    view = BlockView(scheduler, publisher.publish, chunk_size=CS, check_s=60, resync_interval_s=2.0)
+    publisher.on_subscribe = view.request_resync
+    router = Subscriber(publisher.endpoint)            # the subscriber that was there first
+    storm: list[Subscriber] = []
+    try:
+        tokens = tuple(range(500, 500 + 3 * CS))
+        ids = {(wire.block_id(h), "GPU") for h in scheduler.unsalted_hashes(list(tokens))}
+        view.resident([tokens])
+        router.until(lambda evs: set(stored_claims(evs)) == ids, "the first subscriber learns the claims")
+        time.sleep(2.1)                                # past the interval of the first announcement
+        before = sum(isinstance(e, wire.AllBlocksCleared) for e in router.events())
+        for _ in range(60):
+            storm.append(Subscriber(publisher.endpoint))
+            time.sleep(0.02)
+        deadline = time.monotonic() + WAIT_S
+        while publisher.subscriptions < 61:
+            assert time.monotonic() < deadline, publisher.subscriptions
+            time.sleep(0.05)
+        late = storm[-1].until(lambda evs: set(stored_claims(evs)) == ids, "the last joiner learns every claim")
+        assert isinstance(late[0], wire.AllBlocksCleared)
+        router.drain(3.0)                              # anything still pending comes out within the interval
+        announced = sum(isinstance(e, wire.AllBlocksCleared) for e in router.events()) - before
+        assert 1 <= announced <= 3, f"{announced} re-announcements to the first subscriber for 60 subscriptions"
+        assert set(stored_claims(router.events())) == ids
+        assert view.snapshot()["resyncs"] <= 4
+    finally:
+        for sub in [router, *storm]:
+            sub.close()
+        view.close()
+        publisher.close()
+
+
+@needs_root
+def test_another_os_account_gets_nothing_from_a_publisher_in_a_private_folder(guest):
+    """The fleet's default: an ipc socket (0600) in a folder of mode 0700. The owner's subscriber gets the
+    events; a second OS account, subscribing to the same endpoint and asking the replay socket for
+    everything, gets nothing at all."""
+    folder = Path(tempfile.mkdtemp(prefix="kvb-fleet-"))
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    publisher = KVEventPublisher(f"ipc://{folder}/worker-1.events")
+    owner = Subscriber(publisher.endpoint)
+    try:
+        intruder = start_guest_subscriber(guest, [publisher.endpoint], seconds=4)
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:             # events flow the whole time the guest listens
+            publisher.publish([wire.BlockStored([7], None, list(range(CS)), CS, medium="GPU")])
+            time.sleep(0.1)
+        got = guest_result(intruder)
+        owner.until(lambda evs: len(evs) >= 10, "the owner's subscriber receives the events")
+    finally:
+        owner.close()
+        publisher.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    assert got["uid"] == guest[0].pw_uid
+    assert got["stat"] == {publisher.endpoint: "PermissionError"}
+    assert got["messages"] == 0 and got["replay_frames"] == 0, got
+
+
 @pytest.mark.parametrize("url", ["tcp://0.0.0.0:5601", "tcp://10.1.2.3:5601", "tcp://example.com:5601",
                                  "udp://127.0.0.1:5601"])
 def test_another_host_is_refused_naming_the_setting(url):
@@ -357,14 +432,19 @@ def stop_router(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed in .venv (./scripts/setup.sh)")
-@pytest.mark.parametrize("sources", ["static", "discovered"])
+@pytest.mark.parametrize("sources", ["static", "discovered", "discovered-ipc"])
 def test_the_real_vllm_router_routes_by_these_events(tmp_path, sources):
-    """static: --kv-event-source/--kv-event-replay-source/--kv-event-block-size/--kv-event-model, as fleet
-    passes them; discovered: the router reads GET /get_server_info and GET /kv_event_sources instead."""
+    """static: --kv-event-source/--kv-event-replay-source/--kv-event-block-size/--kv-event-model (0.1.17 takes
+    tcp only there); discovered: the router reads GET /get_server_info and GET /kv_event_sources instead;
+    discovered-ipc: the same with ipc sockets in a private folder, as the fleet runs it."""
     workers = [StandInWorker("w1"), StandInWorker("w2")]
     schedulers = [StandInScheduler(ROUTER_BLOCK) for _ in workers]
-    publishers = [KVEventPublisher("tcp://127.0.0.1:0") for _ in workers]
-    views = [BlockView(s, p.publish, chunk_size=ROUTER_BLOCK, check_s=0.2) for s, p in zip(schedulers, publishers)]
+    folder = Path(tempfile.mkdtemp(prefix="kvb-fleet-"))     # short: an ipc path fits in 107 bytes
+    urls = ([f"ipc://{folder}/{w.name}.events" for w in workers] if sources == "discovered-ipc"
+            else ["tcp://127.0.0.1:0"] * len(workers))
+    publishers = [KVEventPublisher(url) for url in urls]
+    views = [BlockView(s, p.publish, chunk_size=ROUTER_BLOCK, check_s=0.2, resync_interval_s=0.2)
+             for s, p in zip(schedulers, publishers)]
     for w, view, publisher in zip(workers, views, publishers):
         publisher.on_subscribe = view.request_resync
         w.events = KVEvents(publisher, view, w.name, ROUTER_BLOCK)
@@ -435,12 +515,13 @@ def test_the_real_vllm_router_routes_by_these_events(tmp_path, sources):
         assert publishers[1].replays >= 1
         assert all(("POST", "/v1/chat/completions/render") in w.paths for w in workers)
         discovery = {("GET", "/get_server_info"), ("GET", "/kv_event_sources")}
-        assert all(discovery <= set(w.paths) for w in workers) == (sources == "discovered")
+        assert all(discovery <= set(w.paths) for w in workers) == sources.startswith("discovered")
     finally:
         stop_router(proc)
         for w in workers:
             w.events.close()
             w.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _answers(port: int) -> bool:

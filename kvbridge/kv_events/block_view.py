@@ -14,7 +14,10 @@ that is partly resident and wholly in L1 still matches to its end on the CPU tie
 Nothing tells the view when the store evicts, so every `check_s` it asks `scheduler.stored_media` for
 every block it claims is stored and publishes what changed: no claim outlives its block by more than
 check_s plus the send. A new subscriber (or one reconnecting after a gap it could not replay) gets
-AllBlocksCleared and every current claim, so a PUB/SUB late joiner is not left blind or stale.
+AllBlocksCleared and every current claim, so a PUB/SUB late joiner is not left blind or stale. PUB sends
+that to every subscriber, so re-announcements are coalesced: at most one per RESYNC_MIN_INTERVAL_S,
+however many subscriptions arrive (a subscription storm costs one announcement per interval, not one
+per subscription; a joiner waits at most that long for its first view).
 State is bounded: at most MAX_BLOCKS blocks, the oldest non-resident ones dropped (with BlockRemoved).
 """
 from __future__ import annotations
@@ -31,6 +34,7 @@ log = logging.getLogger(__name__)
 MAX_BLOCKS = 1 << 16
 MAX_PENDING_STORES = 1024      # stored() notices waiting; the oldest dropped beyond (an unclaimed block is safe)
 CHECK_SLICE = 4096             # hashes per stored_media call
+RESYNC_MIN_INTERVAL_S = 2.0    # at most one re-announcement of every claim (to every subscriber) per interval
 
 
 @dataclass
@@ -49,7 +53,8 @@ class Block:
 class BlockView:
     """The scheduler's kv listener; publishes through `publish(events)` (KVEventPublisher.publish)."""
 
-    def __init__(self, scheduler, publish, *, chunk_size: int, check_s: float, max_blocks: int = MAX_BLOCKS):
+    def __init__(self, scheduler, publish, *, chunk_size: int, check_s: float, max_blocks: int = MAX_BLOCKS,
+                 resync_interval_s: float = RESYNC_MIN_INTERVAL_S):
         self._scheduler = scheduler
         self._publish = publish
         self._cs = chunk_size
@@ -62,6 +67,9 @@ class BlockView:
         self._pending_runs: list | None = None
         self._pending_stores: collections.deque = collections.deque(maxlen=MAX_PENDING_STORES)
         self._resync = True            # the first cycle tells everyone: nothing held yet
+        self._resync_interval_s = resync_interval_s
+        self._next_resync = 0.0        # time.monotonic() before which a requested resync waits
+        self.resyncs = 0               # re-announcements sent (AllBlocksCleared + every claim)
         self._touch_all = False        # after a fault: recompute every block's claims
         self._closing = False
         self.dropped_stores = 0
@@ -88,6 +96,9 @@ class BlockView:
             self._resync = True
             self._cond.notify()
 
+    def _resync_due(self) -> bool:
+        return self._resync and time.monotonic() >= self._next_resync
+
     def close(self) -> None:
         with self._cond:
             self._closing = True
@@ -99,22 +110,27 @@ class BlockView:
         with self._cond:
             counts = collections.Counter(m for b in list(self._blocks.values()) for m in list(b.published))
             return {"blocks": len(self._blocks), "claims": dict(counts), "dropped_stores": self.dropped_stores,
-                    "faults": self.faults}
+                    "faults": self.faults, "resyncs": self.resyncs}
 
     # --- the view's thread ---
     def _run(self) -> None:
         next_check = time.monotonic() + self._check_s
         while True:
             with self._cond:
-                while not (self._closing or self._resync or self._pending_runs is not None
+                while not (self._closing or self._resync_due() or self._pending_runs is not None
                            or self._pending_stores or time.monotonic() >= next_check):
-                    self._cond.wait(max(0.0, next_check - time.monotonic()))
+                    wake = next_check if not self._resync else min(next_check, self._next_resync)
+                    self._cond.wait(max(0.0, wake - time.monotonic()))
                 if self._closing:
                     return
                 runs, self._pending_runs = self._pending_runs, None
                 stores = list(self._pending_stores)
                 self._pending_stores.clear()
-                resync, self._resync = self._resync, False
+                resync = self._resync_due()
+                if resync:     # a resync asked for too soon stays pending until its time
+                    self._resync = False
+                    self._next_resync = time.monotonic() + self._resync_interval_s
+                    self.resyncs += 1
             try:
                 events = self._cycle(runs, stores, resync, time.monotonic() >= next_check)
             except Exception:                    # a scheduler fault costs this cycle's claims, never the thread
