@@ -198,3 +198,34 @@ def test_a_name_swapped_into_the_credentials_directory_after_the_open_is_refused
     monkeypatch.setattr(secrets.os, "open", open_then_swap)
     with pytest.raises(BadSettings, match="open to others"):
         secret_from_file("KVB_SERVE_API_KEY_FILE", str(name))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# log lines: the filter kvbridge.__main__ puts on the root logger's handlers
+
+
+def test_a_log_line_shows_no_secret_named_setting_nor_the_key_it_names(tmp_path, monkeypatch):
+    """Through the filter `python -m kvbridge` installs: L3's own warning names the password variable (here a
+    password typed where its name goes), and a line that quotes the key a *_ENV setting names is scrubbed too."""
+    import io
+    import logging
+
+    from kvbridge.settings import Settings
+    from kvbridge.settings.redact import hidden_values, hide_in_logs
+    from kvbridge.store.redis_tier import RedisTier
+
+    monkeypatch.setenv("KVB_L3_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("KVB_L3_PASSWORD_ENV", NAME_SHAPED)
+    monkeypatch.setenv("KVB_SERVE_API_KEY_ENV", "SERVE_KEY")
+    monkeypatch.setenv("SERVE_KEY", MARKER)
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [handler])
+    settings = Settings.from_env()
+    hide_in_logs(hidden_values(settings, os.environ))
+    RedisTier.from_settings(settings)
+    logging.getLogger("kvbridge.anything").warning("a careless line: %s", MARKER)
+    written = stream.getvalue()
+    assert "KVB_L3_PASSWORD_ENV names (not shown)" in written and "a careless line: (not shown)" in written, written
+    assert NAME_SHAPED not in written and MARKER not in written, written

@@ -28,7 +28,7 @@ from kvbridge.settings.checks import settings_problems
 from kvbridge.settings.models import DEFAULT_MODEL, EMBEDDED_MODELS
 from kvbridge.settings.paths import DEFAULT_ENV_FILE, WORK_DIR
 from kvbridge.settings.presets import CLOUD_PRESETS, CloudPreset
-from kvbridge.settings.redact import may_show, scrub
+from kvbridge.settings.redact import hidden_values, scrub
 
 EMBEDDED_MODEL_FILE = EMBEDDED_MODELS[DEFAULT_MODEL].file     # the default embedded model (SmolLM2)
 EMBEDDED_MODEL_PATH = EMBEDDED_MODELS[DEFAULT_MODEL].path
@@ -216,8 +216,8 @@ class Settings:
         """
         environ = os.environ if environ is None else environ
         problems = [message for _, message in self._problems] + settings_problems(self, environ)
-        hidden = [value for f in setting_fields() if not may_show(f.name, value := getattr(self, f.name))]
-        return [scrub(message, hidden) for message in problems]   # whatever a check wrote, no secret leaves
+        hidden = hidden_values(self, environ)   # whatever a check wrote, no secret leaves
+        return [scrub(message, hidden) for message in problems]
 
     def warnings(self) -> list[str]:
         """What is worth telling but blocks nothing: KVB_ names in the environment or `.env` that are no

@@ -9,14 +9,19 @@ and neither can be a secret typed in the wrong place: a key file's path once tha
 is a path), and the variable a `*_ENV` setting names when it is shaped like a conventional variable name
 (capitals, digits and underscores, a capital first: SERVE_API_KEY), which no generated key or token is.
 
+Log lines get the same rule through SecretFilter on the root logger's handlers (installed by kvbridge.__main__),
+which also hides the secrets themselves: the values of the variables the `*_ENV` settings name.
+
 Numbers are no secrets (KVB_CLOUD_TOKEN_BUDGET counts tokens), and `tokens` is not `token`: the rule reads whole
 words, so `--max-tokens 12` is still shown.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 SECRET_WORDS = frozenset({"key", "token", "secret", "password", "passwd", "apikey"})
 HIDDEN = "(not shown)"
@@ -80,3 +85,42 @@ def secret_words(argv: Iterable[str]) -> list[str]:
         if value and not may_show(flag, value):
             found.append(value)
     return found
+
+
+def hidden_values(settings, environ: Mapping[str, str]) -> list[str]:
+    """What no message or log line may show for these settings (a Settings, read as a dataclass to keep this
+    module below kvbridge.settings.core): each secret-named value a message may not show, and each secret a
+    `*_ENV` setting names (the key itself, read from `environ`)."""
+    values = []
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        if f.name.startswith("_") or not isinstance(value, str) or not value or not secret_name(f.name):
+            continue
+        if not may_show(f.name, value):
+            values.append(value)
+        if is_variable_setting(f.name) and environ.get(value):
+            values.append(environ[value])
+    return values
+
+
+class SecretFilter(logging.Filter):
+    """A handler's filter: every record it writes with each of `values` replaced by HIDDEN (scrub())."""
+
+    def __init__(self, values: Iterable[str]) -> None:
+        super().__init__()
+        self.values = [value for value in values if value]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = scrub(message, self.values)
+        if clean != message:
+            record.msg, record.args = clean, ()
+        return True
+
+
+def hide_in_logs(values: Iterable[str], logger: logging.Logger | None = None) -> None:
+    """Put a SecretFilter for `values` on every handler of `logger` (the root logger): what any module logs
+    through them is scrubbed. Handlers added later (a web server's own) are not covered; they log no settings."""
+    secret_filter = SecretFilter(values)
+    for handler in (logger or logging.getLogger()).handlers:
+        handler.addFilter(secret_filter)
