@@ -9,8 +9,13 @@ anywhere. The secret never crosses the wire in clear: a client's CURVE key pair 
 and the server admits only that key in the handshake (kvbridge.cache_server.curve, which also says
 how the client authenticates the server); the hello, encrypted, carries it once more.
 
+The files are named by the server's address (`endpoint_name`): a canonical host and the port, so that
+127.0.0.1, localhost and ::1 meet while servers on 127.0.0.1:P and 127.0.0.2:P keep apart.
+
 A client reads these files only when its own uid owns them, no one else can read or write them, and
-they are not symbolic links (`read_private_file`): a file another account planted is never trusted.
+they are not symbolic links (`read_private_file`): a file another account planted is never trusted,
+and a token file that fails the check is refused naming the file and the fix (UntrustedTokenFile),
+never sent on as a wrong token.
 
 Binding: with CURVE on every connection the server may listen on any address (encrypted, and only
 holders of the secret get past the handshake). Sockets without CURVE (a plugin's event stream) stay

@@ -5,8 +5,10 @@ modules (kvbridge.cache_server.module) -> the ServerStore (L1 pool in shared mem
 
 Who gets in is settled before the loop sees a byte: the ROUTER runs CURVE with this server's key
 pair, and its ZAP handler admits only clients whose key comes from the server's token
-(kvbridge.cache_server.curve); the key pair and the token are written to owner-only files beside
-each other after the bind. A message is read frame by frame and one over MAX_REQUEST_FRAMES frames
+(kvbridge.cache_server.curve); the public key (never the secret one) and the token are written to
+owner-only files beside each other after the bind. How many connections it holds and how long one
+may take to authenticate: kvbridge.cache_server.door. What a SIGKILLed predecessor on the address
+left is removed at start (kvbridge.cache_server.leftovers). A message is read frame by frame and one over MAX_REQUEST_FRAMES frames
 or KVB_CACHE_SERVER_MAX_MESSAGE_BYTES is dropped as it is read, answered "too large".
 
 The loop itself knows only the envelope: it decodes it, checks the hello (protocol version and the
@@ -153,7 +155,7 @@ class CacheServer:
         self.modules.register_zmq_services(self)
         log.info("cache server %s listening on %s (L1 %s, tiers %s)", self.server_id[:8], self.url,
                  self.store.segment.path, ", ".join(self.store.tier_names))
-        log.info("CURVE public key %s (key pair in %s; clients that cannot read that file set "
+        log.info("CURVE public key %s (in %s; clients that cannot read that file set "
                  "KVB_CACHE_SERVER_PUBLIC_KEY to it)", self.keys.public, self.key_path)
         return self.url
 
