@@ -1,8 +1,9 @@
 """`kvbridge fleet`: N serve workers behind vllm-router on this host, until SIGTERM or Ctrl-C.
 
-The flags default to KVB_FLEET_WORKERS, KVB_FLEET_POLICY and KVB_FLEET_PORT. A stop signal stops the
-router, the workers and the cache server, in that order, and the exit status is 0; a child that dies
-while the fleet runs stops the rest and exits 1.
+The flags default to KVB_FLEET_WORKERS, KVB_FLEET_POLICY and KVB_FLEET_PORT. A stop signal (SIGTERM,
+SIGINT or SIGHUP, at any moment: while children start too) stops the router, the workers and the cache
+server, in that order, and the exit status is 0; later stop signals are ignored so that nothing cuts the
+stop short. A child that dies while the fleet runs stops the rest and exits 1.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 
 from kvbridge.cli.command import Command
 from kvbridge.cli.common import checked
+from kvbridge.fleet.children import STOP_SIGNALS
 from kvbridge.settings import Settings
 from kvbridge.settings.checks import FLEET_POLICIES
 
@@ -35,6 +37,9 @@ def add_arguments(p) -> None:
 
 
 def _raise_stopped(signum, frame) -> None:
+    """The first stop signal stops the fleet; the ones after it are ignored, so that the stop completes."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     raise _Stopped()
 
 
@@ -46,7 +51,7 @@ def run(args) -> int:
                   policy=args.policy or settings.fleet_policy,
                   port=settings.fleet_port if args.port is None else args.port,
                   shared_cache=args.shared_cache, pd=args.pd, router_log_level=args.router_log_level)
-    previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
     status = 0
     try:
         fleet.start()
