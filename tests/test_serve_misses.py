@@ -21,6 +21,7 @@ openai = pytest.importorskip("openai", reason="the openai SDK is not installed (
 pytestmark = [needs_model, pytest.mark.timeout(600)]
 
 DEFAULT_KEY, ALICE_KEY, ADMIN_KEY = "key-of-the-default-tenant", "key-of-alice", "key-of-the-operator"
+BOB_KEY = "key-of-bob"
 LONG_QUESTION = "Which orchards are pruned by crew 2, and in which weeks of the season does that happen?"
 
 
@@ -28,7 +29,8 @@ LONG_QUESTION = "Which orchards are pruned by crew 2, and in which weeks of the 
 def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve-misses")
     tenants = folder / "tenants.json"
-    tenants.write_text(json.dumps({"tenants": [{"name": "alice", "key_sha256": key_digest(ALICE_KEY)}]}))
+    tenants.write_text(json.dumps({"tenants": [{"name": "alice", "key_sha256": key_digest(ALICE_KEY)},
+                                               {"name": "bob", "key_sha256": key_digest(BOB_KEY)}]}))
     server = Served(folder, "misses", KVB_SERVE_TENANTS_FILE=str(tenants),
                     KVB_SERVE_API_KEY_ENV="MISSES_TEST_KEY", MISSES_TEST_KEY=DEFAULT_KEY,
                     KVB_SERVE_ADMIN_KEY_ENV="MISSES_TEST_ADMIN_KEY", MISSES_TEST_ADMIN_KEY=ADMIN_KEY).start()
@@ -60,8 +62,12 @@ def metrics_text(served, key: str) -> str:
 
 def unsalted_bytes(served) -> float:
     """What the store holds in the unsalted cache (its writer runs at low priority: on a busy machine a while)."""
+    return bytes_held(served, "default")
+
+
+def bytes_held(served, tenant: str) -> float:
     held = [float(line.rsplit(" ", 1)[1]) for line in metrics_text(served, ADMIN_KEY).splitlines()
-            if line.startswith('kvbridge_serve_tenant_bytes_held{tenant="default"')]
+            if line.startswith(f'kvbridge_serve_tenant_bytes_held{{tenant="{tenant}"')]
     return sum(held)
 
 
@@ -115,8 +121,10 @@ def test_metrics_count_misses_by_reason_and_hit_tokens_by_tier(served):
     assert value(operator, 'kvbridge_serve_tenant_hit_tokens_total{tenant="default",tier="context"}') == context
     assert value(operator, 'kvbridge_serve_tenant_misses_total{reason="none_stored",tenant="alice"}') == 1
     # what alice was shown as none_stored is, to the operator, what it was: stored under another salt's namespace
-    assert value(operator, 'kvbridge_serve_misses_total{reason="other_namespace"}') == 1
-    assert value(operator, 'kvbridge_serve_misses_total{reason="none_stored"}') == 1
+    # (probed only after her answer had left: counted a moment later)
+    wait_for(lambda: value(metrics_text(served, ADMIN_KEY), 'kvbridge_serve_misses_total{reason="other_namespace"}')
+             == 1, "the operator's count of the cause found after the answer", served.log, served.proc, 30)
+    assert value(metrics_text(served, ADMIN_KEY), 'kvbridge_serve_misses_total{reason="none_stored"}') == 1
 
 
 def test_what_a_tenant_is_not_shown_of_a_detail():
@@ -143,3 +151,41 @@ def test_what_a_tenant_is_not_shown_of_a_detail():
     assert header_value(salted) == "none_stored" and header_value(None) == "pending"
     assert client_view(record("", ""), full=False).usage_fields() == {"miss_reason": "hit", "miss_detail": "",
                                                                        "hit_tiers": {"L1": 64}}
+
+
+# -- a miss tells a tenant nothing of another's (issue 46) ---------------------------------------------------
+HANDBOOK = ("Handbook of the east orchard crews: crew 1 prunes the apple rows in March, crew 2 the pears in April, "
+            "crew 3 mends the fences and the irrigation lines before the first frost of the year.")
+LEDGER = ("Ledger page of the west granary: forty sacks of barley arrived on Monday, twelve went to the mill on "
+          "Tuesday, and the rest stay dry in the north loft until the buyers come in the spring.")
+
+
+def normalized(raw) -> dict:
+    """What bob can compare between two answers: the headers and usage.kvbridge, with every number as '#'
+    (the prompts differ in length) and the headers that differ on every answer (Date, the body's length) left out."""
+    import re
+
+    def digits(text: str) -> str:
+        return re.sub(r"[0-9]+(\.[0-9]+)?", "#", text)
+
+    usage = raw.parse().usage.model_dump()
+    headers = {k.lower(): digits(v) for k, v in raw.headers.items() if k.lower() not in ("date", "content-length")}
+    return {"headers": headers, "kvbridge": json.loads(digits(json.dumps(usage["kvbridge"], sort_keys=True)))}
+
+
+def test_bob_is_told_the_same_of_a_document_alice_holds_as_of_one_nobody_holds(served):
+    alice, before = served.client(ALICE_KEY), bytes_held(served, "alice")
+    alice.completions.create(model="x", prompt=HANDBOOK, temperature=0, max_tokens=2)
+    wait_for(lambda: bytes_held(served, "alice") > before, "alice's document in the store", served.log, served.proc,
+             120)
+    bob = served.client(BOB_KEY)
+    held, nobodys = (normalized(bob.completions.with_raw_response.create(model="x", prompt=doc, temperature=0,
+                                                                          max_tokens=2))
+                     for doc in (HANDBOOK, LEDGER))
+    assert held == nobodys
+    assert held["kvbridge"]["miss_reason"] == "none_stored" and held["headers"]["x-kvbridge-miss"] == "none_stored"
+    # the text a real miss of bob's own namespace gives, not a sentence that only another salt's hit produces
+    assert held["kvbridge"]["miss_detail"] == "from token # of #: nothing is stored under this prompt's first chunk"
+    # the operator still counts the true cause of bob's first miss: alice's namespace holds the handbook
+    wait_for(lambda: value(metrics_text(served, ADMIN_KEY), 'kvbridge_serve_misses_total{reason="other_namespace"}')
+             == 2, "the operator's count of bob's true cause", served.log, served.proc, 30)

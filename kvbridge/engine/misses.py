@@ -9,6 +9,12 @@ A hit costs nothing here: the plan already says how far it reached. A miss costs
 first missing keys, whether they are being written, which tiers are down, and whether the prompt's keys under
 the other namespaces the store holds (learnt from the previous probe, or asked for once in a fresh process) are
 present. Causes are tried from the most specific to the least; `none_stored` is what remains.
+
+Only namespaces of the request's own cache salt are probed on its path (issue 46): a salt is a tenant of serve,
+and whether another salt holds the prompt must change nothing the tenant receives, neither the cause's text nor
+how long naming it took. A miss left `none_stored` while other salts' namespaces exist carries
+`MissReport.operator_probe`: the probe across them, which the owner's tools run inline (`across_salts=True`,
+`kvbridge explain`) and serve runs after the answer has left, for the operator's /metrics only.
 """
 from __future__ import annotations
 
@@ -50,6 +56,9 @@ class MissReport:
     hit_tiers: dict[str, int] = field(default_factory=dict)   # restored tokens by tier
     probe_ms: float = 0.0                   # what explaining cost
     round_trips: int = 0
+    # the probe under other cache salts' namespaces, left off the request's path: returns the true cause
+    # (reason, detail), or None when they hold nothing either; None when there is nothing to probe
+    operator_probe: Callable[[], tuple[str, str] | None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.reason and self.reason not in MISS_REASONS:
@@ -61,6 +70,8 @@ class MissReport:
         record.miss_detail = self.detail
         record.hit_tiers = hit_tiers_text(self.hit_tiers)
         record.explain_ms = round(self.probe_ms, 3)
+        # not a field of the record (exports and the GUI read those): what serve runs after the answer left
+        record.operator_probe = self.operator_probe
 
 
 def hit_tiers_text(by_tier: dict[str, int]) -> str:
@@ -75,6 +86,13 @@ def parse_hit_tiers(text: str) -> dict[str, int]:
         if tier and n.isdigit():
             out[tier] = out.get(tier, 0) + int(n)
     return out
+
+
+def nothing_stored(at: int) -> str:
+    """The detail of `none_stored` after `from token {at} of {n}: ` (kvbridge.serve.misses shows it too)."""
+    if at == 0:
+        return "nothing is stored under this prompt's first chunk"
+    return f"the store holds the first {at} tokens of this prompt; nothing stored continues it"
 
 
 # -- namespaces ----------------------------------------------------------------------------------------
@@ -107,6 +125,14 @@ def namespace_difference(ours: str, theirs: str) -> list[str]:
     return out
 
 
+SALT_FIELD = "cache_salt"   # the namespace field a salt's digest lives in (kvbridge.scheduler.salts)
+
+
+def same_salt(ours: str, theirs: str) -> bool:
+    """Both namespaces belong to one cache salt (both unsalted, or the same salt's digest)."""
+    return namespace_fields(ours).get(SALT_FIELD) == namespace_fields(theirs).get(SALT_FIELD)
+
+
 def chunk_size_of(namespace: str) -> int:
     try:
         return int(namespace_fields(namespace).get("chunk", "0"))
@@ -118,8 +144,9 @@ def chunk_size_of(namespace: str) -> int:
 class MissExplainer:
     """Names the cause of a miss for one namespace's ChunkKV (CachedEngine and the scheduler hold one each).
 
-    It names every namespace the store holds, other cache salts too (the record is the owner's); what reaches a
-    client of serve is redacted there (kvbridge.serve.misses).
+    On a request's path it probes only namespaces of the request's own cache salt; other salts' namespaces are
+    probed only by `MissReport.operator_probe` (run off the path) or with `across_salts=True` (the owner's tools).
+    What else reaches a client of serve is redacted there (kvbridge.serve.misses).
     """
 
     def __init__(self, store, namespace: str, seed: bytes, chunk_size: int, *,
@@ -164,11 +191,13 @@ class MissExplainer:
 
     # the whole explanation -------------------------------------------------------------------------
     def explain(self, tokens: Sequence[int], hashes: Sequence[bytes], plan=None, *, fault: str = "",
-                probe: bool = True) -> MissReport:
+                probe: bool = True, across_salts: bool = False) -> MissReport:
         """Why `plan` (a RestorePlan, or None when no restore was tried) does not cover tokens[:len-1].
 
         `fault`: a storage fault the lookup or the restore hit (a counted miss), which is then the cause.
         `probe`: False skips the store call (the cause is then found from the plan alone, or none_stored).
+        `across_salts`: other cache salts' namespaces are probed here too (the owner's `kvbridge explain`);
+        otherwise a `none_stored` left by the own-salt probe carries `operator_probe` for them.
         """
         started = time.perf_counter()
         n = len(tokens)
@@ -189,15 +218,20 @@ class MissExplainer:
         at = matched
         # a restore cut back to the cold-cut grid: the cause is why the stored KV stops where it does (its reach)
         reach = max(at, getattr(plan, "reach", 0) if plan is not None else 0)
-        report = self._cause(tokens, hashes, plan, reach, fault, probe)
-        detail = report[1]
+        report = self._cause(tokens, hashes, plan, reach, fault, probe, across_salts)
+        grid_note = ""
         if reach > at:
-            detail += (f" (restored to token {at}: restores end on a grid of {GRID} tokens, so the engine computes "
-                       "the rest with the kernels its cold run used)")
-        return MissReport(reason=report[0], detail=detail, at_token=at, hit_tiers=by_tier,
-                          probe_ms=(time.perf_counter() - started) * 1000, round_trips=report[2])
+            grid_note = (f" (restored to token {at}: restores end on a grid of {GRID} tokens, so the engine computes "
+                         "the rest with the kernels its cold run used)")
+        later = None
+        if report[0] == "none_stored" and probe and not across_salts:
+            later = self._operator_probe(tokens, reach, grid_note)
+        return MissReport(reason=report[0], detail=report[1] + grid_note, at_token=at, hit_tiers=by_tier,
+                          probe_ms=(time.perf_counter() - started) * 1000, round_trips=report[2],
+                          operator_probe=later)
 
-    def _cause(self, tokens, hashes, plan, at: int, fault: str, probe: bool) -> tuple[str, str, int]:
+    def _cause(self, tokens, hashes, plan, at: int, fault: str, probe: bool,
+               across_salts: bool = False) -> tuple[str, str, int]:
         c = self.chunk_size
         n = len(tokens)
         where = f"from token {at} of {n}"
@@ -220,13 +254,14 @@ class MissExplainer:
             if why:
                 return "window_incomplete", f"{where}: not stored by this process: {why}", 0
         if not probe or not hasattr(self.store, "probe_miss"):
-            return "none_stored", f"{where}: {self._nothing_stored(at)}", 0
-        candidates = self._candidates(self._known_namespaces)
+            return "none_stored", f"{where}: {nothing_stored(at)}", 0
+        candidates = self._candidates(self._known_namespaces, across_salts)
         result: MissProbe = self.store.probe_miss(keys, self._probe_keys(tokens, at, candidates))
         trips = result.round_trips
         self._known_namespaces = dict(result.namespaces)
         cause = self._probed_cause(where, boundary < len(hashes), result, candidates)
-        unprobed = [namespace for namespace in self._candidates(result.namespaces) if namespace not in candidates]
+        unprobed = [namespace for namespace in self._candidates(result.namespaces, across_salts)
+                    if namespace not in candidates]
         if cause is None and unprobed:
             # namespaces this explainer had not probed (stored since it last asked): probed once, or the first miss
             # after another namespace appears would read none_stored; a miss with a cause already costs one call
@@ -235,7 +270,7 @@ class MissExplainer:
             cause = self._probed_cause(where, False, MissProbe(found=again.found), unprobed)
         if cause is not None:
             return cause[0], cause[1], trips
-        return "none_stored", f"{where}: {self._nothing_stored(at)}", trips
+        return "none_stored", f"{where}: {nothing_stored(at)}", trips
 
     def _probed_cause(self, where: str, own_chunk_asked: bool, result: MissProbe,
                       owners: list[str]) -> tuple[str, str] | None:
@@ -260,10 +295,22 @@ class MissExplainer:
                                            f"{', '.join(differs) or 'the namespace string'}")
         return None
 
-    def _nothing_stored(self, at: int) -> str:
-        if at == 0:
-            return "nothing is stored under this prompt's first chunk"
-        return f"the store holds the first {at} tokens of this prompt; nothing stored continues it"
+    def _operator_probe(self, tokens, at: int, grid_note: str) -> Callable[[], tuple[str, str] | None] | None:
+        """The probe under other salts' namespaces, as a call for later (None when the store holds none): its
+        cost and its answer stay off the request's path, so the tenant cannot time what it finds."""
+        others = [namespace for namespace in self._candidates(self._known_namespaces, across_salts=True)
+                  if not same_salt(self.namespace, namespace)]
+        if not others or not hasattr(self.store, "probe_miss"):
+            return None
+        tokens = list(tokens)
+        where = f"from token {at} of {len(tokens)}"
+
+        def probe() -> tuple[str, str] | None:
+            answer = self.store.probe_miss([], self._probe_keys(tokens, at, others))
+            cause = self._probed_cause(where, False, MissProbe(found=answer.found), others)
+            return None if cause is None else (cause[0], cause[1] + grid_note)
+
+        return probe
 
     def _diverged(self, tokens, plan, at: int) -> str:
         """The plan saw a stored object after the matched prefix whose tokens differ from the prompt's."""
@@ -293,11 +340,14 @@ class MissExplainer:
             return "", ""
         return before.replace("\n", "⏎")[-40:], after.replace("\n", "⏎")[:40]
 
-    def _candidates(self, namespaces: dict[str, int]) -> list[str]:
-        """Other namespaces worth probing, most bytes first: KVBridge namespaces with a chunk size."""
+    def _candidates(self, namespaces: dict[str, int], across_salts: bool = False) -> list[str]:
+        """Other namespaces worth probing, most bytes first: KVBridge namespaces with a chunk size, of this
+        namespace's cache salt only unless `across_salts`."""
         out = []
         for namespace, _ in sorted(namespaces.items(), key=lambda kv: -kv[1]):
             if namespace == self.namespace or not namespace_fields(namespace) or chunk_size_of(namespace) < 1:
+                continue
+            if not across_salts and not same_salt(self.namespace, namespace):
                 continue
             out.append(namespace)
         return out[:MAX_PROBED_NAMESPACES]

@@ -81,7 +81,8 @@ class AdmissionMisses:
         elif not restored and shared:
             detail = f"{shared} tokens shared from resident cells; in the store: {detail}"
         MissReport(reason=reason, detail=detail, at_token=reached, hit_tiers=hit, probe_ms=report.probe_ms,
-                   round_trips=report.round_trips).apply(request.record)
+                   round_trips=report.round_trips,
+                   operator_probe=report.operator_probe if reason == "none_stored" else None).apply(request.record)
 
     def _resident_diverged(self, request: Request, sequences: SequenceStore, shared: int,
                            resident: Sequence[int]) -> bool:

@@ -8,8 +8,12 @@ Every response names this instance in `X-KVBridge-Instance`; a PD router's prefi
 before it is answered and says what it stored (kvbridge.serve.pd).
 
 Who sees what: /health says up or down to anyone, the engine's state only to the operator; /metrics
-is the operator's whole registry, or to a tenant only its own series (kvbridge.serve.metrics). The
-operator is the key in KVB_SERVE_ADMIN_KEY_ENV, or anyone when no key is configured at all.
+is the operator's whole registry, or to a tenant only its own series (kvbridge.serve.metrics); the
+routes that show the server's state (/get_load, /get_server_info, /kv_event_sources) answer the operator
+or the router, never a tenant (kvbridge.serve.guards.ROUTE_CALLERS, the one table of who calls what). The
+operator is the key in KVB_SERVE_ADMIN_KEY_ENV, or anyone when no key is configured at all; the router
+the key in KVB_SERVE_ROUTER_KEY_ENV. X-KVBridge-Priority counts up to the tenant's grant
+(kvbridge.serve.tenants, max_priority), and X-KVBridge-Priority-Applied answers what it ran at.
 
 A response is started only once the request's first event arrives (its first piece of text, or its
 end, or its error), so a request refused by the engine (a prompt beyond the context, say) gets a
@@ -30,6 +34,7 @@ import json
 import logging
 from typing import AsyncIterator
 
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -44,7 +49,7 @@ from kvbridge.serve.tenants import DEFAULT, Tenant, TenantTable
 from kvbridge.serve.metrics import ServeMetrics
 from kvbridge.serve.misses import MISS_HEADER, client_view, header_value
 from kvbridge.serve.protocol import (
-    BLEND_HEADER, PRIORITY_HEADER, TIER_HEADER, ApiError, Generation, chunk_body, completion_id, parse_blend,
+    BLEND_HEADER, PRIORITY_APPLIED_HEADER, PRIORITY_HEADER, TIER_HEADER, ApiError, Generation, chunk_body, completion_id, parse_blend,
     parse_generation, parse_priority, response_body, usage, usage_chunk,
 )
 from kvbridge.serve.worker import INSTANCE_HEADER, WorkerApp, instance_id_for, worker_routes
@@ -54,10 +59,11 @@ log = logging.getLogger(__name__)
 
 
 def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: str | None = None,
-              tenants: TenantTable | None = None, admin_key: str = "", instance_id: str | None = None) -> WorkerApp:
+              tenants: TenantTable | None = None, admin_key: str = "", instance_id: str | None = None,
+              router_key: str = "") -> WorkerApp:
     """The app; `tenants` (kvbridge.serve.server.tenants_from) says whose key is whose; `api_key` alone is
     one tenant's; neither: no token needed and every caller is the tenant `default`. `admin_key`: the
-    operator's (also taken when `tenants` has one already). `host`: the address serve listens on
+    operator's, `router_key` the router's (each also taken when `tenants` has one already). `host`: the address serve listens on
     (default KVB_SERVE_HOST), a name the Host check lets in. `instance_id`: X-KVBridge-Instance (default:
     KVB_SERVE_INSTANCE_ID, else host-KVB_SERVE_PORT; the server passes the port it bound)."""
     host = host or settings.serve_host
@@ -65,7 +71,7 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
         instance_id = instance_id_for(settings, host, settings.serve_port)
     if tenants is None:
         tenants = TenantTable.single(api_key) if api_key else TenantTable.open()
-    tenants = tenants.with_operator(admin_key)
+    tenants = tenants.with_operator(admin_key).with_router(router_key)
     metrics = ServeMetrics()
     live_state = LiveState(engine)
 
@@ -78,11 +84,12 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
     async def _generate(request: Request, kind: str) -> Response:
         endpoint = "chat" if kind == "chat" else "completions"
         try:
-            priority = parse_priority(request.headers.get(PRIORITY_HEADER))
+            asked = parse_priority(request.headers.get(PRIORITY_HEADER))
             blend = parse_blend(request.headers.get(BLEND_HEADER))
             body = await read_json(request, settings.serve_max_body_bytes)
             gen = parse_generation(body, kind, max_tokens_cap=settings.serve_max_tokens)
             tenant = getattr(request.state, "tenant", DEFAULT)
+            priority = tenant.priority(asked)   # granted in the tenants file (max_priority), not claimed
             full = tenants.sees_everything(tenant)   # what a miss's detail may say (kvbridge.serve.misses)
             gen = dataclasses.replace(gen, cache_salt=tenant.cache_salt(gen.cache_salt), tenant=tenant.name,
                                       blend=blend)
@@ -95,9 +102,12 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
             return error_response(exc)
         gone = asyncio.ensure_future(_client_gone(request))
         try:
-            return await _answer(gen, job, endpoint, gone, stored_first, full)
+            response = await _answer(gen, job, endpoint, gone, stored_first, full)
         finally:
             gone.cancel()   # a stream's own disconnect listener (Starlette's) takes over from here
+        if asked is not None:   # the priority it ran at: less than asked when the tenant's grant is smaller
+            response.headers[PRIORITY_APPLIED_HEADER] = str(priority)
+        return response
 
     async def _answer(gen: Generation, job: Job, endpoint: str, gone: asyncio.Future, stored_first: bool,
                       full: bool) -> Response:
@@ -106,8 +116,10 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
         if gen.stream and first is not None and first[0] != "error":
             headers = {TIER_HEADER: _tier(job, first), MISS_HEADER: header_value(_record(job, first)),
                        "Cache-Control": "no-cache", **_decode_headers(gen, _record(job, first))}
-            return StreamingResponse(_stream(gen, job, first, rid, endpoint, full), media_type="text/event-stream",
-                                     headers=headers)
+            later: list = []   # what _stream's end hands over to run once the stream has left
+            return StreamingResponse(_stream(gen, job, first, rid, endpoint, full, later),
+                                     media_type="text/event-stream", headers=headers,
+                                     background=BackgroundTask(_run_all, later))
         last = first
         while last is not None and last[0] == "text":   # a whole answer: read past its pieces
             last = await _next_event(job, gone)
@@ -120,15 +132,16 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
             return error_response(exc)
         record = last[1]
         shown = client_view(record, full)
-        metrics.finished(endpoint, record, gen.tenant, gen.cache_salt, shown)
+        after = metrics.finished(endpoint, record, gen.tenant, gen.cache_salt, shown)
         body = response_body(gen, rid, engine.model_id, record.text, _finish_reason(gen, record),
                              _usage(record, shown))
         if stored_first:
             body["kv_transfer_params"] = pd.prefill_params(instance_id, record, settings.chunk_size, engine.model_id)
         return JSONResponse(body, headers={TIER_HEADER: record.tier, MISS_HEADER: shown.reason,
-                                           **_decode_headers(gen, record)})
+                                           **_decode_headers(gen, record)}, background=_after_answer(after))
 
-    async def _stream(gen: Generation, job: Job, first, rid: str, endpoint: str, full: bool) -> AsyncIterator[bytes]:
+    async def _stream(gen: Generation, job: Job, first, rid: str, endpoint: str, full: bool,
+                      later: list) -> AsyncIterator[bytes]:
         event, opened = first, True
         try:
             while True:
@@ -143,7 +156,9 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
                     if gen.include_usage:
                         yield _sse(usage_chunk(gen, rid, engine.model_id, _usage(value, shown)))
                     yield b"data: [DONE]\n\n"
-                    metrics.finished(endpoint, value, gen.tenant, gen.cache_salt, shown)
+                    after = metrics.finished(endpoint, value, gen.tenant, gen.cache_salt, shown)
+                    if after is not None:
+                        later.append(after)
                     return
                 else:   # an error after the stream began: OpenAI's error object as the last event
                     exc = as_api_error(value)
@@ -204,8 +219,9 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
     if origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
                                      allow_headers=["Authorization", "Content-Type", "X-KVBridge-Priority", "X-KVBridge-Blend"],
-                                     expose_headers=[TIER_HEADER, MISS_HEADER, INSTANCE_HEADER, pd.RESTORED_HEADER]))
-    middleware.append(Middleware(BearerAuth, tenants=tenants))
+                                     expose_headers=[TIER_HEADER, MISS_HEADER, INSTANCE_HEADER, pd.RESTORED_HEADER,
+                                                     PRIORITY_APPLIED_HEADER]))
+    middleware.append(Middleware(BearerAuth, tenants=tenants, paths=frozenset(route.path for route in routes)))
     app = WorkerApp(routes=routes, middleware=middleware, exception_handlers={404: not_found, 405: wrong_method})
     app.instance_id = instance_id
     app.state.engine = engine
@@ -250,6 +266,17 @@ def _decode_headers(gen: Generation, record) -> dict[str, str]:
         return {}
     pd.check_restore(entry, record)
     return {pd.RESTORED_HEADER: str(record.matched_tokens)}
+
+
+def _after_answer(after) -> BackgroundTask | None:
+    """What runs once the answer has left (Starlette runs a plain function on a worker thread): the operator's
+    probe across other salts (kvbridge.serve.metrics), whose time no client's answer includes."""
+    return BackgroundTask(after) if after is not None else None
+
+
+def _run_all(calls: list) -> None:
+    for call in calls:
+        call()
 
 
 def _usage(record, shown) -> dict:

@@ -4,8 +4,11 @@ setting that decides it:
     the Host header     a name this server answers to (KVB_SERVE_ALLOWED_HOSTS), else 400: a web page
                         that rebinds its own name to 127.0.0.1 sends that name, so it cannot read answers;
     the key             `Authorization: Bearer <key>` when serve has a key (KVB_SERVE_API_KEY_FILE,
-                        KVB_SERVE_API_KEY_ENV) or the tenants file lists keys, else 401; the operator's key
-                        (KVB_SERVE_ADMIN_KEY_ENV) runs no completions (403);
+                        KVB_SERVE_API_KEY_ENV) or the tenants file lists keys, else 401;
+    the caller          each route answers the callers ROUTE_CALLERS names (a tenant, the operator's key
+                        KVB_SERVE_ADMIN_KEY_ENV, the router's key KVB_SERVE_ROUTER_KEY_ENV), else 403: the
+                        routes that show the server's state answer no tenant, completions no operator or
+                        router;
     the Content-Type    application/json, else 415: a page's "simple" cross-site form post cannot send it;
     the body size       at most KVB_SERVE_MAX_BODY_BYTES, else 413, from Content-Length before a byte of
                         the body is read, and counted as a chunked body arrives.
@@ -31,6 +34,47 @@ from kvbridge.serve.tenants import DEFAULT, TenantTable
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+TENANT, OPERATOR, ROUTER = "tenant", "operator", "router"   # Tenant.role
+_ANY = frozenset({TENANT, OPERATOR, ROUTER})
+_STATE = frozenset({OPERATOR, ROUTER})
+# Who may call each route of the app, with a key (the table in Docs/Serve.md, "Who may call which route"; a
+# test walks every route of the app against it). /health is open without a key too (up or down only); with no
+# key configured at all every caller is the operator. A route of the app missing here answers the operator only.
+ROUTE_CALLERS: dict[str, frozenset[str]] = {
+    "/v1/chat/completions": frozenset({TENANT}),
+    "/v1/completions": frozenset({TENANT}),
+    "/v1/models": _ANY,
+    "/health": _ANY,
+    "/metrics": frozenset({TENANT, OPERATOR}),      # a tenant's own series; the operator's whole registry
+    "/v1/chat/completions/render": _ANY,            # the caller's own prompt as token ids: nothing of anyone else
+    "/v1/completions/render": _ANY,
+    "/tokenize": _ANY,
+    "/get_load": _STATE,                            # the whole server's load: another tenant's requests move it
+    "/get_server_info": _STATE,                     # the model file's path, the KV-event endpoints
+    "/kv_event_sources": _STATE,
+}
+# why each kind of caller is refused a route, naming the settings that decide it
+_REFUSED = {
+    TENANT: "shows the whole server's state: it answers the operator's key (KVB_SERVE_ADMIN_KEY_ENV) or the "
+            "router's (KVB_SERVE_ROUTER_KEY_ENV), never a tenant's",
+    OPERATOR: "runs requests of a tenant: send it with a tenant's key (KVB_SERVE_TENANTS_FILE, KVB_SERVE_API_KEY_FILE "
+              "or KVB_SERVE_API_KEY_ENV); the operator's key (KVB_SERVE_ADMIN_KEY_ENV) reads /metrics and /health",
+    ROUTER: "is not a router's: the router's key (KVB_SERVE_ROUTER_KEY_ENV) calls render, /tokenize, /get_load, "
+            "/get_server_info, /kv_event_sources, /health and /v1/models; completions need a tenant's key "
+            "(KVB_SERVE_TENANTS_FILE, KVB_SERVE_API_KEY_FILE or KVB_SERVE_API_KEY_ENV)",
+}
+_CODES = {TENANT: "not_for_tenants", OPERATOR: "operator_key", ROUTER: "router_key"}
+
+
+def route_refusal(method: str, path: str, caller, no_keys: bool) -> "ApiError | None":
+    """403 when `caller` (a Tenant) may not call `path` (ROUTE_CALLERS), else None; `no_keys`: no key is configured
+    at all, so the one local user may call everything."""
+    if no_keys:
+        return None
+    role = caller.role
+    if role in ROUTE_CALLERS.get(path, frozenset({OPERATOR})):
+        return None
+    return ApiError(403, f"{method} {path} {_REFUSED[role]}", code=_CODES[role], kind="permission_error")
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
@@ -77,13 +121,14 @@ class HostCheck:
 
 
 class BearerAuth:
-    """Who calls: `Authorization: Bearer <key>` resolved to a tenant or the operator (digests compared in
-    constant time), put in request.state.tenant. Where a key is needed (every path but /health and
-    preflights, when keys are configured) a key that names nobody is 401; elsewhere the caller is
-    `default`. The operator's key reads; completions with it are 403."""
+    """Who calls: `Authorization: Bearer <key>` resolved to a tenant, the operator or the router (digests
+    compared in constant time), put in request.state.tenant. Where a key is needed (every path but /health
+    and preflights, when keys are configured) a key that names nobody is 401; elsewhere the caller is
+    `default`. Then the route must answer that caller (ROUTE_CALLERS), else 403; `paths`: the app's routes
+    (a path it does not have goes on to its 404)."""
 
-    def __init__(self, app, tenants: TenantTable) -> None:
-        self.app, self._tenants = app, tenants
+    def __init__(self, app, tenants: TenantTable, paths: frozenset[str] = frozenset(ROUTE_CALLERS)) -> None:
+        self.app, self._tenants, self._paths = app, tenants, paths
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS":
@@ -98,9 +143,8 @@ class BearerAuth:
                                     "(KVB_SERVE_API_KEY_FILE or the variable KVB_SERVE_API_KEY_ENV names), or a "
                                     "tenant's key (KVB_SERVE_TENANTS_FILE)",
                                code="invalid_api_key", kind="authentication_error")
-        elif caller is not None and caller.operator and scope["path"] in COMPLETION_PATHS:
-            refusal = ApiError(403, "the operator's key (KVB_SERVE_ADMIN_KEY_ENV) reads /metrics and /health; send "
-                                    "completions with a tenant's key", code="operator_key", kind="permission_error")
+        elif scope["path"] in self._paths and not (caller is None and scope["path"] in OPEN_PATHS):
+            refusal = route_refusal(scope["method"], scope["path"], caller or DEFAULT, self._tenants.no_keys)
         if refusal is not None:
             await error_response(refusal)(scope, receive, send)
             return

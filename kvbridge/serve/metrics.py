@@ -15,13 +15,18 @@ Why prompts missed (issue 35): prompt tokens reused by tier (`kvbridge_serve_hit
 requests and prompt tokens by the cause of their miss (`kvbridge_serve_misses_total{reason}`,
 `kvbridge_serve_miss_tokens_total{reason}`), so a per-tier hit rate is hit tokens over prompt tokens. The
 operator's series count the true causes; a tenant's (`kvbridge_serve_tenant_...`) the causes as that tenant
-was shown them (kvbridge.serve.misses).
+was shown them (kvbridge.serve.misses). A miss its own salt's namespaces leave `none_stored` may be held under
+another salt: that probe runs only after the answer has left (`finished` hands it back to run then), so the
+operator's count of that request's cause lands a moment after the answer, and the tenant's timing never
+includes it (issue 46).
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -30,6 +35,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from kvbridge.engine.misses import MISS_REASONS, parse_hit_tiers
 from kvbridge.serve.tenants import group_of
 
+log = logging.getLogger(__name__)
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 HIT_TIERS = ("context", "L1", "L2", "L3")   # where reused prompt tokens come from (the record's hit_tiers)
 TENANTS_KEPT = 1024   # tenants with counters; past it the least recently served is forgotten
@@ -95,9 +101,12 @@ class ServeMetrics:
     def answered(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
-    def finished(self, endpoint: str, record, tenant: str = "default", cache_salt: str = "", shown=None) -> None:
+    def finished(self, endpoint: str, record, tenant: str = "default", cache_salt: str = "",
+                 shown=None) -> Callable[[], None] | None:
         """A request answered; `shown`: the miss as its client saw it (kvbridge.serve.misses.MissView), which the
-        tenant's series count (the record's own cause when not given)."""
+        tenant's series count (the record's own cause when not given). Returns what to run once the answer has
+        left (the probe across other salts' namespaces, then the operator's count of the true cause), or None
+        when everything is counted already."""
         self.answered(endpoint, 200)
         hits = parse_hit_tiers(record.hit_tiers)
         missed = max(0, record.prompt_tokens - record.matched_tokens)
@@ -126,9 +135,16 @@ class ServeMetrics:
         self.tier.labels(record.tier or "none").inc()
         for tier, n in hits.items():
             self.hit_tokens.labels(tier).inc(n)
+        later = getattr(record, "operator_probe", None) if record.miss_reason == "none_stored" else None
+        if later is not None:
+            return lambda: self._count_miss(_true_reason(later, record.miss_reason), missed)
         if record.miss_reason:
-            self.misses.labels(record.miss_reason).inc()
-            self.miss_tokens.labels(record.miss_reason).inc(missed)
+            self._count_miss(record.miss_reason, missed)
+        return None
+
+    def _count_miss(self, reason: str, missed: int) -> None:
+        self.misses.labels(reason).inc()
+        self.miss_tokens.labels(reason).inc(missed)
 
     @property
     def tenants_held(self) -> int:
@@ -173,6 +189,17 @@ class ServeMetrics:
             return generate_latest(registry)
         finally:
             registry.unregister(collector)
+
+
+def _true_reason(probe: Callable[[], tuple[str, str] | None], shown: str) -> str:
+    """The cause the probe across other salts names, else `shown`; a store error is counted as `shown` (the
+    probe is the operator's insight, never the request's failure), and logged."""
+    try:
+        cause = probe()
+    except Exception as exc:   # a storage error after the answer left: the cause stays the one shown, logged
+        log.warning("the probe across other cache salts failed (%r): counted as %s", exc, shown)
+        return shown
+    return cause[0] if cause else shown
 
 
 class _TenantSeries:

@@ -3,8 +3,10 @@ rules allow, for the `X-KVBridge-Miss` header, the usage's `kvbridge` object and
 
 Place in the flow: the engine's RequestRecord (miss_reason, miss_detail, hit_tiers) -> **the client's view**
 -> the response. Rules (Docs/Serve.md, "Why a prompt missed"; Docs/Security.md):
-- nobody learns of another cache salt's objects: `other_namespace` whose difference is the salt is shown
-  as `none_stored` with the generic detail, to every client;
+- nobody learns of another cache salt's objects: the engines never probe another salt's namespaces on a
+  request's path (kvbridge.engine.misses; the operator's /metrics learns the true cause after the answer left),
+  and an `other_namespace` whose difference is the salt (the owner's `kvbridge explain` names those) is shown
+  as `none_stored` with the very detail a miss of the caller's own namespace gives, to every client;
 - a tenant of a server with keys (anyone but the operator) is not shown another prompt's text (the stored
   side of a divergence), what an eviction made room for (another request's object), or why a tier is down
   (the addresses of the cache server or Redis).
@@ -14,12 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvbridge.engine.misses import MISS_REASONS, parse_hit_tiers
+from kvbridge.engine.misses import MISS_REASONS, SALT_FIELD, nothing_stored, parse_hit_tiers
 
 MISS_HEADER = "X-KVBridge-Miss"
 HIT = "hit"            # the header's and the usage's code when nothing restorable was missed
 PENDING = "pending"    # a stream's headers left before the engine admitted the request
-SALT_FIELD = "cache_salt"   # the namespace field a salt's digest lives in (kvbridge.scheduler.salts)
 # where a detail starts to speak of something that is not the client's own (kvbridge.engine.misses, store.history)
 _NOT_THEIRS = {"diverged": ", stored …", "evicted": " to make room for "}
 
@@ -41,7 +42,8 @@ def client_view(record, full: bool) -> MissView:
     reason, detail = record.miss_reason or HIT, record.miss_detail if record.miss_reason else ""
     hit_tiers = parse_hit_tiers(record.hit_tiers)
     if reason == "other_namespace" and SALT_FIELD in detail:
-        return MissView("none_stored", _generic(record, "none_stored"), hit_tiers)
+        at = record.matched_tokens
+        return MissView("none_stored", f"from token {at} of {record.prompt_tokens}: {nothing_stored(at)}", hit_tiers)
     if full:
         return MissView(reason, detail, hit_tiers)
     if reason == "tier_down":

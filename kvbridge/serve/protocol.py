@@ -23,6 +23,7 @@ from typing import Any
 PRIORITY_HEADER = "x-kvbridge-priority"
 BLEND_HEADER = "x-kvbridge-blend"   # on: reuse stored passages at any position (kvbridge.blend); absent: off
 TIER_HEADER = "X-KVBridge-Tier"
+PRIORITY_APPLIED_HEADER = "X-KVBridge-Priority-Applied"   # answered when X-KVBridge-Priority was sent: what counted
 DEFAULT_PRIORITY = 5
 # Fields that would change what a client gets back and that serve cannot do: refused by name.
 UNSUPPORTED = {
@@ -132,9 +133,10 @@ def parse_generation(body: Any, kind: str, *, max_tokens_cap: int) -> Generation
                       kv_transfer_params=kv_transfer_params or None)
 
 
-def parse_priority(value: str | None) -> int:
+def parse_priority(value: str | None) -> int | None:
+    """X-KVBridge-Priority as sent (None: not sent); whether it counts is the tenant's grant (Tenant.priority)."""
     if value is None or value == "":
-        return DEFAULT_PRIORITY
+        return None
     try:
         priority = int(value.strip())
     except ValueError:

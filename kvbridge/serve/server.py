@@ -50,6 +50,12 @@ def admin_key_from(settings: Settings, environ=os.environ) -> str:
                        unset_hint="leave KVB_SERVE_ADMIN_KEY_ENV empty for no operator key")
 
 
+def router_key_from(settings: Settings, environ=os.environ) -> str:
+    """The router's key from the variable KVB_SERVE_ROUTER_KEY_ENV names; '' when there is no router key."""
+    return secret_from("KVB_SERVE_ROUTER_KEY_ENV", settings.serve_router_key_env, environ,
+                       unset_hint="leave KVB_SERVE_ROUTER_KEY_ENV empty for no router key")
+
+
 def _config(app, settings: Settings, host: str, port: int) -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
                           timeout_graceful_shutdown=max(1, int(settings.serve_drain_timeout)), ws="none")
@@ -77,13 +83,13 @@ class _Server(uvicorn.Server):
 
 def tenants_from(settings: Settings, environ=os.environ) -> TenantTable:
     """Who may call and as which tenant: the tenants file (plus the single key as `default`), the single
-    key alone, or no key asked for (every caller is `default`); plus the operator's key, if one is set."""
+    key alone, or no key asked for (every caller is `default`); plus the operator's and the router's keys, if set."""
     key = api_key_from(settings, environ)
     if settings.serve_tenants_file:
         table = TenantTable.load(settings.serve_tenants_file, key)
     else:
         table = TenantTable.single(key) if key else TenantTable.open()
-    return table.with_operator(admin_key_from(settings, environ))
+    return table.with_operator(admin_key_from(settings, environ)).with_router(router_key_from(settings, environ))
 
 
 def model_label(settings: Settings) -> str:

@@ -7,7 +7,7 @@ shares cells and stored KV only with requests of the same salt.
 The file KVB_SERVE_TENANTS_FILE names holds key *digests*, never keys:
 
     {"tenants": [
-        {"name": "alice", "key_sha256": "<sha256 hex of alice's key>"},
+        {"name": "alice", "key_sha256": "<sha256 hex of alice's key>", "max_priority": 7},
         {"name": "bob",   "key_sha256": "<...>", "cache_group": "team"},
         {"name": "carol", "key_sha256": "<...>", "cache_group": "team"}
     ]}
@@ -20,10 +20,19 @@ one serve always had.
 Make a digest with `python -m kvbridge.serve.tenants digest` (reads the key from standard input).
 The group name `default` is refused: no tenant of the file can name its way into that unsalted cache.
 
+Priority is granted, not claimed: `max_priority` (0-9, default 0) is the most a tenant's
+X-KVBridge-Priority header may ask for; 0 ignores the header (every request of the tenant runs at the
+default priority, 5), so no tenant can preempt another's running requests unless the file says so. The
+single key's `default` tenant (one local user, the GUI's and the CLI's cache) keeps the whole range, as
+serve always had it.
+
 The operator (the key in the variable KVB_SERVE_ADMIN_KEY_ENV names) is no tenant: it runs no
-completions and sees everything /metrics and /health know; a tenant sees only itself there. With no
-key configured at all (no tenants, no single key, no operator key) every caller is the operator, as
-one local user always was.
+completions and sees everything /metrics and /health know; a tenant sees only itself there. The router
+(the key in the variable KVB_SERVE_ROUTER_KEY_ENV names: the one vllm-router sends in a fleet) is no
+tenant either: it reads what a router needs (render, /tokenize, /get_load, /get_server_info,
+/kv_event_sources) and runs no completions. Who may call which route: kvbridge.serve.guards.ROUTE_CALLERS.
+With no key configured at all (no tenants, no single key, no operator or router key) every caller is the
+operator, as one local user always was.
 """
 from __future__ import annotations
 
@@ -36,8 +45,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbridge.errors import BadSettings
+from kvbridge.serve.protocol import DEFAULT_PRIORITY
 
 DEFAULT_TENANT = "default"
+MAX_PRIORITY = 9             # the header's range is 0-9 (kvbridge.serve.protocol.parse_priority)
 MAX_CACHE_SALT_CHARS = 256   # what Scheduler.submit accepts; a composed salt never exceeds it
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -49,6 +60,20 @@ class Tenant:
     cache_group: str
     unsalted: bool = False      # only `default`: the cache the GUI and the CLI share
     operator: bool = False      # only OPERATOR: reads everything, runs nothing
+    router: bool = False        # only ROUTER: reads what a router needs, runs nothing
+    max_priority: int = 0       # the most X-KVBridge-Priority may ask for; 0: the header is ignored
+
+    @property
+    def role(self) -> str:
+        """Who calls, as kvbridge.serve.guards.ROUTE_CALLERS names callers: operator, router or tenant."""
+        return "operator" if self.operator else "router" if self.router else "tenant"
+
+    def priority(self, asked: int | None) -> int:
+        """The priority a request runs at: what the header asked (None: not sent), up to the grant; the
+        default when the tenant has no grant."""
+        if asked is None or self.max_priority < 1:
+            return DEFAULT_PRIORITY
+        return min(asked, self.max_priority)
 
     def cache_salt(self, request_salt: str = "") -> str:
         """The salt for Scheduler.submit: the cache group's (none for `default`), then the request's own.
@@ -63,8 +88,9 @@ class Tenant:
         return f"{base}|request-sha256:{hashlib.sha256(request_salt.encode()).hexdigest()}"
 
 
-DEFAULT = Tenant(DEFAULT_TENANT, DEFAULT_TENANT, unsalted=True)
+DEFAULT = Tenant(DEFAULT_TENANT, DEFAULT_TENANT, unsalted=True, max_priority=MAX_PRIORITY)
 OPERATOR = Tenant("operator", "", operator=True)
+ROUTER = Tenant("router", "", router=True)
 
 
 def group_of(cache_salt: str) -> str:
@@ -92,20 +118,35 @@ class TenantTable:
     def has_operator(self) -> bool:
         return any(t.operator for _, t in self._by_digest)
 
+    @property
+    def no_keys(self) -> bool:
+        """No key configured at all (no tenant, single, operator or router key): one local user, who sees all."""
+        return not self.required and not self._by_digest
+
     def sees_everything(self, caller: Tenant) -> bool:
         """The operator's view of /metrics and /health: the operator key, or anyone when no key is configured."""
         return caller.operator or (not self.required and not self.has_operator)
 
     def with_operator(self, admin_key: str) -> "TenantTable":
-        """This table plus the operator's key (KVB_SERVE_ADMIN_KEY_ENV's); BadSettings when a tenant has it too."""
-        if not admin_key:
+        """This table plus the operator's key (KVB_SERVE_ADMIN_KEY_ENV's); BadSettings when another has it too."""
+        return self._with(admin_key, OPERATOR, "KVB_SERVE_ADMIN_KEY_ENV", "the operator")
+
+    def with_router(self, router_key: str) -> "TenantTable":
+        """This table plus the router's key (KVB_SERVE_ROUTER_KEY_ENV's); BadSettings when another has it too."""
+        return self._with(router_key, ROUTER, "KVB_SERVE_ROUTER_KEY_ENV", "the router")
+
+    def _with(self, key: str, who: Tenant, setting: str, whose: str) -> "TenantTable":
+        if not key:
             return self
-        digest = hashlib.sha256(admin_key.encode()).digest()
-        if any(hmac.compare_digest(known, digest) for known, _ in self._by_digest):
-            raise BadSettings("the key in KVB_SERVE_ADMIN_KEY_ENV's variable is also a tenant's key (KVB_SERVE_TENANTS_FILE, "
-                              "KVB_SERVE_API_KEY_FILE or KVB_SERVE_API_KEY_ENV); give the operator a key of its own")
+        digest = hashlib.sha256(key.encode()).digest()
+        for known, holder in self._by_digest:
+            if hmac.compare_digest(known, digest):
+                other = ("the operator's (KVB_SERVE_ADMIN_KEY_ENV)" if holder.operator else
+                         "the router's (KVB_SERVE_ROUTER_KEY_ENV)" if holder.router else
+                         "a tenant's key (KVB_SERVE_TENANTS_FILE, KVB_SERVE_API_KEY_FILE or KVB_SERVE_API_KEY_ENV)")
+                raise BadSettings(f"the key in {setting}'s variable is also {other}; give {whose} a key of its own")
         table = TenantTable([], self.required)
-        table._by_digest = [*self._by_digest, (digest, OPERATOR)]
+        table._by_digest = [*self._by_digest, (digest, who)]
         return table
 
     def resolve(self, key: bytes) -> Tenant | None:
@@ -150,9 +191,14 @@ class TenantTable:
                                   "name another group")
             if name in seen_names or digest in seen_digests:
                 raise BadSettings(f"{at} ({name}): the name or the key appears twice")
+            grant = entry.get("max_priority", 0)
+            if isinstance(grant, bool) or not isinstance(grant, int) or not 0 <= grant <= MAX_PRIORITY:
+                raise BadSettings(f"{at} ({name}): max_priority must be a whole number 0 to {MAX_PRIORITY}, the most its "
+                                  "X-KVBridge-Priority header may ask for (0, the default: the header is ignored), "
+                                  f"got {grant!r}")
             seen_names.add(name)
             seen_digests.add(digest)
-            tenants.append((digest, Tenant(name, group)))
+            tenants.append((digest, Tenant(name, group, max_priority=grant)))
         if single_key:
             digest = key_digest(single_key)
             if digest in seen_digests:

@@ -310,6 +310,9 @@ def _serve_problems(s: Settings) -> list[str]:
         (bool(s.serve_admin_key_env) and not s.serve_admin_key_env.replace("_", "").isalnum(),
          "KVB_SERVE_ADMIN_KEY_ENV must be the NAME of an environment variable (like SERVE_ADMIN_KEY), not the "
          "key itself (its value is not shown)"),
+        (bool(s.serve_router_key_env) and not s.serve_router_key_env.replace("_", "").isalnum(),
+         "KVB_SERVE_ROUTER_KEY_ENV must be the NAME of an environment variable (like SERVE_ROUTER_KEY), not the "
+         "key itself (its value is not shown)"),
         (any(not o.startswith(("http://", "https://")) and o != "*" for o in origins),
          f"KVB_SERVE_CORS_ORIGINS={s.serve_cors_origins!r}: list origins like http://localhost:3000, comma-separated"),
     )

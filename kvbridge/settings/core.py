@@ -93,6 +93,7 @@ class Settings:
     serve_api_key_env: str = ""       # the NAME of the variable holding the bearer token; never the token
     serve_api_key_file: str = ""      # a file the user owns holding the bearer token (--api-key-file); read at start
     serve_admin_key_env: str = ""     # the NAME of the variable holding the operator key (all of /metrics, /health)
+    serve_router_key_env: str = ""    # the NAME of the variable holding the router key (render, /tokenize, /get_load...)
     serve_max_tokens: int = 1024      # the most a request may ask for (max_tokens), and what it gets naming none
     serve_max_body_bytes: int = 8 << 20   # a larger request body is refused (413) before it is read
     serve_allowed_hosts: str = "localhost,127.0.0.1,::1"   # Host header names answered, plus the bound address; *: any
