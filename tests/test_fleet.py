@@ -4,8 +4,12 @@ The issue's Done-when: 3 workers under kv_aware, 3 documents x 4 interleaved que
 first question sent at the same time): every later question lands on its document's first instance (the
 X-KVBridge-Instance header, through the router) with at least 80 % of its prompt cached; the first
 questions land on at least two instances; every answer equals a cold run under a fresh cache_salt; after
-SIGTERM to the fleet's process group, no process of it remains and none of its ports listens. A PD pair
-answers as a solo instance does. Settings are small (32-token chunks, one sequence at a time, f32 K/V).
+SIGTERM to the fleet's process group, no process of it remains and none of its ports listens. The KV events
+reach only their router: the workers publish on ipc sockets in a folder of mode 0700, and a second OS account
+subscribing to them (and asking their replay sockets for everything) while the questions run gets nothing,
+where this account's own subscriber gets the events; the router key the fleet made is on no command line.
+A PD pair answers as a solo instance does, from the decode worker, which restored the prompt the prefill
+worker stored. Settings are small (32-token chunks, one sequence at a time, f32 K/V).
 
 The workers keep no prefix resident after a request (KVB_SCHED_CACHED_PREFIXES=0): each later question
 restores its document from the shared cache server, and the router finds it by the storing worker's CPU
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,7 +37,8 @@ from pathlib import Path
 import pytest
 
 from conftest import needs_model
-from kvbridge.fleet.router import PINNED
+from guest_account import guest, guest_result, needs_root, start_guest_subscriber  # noqa: F401 (guest: a fixture)
+from kvbridge.fleet.router import PINNED, ROUTER_KEY_VAR
 
 PROJECT = Path(__file__).resolve().parents[1]
 ROUTER = Path(sys.executable).parent / "vllm-router"
@@ -168,14 +174,73 @@ def client_for(url: str):
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
 
 
+def owner_subscribers(endpoints: list[str]):
+    """This account's own SUB sockets on the workers' KV events: the control that events did flow."""
+    import zmq
+
+    ctx = zmq.Context()
+    socks = []
+    for endpoint in endpoints:
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(endpoint)
+        socks.append(sock)
+    return ctx, socks
+
+
+def drain_stored(socks) -> int:
+    """How many BlockStored events the sockets hold now."""
+    from kvbridge.kv_events import wire
+
+    stored = 0
+    for sock in socks:
+        while sock.poll(200):
+            _, _, payload = sock.recv_multipart()
+            stored += sum(isinstance(e, wire.BlockStored) for e in wire.decode_batch(payload)[1])
+    return stored
+
+
+def fleet_secrets(pgid: int) -> tuple[str, list[str], list[str]]:
+    """(the router key a worker holds, every command line of the group, each worker's KVB_SERVE_ROUTER_KEY_ENV)."""
+    key, cmdlines, named = "", [], []
+    for member in group_members(pgid):
+        pid = member.split()[0]
+        try:
+            cmdlines.append(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"))
+            environ = dict(item.split("=", 1) for item in
+                           Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in item)
+        except OSError:
+            continue
+        if "KVB_SERVE_INSTANCE_ID" in environ:
+            key = environ.get(ROUTER_KEY_VAR, "")
+            named.append(environ.get("KVB_SERVE_ROUTER_KEY_ENV", ""))
+    return key, cmdlines, named
+
+
 @needs_router
-def test_kv_aware_fleet_keeps_each_document_on_its_instance(tmp_path):
+def test_kv_aware_fleet_keeps_each_document_on_its_instance(tmp_path, request):
     docs = documents()
     with running_fleet(tmp_path, "--workers", "3", "--policy", "kv_aware", "--port", "0",
-                       KVB_SCHED_CACHED_PREFIXES="0") as (url, ports, out, _):
+                       KVB_SCHED_CACHED_PREFIXES="0") as (url, ports, out, pgid):
+        endpoints = re.findall(r"KV events (ipc://\S+)\)", out.read_text())
+        assert len(endpoints) == 3, f"each worker publishes on an ipc socket:\n{out.read_text()}"
+        folder = Path(endpoints[0][len("ipc://"):]).parent
+        assert os.stat(folder).st_mode & 0o777 == 0o700 and os.stat(folder).st_uid == os.getuid()
+        key, cmdlines, named = fleet_secrets(pgid)
+        assert len(key) >= 32 and named == [ROUTER_KEY_VAR] * 3
+        assert [c for c in cmdlines if key in c] == [], "the router key is on a command line"
+        intruder = None
+        if os.geteuid() == 0 and shutil.which("useradd"):      # a second OS account listens the whole time
+            intruder = start_guest_subscriber(request.getfixturevalue("guest"), endpoints, seconds=20)
+        ctx, own = owner_subscribers(endpoints)
         client = client_for(url)
         with ThreadPoolExecutor(len(docs)) as pool:     # the first questions at the same time
             firsts = list(pool.map(lambda doc: ask(client, doc, QUESTIONS[0]), docs))
+        own_stored = drain_stored(own)
+        for sock in own:
+            sock.close(linger=0)
+        ctx.term()
+        intruded = guest_result(intruder) if intruder is not None else None
         home = [instance for _, instance, _, _ in firsts]
         answers = {(d, 0): firsts[d][0] for d in range(len(docs))}
         later = []
@@ -188,6 +253,12 @@ def test_kv_aware_fleet_keeps_each_document_on_its_instance(tmp_path):
         expected = {(d, q): cold(client, docs[d], QUESTIONS[q]) if q else answers[d, 0]
                     for d in range(len(docs)) for q in range(len(QUESTIONS))}
 
+    assert own_stored >= 1, "no KV event reached this account's own subscriber: the control failed"
+    if intruded is not None:
+        assert intruded["messages"] == 0 and intruded["replay_frames"] == 0, f"another OS account got {intruded}"
+        assert set(intruded["stat"].values()) == {"PermissionError"}, intruded
+    key_seen = [p.name for p in (tmp_path / "output" / "fleet").rglob("*.log") if key in p.read_text(errors="replace")]
+    assert key not in out.read_text() and key_seen == [], f"the router key is printed in {key_seen or 'the output'}"
     assert all(home), f"a response through the router lacks X-KVBridge-Instance: {home}"
     warm_firsts = [f"doc {d}: {cached} of {prompt} cached" for d, (_, _, prompt, cached) in enumerate(firsts)
                    if cached >= 32]                  # not one whole 32-token chunk: nothing restored or shared
@@ -203,17 +274,41 @@ def test_kv_aware_fleet_keeps_each_document_on_its_instance(tmp_path):
                                              f"cached) of the later ones: {later}"
 
 
+def ask_pd(client, document: str, question: str) -> tuple[str, str | None, int, int | None]:
+    """(answer, instance, prompt_tokens, tokens the decode worker restored) of one greedy request."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="smollm2", temperature=0, max_tokens=16,
+        messages=[{"role": "system", "content": document}, {"role": "user", "content": question}])
+    body = raw.parse()
+    restored = raw.headers.get("x-kvbridge-restored-tokens")
+    return (body.choices[0].message.content, raw.headers.get("x-kvbridge-instance"), body.usage.prompt_tokens,
+            int(restored) if restored is not None else None)
+
+
 @needs_router
 def test_pd_pair_answers_as_a_solo_instance(tmp_path, solo):
     doc, question = documents()[1], QUESTIONS[0]
     with running_fleet(tmp_path, "--pd", "--workers", "2", "--policy", "round_robin", "--port", "0") as (url, *_):
         expected = cold(solo(), doc, question)      # the solo instance loaded beside the fleet
         client = client_for(url)
-        first = ask(client, doc, question)
-        again = ask(client, doc, question)
+        first = ask_pd(client, doc, question)
+        again = ask_pd(client, doc, question)
     assert first[0] == expected
     assert again[0] == expected
-    assert first[1] in (None, "worker-2")     # the answer comes from the decode worker
+    for answer, instance, prompt_tokens, restored in (first, again):
+        assert instance == "worker-2", f"the answer came from {instance}, not the decode worker"
+        # the decode leg restored every whole chunk the prefill leg stored (the header is the decode leg's own)
+        assert restored is not None and restored >= prompt_tokens // 32 * 32, (prompt_tokens, restored)
+
+
+def test_pd_with_tenants_or_a_key_is_refused_naming_the_settings(make_settings):
+    from kvbridge.errors import BadSettings
+    from kvbridge.fleet import Fleet
+
+    for changes in (dict(serve_tenants_file="/etc/kvbridge/tenants.json"), dict(serve_api_key_env="MY_KEY")):
+        with pytest.raises(BadSettings, match="KVB_SERVE_TENANTS_FILE or KVB_SERVE_API_KEY_ENV.*empty bearer"):
+            Fleet(make_settings(**changes), workers=2, policy="round_robin", pd=True)
+        Fleet(make_settings(**changes), workers=2, policy="round_robin")    # without --pd: each client's own key
 
 
 def run_fleet_command(tmp_path, *args, **env):
