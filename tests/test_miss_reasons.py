@@ -4,7 +4,7 @@ record checked for the code (RequestRecord.miss_reason) AND the text a person re
 Real parts only: the embedded SmolLM2 (and zoo models for the sliding-window and recurrent causes), real files
 for L2, a real redis-server for L3, a real ZMQ cache server. The cost is checked too: a hit makes no extra store
 call (explain_ms 0, the same store calls as with KVB_EXPLAIN_MISSES off), an in-process miss no round trip, a miss
-through a cache server at most one.
+with L3 the calls it sends to Redis (counted as they leave), a miss through a cache server at most one.
 
 The causes that need the store's `probe_miss` (evicted, other_namespace, tier_down, lease_busy) skip, naming the
 condition, while the store in use has none: without it they are `none_stored` by design (engine/misses.py).
@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import time
 
 import pytest
 
@@ -142,6 +143,28 @@ def test_a_miss_in_process_costs_no_extra_store_call(engine, settings):
     on = engine.infer(PIECES[6] + Q1, mode="lmcache")
     assert off.miss_reason == on.miss_reason == "none_stored"   # without a probe the plan alone still names it
     assert on.store_calls == off.store_calls
+
+
+def test_a_miss_with_l3_costs_the_round_trips_it_sends(tmp_path):
+    """With a remote tier the probe's calls are counted as they leave (issue 46: they read 0 whatever was sent):
+    a miss with no other namespace stored sends one, the read of L3's namespace registry once its listing has
+    aged past its reuse time; an extra call on the way shows in store_calls."""
+    from kvbridge.store.redis_tier import REGISTRY_TTL_S
+    from kvbridge.store.tiered_history import NAMESPACES_TTL_S
+    from tests.redis_helpers import RedisServer, needs_redis
+
+    if needs_redis.args[0]:
+        pytest.skip(needs_redis.kwargs["reason"])
+    with RedisServer() as server:
+        settings = base_settings(tmp_path, l2_enabled=False, l3_url=server.url)
+        with CachedEngine(settings, LlamaCppBackend(settings)) as engine:
+            engine.settings = settings.replace(explain_misses=False)
+            off = engine.infer(PIECES[7] + Q1, mode="lmcache")
+            engine.settings = settings
+            time.sleep(max(REGISTRY_TTL_S, NAMESPACES_TTL_S) + 0.1)   # the listing must be read again: one trip
+            on = engine.infer(PIECES[8] + Q1, mode="lmcache")
+    assert off.miss_reason == on.miss_reason == "none_stored", on.miss_detail
+    assert on.store_calls - off.store_calls == 1
 
 
 def test_a_one_token_prompt_is_below_chunk(engine):

@@ -340,10 +340,10 @@ class CachedEngine:
             self.metrics.inc("lookup_failed")
             self._explain(tokens, hashes, None, record, fault=f"lookup failed: {exc}")
             return 0
+        record.store_calls = plan.store_calls   # before the explainer adds the round trips its probe sent
         self._explain(tokens, hashes, plan, record)
         for note in plan.notes:
             record.add_note(note)
-        record.store_calls = plan.store_calls
         record.fetch_bytes = sum(plan.fetched.values())
         record.fetch_tiers = " ".join(f"{tier}={size}" for tier, size in plan.fetched.items())
         if not plan.matched_tokens:

@@ -120,4 +120,4 @@ class MissProbe:
     found: list[str] = field(default_factory=list)
     namespaces: dict[str, int] = field(default_factory=dict)
     down: dict[str, str] = field(default_factory=dict)    # tier name -> why ("connection refused", "timed out")
-    round_trips: int = 0                                  # network round trips this probe cost (0 in-process)
+    round_trips: int = 0                                  # calls this probe sent over the network (L3's, a cache server's)

@@ -134,6 +134,7 @@ class RedisLink:
         self._closed = False
         self._breaker = _Breaker()
         self.counts: Counter[str] = Counter()   # skipped_down, timeouts, connection_errors, auth_errors, writes_refused
+        self._sent_here = threading.local()      # calls sent by each thread (calls_on_this_thread)
 
     def _call(self, what: str, fn: Callable[[Any], Any]) -> Any:
         """fn(client) under the breaker: L3Unavailable when down or on a connection fault, L3Refused on a
@@ -141,6 +142,8 @@ class RedisLink:
         if not self._breaker.allow():
             self.counts["skipped_down"] += 1
             raise L3Unavailable(f"L3 is down ({self._breaker.reason}); next try in {self._breaker.retry_in():.0f} s")
+        # one call is one round trip (a pipeline is sent at once; on a cluster, once per node it touches)
+        self._sent_here.n = self.calls_on_this_thread() + 1
         try:
             client = self._get_client()
             result = fn(client)
@@ -169,6 +172,10 @@ class RedisLink:
             raise L3Unavailable(f"L3 {what} failed: {error}") from None
         self._breaker.succeeded()
         return result
+
+    def calls_on_this_thread(self) -> int:
+        """Calls this thread sent to the server (skipped ones not counted): the tier's round trips."""
+        return getattr(self._sent_here, "n", 0)
 
     def _auth_message(self, error: Exception) -> str:
         where = (f"the password in ${self._password_env} (KVB_L3_PASSWORD_ENV)" if self._password_env

@@ -42,7 +42,9 @@ class TierHistory:
 
     def probe_miss(self, keys: Sequence[bytes], probes: Sequence[bytes] = ()) -> MissProbe:
         """What this store knows about `keys` (the first keys a restore missed) and `probes` (the prompt's
-        keys under other namespaces); see MissProbe. In-process: round_trips is 0."""
+        keys under other namespaces); see MissProbe. round_trips: the calls this probe sent to remote tiers (L3's
+        pipelined lookup, its namespace registry), 0 when it stayed in this process."""
+        sent = self._remote_calls()
         keys = [check_key(key) for key in keys]
         probes = [check_key(key) for key in probes]
         history: list[Eviction | None] = []
@@ -61,8 +63,14 @@ class TierHistory:
                 if not level.tier.available()}
         if keys:   # a probe without keys only asks for the namespaces (an engine's start): not a miss
             self._count_probe()
-        return MissProbe(history=history, pending=pending, found=found, namespaces=self.namespaces_held(),
-                         down=down, round_trips=0)
+        namespaces = self.namespaces_held()
+        return MissProbe(history=history, pending=pending, found=found, namespaces=namespaces,
+                         down=down, round_trips=self._remote_calls() - sent)
+
+    def _remote_calls(self) -> int:
+        """Round trips this thread has sent to the tiers (counted by each tier per thread, so another thread's
+        writes behind are not this probe's)."""
+        return sum(level.tier.calls_on_this_thread() for level in self._levels)
 
     def namespaces_held(self) -> dict[str, int]:
         """{namespace: bytes} over every tier (L3: its registry on the server too), reused for NAMESPACES_TTL_S."""

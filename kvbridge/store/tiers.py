@@ -97,6 +97,11 @@ class Tier(ABC):
         """False while the tier is known to be unreachable (a remote tier marked down): lookups skip it."""
         return True
 
+    def calls_on_this_thread(self) -> int:
+        """Network round trips this thread has sent to the tier so far (0 for a tier in this process): a caller
+        counts what one of its operations cost from the difference (TieredStore.probe_miss)."""
+        return 0
+
     def why_down(self) -> str:
         """Why available() is False ("" while it is True), for a miss's detail."""
         return "" if self.available() else "unavailable"
