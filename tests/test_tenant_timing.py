@@ -41,3 +41,18 @@ def test_another_tenant_cannot_tell_cached_documents_by_their_ttft(make_settings
     assert insider["reused_cached_max"] >= insider["prompt_tokens_min"] - 2, report
     assert 0.15 <= attacker["auc"] <= 0.85, report
     assert insider["auc"] >= 0.9, report
+
+
+@needs_model
+@pytest.mark.timeout(600)
+def test_another_tenant_reads_the_same_miss_whether_or_not_a_document_is_held(make_settings):
+    """The miss oracle (kvbridge.bench.probes.miss_oracle), run small: every answer bob gets reads the same but
+    for numbers, whether alice holds the document or nobody does (its text AUC is then exactly chance)."""
+    from kvbridge.bench.probes.miss_oracle import format_report as oracle_report, run_miss_oracle, text_auc
+
+    assert text_auc(["a", "a"], ["b", "b"]) == 1.0 and text_auc(["a", "b"], ["a", "b"]) == 0.5
+    result = run_miss_oracle(make_settings(serve_max_tokens=4), documents=12, words=40, seed=5)
+    bob = result["bob"]
+    report = oracle_report(result) + "\n" + "\n".join(bob["examples"])
+    assert bob["readings"] == 1 and bob["text_auc"] == 0.5, report
+    assert bob["reused_held_max"] == 0, report   # and nothing of alice's was reused (trust II's contract)
