@@ -75,7 +75,8 @@ def unknown_message(extras: list[str], parser: argparse.ArgumentParser) -> str:
             lines.append(f"{flag} is refused: {REFUSED[flag]}")
             continue
         near = [s for s in parser._option_string_actions if s != flag and (s.startswith(flag) or flag.startswith(s))]
-        also = f" ({', '.join(sorted(near))} {'is' if len(near) == 1 else 'are'} another flag)" if near else ""
+        other = "is another flag" if len(near) == 1 else "are other flags"
+        also = f" ({', '.join(sorted(near))} {other})" if near else ""
         lines.append(f"unknown flag {flag}{also}; flags are spelled in full, as `{parser.prog} --help` lists them")
     others = len(extras) - len(flags)
     if others:
