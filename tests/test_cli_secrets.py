@@ -229,3 +229,12 @@ def test_a_log_line_shows_no_secret_named_setting_nor_the_key_it_names(tmp_path,
     written = stream.getvalue()
     assert "KVB_L3_PASSWORD_ENV names (not shown)" in written and "a careless line: (not shown)" in written, written
     assert NAME_SHAPED not in written and MARKER not in written, written
+
+
+def test_the_settings_repr_shows_no_secret_typed_into_a_setting():
+    """A traceback or a debug line that prints the Settings shows the names, never a misplaced secret."""
+    from kvbridge.settings import Settings
+
+    text = repr(Settings(serve_api_key_env=MARKER, l3_password_env="REDIS_PASSWORD", cache_server_public_key=MARKER))
+    assert MARKER not in text and "serve_api_key_env=(not shown)" in text
+    assert "l3_password_env='REDIS_PASSWORD'" in text and "ctx_size=4096" in text

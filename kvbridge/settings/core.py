@@ -28,7 +28,7 @@ from kvbridge.settings.checks import settings_problems
 from kvbridge.settings.models import DEFAULT_MODEL, EMBEDDED_MODELS
 from kvbridge.settings.paths import DEFAULT_ENV_FILE, WORK_DIR
 from kvbridge.settings.presets import CLOUD_PRESETS, CloudPreset
-from kvbridge.settings.redact import hidden_values, scrub
+from kvbridge.settings.redact import HIDDEN, hidden_values, may_show, scrub
 
 EMBEDDED_MODEL_FILE = EMBEDDED_MODELS[DEFAULT_MODEL].file     # the default embedded model (SmolLM2)
 EMBEDDED_MODEL_PATH = EMBEDDED_MODELS[DEFAULT_MODEL].path
@@ -219,6 +219,12 @@ class Settings:
         problems = [message for _, message in self._problems] + settings_problems(self, environ)
         hidden = hidden_values(self, environ)   # whatever a check wrote, no secret leaves
         return [scrub(message, hidden) for message in problems]
+
+    def __repr__(self) -> str:
+        """The dataclass's repr, with what redact.may_show() hides hidden: no secret in a traceback or a log line."""
+        values = ((f.name, getattr(self, f.name)) for f in setting_fields())
+        shown = (f"{name}={value!r}" if may_show(name, value) else f"{name}={HIDDEN}" for name, value in values)
+        return f"Settings({', '.join(shown)})"
 
     def warnings(self) -> list[str]:
         """What is worth telling but blocks nothing: KVB_ names in the environment or `.env` that are no
