@@ -3,9 +3,10 @@ a key file a setting names (KVB_SERVE_API_KEY_FILE, serve's --api-key-file).
 
 Settings and `.env` hold only the name of the variable or the file's path; the secret itself is read here,
 from the process environment or the file, when the part that needs it starts. One home, so every such
-setting refuses an empty variable with the same message naming both the setting and the variable, and a
-key file is held to ssh's rule for private keys: yours, and no one else may read or write it. No message
-here ever holds a secret's text.
+setting refuses an empty variable with the same message naming both the setting and the variable (the variable
+only when shaped like a variable's name: kvbridge.settings.redact), and a key file is held to ssh's rule for
+private keys: yours, and no one else may read or write it, judged on the file opened (a systemd credential too).
+No message here ever holds a secret's text, nor the name of a key file that does not exist.
 """
 from __future__ import annotations
 
