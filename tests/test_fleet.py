@@ -211,7 +211,7 @@ def fleet_secrets(pgid: int) -> tuple[str, list[str], list[str]]:
                            Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in item)
         except OSError:
             continue
-        if "KVB_SERVE_INSTANCE_ID" in environ:
+        if environ.get("KVB_SERVE_INSTANCE_ID", "").startswith("worker-"):
             key = environ.get(ROUTER_KEY_VAR, "")
             named.append(environ.get("KVB_SERVE_ROUTER_KEY_ENV", ""))
     return key, cmdlines, named
