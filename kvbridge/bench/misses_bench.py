@@ -13,7 +13,8 @@ which must be 0 (issue 35). A miss is a request that restored fewer than all but
 - model-file: a zoo model file stores its prompts, the file is rewritten with other weights, a fresh engine asks
   them again: other_namespace naming model_sha256;
 - tenant-salt: the scheduler stores prompts without a cache salt, a tenant asks them with its own: other_namespace
-  naming cache_salt in the operator's record, none_stored in what the client sees (serve's redaction);
+  naming cache_salt in the operator's view (the probe under other salts, run after the answer as serve runs it),
+  none_stored in the tenant's record and in what the client sees;
 - redis-stop: L3 on a private redis-server (no L2), L1 emptied, the server killed: tier_down naming L3.
 
 Beside them: warm-hit TTFT with KVB_EXPLAIN_MISSES on and off (alternated, medians), and what explaining cost on
@@ -23,6 +24,7 @@ covers lease_busy and the round trip there) and any timing threshold; Docs/Resea
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 import statistics
 import tempfile
@@ -174,8 +176,15 @@ def tenant_salt(settings: Settings, n_requests: int, doc_chars: int, n_predict: 
                     if record.error:
                         raise KVBridgeError(f"bench-misses: a scheduler request failed: {record.error}")
                     if salt:
+                        # the tenant's record holds its own salt's cause; the operator's is the probe under the
+                        # other salts that serve runs once the answer has left (kvbridge.engine.misses)
+                        shown = client_view(record, full=False).reason
+                        later = getattr(record, "operator_probe", None)
+                        cause = later() if later is not None else None
+                        if cause is not None:
+                            record = dataclasses.replace(record, miss_reason=cause[0], miss_detail=cause[1])
                         rows.append(_row("tenant-salt", f"q{i}", "other_namespace", record, "cache_salt",
-                                         client_reason=client_view(record, full=False).reason))
+                                         client_reason=shown))
     return rows
 
 
