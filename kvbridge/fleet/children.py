@@ -20,6 +20,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -60,11 +61,14 @@ def spawn_held():
 def _in_child(fleet_pid: int):
     """What a child does between fork and exec: die with the fleet, ignore hangups, take signals again."""
     libc = ctypes.CDLL(None, use_errno=True)    # looked up before the fork: nothing to load in the child
+    # the kernel sends it when the forking *thread* ends: only the main thread lives as long as the fleet
+    with_parent = threading.current_thread() is threading.main_thread()
 
     def setup() -> None:
-        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != fleet_pid:    # the fleet died before prctl: nobody would send the signal
-            os._exit(1)
+        if with_parent:
+            libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+            if os.getppid() != fleet_pid:    # the fleet died before prctl: nobody would send the signal
+                os._exit(1)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)        # kept across exec
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)   # spawn_held's block is inherited
     return setup

@@ -15,7 +15,8 @@ KVB_KV_EVENTS_CHECK_S; `publisher` sends the events on a ZMQ PUB socket with a r
 What events reveal: the token ids of every prompt prefix this instance holds, to anyone who can connect
 to the socket. Only unsalted requests are ever reported (the scheduler's listener skips any sequence
 with a tenant or a cache_salt, and blend sequences), the socket binds only 127.0.0.1 or an ipc:// path
-of mode 0600, and nothing is published unless KVB_KV_EVENTS_URL is set.
+of mode 0600 (`kvbridge fleet`: in a folder of mode 0700, so no other account reaches it; a TCP socket
+cannot be authenticated, vllm-router has no CURVE), and nothing is published unless KVB_KV_EVENTS_URL is set.
 """
 from __future__ import annotations
 
