@@ -52,6 +52,9 @@ def _bind(sock: zmq.Socket, url: str) -> str:
     """Bind; tcp port 0 (or none) takes a free port; ipc files are made 0600 at once. The bound URL."""
     parsed = urlparse(url)
     if parsed.scheme == "tcp":
+        log.warning("KV events on %s: every local account can subscribe (a TCP publisher cannot be authenticated: "
+                    "vllm-router has no CURVE); an ipc:// path in a folder only this user can enter keeps them "
+                    "private, as `kvbridge fleet` does", url)
         host = "127.0.0.1" if parsed.hostname in ("127.0.0.1", "localhost") else "[::1]"
         if host == "[::1]":
             sock.setsockopt(zmq.IPV6, 1)
