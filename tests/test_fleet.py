@@ -207,8 +207,8 @@ def fleet_secrets(pgid: int) -> tuple[str, list[str], list[str]]:
         pid = member.split()[0]
         try:
             cmdlines.append(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"))
-            environ = dict(item.split("=", 1) for item in
-                           Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in item)
+            raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+            environ = dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
         except OSError:
             continue
         if environ.get("KVB_SERVE_INSTANCE_ID", "").startswith("worker-"):

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest import needs_model
-from kvbridge.fleet.children import start_time
+from kvbridge.fleet.children import is_running, start_time
 
 PROJECT = Path(__file__).resolve().parents[1]
 ROUTER = Path(sys.executable).parent / "vllm-router"
@@ -184,7 +184,8 @@ def test_the_next_start_stops_what_a_killed_fleet_left_and_nothing_else(tmp_path
 
     dead = tmp_path / "dead"
     live = tmp_path / "live"
-    for folder, fleet_pid, fleet_start in ((dead, gone.pid, gone_start or 1), (live, os.getpid(), start_time(os.getpid()))):
+    for folder, fleet_pid, fleet_start in ((dead, gone.pid, gone_start or 1),
+                                           (live, os.getpid(), start_time(os.getpid()))):
         folder.mkdir()
         (folder / RECORD_NAME).write_text(json.dumps({
             "format": FORMAT, "fleet": {"pid": fleet_pid, "start_time": fleet_start},
@@ -268,7 +269,7 @@ def test_a_stop_signal_at_any_moment_leaves_nothing(tmp_path, sig, moment):
         clean_after_dead_fleets(tmp_path / "output" / "fleet")    # what the next start does first
     else:
         assert status == 0, out[-3000:]
-    assert [c["name"] for c in record["children"] if start_time(c["pid"]) == c["start_time"]] == []
+    assert [c["name"] for c in record["children"] if is_running(c["pid"], c["start_time"])] == []
     cache_server = [c["pid"] for c in record["children"] if c["name"] == "cache server"]
     assert cache_server and segments_of(cache_server[0]) == []
     assert not Path(record["socket_dir"]).exists()
@@ -311,4 +312,4 @@ def test_the_fleet_is_not_ready_on_an_answer_from_another_process_on_its_port(ma
         squatter.shutdown()
         squatter.server_close()
         fleet.stop()
-    assert all(start_time(c.pid) is None for c in fleet._started)
+    assert [c.name for c in fleet._started if is_running(c.pid, c.start_time)] == []

@@ -157,9 +157,10 @@ class Fleet:
         url = f"tcp://127.0.0.1:{free_port()}"
         self.store_url = url        # before it starts: what a killed server leaves is found by its URL
         self._record.set_store_url(url)
-        self._cache_server = self._spawn("cache server", [sys.executable, "-m", "kvbridge", "cache-server", "--url", url],
-                                         self._env(), "cache-server.log",
-                                         "its pool is KVB_L1_BYTES, its L2 KVB_L2_DIR; --no-shared-cache runs without it")
+        argv = [sys.executable, "-m", "kvbridge", "cache-server", "--url", url]
+        self._cache_server = self._spawn("cache server", argv, self._env(), "cache-server.log",
+                                         "its pool is KVB_L1_BYTES, its L2 KVB_L2_DIR; --no-shared-cache runs "
+                                         "without it")
         self._cache_server.wait_for_line(CACHE_SERVER_READY, START_TIMEOUT_S)
 
     def _roles(self) -> list[str]:
