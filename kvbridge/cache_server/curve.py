@@ -236,9 +236,9 @@ def trusted_server_key(url: str, configured: str = "") -> tuple[str, str]:
         fields = read_key_file(path)
     except UntrustedFile as exc:
         raise ServerNotAuthenticated(f"not trusting the cache server at {url}: its key file {exc}") from None
-    except ValueError:
-        raise ServerNotAuthenticated(f"not trusting the cache server at {url}: its key file {path} is damaged or "
-                                     f"not a {KEY_FILE_MAGIC!r} file (restart the server to write it again)") from None
+    except ValueError as exc:
+        raise ServerNotAuthenticated(f"not trusting the cache server at {url}: its key file {exc} (restart the "
+                                     "server to write it again)") from None
     if fields is None:
         raise NoServerKey(
             f"no key to authenticate the cache server at {url}: {path} does not exist (the server is not running, "
