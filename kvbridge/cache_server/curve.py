@@ -119,7 +119,7 @@ def server_keys(settings: Settings, environ: Mapping[str, str] | None = None) ->
 
 
 def key_file(url: str) -> Path:
-    """Where the server at `url` writes its key pair: beside its token file, named alike."""
+    """Where the server at `url` writes its public key: beside its token file, named alike."""
     return token_file(url).with_suffix(".key")
 
 

@@ -80,7 +80,7 @@ class CacheServer:
         self._token_generated = not configured
         self.token_path: Path | None = None   # the generated token's file (owner-only), removed at close
         self.keys = server_keys(settings)       # CURVE: what clients authenticate this server by
-        self.key_path: Path | None = None     # the key pair's file (owner-only), removed at close
+        self.key_path: Path | None = None     # the public key's file (owner-only), removed at close
         self._zap: ZapGate | None = None
         self.server_id = uuid.uuid4().hex
         self.clients = ClientTable()
