@@ -36,6 +36,16 @@ remove_segments_of() {
     done
 }
 
+forget_files_of() {
+    # The token and key files a killed server leaves in ~/.cache/kvbridge/run, found from its URL
+    # (kvbridge/cache_server/leftovers.py; nothing is removed while a server that wrote them runs).
+    [[ -n "$1" ]] || return 0
+    "$REPO_ROOT/.venv/bin/python" -c 'import sys
+from kvbridge.cache_server.leftovers import forget_server_files
+for path in forget_server_files(sys.argv[1]):
+    print(f"removed its leftover {path}")' "$1" || true
+}
+
 cmd_start() {
     if [[ -f "$PID_FILE" ]]; then
         local old_pid old_url
@@ -106,6 +116,7 @@ cmd_stop() {
     if ! is_cache_server "$pid"; then
         echo "The cache server is not running (stale PID file removed)."
         [[ "$pid" =~ ^[0-9]+$ ]] && remove_segments_of "$pid"
+        forget_files_of "$(recorded_url)"
         rm -f "$PID_FILE"
         return 0
     fi
@@ -129,6 +140,7 @@ cmd_stop() {
         fi
     fi
     remove_segments_of "$pid"   # nothing after a clean exit
+    forget_files_of "$(recorded_url)"
     rm -f "$PID_FILE"
     echo "stopped."
 }

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge.cache_server.auth import token_file
 from kvbridge.cache_server.client import CacheClient
+from kvbridge.cache_server.curve import key_file
 from kvbridge.settings import WORK_DIR
 from tests.redis_helpers import RedisServer, needs_redis
 
@@ -151,14 +153,16 @@ def test_stop_falls_back_to_sigkill_and_removes_the_segment(server_env, stop_aft
     env = {**server_env, "PYTHONPATH": str(tmp_path)}
     started = script("start", "--server-module", '{"module_path": "kvb_slow_close"}', env=env)
     assert started.returncode == 0, started.stdout + started.stderr
-    pid, _ = recorded()
+    pid, url = recorded()
     [segment] = segments_of(pid)
+    assert token_file(url).exists() and key_file(url).exists()
 
     stopped = script("stop", "--timeout", "2", env=env)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert "sending SIGKILL" in stopped.stdout
     assert f"removed its leftover shared memory {segment}" in stopped.stdout
     assert not alive(pid) and not segment.exists() and not PID_FILE.exists()
+    assert not token_file(url).exists() and not key_file(url).exists(), stopped.stdout   # its files too
 
 
 # -- cleanup.sh --------------------------------------------------------------------------------------
