@@ -11,6 +11,7 @@ ROUTER loop), clients (who said hello, when each was last heard), modules/ (the 
 storage, management, metrics), plugin_modules/ (opt-in: kv_events), connection (the client's socket
 thread), session (the keys a client trusts, its hello, back-off and refusals), client (CacheClient),
 remote_store (the store interface CachedEngine uses), auth (the shared secret, its files and the bind
-rule), curve (CURVE key pairs, the key file, the ZAP handler), liveness (when each client was last
-seen), cli (the command).
+rule), curve (CURVE key pairs, the key file, the ZAP handler), door (the handshake interval and the
+connection cap), leftovers (what a killed server left, found from its address), liveness (when each
+client was last seen), cli (the command).
 """
