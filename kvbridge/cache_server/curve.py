@@ -189,6 +189,9 @@ class ZapGate:
                 self._sock.send_multipart(self._judge(self._sock.recv_multipart()))
         except zmq.ContextTerminated:
             pass
+        except Exception:   # the server stays up but admits no one (ZAP_ENFORCE_DOMAIN): say so, loudly
+            log.exception("the cache server's ZAP handler stopped: every CURVE handshake is refused from now on; "
+                          "restart the cache server")
         finally:
             wake.close(0)
             self._sock.close(0)
