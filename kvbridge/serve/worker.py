@@ -7,6 +7,10 @@ routes a router calls besides the completions, and the instance's name on every 
     GET  /get_server_info                                           -> model, instance, block size, role
     GET  /kv_event_sources                                          -> {"0": {"endpoint": ...}} or {}
 
+Who may call them is kvbridge.serve.guards.ROUTE_CALLERS: render and /tokenize any authenticated caller (its
+own prompt's ids), the last three, which show the whole server's state, the operator or the router
+(KVB_SERVE_ROUTER_KEY_ENV), never a tenant.
+
 A router routing by prefix (`cache_aware`, `kv_aware`) asks every worker for a request's token ids
 and matches them against what it knows each worker holds; a render here is the completion's own parse
 (the same Generation, refused the same way) and the engine's own template and tokenizer, so its ids
