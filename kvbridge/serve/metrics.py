@@ -136,6 +136,7 @@ class ServeMetrics:
         for tier, n in hits.items():
             self.hit_tokens.labels(tier).inc(n)
         later = getattr(record, "operator_probe", None) if record.miss_reason == "none_stored" else None
+        record.operator_probe = None   # taken: the record no longer holds the prompt's tokens for it
         if later is not None:
             return lambda: self._count_miss(_true_reason(later, record.miss_reason), missed)
         if record.miss_reason:
