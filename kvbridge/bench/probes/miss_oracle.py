@@ -14,7 +14,10 @@ Two AUCs, each the probability a held document's probe scores above a free one's
   (every number as '#'; the Date header and the excerpt of bob's own prompt that a `diverged` detail quotes
   left out). It is what an attacker who knew the labels could do with the text at best: one reading for all
   is exactly 0.5, a reading that differs by holder is 1.0.
-- ttft: -TTFT, as tenant_timing's.
+- ttft: -TTFT, as tenant_timing's; beside it the same AUC of TTFT less what the prompt's length explains (a
+  least-squares line of TTFT on prompt tokens over all probes): the halves are drawn at random, but with seed 7
+  and 160 documents the held half happens to be shorter (a held prompt is the shorter of a pair 57 % of the
+  time), which alone moves the raw AUC above 0.5 when TTFT grows with length.
 The target is at most 0.55 for each; the figures go to Docs/Research.md. tests/test_tenant_timing.py runs it
 small. Left out: an attacker that is not a tenant of this server, and the operator's view (which names the
 true cause on purpose).
@@ -65,27 +68,46 @@ class Answers:
     held_ttft: list[float] = field(default_factory=list)
     free_ttft: list[float] = field(default_factory=list)
     reused_held: list[int] = field(default_factory=list)
+    held_tokens: list[int] = field(default_factory=list)
+    free_tokens: list[int] = field(default_factory=list)
 
     def figures(self) -> dict:
         text = text_auc(self.held_texts, self.free_texts)
         ttft = roc_auc(self.held_ttft, self.free_ttft)
+        held_rest, free_rest = length_residuals(self.held_ttft + self.free_ttft, self.held_tokens + self.free_tokens,
+                                                len(self.held_ttft))
+        adjusted = roc_auc(held_rest, free_rest)
         n_held, n_free = len(self.held_ttft), len(self.free_ttft)
         readings = sorted(set(self.held_texts) | set(self.free_texts))
         return {"text_auc": round(text, 3), "text_auc_se": round(auc_standard_error(text, n_held, n_free), 3),
                 "ttft_auc": round(ttft, 3), "ttft_auc_se": round(auc_standard_error(ttft, n_held, n_free), 3),
+                "ttft_auc_length_adjusted": round(adjusted, 3),
+                "mean_tokens_held": round(statistics.fmean(self.held_tokens or [0]), 1),
+                "mean_tokens_free": round(statistics.fmean(self.free_tokens or [0]), 1),
                 "probes": n_held + n_free, "readings": len(readings), "examples": readings[:4],
                 "median_held_ms": round(statistics.median(self.held_ttft), 1),
                 "median_free_ms": round(statistics.median(self.free_ttft), 1),
                 "reused_held_max": max(self.reused_held, default=0)}
 
 
-def ask(client, doc: str, salt: str) -> tuple[float, dict[str, str], dict, int]:
-    """(client TTFT ms, response headers, usage.kvbridge, cached_tokens) of one streamed request of one token."""
+def length_residuals(ttft: list[float], tokens: list[int], n_held: int) -> tuple[list[float], list[float]]:
+    """TTFT less a least-squares line on prompt tokens (fitted over every probe), split back into the held
+    (the first n_held) and the free."""
+    mean_x, mean_y = statistics.fmean(tokens), statistics.fmean(ttft)
+    var = sum((x - mean_x) ** 2 for x in tokens)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(tokens, ttft)) / var if var else 0.0
+    rest = [y - mean_y - slope * (x - mean_x) for x, y in zip(tokens, ttft)]
+    return rest[:n_held], rest[n_held:]
+
+
+def ask(client, doc: str, salt: str) -> tuple[float, dict[str, str], dict, int, int]:
+    """(client TTFT ms, response headers, usage.kvbridge, cached_tokens, prompt_tokens) of one streamed request
+    of one token."""
     started = time.perf_counter()
     raw = client.chat.completions.with_raw_response.create(
         model="x", messages=messages_for(doc), temperature=0, max_tokens=1, stream=True,
         stream_options={"include_usage": True}, extra_body={"cache_salt": salt} if salt else None)
-    first, kvbridge, cached = None, {}, 0
+    first, kvbridge, cached, prompt = None, {}, 0, 0
     for chunk in raw.parse():
         if first is None:
             first = time.perf_counter()
@@ -93,7 +115,8 @@ def ask(client, doc: str, salt: str) -> tuple[float, dict[str, str], dict, int]:
             usage = chunk.usage.model_dump()
             kvbridge = usage.get("kvbridge") or {}
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return ((first or time.perf_counter()) - started) * 1e3, dict(raw.headers), kvbridge, cached
+            prompt = usage.get("prompt_tokens") or 0
+    return ((first or time.perf_counter()) - started) * 1e3, dict(raw.headers), kvbridge, cached, prompt
 
 
 def run_miss_oracle(settings: Settings, documents: int = 80, words: int = 40, seed: int = 7) -> dict:
@@ -123,15 +146,17 @@ def run_miss_oracle(settings: Settings, documents: int = 80, words: int = 40, se
             random.Random(seed + 2).shuffle(order)
             answers = Answers()
             for n, i in enumerate(order):
-                ttft, headers, kvbridge, cached = ask(clients["bob"], docs[i], f"probe-{seed}-{n}")
+                ttft, headers, kvbridge, cached, prompt = ask(clients["bob"], docs[i], f"probe-{seed}-{n}")
                 text = reading(headers, kvbridge)
                 if i in held:
                     answers.held_texts.append(text)
                     answers.held_ttft.append(ttft)
+                    answers.held_tokens.append(prompt)
                     answers.reused_held.append(cached)
                 else:
                     answers.free_texts.append(text)
                     answers.free_ttft.append(ttft)
+                    answers.free_tokens.append(prompt)
         finally:
             serve.stop()
     return {"bob": answers.figures(), "setup": {"documents": len(docs), "words": words, "seed": seed,
@@ -141,11 +166,13 @@ def run_miss_oracle(settings: Settings, documents: int = 80, words: int = 40, se
 def format_report(result: dict) -> str:
     f = result["bob"]
     return "\n".join([
-        "| prober | probes | distinct readings | text ROC AUC (± SE) | TTFT ROC AUC (± SE) | median TTFT held / free | "
-        "most tokens reused, held half |", "| --- | --- | --- | --- | --- | --- | --- |",
+        "| prober | probes | distinct readings | text ROC AUC (± SE) | TTFT ROC AUC (± SE) | the same, length "
+        "adjusted | median TTFT held / free | mean prompt tokens held / free | most tokens reused, held half |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         f"| bob (another tenant) | {f['probes']} | {f['readings']} | {f['text_auc']:.3f} ± {f['text_auc_se']:.3f} | "
-        f"{f['ttft_auc']:.3f} ± {f['ttft_auc_se']:.3f} | {f['median_held_ms']:.1f} / {f['median_free_ms']:.1f} ms | "
-        f"{f['reused_held_max']} |"])
+        f"{f['ttft_auc']:.3f} ± {f['ttft_auc_se']:.3f} | {f['ttft_auc_length_adjusted']:.3f} | "
+        f"{f['median_held_ms']:.1f} / {f['median_free_ms']:.1f} ms | {f['mean_tokens_held']:.1f} / "
+        f"{f['mean_tokens_free']:.1f} | {f['reused_held_max']} |"])
 
 
 def main(argv: list[str] | None = None) -> int:
