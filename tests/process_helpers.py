@@ -57,3 +57,32 @@ def answers(url: str) -> bool:
         return requests.get(url, timeout=2).status_code == 200
     except (requests.ConnectionError, requests.Timeout):   # not listening yet, or busy starting: not ready
         return False
+
+
+def fleet_env(tmp_path: Path, small: dict, project: Path, **extra: str) -> dict:
+    """A `kvbridge fleet`'s environment: no KVB_ of the caller's, `small` settings, its own L2 and output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVB_")}
+    env.update(small, KVB_L2_DIR=str(tmp_path / "l2"), KVB_OUTPUT_DIR=str(tmp_path / "output"), **extra)
+    env["PYTHONPATH"] = str(project)
+    return env
+
+
+def group_members(pgid: int) -> list[str]:
+    """'pid name' of every live process in the process group (zombies are gone already for our purpose)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(f"{stat.parent.name} {name}")
+    return members
+
+
+def listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:port."""
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0

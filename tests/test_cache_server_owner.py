@@ -17,25 +17,23 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pwd
 import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from cache_server_helpers import owner_store_after_its_server, running_server
+from guest_account import GUEST, guest  # noqa: F401 (guest: a fixture)
 from kvbridge.cache_server.auth import token_file
 from kvbridge.cache_server.client import CacheClient, CacheServerRefused
 from kvbridge.cache_server.curve import key_file
 from kvbridge.settings import WORK_DIR
 from kvbridge.store.objects import ObjectMeta
 
-GUEST = "kvb-test-guest"
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("useradd"),
                                 reason="creating an unprivileged OS user needs root and useradd (CI runs as root)")
 
@@ -73,20 +71,6 @@ for name, server_key in (("hello", ""), ("hello_with_public_key", public_key)):
         out[name] = "unavailable: " + str(exc)
 print(json.dumps(out))
 """
-
-
-@pytest.fixture(scope="module")
-def guest():
-    created = subprocess.run(["id", GUEST], capture_output=True).returncode != 0
-    if created:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", GUEST], check=True)
-    home = tempfile.mkdtemp(prefix="kvb-guest-home-")
-    entry = pwd.getpwnam(GUEST)
-    os.chown(home, entry.pw_uid, entry.pw_gid)
-    yield entry, home
-    shutil.rmtree(home, ignore_errors=True)
-    if created:
-        subprocess.run(["userdel", GUEST], check=False)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +22,9 @@ from pathlib import Path
 
 import pytest
 
+import process_helpers
 from conftest import needs_model
+from process_helpers import group_members, listening
 from kvbridge.fleet.children import is_running, start_time
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -37,29 +38,7 @@ SMALL = dict(KVB_CHUNK_SIZE="32", KVB_CTX_SIZE="1024", KVB_SCHED_KV_CELLS="2048"
 
 
 def fleet_env(tmp_path: Path, **extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVB_")}
-    env.update(SMALL, KVB_L2_DIR=str(tmp_path / "l2"), KVB_OUTPUT_DIR=str(tmp_path / "output"), **extra)
-    env["PYTHONPATH"] = str(PROJECT)
-    return env
-
-
-def group_members(pgid: int) -> list[str]:
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        name, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(f"{stat.parent.name} {name}")
-    return members
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(1)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+    return process_helpers.fleet_env(tmp_path, SMALL, PROJECT, **extra)
 
 
 def segments_of(pid: int) -> list[Path]:
