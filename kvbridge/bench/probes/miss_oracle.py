@@ -176,8 +176,7 @@ def format_report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="python -m kvbridge.bench.probes.miss_oracle",
-                                     description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m kvbridge.bench.probes.miss_oracle", description=__doc__.splitlines()[0])
     parser.add_argument("--documents", type=int, default=80, help="documents probed (half held by alice)")
     parser.add_argument("--words", type=int, default=40, help="words per document")
     parser.add_argument("--seed", type=int, default=7)
