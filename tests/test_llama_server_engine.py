@@ -98,12 +98,12 @@ def test_flash_attention_changes_the_namespace(settings):
     """V is not transposed with flash attention: such KV must never be restored into the other layout.
 
     With flash attention llama.cpp's CPU kernels give the last prompt token different logits when it
-    is computed inside the prompt's batch (cold) and when it is computed alone after kept cells
-    (llama-server's own prompt cache and our restore alike): on an AMD EPYC without AVX-512 the first
-    answer token's top-2 log-probabilities moved by ~0.08 and the greedy answer changed, with
-    llama-server's own cache as much as with ours. So the oracle here is exact where it can be: the
-    restored K and V rows equal the cold prefill's byte for byte, and the answer equals llama-server's
-    own prompt-cache reuse token for token."""
+    is computed inside the prompt's batch (cold) and when it is computed alone after kept cells: on an
+    AMD EPYC without AVX-512 llama-server's own prompt cache (`native`, all but the last token kept)
+    answered "The answer is 7. 7 is the" where cold answered "7 squared is 289.". A restore ends on the
+    cold cut (kvbridge.engine.cold_cut), so the engine computes the rest with the kernels of its cold
+    run: the restored K and V rows equal the cold prefill's byte for byte, and the answer equals cold's
+    token for token (the oracle), whatever llama-server's own reuse answers."""
     with engine_on("llama-server", settings) as plain:
         plain_ns = plain.namespace
     with engine_on("llama-server", dataclasses.replace(settings, flash_attn=True)) as flash:
@@ -122,7 +122,7 @@ def test_flash_attention_changes_the_namespace(settings):
     for k_cold, k_hit, v_cold, v_hit in zip(cold_kv.k, hit_kv.k, cold_kv.v, hit_kv.v, strict=True):
         assert np.array_equal(k_cold[:restored], k_hit[:restored])
         assert np.array_equal(v_cold[:restored], v_hit[:restored])
-    assert hit.text == native.text
+    assert hit.text == cold.text
 
 
 def test_attached_without_local_slot_files_restores_whole_snapshots(settings):
