@@ -14,8 +14,9 @@ trimmed: reuse is token-granular like llama.cpp's own cache, and deduplicated li
 (CachedEngine) a restore ends where the engine prefills the rest with its cold run's arithmetic (cold_cut).
 
 A recurrent or hybrid model's state cannot be cut by position: each chunk carries the recurrent state
-captured where it ends (Backend.boundary_state), the one tail ends one token before the prompt's end
-(where the engine captured too), and a restore ends where a whole stored piece ends.
+captured where it ends (Backend.boundary_state), a tail only where the engine captured one token before the
+prompt's end (the scheduler; CachedEngine's engine prefills them chunk by chunk, so it keeps none), and a restore
+ends where a whole stored piece ends.
 
 Where the layout is not understood (kvbridge.formats.llama_state.LayoutError), whole-sequence snapshots are kept
 instead (kind "snapshot", snapshots), and the engine's own prefix matching trims them after a restore. What a lookup
@@ -369,8 +370,9 @@ class ChunkKV:
 
     def _store_recurrent(self, parsed: ParsedState, tokens: Sequence[int], hashes: Sequence[bytes],
                          boundary: Callable[[int], "bytes | memoryview | None"] | None) -> int:
-        """Chunks whose end the engine captured, and one tail up to the prompt's last token but one (where a
-        repeated prompt restores to: its last token is always recomputed)."""
+        """Chunks whose end the engine captured, and one tail up to the prompt's last token but one where the engine
+        captured there (the scheduler does; CachedEngine's engine does not: it prefills these models chunk by chunk
+        in every mode and a restore ends at a chunk's end, so no token is computed alone: Docs/Research.md §30)."""
         c, n = self.chunk_size, len(tokens)
         n_full = n // c
         known = self.store.lookup(list(hashes[:n_full]), namespace=self.namespace, purpose="store").n_hit
@@ -391,15 +393,11 @@ class ChunkKV:
             ids = tokens[i * c:(i + 1) * c]
             items.append(self._item(hashes[i], encode_chunk(parsed, i * c, (i + 1) * c, ids, rec), ids, "chunk"))
         j, end = (n - 1) // c, n - 1
-        if end > j * c:
-            rec = section(end)
-            if rec is None:
-                self._not_stored(tail_key(hashes[j - 1] if j else self.seed),
-                                 f"the recurrent state after position {end - 1} was not captured")
-            else:
-                ids = tokens[j * c:end]
-                items.append(self._item(tail_key(hashes[j - 1] if j else self.seed),
-                                        encode_chunk(parsed, j * c, end, ids, rec), ids, "tail"))
+        rec = section(end) if end > j * c else None
+        if rec is not None:
+            ids = tokens[j * c:end]
+            items.append(self._item(tail_key(hashes[j - 1] if j else self.seed),
+                                    encode_chunk(parsed, j * c, end, ids, rec), ids, "tail"))
         stored = self._put_items(items)
         if self.prefault_scratch:
             self._buffer.reserve(assembled_size(self.geometry, n))
