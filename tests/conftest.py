@@ -57,10 +57,11 @@ def isolated(monkeypatch, tmp_path):
 
 @pytest.fixture
 def make_settings(tmp_path):
-    """Settings with defaults only (no .env, no environment), a private L2 and small chunks."""
+    """Settings with defaults only (no .env, no environment), a private L2 and small chunks; the scheduler's
+    exact mode off (its own default is on): a test of exact mode, or of a default, asks for it."""
 
     def make(**changes) -> Settings:
-        base = dict(chunk_size=32, ctx_size=2048, n_predict=12, l2_dir=str(tmp_path / "l2"),
+        base = dict(chunk_size=32, ctx_size=2048, n_predict=12, l2_dir=str(tmp_path / "l2"), sched_exact=False,
                     output_dir=str(tmp_path / "output"), input_dir=str(tmp_path / "input"))
         base.update(changes)
         return dataclasses.replace(Settings(), **base)
@@ -83,7 +84,7 @@ def make_module_settings(tmp_path_factory):
     root = tmp_path_factory.mktemp("module")
 
     def make(**changes) -> Settings:
-        base = dict(chunk_size=32, ctx_size=2048, n_predict=12, l2_dir=str(root / "l2"),
+        base = dict(chunk_size=32, ctx_size=2048, n_predict=12, l2_dir=str(root / "l2"), sched_exact=False,
                     output_dir=str(root / "output"), input_dir=str(root / "input"))
         base.update(changes)
         return dataclasses.replace(Settings(), **base)

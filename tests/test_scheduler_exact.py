@@ -187,22 +187,57 @@ def test_decode_tokens_go_in_calls_of_the_measured_width_and_each_prefill_alone(
     assert [(r, len(e)) for call in alone for r, e in call] == [(same[0], 300), (same[1], 192)]
 
 
-def test_exact_mode_refuses_flash_attention_naming_both_settings():
-    problems = settings_problems(Settings().replace(sched_exact=True, flash_attn=True), {})
-    assert any("KVB_SCHED_EXACT" in p and "KVB_FLASH_ATTN" in p for p in problems)
+def test_exact_mode_is_the_default_and_flash_attention_turns_it_off_saying_why():
+    """On unless KVB_SCHED_EXACT=false; KVB_FLASH_ATTN=true (which a quantised V cache needs) or a recurrent model
+    turns it off with a reason naming what to set, never a settings problem: CachedEngine's users may set flash
+    attention, and serve runs their settings with the mode off (kvbridge.scheduler.exact.off_reason)."""
+    assert Settings().sched_exact and Settings.from_env({}).sched_exact
+    assert not Settings.from_env({"KVB_SCHED_EXACT": "false"}).sched_exact
+    assert settings_problems(Settings().replace(flash_attn=True), {}) == []
+    assert exact.off_reason(Settings()) == ""
+    flash = exact.off_reason(Settings().replace(flash_attn=True))
+    assert "KVB_FLASH_ATTN=true" in flash and "KVB_SCHED_EXACT=false" in flash
+    quantised = exact.off_reason(Settings().replace(flash_attn=True, cache_type_v="q8_0"))
+    assert "KVB_CACHE_TYPE_V=q8_0" in quantised and "KVB_FLASH_ATTN" in quantised
+    assert "lfm2" in exact.off_reason(Settings(), "lfm2", recurrent=True)
+    assert "KVB_SCHED_EXACT=false" in exact.off_reason(Settings().replace(sched_exact=False))
 
 
-def test_serve_and_the_lab_turn_it_on():
-    """`kvbridge serve --exact` / `gui --exact` (KVB_SCHED_EXACT=1) and the lab's "Exact answers" box; the lab
-    turns flash attention off with it (the mode's condition) instead of refusing."""
+def test_the_flags_and_the_lab_turn_it_on_and_off():
+    """`--exact` / `--no-exact` of `serve` and `gui` (KVB_SCHED_EXACT) and of `fleet`, parsed by their own parsers,
+    and the lab's "Exact answers" box; the lab turns flash attention off with it (the mode's condition) unless the
+    V cache is quantised (which needs it: the scheduler then runs with the mode off and says so)."""
+    from kvbridge.cli import fleet as fleet_cli
+    from kvbridge.cli import serve as serve_cli
     from kvbridge.gui.lab import lab_settings
+    from kvbridge.settings.cmdline import Parser
     from kvbridge.settings.flags import GUI, SERVE, overrides
 
     base = Settings().replace(flash_attn=True)
     for command in (SERVE, GUI):
         assert overrides(command, {"exact": True}, base)["sched_exact"] is True
+        assert overrides(command, {"exact": False}, Settings())["sched_exact"] is False
         assert "sched_exact" not in overrides(command, {"exact": None}, base)
+    for module in (serve_cli, fleet_cli):
+        parser = Parser(prog=module.__name__)
+        module.add_arguments(parser)
+        assert [parser.parse_args(argv).exact for argv in ([], ["--exact"], ["--no-exact"])] == [None, True, False]
     settings, problems = lab_settings(base, 2048, 3, 0.25, 0.1, 0.05, exact=True)
     assert problems == [] and settings.sched_exact and not settings.flash_attn
     settings, _ = lab_settings(base, 2048, 3, 0.25, 0.1, 0.05, exact=False)
     assert not settings.sched_exact and settings.flash_attn
+    settings, _ = lab_settings(base.replace(cache_type_v="q8_0"), 2048, 3, 0.25, 0.1, 0.05, exact=True)
+    assert settings.flash_attn and exact.off_reason(settings)
+
+
+@needs_model
+def test_the_scheduler_says_whether_the_mode_is_on(make_settings):
+    """At defaults the scheduler runs exact; with flash attention it starts with the mode off and says why, in its
+    snapshot (what serve's /health and the lab read) and its notes."""
+    small = dict(sched_kv_cells=512, sched_max_running=2, sched_cached_prefixes=0)
+    with Scheduler(make_settings(sched_exact=True, **small)) as scheduler:
+        assert scheduler.exact and scheduler.snapshot()["exact"] == {"on": True, "off_reason": ""}
+    with Scheduler(make_settings(sched_exact=True, flash_attn=True, **small)) as scheduler:
+        view = scheduler.snapshot()
+        assert not scheduler.exact and not view["exact"]["on"] and "KVB_FLASH_ATTN" in view["exact"]["off_reason"]
+        assert any(note.startswith("exact mode is off: KVB_FLASH_ATTN") for note in view["notes"])

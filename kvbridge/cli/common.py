@@ -23,7 +23,7 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
     not given, the environment and `.env` decide."""
     for flag in flags_for(command):
         if flag.kind == "switch":
-            parser.add_argument(*flag.spellings, dest=flag.dest, action="store_const", const=True, default=None,
+            parser.add_argument(*flag.spellings, dest=flag.dest, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text(flag, command))
             continue
         parser.add_argument(*flag.spellings, dest=flag.dest, metavar=flag.metavar, default=None,

@@ -1,12 +1,14 @@
 """`kvbridge fleet`: N serve workers behind vllm-router on this host, until SIGTERM or Ctrl-C.
 
-The flags default to KVB_FLEET_WORKERS, KVB_FLEET_POLICY and KVB_FLEET_PORT. A stop signal (SIGTERM,
+The flags default to KVB_FLEET_WORKERS, KVB_FLEET_POLICY, KVB_FLEET_PORT and KVB_SCHED_EXACT (--exact/--no-exact:
+the workers' exact mode, on by default). A stop signal (SIGTERM,
 SIGINT or SIGHUP, at any moment: while children start too) stops the router, the workers and the cache
 server, in that order, and the exit status is 0; later stop signals are ignored so that nothing cuts the
 stop short. A child that dies while the fleet runs stops the rest and exits 1.
 """
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 import time
@@ -32,6 +34,9 @@ def add_arguments(p) -> None:
                                                      "restore and decode")
     p.add_argument("--no-shared-cache", dest="shared_cache", action="store_false",
                    help="no cache server: each worker keeps its own store (L3 from KVB_L3_URL still shared)")
+    p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                   help="every answer equals the same request run alone (default: KVB_SCHED_EXACT, else on); "
+                        "--no-exact: the mode off, for throughput")
     p.add_argument("--router-log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="vllm-router's --log-level (its log: KVB_OUTPUT_DIR/fleet/.../router.log)")
 
@@ -46,7 +51,8 @@ def _raise_stopped(signum, frame) -> None:
 def run(args) -> int:
     from kvbridge.fleet import Fleet
 
-    settings = checked(Settings.from_env())
+    settings = Settings.from_env()
+    settings = checked(settings if args.exact is None else settings.replace(sched_exact=args.exact))
     fleet = Fleet(settings, workers=settings.fleet_workers if args.workers is None else args.workers,
                   policy=args.policy or settings.fleet_policy,
                   port=settings.fleet_port if args.port is None else args.port,

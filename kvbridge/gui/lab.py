@@ -132,7 +132,8 @@ def request_rows(requests: Sequence[TimedRequest]) -> list[list[Any]]:
 def lab_settings(base: Settings, kv_cells: Any, max_running: Any, soft: Any, hard: Any,
                  critical: Any, exact: Any = None) -> tuple[Settings | None, list[str]]:
     """The base settings with the tab's scheduler controls; problems name the KVB_SCHED_ variables. exact: the
-    tab's "Exact answers" box (KVB_SCHED_EXACT; flash attention off with it); None keeps the base's."""
+    tab's "Exact answers" box (KVB_SCHED_EXACT, on by default; flash attention off with it, unless the V cache is
+    quantised); None keeps the base's."""
     values = dict(zip(SCHEDULER_FIELDS, (kv_cells, max_running, soft, hard, critical)))
     names = {"sched_kv_cells": "KV budget (KVB_SCHED_KV_CELLS)", "sched_max_running": "running sequences "
              "(KVB_SCHED_MAX_RUNNING)", "sched_soft": "KVB_SCHED_SOFT", "sched_hard": "KVB_SCHED_HARD",
@@ -152,8 +153,10 @@ def lab_settings(base: Settings, kv_cells: Any, max_running: Any, soft: Any, har
         return None, problems
     if exact is not None:
         changes["sched_exact"] = bool(exact)
-    if changes.get("sched_exact", base.sched_exact):
-        changes["flash_attn"] = False   # exact mode's condition (kvbridge.scheduler.exact)
+    if changes.get("sched_exact", base.sched_exact) and base.cache_type_v.lower() in ("f16", "f32", "bf16"):
+        # exact mode's condition (kvbridge.scheduler.exact); a quantised V cache needs flash attention, so there the
+        # scheduler runs with the mode off and its notes say why
+        changes["flash_attn"] = False
     settings = base.replace(**changes)
     problems = [p for p in settings.validate() if "KVB_SCHED_" in p]
     return (None, problems) if problems else (settings, [])
@@ -177,7 +180,8 @@ def start_lab(lab: LabSession, key: str, kv_cells: Any, max_running: Any, soft: 
     run.thread.start()
     return Outcome(f"Started **{workload.title}**: {len(workload.requests)} requests on "
                    f"{settings.sched_kv_cells} KV cells, {settings.sched_max_running} running at once"
-                   + (", exact answers (each equals the request run alone)." if settings.sched_exact else "."))
+                   + (", exact answers (each equals the request run alone)." if settings.sched_exact
+                      and not settings.flash_attn else "."))
 
 
 def stop_lab(lab: LabSession) -> Outcome:

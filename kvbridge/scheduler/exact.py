@@ -25,6 +25,12 @@ answer under concurrency"), and what this mode does about each:
    computed in a unified cache beside other sequences never comes back.
 
 Batched decoding stays where it is exact: SmolLM2's decode tokens all share one call.
+
+The mode is on by default (KVB_SCHED_EXACT=true: serve, the fleet, the lab). Where it cannot run the scheduler
+starts with it off and says why (`off_reason`: a log line at start, a note in the journal, `exact_off_reason`
+in serve's /health): KVB_FLASH_ATTN=true (a quantised V cache needs it), or a recurrent model. Falling back
+rather than refusing is deliberate: a quantised V cache or a hybrid model is a choice of its own, and serve
+should run it, telling the operator the answers are the mode off's.
 """
 from __future__ import annotations
 
@@ -43,6 +49,25 @@ ALIGN = 32                  # a cut inside a solo prefill piece: at a multiple o
 NAMESPACE_TAG = "exact"     # the store's objects of an exact scheduler: KV computed as a solo run computes it
 PROBE_TOKENS = 24           # each probe sequence's prompt
 PROBE_STEPS = 2             # decode steps compared at each width
+
+
+def off_reason(settings, architecture: str = "", recurrent: bool = False) -> str:
+    """Why exact mode is off for these settings (and, once the model is loaded, its architecture), written for
+    a person; "" when it runs."""
+    if not settings.sched_exact:
+        return "KVB_SCHED_EXACT=false (or --no-exact): answers may differ from a request run alone"
+    if settings.flash_attn:
+        quantised_v = settings.cache_type_v.lower() not in ("f16", "f32", "bf16")
+        why = (f"KVB_CACHE_TYPE_V={settings.cache_type_v} needs flash attention (KVB_FLASH_ATTN=true)"
+               if quantised_v else "KVB_FLASH_ATTN=true")
+        return (f"{why}, and exact mode needs it off: llama.cpp's CPU flash attention splits a sequence's cells "
+                "between threads by the cache's size, so an answer depends on what else is cached. For exact "
+                "answers set KVB_FLASH_ATTN=false" + (" and an f16 V cache" if quantised_v else "")
+                + "; KVB_SCHED_EXACT=false says the mode off is meant")
+    if recurrent:
+        return (f"{architecture or 'this model'} keeps recurrent state, and exact mode is proven on attention-only "
+                "models; KVB_SCHED_EXACT=false says the mode off is meant")
+    return ""
 
 
 def solo_piece_end(position: int, prompt_len: int) -> int:

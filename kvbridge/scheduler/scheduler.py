@@ -66,19 +66,22 @@ class Scheduler:
     def __init__(self, settings: Settings, store=None) -> None:
         self.settings = s = settings
         self.chunk_size = s.chunk_size
-        self.exact = bool(s.sched_exact)
-        self._ctx = LlamaContext(s, s.sched_kv_cells, s.sched_max_running + s.sched_cached_prefixes + 1,
-                                 exact=self.exact)
-        self.ledger = BlockLedger(self._ctx.n_cells, s.sched_block_tokens, s.sched_soft, s.sched_hard, s.sched_critical)
-        self.seqs = SequencePool(self._ctx, self.ledger)
+        # exact mode (on by default) unless the settings or the model rule it out: then off, and said so
+        self.exact_off_reason = exact.off_reason(s)
+        self._open_context(not self.exact_off_reason)
         self.store = store if store is not None else open_store(s)
         self._own_store = store is None
         traits = traits_of_model(self._ctx.model)
         layout = self._decide_layout(traits)
         self._geometry = geometry = layout.geometry
-        if self.exact and geometry.recurrent:
-            self._refuse(f"KVB_SCHED_EXACT=1 is not available for {traits.architecture} (recurrent state); it is "
-                         "proven on attention-only models. Set KVB_SCHED_EXACT=0 to run it.")
+        if self.exact and geometry.recurrent:   # known once the model is loaded: its context again, unified
+            self.exact_off_reason = exact.off_reason(s, traits.architecture, recurrent=True)
+            self._ctx.close()
+            self._open_context(False)
+            layout = self._decide_layout(traits)
+            self._geometry = geometry = layout.geometry
+        if s.sched_exact and self.exact_off_reason:
+            log.warning("exact mode is off: %s", self.exact_off_reason)
         # exact mode: how many decode tokens one call may carry, measured on this model and CPU (kvbridge.scheduler.exact)
         self.decode_width = exact.probe_decode_width(self._ctx, self.seqs.free[:s.sched_max_running],
                                                      s.sched_max_running, exact.probe_tokens()) if self.exact else 0
@@ -105,6 +108,8 @@ class Scheduler:
             self.journal.notes.append(
                 f"exact mode: one KV stream per sequence, prefill pieces on their own, up to {self.decode_width} "
                 "decode tokens a call (as many as leave each sequence's logits those of a decode alone on this CPU)")
+        elif s.sched_exact:
+            self.journal.notes.append(f"exact mode is off: {self.exact_off_reason}")
         if geometry.recurrent:
             self.journal.notes.append(
                 f"{traits.architecture} keeps recurrent state: prefill steps end at every {s.chunk_size}-token chunk "
@@ -121,6 +126,14 @@ class Scheduler:
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="kvbridge-scheduler", daemon=True)
         self._thread.start()
+
+    def _open_context(self, exact_on: bool) -> None:
+        """The llama.cpp context (non-unified in exact mode), its block ledger and its sequence ids."""
+        s = self.settings
+        self.exact = exact_on
+        self._ctx = LlamaContext(s, s.sched_kv_cells, s.sched_max_running + s.sched_cached_prefixes + 1, exact=exact_on)
+        self.ledger = BlockLedger(self._ctx.n_cells, s.sched_block_tokens, s.sched_soft, s.sched_hard, s.sched_critical)
+        self.seqs = SequencePool(self._ctx, self.ledger)
 
     def _decide_layout(self, traits):
         """The KV layout of this model and cache type, proven on a tiny real state in a free sequence
@@ -199,7 +212,8 @@ class Scheduler:
         record = RequestRecord(mode="blend" if blending else "lmcache", engine="llamacpp-scheduler", kv_mode="full",
                                label=label, request_index=request_id, prompt_tokens=len(tokens), priority=priority)
         if blend and self.exact:
-            record.add_note("blend: off in exact mode (KVB_SCHED_EXACT=1); the prompt was computed exactly")
+            record.add_note("blend: off in exact mode (KVB_SCHED_EXACT=true, the default); the prompt was computed "
+                            "exactly. KVB_SCHED_EXACT=false (serve --no-exact) lets blend run")
         elif blend and not blending:
             record.add_note(no_passages_note(self.settings.blend_separator))
         request = Request(request_id, label or f"request {request_id}", int(priority), tokens, n_predict,
@@ -250,7 +264,9 @@ class Scheduler:
         """Blocks by owner (shared ones with reference counts), pressure, the three queues, the free
         sequence ids, counters."""
         with self._lock:
-            return events.snapshot(self.settings, self.ledger, self.queues, self.prefixes, self.seqs.free, self.journal)
+            view = events.snapshot(self.settings, self.ledger, self.queues, self.prefixes, self.seqs.free, self.journal)
+        view["exact"] = {"on": self.exact, "off_reason": self.exact_off_reason}
+        return view
 
     def events(self) -> list[dict]:
         with self._lock:

@@ -186,7 +186,7 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
             return JSONResponse({"status": "ok"})
         state, age_s = await live_state.read()
         return JSONResponse({"status": "ok", "engine": engine.name, "model": engine.model_id, **state,
-                             "state_age_s": age_s})
+                             **engine.exact_mode(), "state_age_s": age_s})
 
     async def prometheus(request: Request) -> Response:
         who = caller(request)

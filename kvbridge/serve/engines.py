@@ -127,6 +127,11 @@ class ServeEngine:
     def state(self) -> dict[str, int]:
         return {}
 
+    def exact_mode(self) -> dict[str, object]:
+        """{"exact": on or off, "exact_off_reason": why off ("" when on)} for /health and /get_server_info; {}
+        for an engine without the mode (llama-server's queue runs one request at a time)."""
+        return {}
+
     def bytes_held(self) -> dict[str, dict[str, int]] | None:
         """{cache salt: {tier: bytes}} of KV stored per salt; None when the engine cannot tell."""
         return None
@@ -183,7 +188,11 @@ class SchedulerEngine(ServeEngine):
         snapshot = self.scheduler.snapshot()
         return {"running": len(snapshot["running"]), "waiting": len(snapshot["waiting"]),
                 "swapped": len(snapshot["swapped"]), "free_blocks": snapshot["blocks"]["free"],
-                "total_blocks": snapshot["blocks"]["total"], "preemptions": snapshot["counters"]["preemptions"]}
+                "total_blocks": snapshot["blocks"]["total"], "preemptions": snapshot["counters"]["preemptions"],
+                "exact": int(self.scheduler.exact)}
+
+    def exact_mode(self) -> dict[str, object]:
+        return {"exact": self.scheduler.exact, "exact_off_reason": self.scheduler.exact_off_reason}
 
     def bytes_held(self) -> dict[str, dict[str, int]] | None:
         return self.scheduler.bytes_held()

@@ -147,6 +147,16 @@ def _bound_app(settings: Settings, engine: ServeEngine, host: str, port: int, te
         raise
 
 
+def exact_line(engine: ServeEngine) -> str:
+    """The start line saying whether answers are exact (kvbridge.scheduler.exact), and why not."""
+    mode = engine.exact_mode()
+    if not mode:
+        return f"exact mode: the scheduler's; the {engine.name} engine runs one request at a time"
+    if mode["exact"]:
+        return "exact mode: on (every answer equals the same request run alone; --no-exact turns it off)"
+    return f"exact mode: off: {mode['exact_off_reason']}"
+
+
 def run(settings: Settings, host: str | None = None, port: int | None = None, engine_key: str | None = None) -> int:
     host = host or settings.serve_host
     port = settings.serve_port if port is None else port
@@ -158,6 +168,7 @@ def run(settings: Settings, host: str | None = None, port: int | None = None, en
     print(f"loading the {engine_key or settings.serve_engine} engine: {model_label(settings)}, context "
           f"{settings.ctx_size} tokens a request (-c), {settings.sched_max_running} at once (-np)…", flush=True)
     engine = make_serve_engine(settings, engine_key)
+    print(exact_line(engine), flush=True)
     try:
         try:
             sock, app = _bound_app(settings, engine, host, port, tenants)

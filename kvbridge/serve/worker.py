@@ -120,7 +120,7 @@ def worker_routes(settings: Settings, engine: ServeEngine, live_state: LiveState
     async def server_info(request: Request) -> Response:
         info = {"model_id": engine.model_id, "model_path": str(engine.model_path), "instance_id": instance_id,
                 "kv_block_size": settings.chunk_size, "worker_type": WORKER_TYPES.get(settings.serve_role, "regular"),
-                "role": settings.serve_role, "engine": engine.name}
+                "role": settings.serve_role, "engine": engine.name, **engine.exact_mode()}
         if engine.kv_events is not None:   # what the router needs to index the events (kvbridge.kv_events)
             info.update(engine.kv_events.server_info_fields())
         return JSONResponse(info)

@@ -225,9 +225,6 @@ def _scheduler_problems(s: Settings) -> list[str]:
         (not all(0 <= m < 1 for m in marks) or list(marks) != sorted(marks),
          "the scheduler's watermarks must be fractions with KVB_SCHED_CRITICAL <= KVB_SCHED_HARD <= KVB_SCHED_SOFT "
          f"< 1; got {', '.join(str(m) for m in marks)}"),
-        (s.sched_exact and s.flash_attn,
-         "KVB_SCHED_EXACT=1 needs KVB_FLASH_ATTN=0: llama.cpp's CPU flash attention splits a sequence's cells "
-         "between threads by the cache's size, so its answer depends on what else is cached; set one of them to 0"),
     )
     return [message for failed, message in rules if failed]
 

@@ -85,7 +85,8 @@ class Settings:
     sched_critical: float = 0.05      # ... below which the lowest-priority running request is preempted
     sched_max_waiting: int = 64       # requests waiting to be admitted; more are refused
     sched_max_salts: int = 256        # cache salts whose store spaces stay known; the least recently used is reclaimed
-    sched_exact: bool = False         # every answer equals the same request run alone (kvbridge.scheduler.exact)
+    sched_exact: bool = True          # every answer equals the same request run alone (kvbridge.scheduler.exact); off
+                                      # by itself, said at start, with KVB_FLASH_ATTN=true or a recurrent model
     # serve (python -m kvbridge serve): an OpenAI-compatible endpoint
     serve_host: str = "127.0.0.1"
     serve_port: int = 8000

@@ -45,7 +45,7 @@ class Flag:
     fields: Mapping[str, str]      # command -> the Settings field the flag sets there
     metavar: str
     help: str                      # the same in every command that takes it
-    kind: str = "text"             # text, int, path (made absolute, `~` expanded) or switch (no value: on)
+    kind: str = "text"             # text, int, path (made absolute, `~` expanded) or switch (--x: on, --no-x: off)
     unset: str = ""                # what an unset field means, when its default value does not say it
 
     @property
@@ -80,8 +80,8 @@ FLAGS: tuple[Flag, ...] = (
          "a file you own, readable by you alone (chmod 600), holding the bearer token clients must send; "
          "read once at start, never shown; not with KVB_SERVE_API_KEY_ENV", kind="path", unset="no key"),
     Flag(("--exact",), {SERVE: "sched_exact", GUI: "sched_exact"}, "",
-         "every answer equals the same request run alone, however many run at once (KVBridge's own; needs "
-         "KVB_FLASH_ATTN=0)", kind="switch"),
+         "every answer equals the same request run alone, however many run at once (KVBridge's own; off by itself, "
+         "said at start, with KVB_FLASH_ATTN=true or a recurrent model); --no-exact turns it off", kind="switch"),
 )
 
 
