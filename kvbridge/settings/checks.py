@@ -195,6 +195,8 @@ def _l3_problems(s: Settings) -> list[str]:
         (s.l3_timeout <= 0, f"KVB_L3_TIMEOUT={s.l3_timeout} must be more than 0 seconds"),
         (s.l3_ttl < 0, f"KVB_L3_TTL={s.l3_ttl} cannot be negative (0: objects live until the server evicts them)"),
         (s.l3_write_queue < 1, f"KVB_L3_WRITE_QUEUE={s.l3_write_queue} must be at least 1"),
+        (not 0 <= s.inflight_wait_ms <= 60_000,
+         f"KVB_INFLIGHT_WAIT_MS={s.inflight_wait_ms} must be 0 (off) to 60000 milliseconds (default 250)"),
         (not s.l3_prefix or not all(c.isalnum() or c in "-_.:" for c in s.l3_prefix),
          f"KVB_L3_PREFIX={s.l3_prefix!r} must be letters, digits and - _ . : only (default kvb)"),
     )

@@ -66,6 +66,7 @@ class Settings:
     l3_ttl: float = 0.0               # seconds an L3 object lives; 0: until the server evicts it
     l3_serde: str = "raw"
     l3_write_queue: int = 64          # objects waiting to be written to L3 behind the request
+    inflight_wait_ms: int = 250       # a lookup reads a write not landed yet: queued bytes at once, another writer's <= this; 0: off
     zstd_level: int = 3               # the zstd codec's level (1 fast .. 19 small)
     prefer_lmcache_hasher: bool = False
     # why a prompt was recomputed (kvbridge.engine.misses)

@@ -65,6 +65,20 @@ class BehindWriter:
         with self._cond:
             return any(match(job) for job in self._running) or any(match(job) for job in self._jobs)
 
+    def latest(self, match: Callable[[Any], bool]) -> Any | None:
+        """The newest job for which match(job) is true, queued or being written now; None when there is none.
+
+        A reader uses it to serve an object from the bytes a queued write holds (TieredStore's in-flight
+        reads): the newest queued job is what the tier will hold once the queue has run."""
+        with self._cond:
+            for job in reversed(self._jobs):
+                if match(job):
+                    return job
+            for job in reversed(self._running):
+                if match(job):
+                    return job
+            return None
+
     def submit(self, job: Any) -> bool:
         """Queue a job; False when the queue is full or the writer is closed (the job is dropped)."""
         with self._cond:

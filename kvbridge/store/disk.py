@@ -364,6 +364,17 @@ class DiskTier(Tier):
                 if self._unlink_locked(self.path_for(key)):  # gone already, unless it would not go
                     self._forget_locked(key)
 
+    def writing(self, key: bytes) -> bool:
+        """A live writer's temp file for `key` is beside its path (write_temp_file names it after the key)."""
+        path = self.path_for(key)
+        prefix = f".{path.name}."
+        try:
+            with os.scandir(path.parent) as listing:
+                names = [entry.name for entry in listing if entry.name.startswith(prefix)]
+        except OSError:
+            return False   # no fan directory yet (nothing written under it) or unreadable: no writer seen
+        return any(name.endswith(TEMP_SUFFIX) and temp_writer_state(name) == "alive" for name in names)
+
     def discover(self, key: bytes) -> int | None:
         with self._lock:
             entry = self._index.get(key)

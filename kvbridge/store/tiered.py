@@ -12,6 +12,8 @@ and the L2 copy of an object promoted from L3) go to one background writer with 
 for it. A lookup asks every tier about the hashes no tier here knows in one call per tier
 (`discover_many`: one round trip to a remote tier); get_many reads a remote tier's objects in one.
 A hit in a slower tier is promoted into every faster one: RAM at once, persistent tiers behind.
+An object whose write has not landed yet is read, not missed (tiered_inflight): from the bytes its queued
+write holds, or after a bounded wait (KVB_INFLIGHT_WAIT_MS) for another writer's write into shared L2.
 
 A storage fault is a miss, counted in stats() and logged, never an exception: the caller then
 recomputes. get/put/lookup/contains/flush raise no storage error at all (a full disk is a skipped
@@ -20,7 +22,7 @@ Bad arguments are ValueError/TypeError (bugs, not faults).
 
 Modules: tiered (this one: the store, construction and reading), tiered_writing (put, write-behind,
 eviction with demotion, pins), tiered_upkeep (clear, flush, close, stats), tiered_history (the
-eviction ring's use: probe_miss, recent_evictions).
+eviction ring's use: probe_miss, recent_evictions), tiered_inflight (reads of writes not landed yet).
 
 Thread-safe: one lock guards the policies and counters; payload I/O (disk reads, writes) runs
 outside it, protected by pinning so an object being read is never evicted. Each tier is thread-safe
@@ -55,6 +57,7 @@ from kvbridge.store.objects import (
 from kvbridge.store.policy import LRUPolicy
 from kvbridge.store.serde.tier import TierCodec
 from kvbridge.store.tiered_history import TierHistory
+from kvbridge.store.tiered_inflight import TierInflight
 from kvbridge.store.tiered_upkeep import TierUpkeep
 from kvbridge.store.tiered_writing import Level, TierWrites
 from kvbridge.store.tiers import MemoryTier, Tier
@@ -62,7 +65,7 @@ from kvbridge.store.tiers import MemoryTier, Tier
 log = logging.getLogger(__name__)
 
 
-class TieredStore(TierWrites, TierUpkeep, TierHistory):
+class TieredStore(TierWrites, TierUpkeep, TierHistory, TierInflight):
     """Content-addressed objects across tiers. `namespace`, when set, is the one expected by default.
 
     Construction and reading are here; writing, eviction and pins are TierWrites' (tiered_writing),
@@ -71,7 +74,7 @@ class TieredStore(TierWrites, TierUpkeep, TierHistory):
     shared = False   # tiers of this process (L2 files excepted): an engine restart may empty L1
 
     def __init__(self, tiers: Sequence[Tier], namespace: str | None = None, write_queue: int = 64,
-                 history: EvictionRing | int = MIN_HISTORY) -> None:
+                 history: EvictionRing | int = MIN_HISTORY, inflight_wait_ms: int = 250) -> None:
         names = [tier.name for tier in tiers]
         if len(set(names)) != len(names) or TIER_NONE in names:
             raise ValueError(f"tier names must be unique and not {TIER_NONE!r}: {names}")
@@ -88,6 +91,10 @@ class TieredStore(TierWrites, TierUpkeep, TierHistory):
         self._all_persistent = all(tier.persistent for tier in tiers)
         self._any_remote = any(tier.remote for tier in tiers)
         self._behind = BehindWriter(self._write_behind, write_queue, name="kvbridge-store-behind")
+        if inflight_wait_ms < 0:
+            raise ValueError(f"inflight_wait_ms must be 0 (off) or more, got {inflight_wait_ms}")
+        self.inflight_wait_s = inflight_wait_ms / 1000   # tiered_inflight: 0 turns in-flight reads off
+        self._inflight_taken: Counter[str] = Counter()
         for index, level in enumerate(self._levels):
             level.policy.seed(level.tier.entries())
             with self._lock:
@@ -122,7 +129,8 @@ class TieredStore(TierWrites, TierUpkeep, TierHistory):
 
             tiers.append(RedisTier.from_settings(settings))
         return cls(tiers, namespace=namespace, write_queue=settings.l3_write_queue,
-                   history=history if history is not None else settings.eviction_history)
+                   history=history if history is not None else settings.eviction_history,
+                   inflight_wait_ms=settings.inflight_wait_ms)
 
     @property
     def tiers(self) -> list[Tier]:
@@ -158,9 +166,16 @@ class TieredStore(TierWrites, TierUpkeep, TierHistory):
         keys = [check_key(key) for key in hashes]
         holders = self._holders(keys)
         tiers: list[str] = []
+        deadline = self._inflight_deadline()   # one bound for every wait of this lookup (tiered_inflight)
         for key, index in zip(keys, holders):
             if index is None or not self._levels[index].tier.available():
-                break   # a remote tier marked down: its objects cannot be read now
+                queued = self._queued_object(key, expected)   # its write still queued behind a request
+                if queued is not None:
+                    tiers.append(queued.tier)
+                    continue
+                index = self._await_writer(key, deadline) if index is None else None
+                if index is None:
+                    break   # not stored, or in a remote tier marked down: its objects cannot be read now
             meta = self._levels[index].tier.meta(key)
             if meta is None:
                 break  # removed between the two calls
@@ -181,7 +196,8 @@ class TieredStore(TierWrites, TierUpkeep, TierHistory):
         expected = self.namespace if namespace is None else namespace
         index = self._holder(key, pin=True)
         if index is None:
-            return self._miss()
+            queued = self._queued_object(key, expected)
+            return self._served_queued(queued) if queued is not None else self._miss()
         level = self._levels[index]
         try:
             found = self._read(level, key)
@@ -220,7 +236,15 @@ class TieredStore(TierWrites, TierUpkeep, TierHistory):
         keys = [check_key(key) for key in keys]
         expected = self.namespace if namespace is None else namespace
         holders = self._holders(keys, remote=False)   # local tiers (a file another process wrote) only
-        unknown = [at for at, index in enumerate(holders) if index is None]
+        queued: dict[int, StoredObject] = {}
+        deadline = self._inflight_deadline()
+        for at in [at for at, index in enumerate(holders) if index is None]:
+            found_queued = self._queued_object(keys[at], expected)
+            if found_queued is not None:
+                queued[at] = found_queued
+            else:
+                holders[at] = self._await_writer(keys[at], deadline)
+        unknown = [at for at, index in enumerate(holders) if index is None and at not in queued]
         with self._lock:
             for at, (key, index) in enumerate(zip(keys, holders)):
                 if index is not None and key in self._levels[index].policy:
@@ -253,7 +277,8 @@ class TieredStore(TierWrites, TierUpkeep, TierHistory):
                 with self._lock:
                     for at in mine:
                         self._unpin_locked(level, keys[at])
-        return [self._miss() if holder is None else self._finish_get(holder, key, found.get(at), expected)
+        return [self._served_queued(queued[at]) if at in queued
+                else self._miss() if holder is None else self._finish_get(holder, key, found.get(at), expected)
                 for at, (key, holder) in enumerate(zip(keys, holders))]
 
     def _holders(self, keys: list[bytes], remote: bool = True) -> list[int | None]:

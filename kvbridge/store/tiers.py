@@ -93,6 +93,11 @@ class Tier(ABC):
         """
         return None
 
+    def writing(self, key: bytes) -> bool:
+        """Whether a live writer (another process, or another thread here) is writing `key` into this tier
+        now; a lookup may wait for it (kvbridge.store.tiered_inflight). Only shared tiers can tell."""
+        return False
+
     def available(self) -> bool:
         """False while the tier is known to be unreachable (a remote tier marked down): lookups skip it."""
         return True
