@@ -168,10 +168,19 @@ def test_a_request_before_hello_is_answered_hello_required(server):
 # -- the data path ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("use_shm", [True, False], ids=["shared-memory", "inline"])
-def test_store_and_retrieve_return_the_same_bytes(server, use_shm):
+# The data path's ways: shared memory; inline bytes each object in one frame (the format before issue 47,
+# what an older peer sends and asks for); inline bytes cut into frames (small frames here, so that a test
+# object spans several and its last frame is a short one).
+DATA_PATHS = [dict(use_shm=True), dict(use_shm=False, frame_bytes=0),
+              dict(use_shm=False, frame_bytes=protocol.MIN_INLINE_FRAME_BYTES)]
+DATA_PATH_IDS = ["shared-memory", "inline-whole", "inline-frames"]
+
+
+@pytest.mark.parametrize("path", DATA_PATHS, ids=DATA_PATH_IDS)
+def test_store_and_retrieve_return_the_same_bytes(server, path):
+    use_shm = path["use_shm"]
     blob = blob_of(200_000, 3)
-    with CacheClient(server.url, timeout_s=5, use_shm=use_shm) as client:
+    with CacheClient(server.url, timeout_s=5, **path) as client:
         assert client.shared_memory is use_shm
         assert client.store(b"k" * 16, blob, META) == (True, "")
         assert client.lookup([b"k" * 16, b"x" * 16], "ns").tiers == ["L1"]
@@ -185,10 +194,13 @@ def test_store_and_retrieve_return_the_same_bytes(server, use_shm):
     assert stats["read_leases"] == 0 and stats["write_leases"] == 0
 
 
-@pytest.mark.parametrize("use_shm", [True, False], ids=["shared-memory", "inline"])
-def test_a_prompts_objects_go_and_come_back_in_one_call_each(server, use_shm):
-    blobs = {bytes([i]) * 16: blob_of(20_000 + i, i + 2) for i in range(1, 4)}
-    with CacheClient(server.url, timeout_s=5, use_shm=use_shm) as client:
+@pytest.mark.parametrize("path", DATA_PATHS, ids=DATA_PATH_IDS)
+def test_a_prompts_objects_go_and_come_back_in_one_call_each(server, path):
+    # sizes around the frame size: one short of a frame, a frame and a byte, three frames and a bit
+    sizes = [protocol.MIN_INLINE_FRAME_BYTES - 1, protocol.MIN_INLINE_FRAME_BYTES + 1,
+             3 * protocol.MIN_INLINE_FRAME_BYTES + 7]
+    blobs = {bytes([i]) * 16: blob_of(size, i + 2) for i, size in enumerate(sizes, 1)}
+    with CacheClient(server.url, timeout_s=5, **path) as client:
         first = next(iter(blobs))
         client.store(first, blobs[first], META)
         results = client.store_many([(key, blob, META) for key, blob in blobs.items()])
@@ -202,6 +214,34 @@ def test_a_prompts_objects_go_and_come_back_in_one_call_each(server, use_shm):
         client.release([item for item in found if item is not None])
         client.flush()
     assert server.store.pool.stats()["read_leases"] == 0 and server.store.pool.stats()["objects"] == 3
+
+
+def test_inline_frames_are_cut_as_asked_and_an_old_peers_whole_frame_still_works(server):
+    """The wire, read raw: a retrieve asking for frames gets ceil(size / frame) of them; one that does not
+    ask (a client from before issue 47) gets the object whole; an inline store in one frame (an older
+    client) or in several is stored alike; a frame size under the minimum is a bad request naming it."""
+    blob = blob_of(5 * protocol.MIN_INLINE_FRAME_BYTES + 3, 7)
+    with CacheClient(server.url, timeout_s=5, use_shm=False, frame_bytes=0) as old, \
+            CacheClient(server.url, timeout_s=5, use_shm=False) as new:
+        assert old.store(b"o" * 16, blob, META) == (True, "")        # one data frame
+        assert new._session.hello.frame_bytes == protocol.INLINE_FRAME_BYTES
+        new.frame_bytes = protocol.MIN_INLINE_FRAME_BYTES
+        assert len(new._store_frames(blob)) == 6
+        assert new.store(b"n" * 16, blob, META) == (True, "")        # six data frames
+        for key in (b"o" * 16, b"n" * 16):
+            reply, frames = new._call(Kind.RETRIEVE, protocol.Retrieve(key, "ns", False, protocol.MIN_INLINE_FRAME_BYTES),
+                                      protocol.RetrieveReply, with_data=True)
+            assert reply.frames == len(frames) == 6 and [len(f) for f in frames[:-1]] == [protocol.MIN_INLINE_FRAME_BYTES] * 5
+            assert b"".join(frames) == blob
+            reply, frames = new._call(Kind.RETRIEVE, protocol.Retrieve(key, "ns", False), protocol.RetrieveReply,
+                                      with_data=True)
+            assert reply.frames == len(frames) == 1 and bytes(frames[0]) == blob
+            assert bytes(old.retrieve(key, "ns").blob) == blob
+        with pytest.raises(CacheServerError) as bad:
+            new._call(Kind.RETRIEVE_MANY, protocol.RetrieveMany([b"o" * 16], "ns", False, 1000), protocol.RetrieveManyReply)
+        assert bad.value.code == Code.BAD_REQUEST and "frame_bytes" in str(bad.value)
+    with pytest.raises(ValueError, match="frame_bytes"):
+        CacheClient(server.url, timeout_s=5, frame_bytes=100)
 
 
 def test_l1_is_written_through_to_l2_and_an_l2_hit_is_promoted(server):

@@ -66,12 +66,14 @@ class Retrieved:
 class CacheClient:
     def __init__(self, url: str, instance_id: str | None = None, priority: int = 5, *, token: str = "",
                  server_key: str = "", timeout_s: float = 5.0, use_shm: bool = True, label: str = "",
-                 wait_for_key: bool = False, checksum: bool = False) -> None:
+                 wait_for_key: bool = False, checksum: bool = False,
+                 frame_bytes: int = protocol.INLINE_FRAME_BYTES) -> None:
         """`token`: the shared secret ('' -> this user's token file); `server_key`: the server's Z85 public key
         ('' -> this user's key file). `wait_for_key`: a key file that does not exist yet (a server still
         starting) is a warning here instead of CacheServerRefused; calls are refused until it appears.
         `checksum` (KVB_CACHE_SERVER_CHECKSUM): stores through shared memory carry a digest of their bytes,
-        and every object read out of shared memory is checked against its writer's digest."""
+        and every object read out of shared memory is checked against its writer's digest. `frame_bytes`: inline
+        bytes travel in frames of at most this size (0: each object in one frame, as before issue 47)."""
         if not isinstance(priority, int) or not 0 <= priority <= 9:
             raise ValueError(f"CacheClient(priority=...) must be an int from 0 to 9, got {priority!r}")
         if instance_id is not None and (not isinstance(instance_id, str) or not 0 < len(instance_id) <= 128):
@@ -81,7 +83,11 @@ class CacheClient:
                              f"{type(instance_id).__name__} {instance_id!r}")
         if not isinstance(url, str) or not url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"CacheClient(url=...) must be tcp://HOST:PORT or ipc:///path, got {url!r}")
+        if not isinstance(frame_bytes, int) or not (frame_bytes == 0 or frame_bytes >= protocol.MIN_INLINE_FRAME_BYTES):
+            raise ValueError(f"CacheClient(frame_bytes=...) must be 0 (one frame per object) or at least "
+                             f"{protocol.MIN_INLINE_FRAME_BYTES}, got {frame_bytes!r}")
         self.url = url
+        self.frame_bytes = frame_bytes
         self.instance_id = instance_id or uuid.uuid4().hex
         self.priority = priority
         self.timeout_s = timeout_s
@@ -164,9 +170,9 @@ class CacheClient:
         """The object, or None. zero_copy: a contiguous shared-memory object is returned as a view
         under a lease (check intact(), then release()); otherwise it is copied out and checked here."""
         segment = self._segment
-        reply, data = self._call(Kind.RETRIEVE, protocol.Retrieve(key, namespace, segment is not None),
+        reply, data = self._call(Kind.RETRIEVE, protocol.Retrieve(key, namespace, segment is not None, self.frame_bytes),
                                  protocol.RetrieveReply, with_data=True)
-        return self._received(reply, data[0] if data else b"", segment, zero_copy)
+        return self._received(reply, protocol.join_frames(data) if data else b"", segment, zero_copy)
 
     def retrieve_many(self, keys: list[bytes], namespace: str | None = None,
                       zero_copy: bool = True) -> list[Retrieved | None]:
@@ -175,11 +181,17 @@ class CacheClient:
         released once)."""
         segment = self._segment
         unique = list(dict.fromkeys(bytes(k) for k in keys))
-        reply, data = self._call(Kind.RETRIEVE_MANY, protocol.RetrieveMany(unique, namespace, segment is not None),
+        reply, data = self._call(Kind.RETRIEVE_MANY,
+                                 protocol.RetrieveMany(unique, namespace, segment is not None, self.frame_bytes),
                                  protocol.RetrieveManyReply, with_data=True)
-        inline = iter(data)
-        found = {key: self._received(item, next(inline, b"") if item.found and not item.lease_id else b"",
-                                     segment, zero_copy) for key, item in zip(unique, reply.items)}
+        found, at = {}, 0
+        for key, item in zip(unique, reply.items):
+            blob = b""
+            if item.found and not item.lease_id:   # its bytes: the next item.frames data frames
+                frames = data[at:at + item.frames]
+                blob = protocol.join_frames(frames) if frames else b""
+                at += item.frames
+            found[key] = self._received(item, blob, segment, zero_copy)
         seen: set[bytes] = set()
         answers = []
         for key in (bytes(k) for k in keys):
@@ -259,7 +271,8 @@ class CacheClient:
         wire = protocol.WireMeta.of(meta)
         segment = self._segment if self._writes_via_shm else None
         if segment is None:
-            reply = self._call(Kind.STORE_INLINE, protocol.StoreInline(key, wire), protocol.StoreReply, data=(blob,))
+            reply = self._call(Kind.STORE_INLINE, protocol.StoreInline(key, wire), protocol.StoreReply,
+                               data=self._store_frames(blob))
             return reply.stored or reply.reason == "exists", reply.reason   # already there counts as stored
         prepared = self._call(Kind.STORE_PREPARE, protocol.StorePrepare(key, len(blob), wire, self._digest(blob)),
                               protocol.PrepareReply)
@@ -272,6 +285,15 @@ class CacheClient:
             raise
         committed = self._call(Kind.STORE_COMMIT, protocol.StoreCommit(prepared.lease_id), protocol.StoreReply)
         return committed.stored, committed.reason
+
+    def _store_frames(self, blob) -> tuple:
+        """An inline store's data frames: cut like a retrieve's when the server takes several (its hello says
+        so), never more than a request may carry; whole for a server from before issue 47."""
+        hello = self._session.hello
+        if not (self.frame_bytes and hello is not None and hello.frame_bytes):
+            return (blob,)
+        most = protocol.MAX_REQUEST_FRAMES - 1   # the envelope is the first frame
+        return protocol.cut_frames(blob, max(self.frame_bytes, -(-len(blob) // most)))
 
     def _digest(self, blob) -> bytes:
         return object_checksum(blob) if self.checksum else b""

@@ -3,7 +3,9 @@
 Transport: ZMQ, one DEALER per client and one ROUTER in the server. A request is a multipart message
 `[envelope, *data]`, a reply `[reply, *data]`; both first frames are msgspec MessagePack. `data` is
 present only where bytes travel inline (a store or retrieve without shared memory); it is its own
-frame so neither side copies it into a msgpack buffer.
+frame so neither side copies it into a msgpack buffer. An object's inline bytes are cut into frames
+of at most INLINE_FRAME_BYTES where both sides know it (a retrieve's `frame_bytes`, a hello reply's
+`frame_bytes` for stores); a peer from before that sends and gets each object whole, in one frame.
 
 The envelope is decoded first (request id, instance id, kind) and the body by its kind afterwards,
 so a body that does not decode, or an unknown kind, still gets an error reply with the request's id.
@@ -27,6 +29,13 @@ PROTOCOL_VERSION = 1
 # The server drops the rest of a longer message as it reads it (a whole-message bound; ZMQ_MAXMSGSIZE
 # bounds each frame only).
 MAX_REQUEST_FRAMES = 16
+# Inline bytes travel in frames of at most this size (issue 47, Docs/Research.md §32). libzmq's CURVE
+# encodes and decodes every frame through fresh buffers of the frame's size: a 6 MB chunk sent whole
+# goes through main memory several times per side, 1 MiB pieces stay in the CPU's cache, and the
+# sender encrypts the next piece while the receiver decrypts the last. 0 on the wire: one frame per
+# object (clients and servers from before issue 47).
+INLINE_FRAME_BYTES = 1 << 20
+MIN_INLINE_FRAME_BYTES = 64 << 10   # smaller asks are refused: a reply of thousands of frames for nothing
 
 
 class Kind:
@@ -132,6 +141,7 @@ class HelloReply(msgspec.Struct):
     shm_nonce: bytes = b""             # proves the client mapped this server's segment (same host)
     page_bytes: int = 0
     modules: list[str] = []
+    frame_bytes: int = 0               # an inline store may cut its bytes into frames of this size (0: one frame)
 
 
 class PingReply(msgspec.Struct):
@@ -163,6 +173,7 @@ class Retrieve(msgspec.Struct):
     key: bytes
     namespace: str | None = None
     via_shm: bool = True
+    frame_bytes: int = 0               # inline bytes in frames of at most this size (0: the object in one frame)
 
 
 class RetrieveReply(msgspec.Struct):
@@ -174,6 +185,7 @@ class RetrieveReply(msgspec.Struct):
     pages: list[int] = []
     generation: int = 0                # the pages' generation; any other value after the copy: torn
     checksum: bytes = b""              # the writer's digest of the bytes, when it gave one
+    frames: int = 1                    # inline: the data frames holding the bytes, in order
 
 
 class RetrieveMany(msgspec.Struct):
@@ -182,6 +194,7 @@ class RetrieveMany(msgspec.Struct):
     keys: list[bytes]
     namespace: str | None = None
     via_shm: bool = True
+    frame_bytes: int = 0               # as Retrieve.frame_bytes
 
 
 class RetrieveManyReply(msgspec.Struct):
@@ -231,7 +244,7 @@ class CommitManyReply(msgspec.Struct):
 
 class StoreInline(msgspec.Struct):
     key: bytes
-    meta: WireMeta                     # the bytes are the next frame
+    meta: WireMeta                     # the bytes are the next frame(s), in order (several: HelloReply.frame_bytes)
 
 
 class StoreReply(msgspec.Struct):
@@ -368,6 +381,19 @@ def encode_reply(request_id: int, body: Any = None, *, error: str = "", code: st
 
 def decode_reply(frame: bytes | memoryview) -> Reply:
     return _reply_decoder.decode(frame)
+
+
+def cut_frames(blob, frame_bytes: int) -> tuple:
+    """`blob` as views of at most `frame_bytes` bytes each, in order (no copy); 0: the blob whole."""
+    if not frame_bytes or len(blob) <= frame_bytes:
+        return (blob,)
+    view = memoryview(blob).cast("B")
+    return tuple(view[start:start + frame_bytes] for start in range(0, len(view), frame_bytes))
+
+
+def join_frames(frames) -> Any:
+    """Inline bytes sent in several frames as one bytes object (one copy); a single frame as it came."""
+    return frames[0] if len(frames) == 1 else b"".join(frames)
 
 
 def decode_reply_body(reply: Reply, body_type: Any) -> Any:

@@ -419,5 +419,6 @@ class CacheServer:
             heartbeat_s=timeout / 4 if timeout else 0.0, lease_timeout_s=self.settings.cache_server_lease_timeout,
             shm_path=str(self.store.segment.path) if shm_ok else "",
             shm_nonce=self.store.segment.nonce if shm_ok else b"",
-            page_bytes=self.store.segment.page_bytes, modules=[m.module_name for m in self.modules.modules]))
+            page_bytes=self.store.segment.page_bytes, modules=[m.module_name for m in self.modules.modules],
+            frame_bytes=protocol.INLINE_FRAME_BYTES))
 

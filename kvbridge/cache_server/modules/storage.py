@@ -3,7 +3,7 @@
 Every request here runs on the calling client's affinity thread, in the order the client sent them
 (a release is not waited for, so the client's later requests must not overtake it).
 A same-host client gets read and write leases on shared-memory pages; any other client (or one
-that asked for inline bytes) gets and sends the bytes in a data frame. The module's background
+that asked for inline bytes) gets and sends the bytes in data frames (cut to the size it asked for). The module's background
 loop (once a second, and at once when a store meets pressure) revokes expired leases and evicts
 cold objects under SOFT pressure. It is a liveness target: a client the reaper drops has every
 lease released, so a killed engine cannot hold pages forever.
@@ -17,12 +17,21 @@ from kvbridge.cache_server.calls import Answer, Call, RequestFailed
 from kvbridge.cache_server.module import DiscoverableModule, ModuleBuildContext
 from kvbridge.cache_server.liveness import InstanceClock, writer_lock_held
 from kvbridge.cache_server.pool import LeaseNotOwned, StoreRefused, UnknownLease
-from kvbridge.cache_server.protocol import (Code, CommitManyReply, FlushReply, Kind, PrepareManyReply, PrepareReply,
-                                            RetrieveManyReply, RetrieveReply, StoreReply, WireMeta)
+from kvbridge.cache_server.protocol import (MIN_INLINE_FRAME_BYTES, Code, CommitManyReply, FlushReply, Kind,
+                                            PrepareManyReply, PrepareReply, RetrieveManyReply, RetrieveReply,
+                                            StoreReply, WireMeta, cut_frames, join_frames)
 
 log = logging.getLogger("kvbridge.cache_server")
 MAINTENANCE_INTERVAL_S = 1.0
 MAX_KEYS_PER_CALL = 4096   # keys (retrieve_many) or objects (store_prepare_many) one call may name
+
+
+def _frame_bytes(asked: int) -> int:
+    """The frame size a retrieve asked for, checked: 0 (each object in one frame) or at least MIN_INLINE_FRAME_BYTES."""
+    if asked == 0 or asked >= MIN_INLINE_FRAME_BYTES:
+        return asked
+    raise RequestFailed(Code.BAD_REQUEST, f"frame_bytes must be 0 (one frame per object) or at least "
+                                          f"{MIN_INLINE_FRAME_BYTES}, got {asked}")
 
 
 class StorageModule(DiscoverableModule):
@@ -62,7 +71,9 @@ class StorageModule(DiscoverableModule):
 
     # -- handlers --------------------------------------------------------------------------------
     def retrieve(self, call: Call) -> Answer:
-        reply, data = self._retrieve_one(call.body.key, call.body.namespace, call.body.via_shm, call.instance_id)
+        body = call.body
+        reply, data = self._retrieve_one(body.key, body.namespace, body.via_shm, call.instance_id,
+                                         frame_bytes=_frame_bytes(body.frame_bytes))
         return Answer(reply, data)
 
     def retrieve_many(self, call: Call) -> Answer:
@@ -77,11 +88,12 @@ class StorageModule(DiscoverableModule):
             raise RequestFailed(Code.BAD_REQUEST, f"retrieve_many names {len(body.keys) - len(set(body.keys))} "
                                                   "key(s) more than once; ask for each key once")
         limit = self.context.settings.cache_server_max_message_bytes
+        frame_bytes = _frame_bytes(body.frame_bytes)
         items, frames, leases, inline_bytes = [], [], [], 0
         try:
             for key in body.keys:
                 reply, data = self._retrieve_one(key, body.namespace, body.via_shm, call.instance_id,
-                                                 budget=limit - inline_bytes)
+                                                 budget=limit - inline_bytes, frame_bytes=frame_bytes)
                 items.append(reply)
                 frames += data
                 inline_bytes += sum(len(d) for d in data)
@@ -93,10 +105,11 @@ class StorageModule(DiscoverableModule):
             raise
         return Answer(RetrieveManyReply(items), tuple(frames))
 
-    def _retrieve_one(self, key: bytes, namespace, via_shm: bool, client_id: str,
-                      budget: int | None = None) -> tuple[RetrieveReply, tuple]:
-        """A lease on shared pages for a client that maps them, else the bytes as a data frame (refused,
-        TOO_LARGE, when they would pass `budget`: what is left of the reply's byte limit)."""
+    def _retrieve_one(self, key: bytes, namespace, via_shm: bool, client_id: str, budget: int | None = None,
+                      frame_bytes: int = 0) -> tuple[RetrieveReply, tuple]:
+        """A lease on shared pages for a client that maps them, else the bytes as data frames of at most
+        `frame_bytes` (0: one frame; refused, TOO_LARGE, when they would pass `budget`: what is left of
+        the reply's byte limit)."""
         found = self._bad_key_is_bad_request(lambda: self.store.retrieve(key, namespace, client_id))
         if found is None:
             return RetrieveReply(False), ()
@@ -118,7 +131,8 @@ class StorageModule(DiscoverableModule):
                 self.store.release([found.lease.lease_id], client_id)
         else:
             blob = found.blob
-        return RetrieveReply(True, found.tier, meta, found.size), (blob,)
+        frames = cut_frames(blob, frame_bytes)
+        return RetrieveReply(True, found.tier, meta, found.size, frames=len(frames)), frames
 
     def release(self, call: Call) -> Answer:
         self._lease_call(lambda: self.store.release(list(call.body.lease_ids), call.instance_id))
@@ -171,11 +185,12 @@ class StorageModule(DiscoverableModule):
         return Answer(CommitManyReply(results))
 
     def store_inline(self, call: Call) -> Answer:
-        if len(call.data) != 1:
-            raise RequestFailed(Code.BAD_REQUEST, "store_inline carries exactly one data frame")
+        if not call.data:
+            raise RequestFailed(Code.BAD_REQUEST, "store_inline carries the object's bytes in one or more data frames")
         meta = self._meta(call.body.meta)
+        blob = bytes(join_frames(call.data))
         stored, reason = self._bad_key_is_bad_request(lambda: self.store.store_inline(
-            call.body.key, bytes(call.data[0]), meta, call.instance_id, call.client.priority))
+            call.body.key, blob, meta, call.instance_id, call.client.priority))
         return Answer(StoreReply(stored, reason))
 
     def clear(self, call: Call) -> Answer:
