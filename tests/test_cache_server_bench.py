@@ -10,12 +10,14 @@ import subprocess
 import sys
 from contextlib import closing
 
+import numpy as np
 import pytest
 
 from conftest import needs_model
 from kvbridge.backends import make_backend
-from kvbridge.bench.cache_server_bench import (bench_inline_vs_socket, bench_restore_through_server,
+from kvbridge.bench.cache_server_bench import (SodiumBox, bench_inline_vs_socket, bench_restore_through_server,
                                                bench_store_both_ways, fresh_key, measure_idle_cpu, measure_server_memory)
+from kvbridge.cache_server import protocol
 from kvbridge.bench.common.private_server import bench_client, private_cache_server
 from kvbridge.cache_server.remote_store import RemoteStore
 from kvbridge.engine.cached_engine import CachedEngine
@@ -41,7 +43,7 @@ def test_store_memory_and_idle_figures_from_a_private_server(small_settings):
     for regime in ("first_touch", "pages_mapped"):
         s = store[regime]
         assert s["shared_memory"] and s["object_bytes"] == OBJECT
-        assert min(s["store_ms"], s["copy_ms"], s["ping_ms"], s["socket_round_trip_ms"], s["store_vs_copy"]) > 0
+        assert min(s["store_ms"], s["copy_ms"], s["fresh_copy_ms"], s["store_vs_fresh_copy"], s["ping_ms"], s["socket_round_trip_ms"], s["store_vs_copy"]) > 0
     assert memory["pool_bytes"] == 8 << 20 and 0.4 * memory["pool_bytes"] <= memory["filled_bytes"] <= 0.5 * memory["pool_bytes"]
     assert min(memory["rss"], memory["rss_shmem"], memory["non_pool_rss"], memory["threads"]) > 0
     assert memory["rss_minus_pool"] == memory["rss"] - memory["pool_bytes"]
@@ -58,7 +60,20 @@ def test_inline_bytes_against_a_plain_socket(small_settings):
             result = bench_inline_vs_socket(reader, keys, "bench", repeats=2)
             assert reader.counters["shm_retrieves"] == 0 and reader.counters["inline_retrieves"] > 0
     assert result["objects"] == 3 and result["bytes"] == 3 * OBJECT + 3
-    assert min(result["inline_ms"], result["socket_ms"], result["inline_vs_socket"]) > 0
+    assert min(result["inline_ms"], result["socket_ms"], result["inline_vs_socket"], result["whole_ms"],
+               result["many_ms"], result["many_vs_socket"]) > 0
+    assert result["frame_bytes"] == protocol.INLINE_FRAME_BYTES and reader.frame_bytes == protocol.INLINE_FRAME_BYTES
+    # pyzmq's wheel carries the libsodium its libzmq uses: the cipher row is measured, not left out
+    assert result["cipher_ms"] > 0 and result["cipher_vs_socket"] > 0
+
+
+def test_the_cipher_bench_seals_and_opens_with_libsodium():
+    box = SodiumBox.load()
+    assert box is not None
+    data = np.arange(3 * 70_000, dtype=np.uint64).view(np.uint8)[:200_003]
+    box.seal_and_open(data, 65_536)   # raises when what was sealed does not open
+    plain, sealed, opened = box._frame_buffers(200_003 - 3 * 65_536)
+    assert bytes(opened[SodiumBox.ZEROBYTES:]) == bytes(data[3 * 65_536:]) and bytes(sealed) != bytes(plain)
 
 
 @needs_model

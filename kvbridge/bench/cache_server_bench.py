@@ -6,9 +6,10 @@ those steps.** Every figure is a ratio measured side by side in one run, since t
 
 - bench_restore_through_server: a 2k-token restore through the server's shared memory against the
   same restore from the embedded store, interleaved per repeat (the `bench-restore` server row);
-- bench_inline_vs_socket: the same objects retrieved as inline bytes over loopback TCP against a
-  plain TCP socket sending the same bytes (`bench-restore`, for clients on another host);
-- bench_store_vs_copy: one store call against a plain memory copy of the object (`bench-cache-server`);
+- bench_inline_vs_socket: the same objects retrieved as inline bytes over loopback TCP (CURVE) against a
+  plain TCP socket sending the same bytes, whole and in frames, and the cipher alone on the same bytes
+  (`bench-restore`, for clients on another host);
+- bench_store_vs_copy: one store call against a plain copy of the object into warm memory (`bench-cache-server`);
 - measure_server_memory and measure_idle_cpu: the server's resident memory above its pool, and its
   CPU while idle with connected clients (`bench-cache-server`).
 
@@ -35,6 +36,7 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.settings import Settings
 
 MB = 1e6
+WARM_RING_BYTES = 256 << 20   # the warm-copy baseline's ring: larger than a CPU's last-level cache
 BENCH_NAMESPACE = "bench-cache-server"
 
 
@@ -147,8 +149,17 @@ class PlainSocketPeer:
 
 
 def bench_inline_vs_socket(client, keys: Sequence[bytes], namespace: str | None, repeats: int = 7) -> dict:
-    """All `keys` retrieved as inline bytes (client made with use_shm=False) against a plain TCP
-    transfer of the same sizes, alternated, medians. Both fetch object by object."""
+    """All `keys` retrieved as inline bytes over CURVE (client made with use_shm=False) against a plain TCP
+    transfer of the same sizes, side by side, alternated, medians (issue 47, Research §32):
+
+    - `whole`: object by object, each object in one frame (the wire before issue 47);
+    - `framed`: object by object, in frames of protocol.INLINE_FRAME_BYTES (the figure held to the target);
+    - `many`: one retrieve_many of them all, framed (the call a restore makes);
+    - `cipher`: the cipher alone, no socket: libsodium's XSalsa20-Poly1305 (what CURVE runs per frame)
+      encrypting and then decrypting the same bytes in frames of the same size, on one core.
+    """
+    from kvbridge.cache_server.protocol import INLINE_FRAME_BYTES
+
     sizes = []
     for key in keys:
         found = client.retrieve(key, namespace)
@@ -156,29 +167,100 @@ def bench_inline_vs_socket(client, keys: Sequence[bytes], namespace: str | None,
             raise KVBridgeError(f"object {key.hex()[:16]} did not come back inline from the cache server")
         sizes.append(len(found.blob))
     peer = PlainSocketPeer(max(sizes))
+    cipher = SodiumBox.load()
+    framed = client.frame_bytes or INLINE_FRAME_BYTES
 
-    def inline(_: int) -> None:
-        for key in keys:
-            if client.retrieve(key, namespace) is None:
-                raise KVBridgeError(f"object {key.hex()[:16]} vanished from the cache server during the bench")
+    def one_by_one(frame_bytes: int):
+        def run(_: int) -> None:
+            client.frame_bytes = frame_bytes
+            for key in keys:
+                if client.retrieve(key, namespace) is None:
+                    raise KVBridgeError(f"object {key.hex()[:16]} vanished from the cache server during the bench")
+        return run
 
+    def many(_: int) -> None:
+        client.frame_bytes = framed
+        if any(found is None for found in client.retrieve_many(list(keys), namespace)):
+            raise KVBridgeError("an object vanished from the cache server during the bench")
+
+    actions = {"plain_socket": lambda _: [peer.fetch(size) for size in sizes],
+               "whole": one_by_one(0), "framed": one_by_one(framed), "many": many}
+    if cipher is not None:
+        payload = np.random.default_rng(5).integers(0, 256, size=max(sizes), dtype=np.uint8)
+        actions["cipher"] = lambda _: [cipher.seal_and_open(payload[:size], framed) for size in sizes]
     try:
-        ms = _paired_median_ms({"plain_socket": lambda _: [peer.fetch(size) for size in sizes],
-                                "inline_tcp": inline}, repeats)
+        ms = _paired_median_ms(actions, repeats)
     finally:
         peer.close()
-    return {"objects": len(keys), "bytes": sum(sizes), "inline_ms": ms["inline_tcp"], "socket_ms": ms["plain_socket"],
-            "inline_vs_socket": ms["inline_tcp"] / ms["plain_socket"]}
+        client.frame_bytes = framed
+    socket_ms = ms["plain_socket"]
+    return {"objects": len(keys), "bytes": sum(sizes), "frame_bytes": framed, "socket_ms": socket_ms,
+            "inline_ms": ms["framed"], "inline_vs_socket": ms["framed"] / socket_ms,
+            "whole_ms": ms["whole"], "whole_vs_socket": ms["whole"] / socket_ms,
+            "many_ms": ms["many"], "many_vs_socket": ms["many"] / socket_ms,
+            "cipher_ms": ms.get("cipher"), "cipher_vs_socket": ms["cipher"] / socket_ms if "cipher" in ms else None}
+
+
+class SodiumBox:
+    """libsodium's crypto_secretbox (XSalsa20-Poly1305: the cipher CurveZMQ applies to every message once
+    the handshake's Curve25519 key is agreed), called through ctypes on the very libsodium pyzmq's libzmq
+    loads; None from load() where none is found (the bench then leaves the row out)."""
+
+    ZEROBYTES = 32   # the NaCl API's zero padding in front of a message (crypto_secretbox_ZEROBYTES)
+
+    def __init__(self, lib) -> None:
+        import ctypes
+
+        self._lib = lib
+        for fn in (lib.crypto_secretbox, lib.crypto_secretbox_open):
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_void_p]
+        self._key = bytes(range(32))
+        self._nonce = bytes(24)
+        self._buffers: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    @classmethod
+    def load(cls) -> "SodiumBox | None":
+        import ctypes
+        import ctypes.util
+
+        import zmq
+
+        bundled = sorted((Path(zmq.__file__).parent.parent / "pyzmq.libs").glob("libsodium*.so*"))
+        name = str(bundled[0]) if bundled else ctypes.util.find_library("sodium")
+        if not name:
+            return None
+        lib = ctypes.CDLL(name)
+        return cls(lib) if lib.sodium_init() >= 0 else None
+
+    def seal_and_open(self, data: np.ndarray, frame_bytes: int) -> None:
+        """Encrypt `data` frame by frame, then decrypt it (as a sender's and a receiver's IO threads would)."""
+        for start in range(0, len(data), frame_bytes):
+            piece = data[start:start + frame_bytes]
+            plain, box, back = self._frame_buffers(len(piece))
+            plain[self.ZEROBYTES:] = piece
+            n = len(piece) + self.ZEROBYTES
+            self._lib.crypto_secretbox(box.ctypes.data, plain.ctypes.data, n, self._nonce, self._key)
+            if self._lib.crypto_secretbox_open(back.ctypes.data, box.ctypes.data, n, self._nonce, self._key) != 0:
+                raise KVBridgeError("libsodium failed to open what it sealed (the cipher bench is broken)")
+
+    def _frame_buffers(self, size: int):
+        if size not in self._buffers:   # warm buffers: the figure is the cipher, not page faults
+            self._buffers[size] = tuple(np.zeros(size + self.ZEROBYTES, dtype=np.uint8) for _ in range(3))
+        return self._buffers[size]
 
 
 # -- a store call ----------------------------------------------------------------------------------
 def bench_store_vs_copy(client, object_bytes: int, repeats: int = 15) -> dict:
-    """One CacheClient.store of a chunk-sized object against a numpy copy of the same bytes.
+    """One CacheClient.store of a chunk-sized object against one plain copy of the same bytes into warm memory.
 
-    A single object's store: prepare (a round trip), copy into shared memory, commit (sent, not
-    waited for); the disk write is the server's background job. A ping, and a plain TCP round trip
-    for scale, are timed beside them, since one round trip is the floor a store cannot go below.
-    Alternated, medians; every store gets a fresh key (a repeated key answers "exists", cheaper).
+    A single object's store: prepare (a round trip), copy into shared memory, commit (a round trip, waited
+    for: the server holds the object when store returns); the disk write is the server's background job.
+    The baseline (issue 47) copies into memory touched before, as the pool's pages are (MAP_POPULATE), and
+    goes round a ring of such buffers larger than the CPU's caches, as stores go round the pool, so neither
+    side is a copy between two cache-resident buffers; a copy into fresh memory (page faults included, the
+    baseline before issue 47) is timed beside it. A ping, and a plain TCP round trip, are timed beside them
+    too: the store pays two round trips. Alternated, medians; every store gets a fresh key (a repeated key
+    answers "exists", cheaper).
     """
     from kvbridge.store import ObjectMeta
 
@@ -186,24 +268,29 @@ def bench_store_vs_copy(client, object_bytes: int, repeats: int = 15) -> dict:
     blob = source.tobytes()
     meta = ObjectMeta(namespace=BENCH_NAMESPACE, n_tokens=256, tokens_digest=bytes(16), note="bench")
     refusals: list[str] = []
+    ring = [np.ones(object_bytes, dtype=np.uint8) for _ in range(max(4, WARM_RING_BYTES // max(object_bytes, 1)))]
 
     def store(_: int) -> None:
         stored, reason = client.store(fresh_key(), blob, meta)
         if not stored:
             refusals.append(reason)
 
+    def warm_copy(i: int) -> None:
+        np.copyto(ring[i % len(ring)], source)
+
     peer = PlainSocketPeer(8)
     try:
-        ms = _paired_median_ms({"memory_copy": lambda _: source.copy(), "server_store": store,
+        ms = _paired_median_ms({"warm_copy": warm_copy, "server_store": store, "fresh_copy": lambda _: source.copy(),
                                 "ping": lambda _: client.ping(), "socket_round_trip": lambda _: peer.fetch(8)}, repeats)
     finally:
         peer.close()
     if refusals:
         raise KVBridgeError(f"the cache server refused {len(refusals)} bench store(s) ({', '.join(set(refusals))}): "
                             "raise KVB_L1_BYTES or lower --object-mb/--repeats")
-    return {"object_bytes": object_bytes, "store_ms": ms["server_store"], "copy_ms": ms["memory_copy"],
-            "ping_ms": ms["ping"], "socket_round_trip_ms": ms["socket_round_trip"], "store_vs_copy": ms["server_store"] / ms["memory_copy"],
-            "shared_memory": client.shared_memory}
+    return {"object_bytes": object_bytes, "store_ms": ms["server_store"], "copy_ms": ms["warm_copy"],
+            "fresh_copy_ms": ms["fresh_copy"], "ping_ms": ms["ping"], "socket_round_trip_ms": ms["socket_round_trip"],
+            "store_vs_copy": ms["server_store"] / ms["warm_copy"],
+            "store_vs_fresh_copy": ms["server_store"] / ms["fresh_copy"], "shared_memory": client.shared_memory}
 
 
 def bench_prompt_store_vs_copy(client, object_bytes: int, n_objects: int = 8, repeats: int = 7) -> dict:
@@ -341,7 +428,8 @@ def format_bench_cache_server(result: dict) -> str:
         s = store[regime]
         path = "shared memory" if s["shared_memory"] else "inline bytes"
         lines.append(f"store of a {s['object_bytes'] / MB:.1f} MB object ({path}) {what}: {s['store_ms']:.2f} ms, "
-                     f"plain memory copy {s['copy_ms']:.2f} ms, ratio {s['store_vs_copy']:.2f}x (target <= 3x); "
+                     f"one copy into warm memory {s['copy_ms']:.2f} ms, ratio {s['store_vs_copy']:.2f}x (target <= 3x); "
+                     f"a copy into fresh memory {s['fresh_copy_ms']:.2f} ms ({s['store_vs_fresh_copy']:.2f}x); "
                      f"one round trip (ping) {s['ping_ms']:.2f} ms, a plain TCP round trip "
                      f"{s['socket_round_trip_ms']:.3f} ms; medians, alternated")
     prompt = store.get("prompt")
