@@ -5,6 +5,12 @@ KV leaves and re-enters through the sequence-level state API (`llama_state_seq_g
 the whole context and its logits. After a restore, llama-cpp-python's own token bookkeeping
 (`input_ids`, `n_tokens`) is set to the restored tokens, so its prefix matching evaluates only the
 suffix.
+
+A recurrent or hybrid model is prefilled chunk by chunk (KVB_CHUNK_SIZE tokens a step, each step in pieces of
+BATCH_TOKENS as llama.cpp splits any batch) in every mode, cold included: a chunk's end is then a place where
+every run's batch ends, so the recurrent state captured there (lmcache mode) and a restore that ends there leave
+the engine the rest of the prompt to compute in the very steps of a cold run, the last token among them
+(Docs/Research.md §30). Its state cannot be cut back by position, which is why the cut is a chunk's end.
 """
 from __future__ import annotations
 
@@ -43,6 +49,10 @@ class LlamaCppBackend(Backend):
         self.model_path: Path | None = None
         self._template: ChatTemplate | None = None
         self._boundaries: dict[int, bytes] = {}   # recurrent state after the last prompt's first n tokens, by n
+        self._prefill_step = 0   # a recurrent or hybrid model: prompts are prefilled this many tokens a step
+        # an oracle's switch: keep the logits of each prompt's last position (prompt_logits), a vocabulary's floats
+        self.keep_prompt_logits = False
+        self.prompt_logits = None
 
     # lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -72,6 +82,8 @@ class LlamaCppBackend(Backend):
         print(f"model {path.name} loaded in {time.perf_counter() - load_started:.1f} s", file=sys.stderr, flush=True)
         self.model_path = path
         self._template = None
+        traits = self.model_traits()
+        self._prefill_step = self.settings.chunk_size if (traits.recurrent or traits.hybrid) else 0
         self._time_evals(self.llm)
 
     def _time_evals(self, llm) -> None:
@@ -130,7 +142,8 @@ class LlamaCppBackend(Backend):
         if not use_native_cache:
             self.reset_native_cache()
         self._boundaries.clear()
-        stepped = self.boundary_step > 0
+        self.prompt_logits = None
+        stepped = self._prefill_step > 0
         cached = self._extendable_prefix(tokens) if stepped else self._reusable_prefix(tokens)
         report.engine_cached_tokens = cached
         report.engine_prefill_tokens = len(tokens) - cached
@@ -143,11 +156,13 @@ class LlamaCppBackend(Backend):
         if stepped:
             # the whole prompt is evaluated here, in steps that end where chunks end; Llama.generate then finds
             # it cached and samples at once (it could not cut a recurrent state back to re-evaluate a token)
-            self._prefill_by_boundaries(tokens, cached)
+            self._prefill_by_chunks(tokens, cached)
         for token in llm.generate(tokens, temp=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                                   min_p=sampling.min_p, repeat_penalty=sampling.repeat_penalty, reset=True):
             if report.prefill_ms is None:
                 report.prefill_ms = self._eval_ms
+                if self.keep_prompt_logits:   # the first token is sampled, not yet evaluated: these are the prompt's
+                    self.prompt_logits = self._last_logits()
             if llama_cpp.llama_vocab_is_eog(vocab, token):
                 break
             produced += 1
@@ -182,15 +197,17 @@ class LlamaCppBackend(Backend):
         self.reset_native_cache()
         return 0
 
-    def _prefill_by_boundaries(self, tokens: list[int], start: int) -> None:
-        """Evaluate tokens[start:] in steps ending at each multiple of boundary_step and one token before the
-        end, keeping the recurrent state (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) after each (boundary_state)."""
+    def _prefill_by_chunks(self, tokens: list[int], start: int) -> None:
+        """Evaluate tokens[start:] in steps ending at each multiple of the chunk size and at the prompt's end, as
+        every run of this model does (cold included); in lmcache mode (boundary_step) the recurrent state is kept
+        (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) after each step that ends on a chunk's end (boundary_state)."""
         import llama_cpp
 
-        llm, step, n = self._llm, self.boundary_step, len(tokens)
-        ends = sorted({*range((start // step + 1) * step, n, step), n - 1, n} - set(range(start + 1)))
+        llm, step, n = self._llm, self._prefill_step, len(tokens)
+        ends = [*range((start // step + 1) * step, n, step), n]
         ctx = llm._ctx.ctx
         flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        keep = self.boundary_step > 0
 
         def capture(at: int) -> None:
             started = time.perf_counter()
@@ -200,14 +217,23 @@ class LlamaCppBackend(Backend):
                 self._boundaries[at] = bytes(buf)
             self._eval_ms += (time.perf_counter() - started) * 1000   # the capture is part of the prefill
 
-        if start:
+        if keep and start:
             capture(start)   # where a restore ended: its objects are stored again as they were
         at = start
         for end in ends:
             llm.eval(tokens[at:end])
             at = end
-            if end < n:
+            if keep and end % step == 0:
                 capture(end)
+
+    def _last_logits(self):
+        """A copy of the logits of the last position llama.cpp computed (the oracle compares them bit for bit)."""
+        import llama_cpp
+        import numpy as np
+
+        llm = self._llm
+        pointer = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+        return np.ctypeslib.as_array(pointer, shape=(llm.n_vocab(),)).copy()
 
     def boundary_state(self, n_tokens: int) -> bytes | None:
         return self._boundaries.get(n_tokens)
@@ -223,7 +249,11 @@ class LlamaCppBackend(Backend):
 
     # full KV access ------------------------------------------------------------------------
     def kv_fingerprint(self) -> dict[str, str]:
-        return llama_cpp_fingerprint(self.settings, self.model_traits())
+        fingerprint = llama_cpp_fingerprint(self.settings, self.model_traits())
+        if self._prefill_step:
+            # a recurrent model's stored bytes follow the steps its prefill took: never mixed with others' steps
+            fingerprint["recurrent_prefill"] = f"by chunk of {self._prefill_step}"
+        return fingerprint
 
     def model_file(self) -> Path | None:
         return self.model_path

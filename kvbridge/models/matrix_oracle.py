@@ -76,6 +76,15 @@ def one_line(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def top_margin(logits) -> float:
+    """The top-1 minus the top-2 logit: how far a greedy choice is from a tie (random weights make it thin, so
+    a restore is judged by its logits bit for bit, and this says how much room the text's equality had)."""
+    import numpy as np
+
+    top2 = np.partition(np.asarray(logits, dtype=np.float64), -2)[-2:]
+    return float(top2[1] - top2[0])
+
+
 def first_difference(a: str, b: str) -> int:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
