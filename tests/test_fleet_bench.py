@@ -123,3 +123,30 @@ def test_a_quick_run_answers_as_cold_and_writes_its_figures(tmp_path, monkeypatc
                                      "round_robin_hit_rate", "pd_ttft_vs_colocated"}
     assert result["ratios"]["kv_aware_hit_vs_single"]["shared"] is not None
     assert descendants(os.getpid()) == []
+
+
+def test_exact_runs_each_fleet_beside_its_mode_off_twin(tmp_path):
+    """--exact (issue 47): the fleets run at the defaults that decide an answer, in exact mode, and each policy's
+    fleet again with the mode off on its default kernels (flash attention on); the ratio of the two is one of the
+    run's figures, and only the exact fleet's answers must equal cold (the mode off makes no such promise)."""
+    from kvbridge.bench.fleet_bench import OFF_SUFFIX, FleetRun, Sizing, failed, fleet_settings, ratios
+    from kvbridge.settings import Settings
+
+    size, base = Sizing(600, 2048, 1 << 20, 1024, 1), Settings()
+    answers = lambda s: (s.cache_type_k, s.cache_type_v, s.sched_max_running, s.sched_exact, s.flash_attn)  # noqa: E731
+    assert answers(fleet_settings(base, size, tmp_path)) == ("f32", "f32", 1, False, False)
+    assert answers(fleet_settings(base, size, tmp_path, exact=True)) == ("f16", "f16", base.sched_max_running,
+                                                                          True, False)
+    assert answers(fleet_settings(base, size, tmp_path, exact=False)) == ("f16", "f16", base.sched_max_running,
+                                                                           False, True)
+    name = "kv_aware/shared"
+    figure = dict.fromkeys(("hit_rate", "mean_ttft_ms", "median_ttft_ms", "median_time_per_output_token_ms"), 1.0)
+    figures = {name: {**figure, "completion_tokens_per_s": 8.0, "answers_differ": []},
+               name + OFF_SUFFIX: {**figure, "completion_tokens_per_s": 10.0, "answers_differ": ["d0 q1"]}}
+    assert ratios(figures)["exact_vs_off_tokens_per_s"] == {name: 0.8}
+    runs = {name: FleetRun(name, "kv_aware", 3, True, exact=True),
+            name + OFF_SUFFIX: FleetRun(name + OFF_SUFFIX, "kv_aware", 3, True, exact=False)}
+    assert failed({"cold": {}, "runs": runs, "figures": figures}) == []
+    figures[name]["answers_differ"] = ["d1 q2"]
+    assert failed({"cold": {}, "runs": runs, "figures": figures}) == [f"{name}, d1 q2: the answer differs from its "
+                                                                      "cold run"]

@@ -23,6 +23,12 @@ the PD pair below, which alternate requests). Every fleet gets the caller's sett
   the fleet's own cache server, its pool the workers' L1 together (workers x one worker's); off: each
   worker its own embedded L1. The single instance: SINGLE_SCALE x one worker's cells and L1.
 - no API key, loopback only.
+- `--exact` (issue 47): instead of f32 and one running sequence, the defaults that decide an answer: the caller's
+  K/V types (f16 by default) and KVB_SCHED_MAX_RUNNING sequences at once, in exact mode (KVB_SCHED_EXACT, flash
+  attention off). The single instance (the cold oracle) runs so too, and every policy's fleet runs twice: in
+  exact mode (its usual name) and then with the mode off on its default kernels, flash attention on (the name
+  plus OFF_SUFFIX), so `ratios["exact_vs_off_tokens_per_s"]` compares the two side by side in one run. The
+  mode off's answers are counted against the cold ones but fail nothing: it makes no such promise.
 
 Runs, in this order:
 1. **single**: one instance with all the memory (`Fleet(workers=1)`, 3x a worker's cells and cached
@@ -71,6 +77,7 @@ WORKER_DOCUMENTS = 2.5         # a worker's cells and L1: ~2 prompts, and room f
 SINGLE_SCALE = 3               # "one instance with all the memory": this many workers' cells
 CLIENT_THREADS = 3
 PD_QUESTIONS = 3               # new questions on the warm document, per PD fleet
+OFF_SUFFIX = " (mode off)"     # --exact: the mode-off twin of a policy's fleet
 TEMPLATE_TOKENS = 24           # the chat template's own tokens around the two messages (SmolLM2: ~15)
 
 
@@ -99,6 +106,7 @@ class FleetRun:
     start_s: float = 0.0             # Fleet.start() until the router answers
     instances: list[str] = field(default_factory=list)
     error: str = ""                  # the fleet did not start or broke; its figures are missing
+    exact: bool | None = None        # --exact: the fleet in exact mode (True) or its mode-off twin (False)
 
 
 def run_name(policy: str, shared: bool) -> str:
@@ -139,14 +147,19 @@ def kv_bytes_per_token(metadata: dict) -> int:
     return int(metadata[f"{arch}.block_count"]) * heads_kv * head_dim * 2 * 4
 
 
-def fleet_settings(settings: Settings, size: Sizing, folder: Path, *, scale: int = 1, pool: bool = False) -> Settings:
+def fleet_settings(settings: Settings, size: Sizing, folder: Path, *, scale: int = 1, pool: bool = False,
+                   exact: bool | None = None) -> Settings:
     """A fleet's settings: `scale` x one worker's cells and L1 (the single instance, a shared pool). pool: L1 is
     a cache server's pool, which evicts down to KVB_CACHE_SERVER_TARGET_FREE free once below SOFT_FREE: it is
-    given that much more, so that it holds what the workers' L1s hold together."""
+    given that much more, so that it holds what the workers' L1s hold together. exact (--exact): None, f32 K/V and
+    one running sequence with the mode off; True, the caller's K/V and running sequences in exact mode; False, the
+    same with the mode off and flash attention on."""
     l1 = size.worker_l1_bytes * scale / ((1 - settings.cache_server_soft_free) if pool else 1)
+    answers = (dict(sched_max_running=1, cache_type_k="f32", cache_type_v="f32", flash_attn=False, sched_exact=False)
+               if exact is None else dict(flash_attn=not exact, sched_exact=exact))
     return settings.replace(
-        ctx_size=size.ctx_size, sched_kv_cells=size.worker_cells * scale, l1_bytes=int(l1),
-        sched_max_running=1, sched_cached_prefixes=0, cache_type_k="f32", cache_type_v="f32", flash_attn=False,
+        ctx_size=size.ctx_size, sched_kv_cells=size.worker_cells * scale, l1_bytes=int(l1), **answers,
+        sched_cached_prefixes=0,
         threads=size.threads, serve_engine="scheduler", serve_host="127.0.0.1", serve_api_key_env="",
         serve_api_key_file="",
         serve_admin_key_env="", serve_tenants_file="", l2_dir=str(folder / "l2"), l2_enabled=False, l3_url="",
@@ -224,7 +237,7 @@ def _guarded(run: FleetRun, body: Callable[[], None], progress: Callable[[str], 
 def run_bench_fleet(settings: Settings, *, documents_count: int = 6, questions_per_document: int = 4,
                     max_tokens: int = 12, policies: tuple[str, ...] = POLICIES, workers: int = 3, think_s: float = 0.0,
                     shared_modes: tuple[bool, ...] = (False, True), pd: bool = True, quick: bool = False,
-                    progress: Callable[[str], None] = lambda line: None) -> dict:
+                    exact: bool = False, progress: Callable[[str], None] = lambda line: None) -> dict:
     """Every fleet in turn; the whole result as plain data (kvbridge.bench.fleet_report prints it)."""
     require_openai_sdk()
     from kvbridge.fleet.router import router_binary
@@ -246,8 +259,8 @@ def run_bench_fleet(settings: Settings, *, documents_count: int = 6, questions_p
 
         def single_body() -> None:
             progress(f"single instance ({single.cells} cells): starting")
-            with started(single, fleet_settings(settings, size, folder("single"), scale=SINGLE_SCALE),
-                         policy="round_robin") as fleet:
+            with started(single, fleet_settings(settings, size, folder("single"), scale=SINGLE_SCALE,
+                                                exact=True if exact else None), policy="round_robin") as fleet:
                 progress(f"single: {len(cold_keys)} cold runs, one at a time, each under a fresh cache_salt")
                 cold.update(cold_runs(fleet.url, model, docs, cold_keys, max_tokens))
                 progress(f"single: the workload, {len(order)} questions, {CLIENT_THREADS} client threads")
@@ -255,25 +268,25 @@ def run_bench_fleet(settings: Settings, *, documents_count: int = 6, questions_p
 
         _guarded(single, single_body, progress)
         for policy in policies:
-            for shared in shared_modes:
-                run = runs[run_name(policy, shared)] = FleetRun(run_name(policy, shared), policy, workers, shared,
-                                                                cells=size.worker_cells)
+            for shared, mode in ((s, m) for s in shared_modes for m in ((True, False) if exact else (None,))):
+                name = run_name(policy, shared) + (OFF_SUFFIX if mode is False else "")
+                run = runs[name] = FleetRun(name, policy, workers, shared, cells=size.worker_cells, exact=mode)
 
-                def body(run=run, policy=policy, shared=shared) -> None:
+                def body(run=run, policy=policy, shared=shared, mode=mode) -> None:
                     progress(f"{run.name}: starting {workers} workers ({run.cells} cells each)")
                     pooled = fleet_settings(settings, size, folder(run.name), scale=workers if shared else 1,
-                                            pool=shared)
+                                            pool=shared, exact=mode)
                     with started(run, pooled, policy=policy) as fleet:
                         progress(f"{run.name}: the workload, {len(order)} questions")
                         run.answers, run.wall_s = workload(fleet.url, model, docs, order, max_tokens, think_s)
 
                 _guarded(run, body, progress)
         if pd:
-            pd_pair(settings, size, folder, docs, pd_keys, max_tokens, model, runs, progress)
-    result = {"command": "bench-fleet", "quick": quick, "documents": documents_count,
+            pd_pair(settings, size, folder, docs, pd_keys, max_tokens, model, runs, progress, exact or None)
+    result = {"command": "bench-fleet", "quick": quick, "exact": exact, "documents": documents_count,
               "questions_per_document": questions_per_document, "max_tokens": max_tokens,
               "policies": list(policies), "shared_modes": list(shared_modes), "seed": SEED, "think_s": think_s,
-              "setup": setup(settings, size, docs, workers, think_s), "order": [q.key for q in order],
+              "setup": setup(settings, size, docs, workers, think_s, exact), "order": [q.key for q in order],
               "cold": cold, "runs": runs}
     result["figures"] = {name: figures(run, cold) for name, run in runs.items()}
     result["ratios"] = ratios(result["figures"])
@@ -281,16 +294,16 @@ def run_bench_fleet(settings: Settings, *, documents_count: int = 6, questions_p
 
 
 def pd_pair(settings: Settings, size: Sizing, folder: Callable[[str], Path], docs: list[Document],
-            pd_keys: list[Question], max_tokens: int, model: str, runs: dict, progress) -> None:
+            pd_keys: list[Question], max_tokens: int, model: str, runs: dict, progress, exact: bool | None = None) -> None:
     """PD (1 prefill + 1 decode) and one colocated instance, both up, alternating new questions on a warm prefix."""
     pd_run = runs["pd"] = FleetRun("pd", "round_robin", 2, True, pd=True, cells=size.worker_cells)
     colocated = runs["colocated"] = FleetRun("colocated", "round_robin", 1, True, cells=size.worker_cells)
 
     def body() -> None:
         progress("PD: starting a prefill/decode pair and one colocated instance")
-        with started(colocated, fleet_settings(settings, size, folder("colocated")),
+        with started(colocated, fleet_settings(settings, size, folder("colocated"), exact=exact),
                      policy="round_robin") as colo_fleet, \
-                started(pd_run, fleet_settings(settings, size, folder("pd"), scale=2),
+                started(pd_run, fleet_settings(settings, size, folder("pd"), scale=2, exact=exact),
                         policy="round_robin") as pd_fleet:
             clients = [(colocated, client(colo_fleet.url)), (pd_run, client(pd_fleet.url))]
             for run, sdk in clients:
@@ -307,7 +320,8 @@ def pd_pair(settings: Settings, size: Sizing, folder: Callable[[str], Path], doc
         colocated.error = "the PD pair's run failed (see pd)"
 
 
-def setup(settings: Settings, size: Sizing, docs: list[Document], workers: int, think_s: float) -> dict:
+def setup(settings: Settings, size: Sizing, docs: list[Document], workers: int, think_s: float,
+          exact: bool = False) -> dict:
     import openai
 
     return {"model": settings.resolved_model_path().name, "chunk_size": settings.chunk_size,
@@ -316,7 +330,10 @@ def setup(settings: Settings, size: Sizing, docs: list[Document], workers: int, 
             "worker_l1_bytes": size.worker_l1_bytes, "single_l1_bytes": size.worker_l1_bytes * SINGLE_SCALE,
             "shared_pool_bytes": int(size.worker_l1_bytes * workers / (1 - settings.cache_server_soft_free)),
             "longest_prompt_tokens": size.prompt_tokens, "think_s": think_s,
-            "kv_type": "f32", "max_running_per_worker": 1, "cached_prefixes": 0, "l2": False,
+            "kv_type": f"{settings.cache_type_k}/{settings.cache_type_v}" if exact else "f32",
+            "max_running_per_worker": settings.sched_max_running if exact else 1, "cached_prefixes": 0, "l2": False,
+            "exact": "exact mode; each policy's fleet again with the mode off, flash attention on" if exact
+                     else "mode off, f32 K/V, one running sequence",
             "document_titles": [d.title for d in docs], "document_chars": [len(d.text) for d in docs],
             "client_threads": CLIENT_THREADS, "openai_sdk": openai.__version__,
             "cold_runs": "the single instance (Fleet(workers=1)), through its router, one at a time, "
@@ -369,6 +386,10 @@ def ratios(fig: dict) -> dict:
         "pd_ttft_vs_colocated": _divide(get("pd", "median_ttft_ms"), get("colocated", "median_ttft_ms")),
         "pd_time_per_output_token_vs_colocated": _divide(get("pd", "median_time_per_output_token_ms"),
                                                          get("colocated", "median_time_per_output_token_ms")),
+        # --exact: each policy's exact fleet against its mode-off twin (flash attention on), side by side
+        "exact_vs_off_tokens_per_s": {name: _divide(fig[name]["completion_tokens_per_s"],
+                                                    fig[name + OFF_SUFFIX]["completion_tokens_per_s"])
+                                      for name in fig if name + OFF_SUFFIX in fig},
     }
 
 
@@ -379,7 +400,8 @@ def failed(result: dict) -> list[str]:
         if run.error:
             problems.append(f"{name}: {run.error}")
         problems += [f"{name}, {a.key}: {a.error}" for a in run.answers + [run.warmup] if a is not None and a.error]
-        problems += [f"{name}, {key}: the answer differs from its cold run"
-                     for key in result["figures"][name]["answers_differ"]]
+        if run.exact is not False:   # the mode off (--exact's twin) promises no answer equal to cold
+            problems += [f"{name}, {key}: the answer differs from its cold run"
+                         for key in result["figures"][name]["answers_differ"]]
     return problems
 

@@ -27,7 +27,8 @@ def _label(result: dict, name: str) -> str:
         return "PD: 1 prefill + 1 decode"
     if name == "colocated":
         return "colocated: 1 instance"
-    return f"{run.policy}, shared cache {'on' if run.shared_cache else 'off'}"
+    mode = {True: ", exact", False: ", mode off (flash attention on)", None: ""}[getattr(run, "exact", None)]
+    return f"{run.policy}, shared cache {'on' if run.shared_cache else 'off'}{mode}"
 
 
 def _answered_by(fig: dict) -> str:
@@ -68,6 +69,10 @@ def target_lines(result: dict) -> list[str]:
         f"{_f(rr_hit['no-shared'], '.1%')} without; mean TTFT with / without "
         f"{_f(r['round_robin_ttft_shared_vs_no_shared'], '.2f', 'x')}",
     ]
+    for name, ratio in r.get("exact_vs_off_tokens_per_s", {}).items():
+        lines.append(f"{name}: tokens/s in exact mode / the mode off (flash attention on): {_f(ratio, '.2f', 'x')} "
+                     f"(target >= 0.8x); answers equal to cold {_equal(fig[name])} exact, "
+                     f"{_equal(fig[name + ' (mode off)'])} mode off")
     if "pd" in fig:
         lines.append(
             f"PD on a warm prefix, median TTFT / colocated: {_f(r['pd_ttft_vs_colocated'], '.2f', 'x')} "
@@ -89,7 +94,7 @@ def _header(result: dict) -> list[str]:
         f"  {s['model']}, chunk {s['chunk_size']}, prompts up to ~{s['longest_prompt_tokens']} tokens; a worker: "
         f"{s['worker_kv_cells']} KV cells and {_mib(s['worker_l1_bytes'])} L1 (~2 documents each), context "
         f"{s['ctx_size']}, {s['threads_per_worker']} thread(s), {s['kv_type']} K/V, "
-        f"{s['max_running_per_worker']} running, no resident cached prefixes, no L2",
+        f"{s['max_running_per_worker']} running, no resident cached prefixes, no L2; {s.get('exact', 'mode off')}",
         f"  the single instance: {s['single_kv_cells']} cells, {_mib(s['single_l1_bytes'])} L1; the shared cache "
         f"server's pool: {_mib(s['shared_pool_bytes'])} (the workers' L1 together)",
         f"  hit rate = sum(cached_tokens) / sum(prompt_tokens); TTFT: the client's, to the first content chunk; "

@@ -29,6 +29,9 @@ def add_arguments(p) -> None:
                    help="seconds a user reads an answer before asking the next question (default 2)")
     p.add_argument("--no-pd", dest="no_pd", action="store_true",
                    help="leave out the prefill/decode pair against one colocated instance")
+    p.add_argument("--exact", action="store_true",
+                   help="the answers' defaults: f16 K/V, KVB_SCHED_MAX_RUNNING sequences at once, exact mode; each "
+                        "policy's fleet runs again with the mode off (flash attention on), side by side")
     p.add_argument("--quick", action="store_true",
                    help="a small run: kv_aware with the shared cache server only, 2 workers, 2 shorter documents "
                         "x 2 questions, max_tokens 8, no PD (options given still apply)")
@@ -50,7 +53,7 @@ def options(args) -> dict:
     return {"documents_count": value["documents"], "questions_per_document": value["questions_per_document"],
             "max_tokens": value["max_tokens"], "policies": policies, "workers": value["workers"],
             "pd": not (args.no_pd or args.quick), "quick": args.quick, "think_s": max(0.0, args.think_s),
-            "shared_modes": (True,) if args.quick else (False, True)}
+            "shared_modes": (True,) if args.quick else (False, True), "exact": args.exact}
 
 
 def run(args) -> int:
