@@ -27,8 +27,9 @@ def bench_swap_vs_recompute(settings: Settings, prompt_tokens: int = 2048, repea
     from kvbridge.scheduler import Scheduler
     from kvbridge.backends.llama_context import BATCH_TOKENS
 
+    # the mode off: a preemption swaps through the store there (exact mode keeps a preempted sequence in RAM)
     settings = settings.replace(sched_kv_cells=max(settings.sched_kv_cells, 2 * prompt_tokens + 256),
-                                ctx_size=max(settings.ctx_size, prompt_tokens + 64))
+                                ctx_size=max(settings.ctx_size, prompt_tokens + 64), sched_exact=False)
     with Scheduler(settings) as scheduler:
         ctx, swap = scheduler._ctx, scheduler.swap
         document = builtin_document()

@@ -21,8 +21,9 @@ answer under concurrency"), and what this mode does about each:
    generated tokens, which its decode steps computed one at a time), a preempted sequence is kept whole
    in this process (its own cells back bit for bit; a sliding-window model's, whose saved state holds
    only its last window, goes through the store under a salt of the scheduler's own and comes back
-   whole), and the store's objects live under a namespace of their own (`NAMESPACE_TAG`), so KV
-   computed in a unified cache beside other sequences never comes back.
+   whole), and the store's objects are the bytes a cold run computes, in CachedEngine's namespace; KV computed
+   in a unified cache beside other sequences (the mode off) lives under a namespace of its own (`BATCHED_TAG`)
+   and never comes back here.
 
 Batched decoding stays where it is exact: SmolLM2's decode tokens all share one call.
 
@@ -46,7 +47,7 @@ from kvbridge.scheduler.requests import Request
 log = logging.getLogger(__name__)
 
 ALIGN = 32                  # a cut inside a solo prefill piece: at a multiple of this, with as many tokens beyond
-NAMESPACE_TAG = "exact"     # the store's objects of an exact scheduler: KV computed as a solo run computes it
+BATCHED_TAG = "batched"     # the store's objects of a scheduler with the mode off: KV computed beside other sequences
 PROBE_TOKENS = 24           # each probe sequence's prompt
 PROBE_STEPS = 2             # decode steps compared at each width
 
@@ -210,6 +211,8 @@ def probe_tokens() -> list[int]:
 
 
 def namespace_key(kv_layout: str, exact: bool) -> str:
-    """The KV layout's key in the namespace: tagged in exact mode, so the store's objects an exact scheduler
-    reads are only ones an exact scheduler wrote (KV computed as a solo run computes it)."""
-    return f"{kv_layout}+{NAMESPACE_TAG}" if exact else kv_layout
+    """The KV layout's key in the namespace. Exact mode's objects hold KV computed as a cold run computes it, the
+    very bytes CachedEngine stores for the same prompt (tests/test_scheduler_shared_namespace.py compares them),
+    so they share CachedEngine's namespace; the mode off tags its own (`BATCHED_TAG`), since KV computed in a
+    unified cache beside other sequences is not what a cold run computes, and must reach neither of them."""
+    return kv_layout if exact else f"{kv_layout}+{BATCHED_TAG}"

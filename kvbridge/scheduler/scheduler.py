@@ -273,8 +273,8 @@ class Scheduler:
             return self.journal.events()
 
     def bytes_held(self) -> dict[str, dict[str, int]] | None:
-        """{cache salt: {tier: bytes}} the store holds under each salt this scheduler has used (the salt
-        "" shares its namespace with CachedEngine's); None when the store cannot tell (a cache server's
+        """{cache salt: {tier: bytes}} the store holds under each salt this scheduler has used (in exact mode the
+        salt "" shares its namespace with CachedEngine's); None when the store cannot tell (a cache server's
         objects are counted there). Reads the store's indexes, not the scheduler's lock."""
         by_namespace = getattr(self.store, "bytes_by_namespace", None)
         if by_namespace is None:
