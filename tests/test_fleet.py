@@ -9,15 +9,13 @@ reach only their router: the workers publish on ipc sockets in a folder of mode 
 subscribing to them (and asking their replay sockets for everything) while the questions run gets nothing,
 where this account's own subscriber gets the events; the router key the fleet made is on no command line.
 A PD pair answers as a solo instance does, from the decode worker, which restored the prompt the prefill
-worker stored. Settings are small (32-token chunks, one sequence at a time, f32 K/V).
-
-The workers keep no prefix resident after a request (KVB_SCHED_CACHED_PREFIXES=0): each later question
-restores its document from the shared cache server, and the router finds it by the storing worker's CPU
-claims (resident GPU claims are tested in test_kv_events_publisher.py). With resident prefixes a question
-that shares cells another question had shared in turn (a chain of two seq_cp) leaves the greedy path after
-a few tokens even with f32 K/V: llama.cpp's CPU rounding depends on where the other sequences' cells lie
-(Docs/Research.md §11; issue 37's KVB_SCHED_EXACT is the way to exact answers there). The cold runs go
-through the same fleet under a fresh cache_salt each: one sequence at a time on an empty context.
+worker stored. Settings are small (32-token chunks, a 1024-token context), and what decides an answer is the
+default: f16 K/V, four sequences running at once, resident prefixes, and exact mode (KVB_SCHED_EXACT, on by
+default since issue 47). With the mode off a question that shares cells another question had shared in turn
+left the greedy path after a few tokens even with f32 K/V: llama.cpp's CPU rounding depends on where the
+other sequences' cells lie (Docs/Research.md §11), and the issue's filer measured 2 of 6 fleet answers
+differing from cold at the old defaults. The cold runs go through the same fleet under a fresh cache_salt
+each: nothing of theirs is shared, restored or published.
 """
 from __future__ import annotations
 
@@ -48,9 +46,9 @@ needs_router = pytest.mark.skipif(not ROUTER.is_file(), reason=f"vllm-router is 
                                                                f"{sys.executable}: run ./scripts/setup.sh")
 pytestmark = [needs_model]
 
-SMALL = dict(KVB_CHUNK_SIZE="32", KVB_CTX_SIZE="1024", KVB_SCHED_KV_CELLS="3072", KVB_SCHED_MAX_RUNNING="1",
+SMALL = dict(KVB_CHUNK_SIZE="32", KVB_CTX_SIZE="1024", KVB_SCHED_KV_CELLS="3072",
              KVB_SERVE_MAX_TOKENS="16", KVB_L1_BYTES="64MiB", KVB_CACHE_SERVER_PAGE_BYTES="64KiB",
-             KVB_SERVE_DRAIN_TIMEOUT="5", KVB_CACHE_TYPE_K="f32", KVB_CACHE_TYPE_V="f32")
+             KVB_SERVE_DRAIN_TIMEOUT="5")   # sizes only: K/V types, running sequences and exact mode at defaults
 QUESTIONS = ("Summarise this in one sentence.", "What is the most important number here?",
              "Who is responsible for this work?", "What should a new employee remember?")
 READY = re.compile(r"KVBridge fleet ready on (http://127\.0\.0\.1:(\d+))")
@@ -199,8 +197,8 @@ def fleet_secrets(pgid: int) -> tuple[str, list[str], list[str]]:
 @needs_router
 def test_kv_aware_fleet_keeps_each_document_on_its_instance(tmp_path, request):
     docs = documents()
-    with running_fleet(tmp_path, "--workers", "3", "--policy", "kv_aware", "--port", "0",
-                       KVB_SCHED_CACHED_PREFIXES="0") as (url, ports, out, pgid):
+    with running_fleet(tmp_path, "--workers", "3", "--policy", "kv_aware", "--port", "0") as (url, ports, out, pgid):
+        assert "exact mode: on in every worker" in out.read_text(), out.read_text()
         endpoints = re.findall(r"KV events (ipc://\S+)\)", out.read_text())
         assert len(endpoints) == 3, f"each worker publishes on an ipc socket:\n{out.read_text()}"
         folder = Path(endpoints[0][len("ipc://"):]).parent
