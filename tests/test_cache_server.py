@@ -216,6 +216,28 @@ def test_a_prompts_objects_go_and_come_back_in_one_call_each(server, path):
     assert server.store.pool.stats()["read_leases"] == 0 and server.store.pool.stats()["objects"] == 3
 
 
+def test_a_lone_store_after_the_first_goes_into_pages_lent_ahead(server):
+    """A commit brings a grant; the next lone store copies into it and is named in one round trip. The bytes
+    come back, an existing chunk leaves the grant with the client, and goodbye gives it back."""
+    blobs = {bytes([i]) * 16: blob_of(150_000 + 1000 * i, i + 4) for i in range(1, 5)}
+    with CacheClient(server.url, timeout_s=5) as client:
+        for key, blob in blobs.items():
+            assert client.store(key, blob, META) == (True, "")
+        assert client.counters["granted_stores"] == 3       # all but the first
+        assert server.store.pool.stats()["write_leases"] == 1   # the grant for the next store
+        first = next(iter(blobs))
+        assert client.store(first, blobs[first], META) == (True, "exists")
+        assert client.counters["granted_stores"] == 4 and client._grant is not None
+        big = blob_of(400_000, 9)                                # larger than the grant: given back, stored as usual
+        assert client.store(b"b" * 16, big, META) == (True, "")
+        for key, blob in {**blobs, b"b" * 16: big}.items():
+            found = client.retrieve(key, "ns", zero_copy=False)
+            assert bytes(found.blob) == blob
+        client.flush()
+    assert server.store.pool.stats()["write_leases"] == 0 and server.store.pool.stats()["read_leases"] == 0
+    server.store.pool.check_invariants()
+
+
 def test_inline_frames_are_cut_as_asked_and_an_old_peers_whole_frame_still_works(server):
     """The wire, read raw: a retrieve asking for frames gets ceil(size / frame) of them; one that does not
     ask (a client from before issue 47) gets the object whole; an inline store in one frame (an older

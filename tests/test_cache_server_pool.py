@@ -554,3 +554,104 @@ def test_a_random_mix_of_operations_never_loses_or_shares_a_page(make_pool):
     pool.clear()
     pool.check_invariants()
     assert pool.stats()["free_pages"] == 16
+
+
+# -- grants: pages lent ahead of a writer's next store (issue 47) ---------------------------------------
+def test_a_grant_is_filled_then_named_in_one_step_and_its_spare_pages_go_back(make_pool):
+    pool = make_pool(16, watermarks=NO_PRESSURE)
+    grant = pool.grant_write(3 * PAGE, "w", 5)
+    assert grant is not None and len(grant.pages) == 3 and pool.stats()["write_leases"] == 1
+    k = key("granted")
+    pool.segment.write(list(grant.pages[:2]), blob_for(k, PAGE + 5))
+    with pytest.raises(UnknownLease):
+        pool.commit(grant.lease_id, "w")   # a grant is named when committed, never committed nameless
+    with pytest.raises(LeaseNotOwned):
+        pool.commit_granted(grant.lease_id, "other", k, PAGE + 5, meta())
+    with pytest.raises(ValueError):
+        pool.commit_granted(grant.lease_id, "w", k, 3 * PAGE + 1, meta())   # larger than the grant
+    pool.check_invariants()
+    assert pool.commit_granted(grant.lease_id, "w", k, PAGE + 5, meta()) == "stored"
+    assert read_back(pool, k) == blob_for(k, PAGE + 5)
+    assert pool.stats()["write_leases"] == 0 and pool.stats()["free_pages"] == 14   # the third page is free again
+    pool.check_invariants()
+
+
+def test_a_grant_stays_the_writers_after_an_exists_and_goes_with_its_lease_otherwise(make_pool):
+    clock = FakeClock()
+    pool = make_pool(8, watermarks=NO_PRESSURE, clock=clock, lease_timeout_s=30)
+    store(pool, key("chunk"), 100)
+    grant = pool.grant_write(PAGE, "w", 5)
+    assert pool.commit_granted(grant.lease_id, "w", key("chunk"), 100, meta()) == "exists"
+    assert pool.stats()["write_leases"] == 1        # still lent: the next store uses it
+    clock.now += 31
+    assert pool.expire_leases() == 1
+    assert pool.commit_granted(grant.lease_id, "w", key("late"), 100, meta()) == "revoked"
+    assert not pool.contains(key("late")) and pool.stats()["quarantined_pages"] == 1
+    pool.release(grant.lease_id, "w")
+    assert pool.stats()["free_pages"] == 7
+    pool.check_invariants()
+
+
+def test_no_grant_under_pressure_and_a_grant_never_evicts(make_pool):
+    pool = make_pool(10, watermarks=Watermarks(0.3, 0.2, 0.1, 0.5))
+    for i in range(6):
+        store(pool, key(f"full-{i}"), PAGE)
+    assert pool.grant_write(2 * PAGE, "w", 9) is None       # 4 free, 2 left after it: under SOFT pressure
+    assert pool.grant_write(PAGE, "w", 9) is not None       # 3 left: still OK
+    assert pool.stats()["objects"] == 6                      # nothing was evicted for either
+    pool.check_invariants()
+
+
+def test_a_random_mix_of_grants_and_stores_never_loses_or_shares_a_page(make_pool):
+    rng = random.Random(47)
+    clock = FakeClock()
+    pool = make_pool(16, clock=clock, lease_timeout_s=30, watermarks=Watermarks(0.25, 0.15, 0.08, 0.4))
+    keys = [key(i) for i in range(20)]
+    grants: dict[str, list] = {"a": [], "b": []}
+    outcomes: dict[str, int] = {}
+    for _ in range(600):
+        clock.now += rng.uniform(0, 2)
+        client = rng.choice(list(grants))
+        op = rng.choices(["grant", "fill", "store", "read", "expire", "drop", "evict"], [6, 8, 4, 4, 2, 0.5, 2])[0]
+        if op == "grant":
+            lease = pool.grant_write(rng.randint(1, 3) * PAGE, client, 5)
+            if lease is not None:
+                grants[client].append(lease)
+        elif op == "fill" and grants[client]:
+            lease = grants[client].pop(rng.randrange(len(grants[client])))
+            k = rng.choice(keys)
+            size = 1 + k[0] % len(lease.pages) * PAGE if k[0] % 3 else 1 + k[0] * 40   # may not fit
+            try:
+                pool.segment.write(list(lease.pages[:-(-size // PAGE)]), blob_for(k, size))
+                outcome = pool.commit_granted(lease.lease_id, client, k, size, meta())
+            except ValueError:
+                outcome = "too_large"
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            if outcome == "revoked":
+                pool.release(lease.lease_id, client)
+            elif outcome != "stored":
+                grants[client].append(lease)
+        elif op == "store":
+            try:
+                store(pool, rng.choice(keys[10:]), rng.randint(1, 2 * PAGE), client)
+            except StoreRefused:
+                pass
+        elif op == "read":
+            k = rng.choice(keys)
+            lease = pool.acquire_read(k, client)
+            if lease is not None:
+                pool.release(lease.lease_id, client)
+        elif op == "expire":
+            pool.expire_leases()
+        elif op == "drop":
+            pool.drop_client(client)
+            grants[client].clear()
+        elif op == "evict":
+            pool.evict_to_target()
+        pool.check_invariants()
+    assert outcomes.get("stored") and outcomes.get("exists") and outcomes.get("revoked"), outcomes
+    for client in grants:
+        pool.drop_client(client)
+    pool.clear()
+    pool.check_invariants()
+    assert pool.stats()["free_pages"] == 16

@@ -97,8 +97,10 @@ class CacheClient:
         self._closing = threading.Event()
         self._segment: Segment | None = None
         self._writes_via_shm = False   # the segment is mapped and this client's writer lock is held on it
+        self._grant: protocol.PrepareReply | None = None   # pages lent ahead of the next lone store (issue 47)
+        self._grant_lock = threading.Lock()
         self.counters = {"timeouts": 0, "refusals": 0, "reconnects": 0, "torn_copies": 0, "inline_retrieves": 0,
-                         "shm_retrieves": 0, "checksum_mismatches": 0, "unchecked_reads": 0}
+                         "shm_retrieves": 0, "checksum_mismatches": 0, "unchecked_reads": 0, "granted_stores": 0}
         self._session = Session(url, self.instance_id, priority=priority, label=label, token=token,
                                 server_key=server_key, timeout_s=timeout_s, counters=self.counters,
                                 on_hello=self._attach)
@@ -274,6 +276,11 @@ class CacheClient:
             reply = self._call(Kind.STORE_INLINE, protocol.StoreInline(key, wire), protocol.StoreReply,
                                data=self._store_frames(blob))
             return reply.stored or reply.reason == "exists", reply.reason   # already there counts as stored
+        grant = self._take_grant(segment, len(blob))
+        if grant is not None:
+            done = self._store_granted(segment, grant, key, blob, wire)
+            if done is not None:
+                return done
         prepared = self._call(Kind.STORE_PREPARE, protocol.StorePrepare(key, len(blob), wire, self._digest(blob)),
                               protocol.PrepareReply)
         if not prepared.accepted:
@@ -283,8 +290,58 @@ class CacheClient:
         except BaseException:
             self._send(Kind.RELEASE, protocol.Release([prepared.lease_id]))
             raise
-        committed = self._call(Kind.STORE_COMMIT, protocol.StoreCommit(prepared.lease_id), protocol.StoreReply)
+        committed = self._call(Kind.STORE_COMMIT, protocol.StoreCommit(prepared.lease_id, self._grant_wanted(len(blob))),
+                               protocol.StoreReply)
+        self._keep_grant(committed.grant)
         return committed.stored, committed.reason
+
+    # A lone store is two round trips (prepare, commit) around its copy. With a grant, pages the server lent
+    # ahead (asked for in the commit before), it is the copy and one round trip that names the object and
+    # brings the next grant. A server from before issue 47 gives none; one under pressure gives none.
+    def _grant_wanted(self, size: int) -> int:
+        with self._grant_lock:
+            return 0 if self._grant is not None else size
+
+    def _take_grant(self, segment: Segment, size: int) -> protocol.PrepareReply | None:
+        """The grant when it fits `size` bytes (it is then this call's alone); one too small is given back."""
+        with self._grant_lock:
+            grant, self._grant = self._grant, None
+        if grant is None or len(grant.pages) * segment.page_bytes >= size:
+            return grant
+        self._send(Kind.RELEASE, protocol.Release([grant.lease_id]))
+        return None
+
+    def _keep_grant(self, grant: protocol.PrepareReply | None) -> None:
+        if grant is None or not grant.accepted:
+            return
+        with self._grant_lock:
+            spare = self._grant is not None
+            if not spare:
+                self._grant = grant
+        if spare:   # another thread's store brought one first: one grant per client
+            self._send(Kind.RELEASE, protocol.Release([grant.lease_id]))
+
+    def _store_granted(self, segment: Segment, grant: protocol.PrepareReply, key: bytes, blob,
+                       wire: protocol.WireMeta) -> tuple[bool, str] | None:
+        """The store through a grant: (stored, reason), or None when the grant was revoked (store the usual way)."""
+        pages = list(grant.pages)[:-(-len(blob) // segment.page_bytes)]
+        try:
+            segment.write(pages, blob)
+            reply = self._call(Kind.STORE_GRANTED, protocol.StoreGranted(grant.lease_id, key, len(blob), wire,
+                                                                         self._digest(blob), len(blob)),
+                               protocol.StoreReply)
+        except BaseException:
+            self._send(Kind.RELEASE, protocol.Release([grant.lease_id]))
+            raise
+        if reply.reason == "revoked":
+            self._send(Kind.RELEASE, protocol.Release([grant.lease_id]))
+            return None
+        self.counters["granted_stores"] += 1
+        if reply.reason in ("exists", "busy"):
+            self._keep_grant(grant)   # not used up: still this client's
+        else:
+            self._keep_grant(reply.grant)
+        return reply.stored, reply.reason
 
     def _store_frames(self, blob) -> tuple:
         """An inline store's data frames: cut like a retrieve's when the server takes several (its hello says
@@ -387,6 +444,8 @@ class CacheClient:
     def _attach(self, answer: protocol.HelloReply) -> None:
         """Map the server's pool when it is on this host (the nonce proves it); else bytes go inline."""
         old, self._segment = self._segment, None
+        with self._grant_lock:
+            self._grant = None   # a grant is a lease of the server that gave it; hello again: it is gone
         if old is not None and str(old.path) == answer.shm_path and old.nonce == answer.shm_nonce:
             self._segment = old
             return

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 
 ORPHAN_PREFIX = "orphan:"   # the owner of a dropped client's write leases while its process may still write
+GRANT_KEY = b""             # the key of a grant: a write lease whose object is named only when it is committed
 
 
 class StoreRefused(Exception):
@@ -198,17 +199,14 @@ class PagedPool(PoolReport):
             raise TypeError(f"meta must be an ObjectMeta, got {type(meta).__name__}")
         n = pages_needed(size, self.segment.page_bytes)
         with self._lock:
-            if key in self._objects:
-                held = self._objects[key]
-                # A chunk's key is its content: the same key is the same bytes. A tail (or a snapshot or an
-                # index) is filed under its chunk boundary and a newer prompt's replaces it, as in the
-                # embedded store; one a reader holds now stays, and the newer store is refused as busy.
-                if meta.kind == "chunk" or held.meta.kind == "chunk":
-                    self._refuse("exists", f"{key.hex()[:16]} is already stored")
-                if held.readers:
-                    self._refuse("busy", f"{key.hex()[:16]} is being read; the newer {meta.kind} is not stored")
-                self._drop_object(key)
-                self._counts["replaced"] += 1
+            # A chunk's key is its content: the same key is the same bytes. A tail (or a snapshot or an
+            # index) is filed under its chunk boundary and a newer prompt's replaces it, as in the
+            # embedded store; one a reader holds now stays, and the newer store is refused as busy.
+            refusal = self._replaces(key, meta)
+            if refusal == "exists":
+                self._refuse("exists", f"{key.hex()[:16]} is already stored")
+            if refusal == "busy":
+                self._refuse("busy", f"{key.hex()[:16]} is being read; the newer {meta.kind} is not stored")
             if n > self._total:
                 self._refuse("too_large", _too_large(size, n, self._total, self.segment.page_bytes))
             # Cold objects make room first, so a full but unleased pool is never "under pressure".
@@ -239,6 +237,8 @@ class PagedPool(PoolReport):
             lease = self._owned(lease_id, client_id)
             if not lease.writing:
                 raise UnknownLease(f"lease {lease_id} is a read lease; only write leases are committed")
+            if lease.key == GRANT_KEY:
+                raise UnknownLease(f"lease {lease_id} is a grant; it is committed with the object's key (store_granted)")
             if lease.zombie:
                 return False
             del self._leases[lease_id]
@@ -252,6 +252,72 @@ class PagedPool(PoolReport):
                                                checksum=lease.checksum)
             self._bytes_used += lease.size
             return True
+
+    # -- grants: pages a writer holds ahead of its next store (issue 47) -------------------------------
+    def grant_write(self, size: int, client_id: str, priority: int) -> WriteLease | None:
+        """Free pages for `size` bytes under a write lease with no key yet, so the writer's next store copies
+        first and names the object in one round trip (commit_granted). None unless the pages are free and the
+        pool stays out of pressure with them gone: a grant never evicts, and under pressure writers pay the
+        two round trips again. A grant is a write lease in everything else (it expires, is revoked under
+        CRITICAL pressure, is orphaned with a silent client)."""
+        n = pages_needed(size, self.segment.page_bytes)
+        with self._lock:
+            if n == 0 or self.watermarks.level((self._free_count() - n) / self._total) > PressureLevel.OK:
+                return None
+            pages = self._pages.allocate(n)
+            if pages is None:
+                return None
+            self._pages.mark(pages, PENDING)
+            lease = self._new_lease(client_id, True, GRANT_KEY, pages, size, 0, priority)
+            self._counts["grants"] += 1
+            return WriteLease(lease.lease_id, GRANT_KEY, tuple(pages), size, 0)
+
+    def commit_granted(self, lease_id: int, client_id: str, key: bytes, size: int, meta: ObjectMeta,
+                       checksum: bytes = b"") -> str:
+        """The object the writer copied into its grant's first pages, made visible under `key`: "stored";
+        "exists" or "busy" (refused as prepare_write refuses; the grant stays the writer's for its next
+        store); "revoked" (the grant expired or was revoked: the writer releases it). The grant's pages past
+        the object are freed."""
+        key = check_key(key)
+        if not isinstance(meta, ObjectMeta):
+            raise TypeError(f"meta must be an ObjectMeta, got {type(meta).__name__}")
+        with self._lock:
+            lease = self._owned(lease_id, client_id)
+            if not lease.writing or lease.key != GRANT_KEY:
+                raise UnknownLease(f"lease {lease_id} is not a grant")
+            if lease.zombie:
+                return "revoked"
+            n = pages_needed(size, self.segment.page_bytes)
+            if not 0 <= size or n > len(lease.pages):
+                raise ValueError(f"an object of {size} bytes does not fit grant {lease_id} ({len(lease.pages)} pages)")
+            refusal = self._replaces(key, meta)
+            if refusal:
+                self._counts[f"refused_{refusal}"] += 1
+                return refusal
+            del self._leases[lease_id]
+            pages, spare = lease.pages[:n], lease.pages[n:]
+            if spare:
+                self._free_pages(spare)
+            self._generation += 1
+            self._pages.mark(pages, OBJECT)
+            self.segment.set_generation(pages, self._generation)
+            self._objects[key] = _Object(pages, size, meta, self._generation, checksum=bytes(checksum))
+            self._bytes_used += size
+            return "stored"
+
+    def _replaces(self, key: bytes, meta: ObjectMeta) -> str:
+        """Inside the lock, before an object is written under `key`: "" when it may be (an older tail under
+        the same key is dropped), else the refusal ("exists": a chunk's key is its content; "busy": read now)."""
+        held = self._objects.get(key)
+        if held is None:
+            return ""
+        if meta.kind == "chunk" or held.meta.kind == "chunk":
+            return "exists"
+        if held.readers:
+            return "busy"
+        self._drop_object(key)
+        self._counts["replaced"] += 1
+        return ""
 
     def release(self, lease_ids: list[int] | int, client_id: str) -> None:
         """End read leases, abort write leases, and let go of revoked or expired ones (their pages free up).

@@ -54,6 +54,7 @@ class Kind:
     STORE_PREPARE_MANY = "store_prepare_many"
     STORE_COMMIT_MANY = "store_commit_many"
     STORE_INLINE = "store_inline"
+    STORE_GRANTED = "store_granted"            # a store into pages granted ahead: one round trip (issue 47)
     CLEAR = "clear"
     FLUSH = "flush"
     SERVER_MODULE_CALL = "server_module_call"
@@ -222,6 +223,7 @@ class PrepareReply(msgspec.Struct):
 
 class StoreCommit(msgspec.Struct):
     lease_id: int
+    grant_next: int = 0                # and lend pages for this many bytes ahead of the next store (0: none)
 
 
 class StorePrepareMany(msgspec.Struct):
@@ -250,6 +252,20 @@ class StoreInline(msgspec.Struct):
 class StoreReply(msgspec.Struct):
     stored: bool
     reason: str = ""
+    grant: PrepareReply | None = None  # pages lent for the next store (asked for with grant_next), if given
+
+
+class StoreGranted(msgspec.Struct):
+    """A store whose bytes are already in the pages of a grant (a StoreReply.grant): named and committed in
+    one round trip. Answered with a StoreReply: "exists"/"busy" leave the grant with the client; "revoked":
+    the client releases it and stores the usual way."""
+
+    lease_id: int
+    key: bytes
+    size: int
+    meta: WireMeta
+    checksum: bytes = b""
+    grant_next: int = 0
 
 
 class Clear(msgspec.Struct):
@@ -338,6 +354,7 @@ BODY_TYPES: dict[str, Any] = {
     Kind.STORE_PREPARE_MANY: StorePrepareMany,
     Kind.STORE_COMMIT_MANY: StoreCommitMany,
     Kind.STORE_INLINE: StoreInline,
+    Kind.STORE_GRANTED: StoreGranted,
     Kind.CLEAR: Clear,
     Kind.FLUSH: None,
     Kind.SERVER_MODULE_CALL: ServerModuleCallRequest,

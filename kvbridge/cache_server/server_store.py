@@ -207,6 +207,23 @@ class ServerStore:
             self._count("commits_revoked")
         return stored
 
+    def grant(self, size: int, client_id: str, priority: int) -> WriteLease | None:
+        """Pages a writer holds for its next store (pool.grant_write), or None."""
+        return self.pool.grant_write(size, client_id, priority)
+
+    def commit_granted(self, lease_id: int, client_id: str, key: bytes, size: int, meta: ObjectMeta,
+                       checksum: bytes = b"") -> str:
+        """pool.commit_granted, and what a commit does after: counted, written through to L2."""
+        outcome = self.pool.commit_granted(lease_id, client_id, key, size, meta, checksum)
+        if outcome == "stored":
+            self._count("stores")
+            self.history.forget(key)
+            self._emit("stored", key, L1_NAME, self._size(key))
+            self._queue_write(key, None, None)
+        elif outcome in ("exists", "busy"):
+            self._count(f"refused_{outcome}")
+        return outcome
+
     def store_inline(self, key: bytes, blob: bytes, meta: ObjectMeta, client_id: str, priority: int) -> tuple[bool, str]:
         """A store whose bytes came in the message: into L1 (and queued for L2), else straight to L2."""
         key = check_key(key)

@@ -34,6 +34,11 @@ def _frame_bytes(asked: int) -> int:
                                           f"{MIN_INLINE_FRAME_BYTES}, got {asked}")
 
 
+def _check_grant_next(size: int) -> None:
+    if size < 0:
+        raise RequestFailed(Code.BAD_REQUEST, f"grant_next must be >= 0 (bytes to lend ahead of the next store), got {size}")
+
+
 class StorageModule(DiscoverableModule):
     module_name = "storage"
 
@@ -63,7 +68,8 @@ class StorageModule(DiscoverableModule):
             router.handle(kind, fn, affinity=True, owner=self.module_name)
         for kind, fn in ((Kind.RELEASE, self.release), (Kind.STORE_PREPARE, self.prepare),
                          (Kind.STORE_COMMIT, self.commit), (Kind.STORE_PREPARE_MANY, self.prepare_many),
-                         (Kind.STORE_COMMIT_MANY, self.commit_many)):   # page bookkeeping only: may run inline
+                         (Kind.STORE_COMMIT_MANY, self.commit_many),
+                         (Kind.STORE_GRANTED, self.store_granted)):   # page bookkeeping only: may run inline
             router.handle(kind, fn, affinity=True, owner=self.module_name, fast=True)
         # clear and flush too: in order with the caller's stores and releases
         router.handle(Kind.CLEAR, self.clear, affinity=True, owner=self.module_name)
@@ -167,8 +173,29 @@ class StorageModule(DiscoverableModule):
         return PrepareReply(True, "", lease.lease_id, list(lease.pages), lease.generation)
 
     def commit(self, call: Call) -> Answer:
+        _check_grant_next(call.body.grant_next)
         stored = self._lease_call(lambda: self.store.commit(call.body.lease_id, call.instance_id))
-        return Answer(StoreReply(stored, "" if stored else "revoked"))
+        grant = self._grant(call.body.grant_next, call) if stored else None
+        return Answer(StoreReply(stored, "" if stored else "revoked", grant))
+
+    def store_granted(self, call: Call) -> Answer:
+        """A lone store in one round trip: the bytes are in a grant's pages already (issue 47)."""
+        body = call.body
+        _check_grant_next(body.grant_next)
+        meta = self._meta(body.meta)
+        outcome = self._lease_call(lambda: self._bad_key_is_bad_request(lambda: self.store.commit_granted(
+            body.lease_id, call.instance_id, body.key, body.size, meta, body.checksum)))
+        grant = self._grant(body.grant_next, call) if outcome == "stored" else None
+        return Answer(StoreReply(outcome in ("stored", "exists"), "" if outcome == "stored" else outcome, grant))
+
+    def _grant(self, size: int, call: Call) -> PrepareReply | None:
+        """Pages lent ahead of the writer's next store, when it asked and the pool has them free (no pressure)."""
+        if not size or not self._may_still_write(call.instance_id):
+            return None
+        lease = self.store.grant(size, call.instance_id, call.client.priority)
+        if lease is None:
+            return None
+        return PrepareReply(True, "", lease.lease_id, list(lease.pages), lease.generation)
 
     def commit_many(self, call: Call) -> Answer:
         """Every lease of the list is committed (or refused) in turn; a bad id among them is the reply's
