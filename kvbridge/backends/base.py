@@ -208,7 +208,8 @@ class Backend:
     def boundary_state(self, n_tokens: int) -> "bytes | memoryview | None":
         """Recurrent and hybrid models: the recurrent state the last generate() captured after its prompt's first
         n_tokens (llama.cpp state bytes with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY), or None when it took none
-        there. Captured at every multiple of boundary_step and one token before the prompt's end."""
+        there. The in-process engine prefills these models chunk by chunk and captures where each chunk ends; the
+        scheduler also one token before the prompt's end."""
         return None
 
     @property

@@ -7,8 +7,8 @@ and, with --bench, **capture_cost** and **ttft_figures** on the same engine -> t
   token), plus for a recurrent or hybrid model its recurrent section (geometry.recurrent, kept once
   per chunk boundary) divided by the chunk size; both are written apart and summed.
 - capture cost: a cold prefill of the same prompt with the engine's boundary captures (what lmcache
-  mode does for a recurrent model: chunk-aligned steps, the recurrent state copied at each boundary)
-  against one without, alternated in one run, medians of several repeats. A model without recurrent
+  mode adds for a recurrent model: the recurrent state copied at each chunk's end) against one without
+  (the same chunk-aligned steps: every mode takes them), alternated in one run, medians of several repeats. A model without recurrent
   state captures nothing while it prefills (window rows are read after the answer).
 - TTFT: cold prefill, warm restore from L1 and from L2 (after a restart that drops L1), each after
   the context was first filled with something else, and llama.cpp's own reuse (native) where it

@@ -7,4 +7,6 @@ None is a command of `kvbridge`; each answered a question whose figures are in D
 - tenant_bench / tenant_timing: tenants' TTFTs, and the timing side channel between tenants;
 - fault_soak: engines answering while their servers are killed and paused (tests/test_fault_soak.py);
 - protocol_fuzz and squatter: hostile messages against the cache server, and a server squatting its port.
+- zoo_doc_qa: Document Q&A on the bench-size zoo, every answer and its logits against cold, in-process and
+  from L2 in a fresh process (Research §30).
 """
