@@ -24,7 +24,7 @@ from kvbridge.models import ZOO_ARCHITECTURES, zoo_model
 from kvbridge.models.matrix import main as matrix_main
 from kvbridge.models.matrix_oracle import Oracle, Row
 from kvbridge.models.matrix_paths import PATHS, run_path
-from kvbridge.models.matrix_report import render_markdown
+from kvbridge.models.matrix_report import generated_part, render_markdown
 from kvbridge.models.matrix_rows import COMPATIBILITY_JSON, FORMAT, load_matrix, matrix_line
 from kvbridge.settings import WORK_DIR
 from tests.redis_helpers import needs_redis
@@ -62,8 +62,23 @@ def test_the_shipped_rows_are_what_the_issue_demands():
 
 
 def test_the_page_is_the_shipped_json_rendered():
-    assert PAGE.read_text() == render_markdown(SHIPPED), f"Docs/Compatibility.md is stale; regenerate: {REGENERATE}"
+    # (the hand-written sections after KEPT_MARK are the page's own: the matrix keeps them as they are)
+    assert generated_part(PAGE.read_text()) == render_markdown(SHIPPED), (
+        f"Docs/Compatibility.md is stale; regenerate: {REGENERATE}")
     assert "| gemma2 | sliding-window | exact |" in PAGE.read_text()
+
+
+def test_a_regenerated_page_keeps_its_hand_written_sections(tmp_path):
+    import copy
+
+    from kvbridge.models.matrix import write
+    from kvbridge.models.matrix_report import KEPT_MARK
+
+    page = tmp_path / "Compatibility.md"
+    by_hand = KEPT_MARK + "\n\n## Written by hand\n\nkept as it is\n"
+    page.write_text("a stale generated part\n" + by_hand)
+    write(copy.deepcopy(SHIPPED), SimpleNamespace(json=None, out=page))
+    assert page.read_text() == render_markdown(SHIPPED) + by_hand
 
 
 def test_a_models_line_names_its_row_and_every_refusal(tmp_path):

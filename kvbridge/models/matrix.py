@@ -26,7 +26,7 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.models.catalog import ZOO_ARCHITECTURES, zoo_arch
 from kvbridge.models.matrix_bench import capture_cost, layout_facts, ttft_figures
 from kvbridge.models.matrix_paths import PATHS, base_settings, in_process_engine, prompt_of, run_path
-from kvbridge.models.matrix_report import render_markdown
+from kvbridge.models.matrix_report import kept_part, render_markdown
 from kvbridge.models.matrix_rows import FORMAT
 from kvbridge.models.matrix_oracle import Row
 from kvbridge.settings.cmdline import Parser
@@ -161,7 +161,8 @@ def write(data: dict, args, quiet: bool = False) -> None:
     page = render_markdown(data)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(page)
+        kept = kept_part(args.out.read_text()) if args.out.is_file() else ""
+        args.out.write_text(page + kept)
     elif not args.json and not quiet:
         print(page)
 

@@ -73,6 +73,24 @@ def _bench_table(data: dict) -> list[str]:
     return lines
 
 
+# what follows this line on the page is written by hand (each figure's command is in Docs/Research.md) and kept as it
+# is when the matrix regenerates the page above it
+KEPT_MARK = ("<!-- Sections below this line are written by hand (their commands are in Docs/Research.md); "
+             "python -m kvbridge.models.matrix regenerates only what is above it. -->")
+
+
+def generated_part(page: str) -> str:
+    """The part of a page the matrix wrote: all of it above KEPT_MARK (the whole page when it has none)."""
+    head, mark, _ = page.partition(KEPT_MARK)
+    return head if mark else page
+
+
+def kept_part(page: str) -> str:
+    """KEPT_MARK and the hand-written sections after it ('' when the page has none)."""
+    _, mark, tail = page.partition(KEPT_MARK)
+    return mark + tail if mark else ""
+
+
 def render_markdown(data: dict) -> str:
     notes: list[str] = []
     verdicts = _verdict_table(data, notes)
