@@ -50,7 +50,7 @@ def _answer(engine, messages, mode: str) -> dict:
     from kvbridge.models.matrix_oracle import top_margin
 
     record = engine.infer(messages, mode=mode)
-    logits = engine.backend.prompt_logits
+    logits = getattr(engine.backend, "prompt_logits", None)   # None: an engine that does not keep them
     return {"mode": mode, "text": record.text, "error": record.error, "prompt_tokens": record.prompt_tokens,
             "matched": record.matched_tokens or 0, "tier": record.tier, "ttft_ms": round(record.ttft_ms or 0.0, 1),
             "logits": hashlib.sha256(np.ascontiguousarray(logits).tobytes()).hexdigest() if logits is not None else "",
