@@ -464,6 +464,10 @@ class CachedEngine:
         if r.mode == "lmcache":
             m.inc(PROMPT_TOKENS, r.prompt_tokens)   # tier_hit_rates(): restored tokens by tier over these
             for tier, n in hit_tiers.items():
+        # objects read from writes not landed yet, waits for them and their ms (kvbridge.store.tiered_inflight);
+        # a cache server's store has no write-behind queue of this process, so nothing to take
+        for name, count in getattr(self.store, "take_inflight", dict)().items():
+            m.inc(name, count)
                 m.inc(f"{HIT_TOKENS_PREFIX}{tier}", n)
             m.inc(f"hits_{r.tier}" if r.matched_tokens else "misses")
             m.record("lookup_ms", r.lookup_ms)

@@ -72,7 +72,9 @@ class TierInflight:
             return None
         writing = [index for index, level in enumerate(self._levels) if level.tier.writing(key)]
         if not writing:
-            return None
+            # landed since the caller last looked (while this call waited for an earlier key, say): one more
+            # look at the local tiers; a remote tier's look would be a round trip on every miss
+            return self._landed([index for index, level in enumerate(self._levels) if not level.tier.remote], key)
         started = time.monotonic()
         while True:
             # who still writes is asked before looking for the object: a writer that renamed its file
