@@ -241,3 +241,20 @@ def test_the_scheduler_says_whether_the_mode_is_on(make_settings):
         view = scheduler.snapshot()
         assert not scheduler.exact and not view["exact"]["on"] and "KVB_FLASH_ATTN" in view["exact"]["off_reason"]
         assert any(note.startswith("exact mode is off: KVB_FLASH_ATTN") for note in view["notes"])
+
+
+ZOO_HYBRID = sorted((GEMMA.path.parent / "zoo").glob("lfm2-test-*.gguf"))
+
+
+@pytest.mark.skipif(not ZOO_HYBRID, reason="no LFM2 zoo model: python -m kvbridge.models.zoo make lfm2")
+def test_a_hybrid_model_runs_with_the_mode_off_and_says_why(make_settings):
+    """LFM2 keeps recurrent state: asked for exact mode, the scheduler starts with it off (its context made again,
+    unified) instead of refusing, says why, and answers."""
+    settings = make_settings(sched_exact=True, model_path=str(ZOO_HYBRID[0]), sched_kv_cells=512, sched_max_running=2,
+                             sched_cached_prefixes=0, ctx_size=512, n_predict=4)
+    with Scheduler(settings) as scheduler:
+        view = scheduler.snapshot()
+        record = scheduler.submit("Once upon a time").result(timeout=300)
+    assert not scheduler.exact and not view["exact"]["on"] and "lfm2" in view["exact"]["off_reason"]
+    assert any(note.startswith("exact mode is off: lfm2") for note in view["notes"])
+    assert not record.error and record.gen_tokens >= 1

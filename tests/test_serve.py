@@ -18,6 +18,7 @@ import requests
 
 from conftest import needs_model
 from kvbridge.settings.models import EMBEDDED_MODELS
+from kvbridge.scheduler.exact import safe_reuse
 from process_helpers import clean_env, free_port, start_kvbridge, stop, wait_for
 
 openai = pytest.importorskip("openai", reason="the openai SDK is not installed (requirements.txt)")
@@ -87,7 +88,27 @@ def served(tmp_path_factory):
 def test_models_and_health_name_the_gguf(served):
     models = served.client().models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
-    assert served.health()["status"] == "ok"
+    health = served.health()
+    assert health["status"] == "ok"
+    # exact mode, serve's default (issue 47): said at start and in the status
+    assert (health["exact"], health["exact_off_reason"]) == (True, "")
+    assert "exact mode: on" in served.log.read_text()
+
+
+def test_with_flash_attention_serve_runs_the_mode_off_and_says_why(tmp_path):
+    """KVB_FLASH_ATTN=true (a quantised V cache needs it): serve starts with exact mode off, not refused, and says
+    why on its start line, in /health, /get_server_info and /metrics."""
+    served = Served(tmp_path, "flash", KVB_FLASH_ATTN="true").start()
+    try:
+        health = served.health()
+        info = requests.get(served.url + "/get_server_info", timeout=10).json()
+        metrics = requests.get(served.url + "/metrics", timeout=10).text
+    finally:
+        assert served.stop() == 0
+    assert health["exact"] is False and "KVB_FLASH_ATTN=true" in health["exact_off_reason"]
+    assert info["exact"] is False and info["exact_off_reason"] == health["exact_off_reason"]
+    assert 'kvbridge_serve_engine{field="exact"} 0.0' in metrics
+    assert "exact mode: off: KVB_FLASH_ATTN=true" in served.log.read_text()
 
 
 def test_chat_and_completions_streaming_and_not_with_usage(served):
@@ -106,7 +127,8 @@ def test_chat_and_completions_streaming_and_not_with_usage(served):
             usage = chunk.usage
     assert "".join(pieces) == chat.choices[0].message.content          # greedy: the same answer streamed
     assert usage.completion_tokens == chat.usage.completion_tokens
-    assert usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 1   # the same prompt again
+    # the same prompt again: reused as far as exact mode's cut allows (the default; kvbridge.scheduler.exact)
+    assert usage.prompt_tokens_details.cached_tokens >= safe_reuse(usage.prompt_tokens - 1, usage.prompt_tokens)
 
     text = client.completions.create(model="x", prompt="The word is banana. The word is banana. The word is",
                                      temperature=0, max_tokens=4)
@@ -246,7 +268,8 @@ def test_a_restart_keeps_the_cache_and_sigterm_lets_a_running_request_finish(sma
                                                                                 max_tokens=16, messages=doc_messages())
     warm = raw.parse()
     assert raw.headers["X-KVBridge-Tier"] in ("L1", "L2")
-    assert warm.usage.prompt_tokens_details.cached_tokens >= warm.usage.prompt_tokens - 32
+    assert warm.usage.prompt_tokens_details.cached_tokens >= safe_reuse(warm.usage.prompt_tokens - 32,
+                                                                        warm.usage.prompt_tokens)
     assert warm.choices[0].message.content == cold.choices[0].message.content
 
     # SIGTERM while a request streams: it finishes, then the process exits 0
