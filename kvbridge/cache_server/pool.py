@@ -39,6 +39,7 @@ from typing import Callable
 
 from kvbridge.cache_server.pages import (FREE, LEASED_OBJECT, OBJECT, PENDING, QUARANTINED, PageTable,  # noqa: F401
                                          PressureLevel, Watermarks)
+from kvbridge.cache_server.pool_grants import GRANT_KEY, PoolGrants
 from kvbridge.cache_server.pool_report import REFUSALS, PoolReport  # noqa: F401 - REFUSALS: importers use pool's
 from kvbridge.cache_server.shm import Segment
 from kvbridge.store.history import EvictionRing
@@ -49,7 +50,6 @@ log = logging.getLogger(__name__)
 
 
 ORPHAN_PREFIX = "orphan:"   # the owner of a dropped client's write leases while its process may still write
-GRANT_KEY = b""             # the key of a grant: a write lease whose object is named only when it is committed
 
 
 class StoreRefused(Exception):
@@ -122,7 +122,7 @@ def pages_needed(size: int, page_bytes: int) -> int:
     return max(1, -(-size // page_bytes))
 
 
-class PagedPool(PoolReport):
+class PagedPool(PoolReport, PoolGrants):
     """Objects in a Segment's pages, under read and write leases (see the module docstring)."""
 
     def __init__(self, segment: Segment, watermarks: Watermarks = Watermarks(), lease_timeout_s: float = 30.0,
@@ -252,58 +252,6 @@ class PagedPool(PoolReport):
                                                checksum=lease.checksum)
             self._bytes_used += lease.size
             return True
-
-    # -- grants: pages a writer holds ahead of its next store (issue 47) -------------------------------
-    def grant_write(self, size: int, client_id: str, priority: int) -> WriteLease | None:
-        """Free pages for `size` bytes under a write lease with no key yet, so the writer's next store copies
-        first and names the object in one round trip (commit_granted). None unless the pages are free and the
-        pool stays out of pressure with them gone: a grant never evicts, and under pressure writers pay the
-        two round trips again. A grant is a write lease in everything else (it expires, is revoked under
-        CRITICAL pressure, is orphaned with a silent client)."""
-        n = pages_needed(size, self.segment.page_bytes)
-        with self._lock:
-            if n == 0 or self.watermarks.level((self._free_count() - n) / self._total) > PressureLevel.OK:
-                return None
-            pages = self._pages.allocate(n)
-            if pages is None:
-                return None
-            self._pages.mark(pages, PENDING)
-            lease = self._new_lease(client_id, True, GRANT_KEY, pages, size, 0, priority)
-            self._counts["grants"] += 1
-            return WriteLease(lease.lease_id, GRANT_KEY, tuple(pages), size, 0)
-
-    def commit_granted(self, lease_id: int, client_id: str, key: bytes, size: int, meta: ObjectMeta,
-                       checksum: bytes = b"") -> str:
-        """The object the writer copied into its grant's first pages, made visible under `key`: "stored";
-        "exists" or "busy" (refused as prepare_write refuses; the grant stays the writer's for its next
-        store); "revoked" (the grant expired or was revoked: the writer releases it). The grant's pages past
-        the object are freed."""
-        key = check_key(key)
-        if not isinstance(meta, ObjectMeta):
-            raise TypeError(f"meta must be an ObjectMeta, got {type(meta).__name__}")
-        with self._lock:
-            lease = self._owned(lease_id, client_id)
-            if not lease.writing or lease.key != GRANT_KEY:
-                raise UnknownLease(f"lease {lease_id} is not a grant")
-            if lease.zombie:
-                return "revoked"
-            n = pages_needed(size, self.segment.page_bytes)
-            if not 0 <= size or n > len(lease.pages):
-                raise ValueError(f"an object of {size} bytes does not fit grant {lease_id} ({len(lease.pages)} pages)")
-            refusal = self._replaces(key, meta)
-            if refusal:
-                self._counts[f"refused_{refusal}"] += 1
-                return refusal
-            del self._leases[lease_id]
-            pages, spare = lease.pages[:n], lease.pages[n:]
-            if spare:
-                self._free_pages(spare)
-            self._generation += 1
-            self._pages.mark(pages, OBJECT)
-            self.segment.set_generation(pages, self._generation)
-            self._objects[key] = _Object(pages, size, meta, self._generation, checksum=bytes(checksum))
-            self._bytes_used += size
-            return "stored"
 
     def _replaces(self, key: bytes, meta: ObjectMeta) -> str:
         """Inside the lock, before an object is written under `key`: "" when it may be (an older tail under
