@@ -114,6 +114,42 @@ def measure(arch: str, questions: int, n_predict: int) -> dict:
             "seconds": round(time.perf_counter() - started, 1)}
 
 
+def step_cost(arch: str, repeats: int) -> dict:
+    """What prefilling chunk by chunk costs a cold run: the first question's cold prefill (and first token) in
+    KVB_CHUNK_SIZE steps against llama.cpp's own BATCH_TOKENS pieces, alternated (ABBA) on one engine, medians."""
+    from kvbridge.backends.base import EngineReport, Prompt
+    from kvbridge.backends.llamacpp import LlamaCppBackend
+    from kvbridge.models import zoo_model
+
+    with tempfile.TemporaryDirectory(prefix="zoo-step-cost-") as tmp:
+        settings = _settings(str(zoo_model(arch, "bench")), str(Path(tmp) / "l2"), 1)
+        backend = LlamaCppBackend(settings)
+        backend.start()
+        try:
+            text = backend.render(_questions(1)[0])
+            prompt = Prompt(text=text, tokens=tuple(backend.tokenize(text)))
+            chunked = backend._prefill_step
+
+            def cold_ms(step: int) -> float:
+                backend._prefill_step = step
+                started = time.perf_counter()
+                for _ in backend.generate(prompt, n_predict=1, temperature=0.0, use_native_cache=False,
+                                          report=EngineReport()):
+                    pass
+                return (time.perf_counter() - started) * 1000
+
+            cold_ms(0)   # untimed: the first large prefill after a start allocates its buffers
+            times: dict[int, list[float]] = {chunked: [], 0: []}
+            for i in range(repeats):
+                for step in ((chunked, 0) if i % 2 == 0 else (0, chunked)):
+                    times[step].append(cold_ms(step))
+        finally:
+            backend.stop()
+    by_chunk, by_piece = statistics.median(times[chunked]), statistics.median(times[0])
+    return {"arch": arch, "prompt_tokens": len(prompt.tokens), "chunk_steps_ms": round(by_chunk),
+            "batch_pieces_ms": round(by_piece), "ratio": round(by_chunk / by_piece, 3), "repeats": repeats}
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| architecture | in-process: text = cold | logits bit-equal | fresh process from L2: text = cold "
              "| logits bit-equal | restored (median tokens of prompt) | cold margin min / median |",
@@ -133,12 +169,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--questions", type=int, default=12, help="questions on the handbook (at most 12)")
     parser.add_argument("--n-predict", dest="n_predict", type=int, default=32, help="tokens each answer generates")
     parser.add_argument("--json", type=Path, help="write the rows here too")
+    parser.add_argument("--step-cost", dest="step_cost", type=int, metavar="REPEATS",
+                        help="instead: a cold prefill in chunk steps against llama.cpp's own pieces, REPEATS each")
     parser.add_argument("--child", choices=("warm", "fresh"), help=argparse_hidden())
     parser.add_argument("--model", help=argparse_hidden())
     parser.add_argument("--l2", help=argparse_hidden())
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child, args.model, args.l2, args.questions, args.n_predict)))
+        return 0
+    if args.step_cost:
+        for arch in [a.strip() for a in args.archs.split(",") if a.strip()]:
+            print(json.dumps(step_cost(arch, args.step_cost)), flush=True)
         return 0
     rows = []
     for arch in [a.strip() for a in args.archs.split(",") if a.strip()]:
