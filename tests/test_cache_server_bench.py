@@ -65,6 +65,7 @@ def test_inline_bytes_against_a_plain_socket(small_settings):
     assert result["frame_bytes"] == protocol.INLINE_FRAME_BYTES and reader.frame_bytes == protocol.INLINE_FRAME_BYTES
     # pyzmq's wheel carries the libsodium its libzmq uses: the cipher row is measured, not left out
     assert result["cipher_ms"] > 0 and result["cipher_vs_socket"] > 0
+    assert set(result["cpu_ms"]) == {"plain_socket", "whole", "framed", "many", "cipher"}
 
 
 def test_the_cipher_bench_seals_and_opens_with_libsodium():

@@ -148,7 +148,8 @@ class PlainSocketPeer:
         self._listener.close()
 
 
-def bench_inline_vs_socket(client, keys: Sequence[bytes], namespace: str | None, repeats: int = 7) -> dict:
+def bench_inline_vs_socket(client, keys: Sequence[bytes], namespace: str | None, repeats: int = 7,
+                           server_pid: int | None = None) -> dict:
     """All `keys` retrieved as inline bytes over CURVE (client made with use_shm=False) against a plain TCP
     transfer of the same sizes, side by side, alternated, medians (issue 47, Research §32):
 
@@ -157,6 +158,10 @@ def bench_inline_vs_socket(client, keys: Sequence[bytes], namespace: str | None,
     - `many`: one retrieve_many of them all, framed (the call a restore makes);
     - `cipher`: the cipher alone, no socket: libsodium's XSalsa20-Poly1305 (what CURVE runs per frame)
       encrypting and then decrypting the same bytes in frames of the same size, on one core.
+
+    Beside each median wall time, the median CPU time it took (this process, which holds the client and the
+    plain socket's peer, plus the server at `server_pid`): on a machine shared with other work the wall
+    times stretch with the load, the CPU each way of sending costs much less so.
     """
     from kvbridge.cache_server.protocol import INLINE_FRAME_BYTES
 
@@ -189,16 +194,35 @@ def bench_inline_vs_socket(client, keys: Sequence[bytes], namespace: str | None,
         payload = np.random.default_rng(5).integers(0, 256, size=max(sizes), dtype=np.uint8)
         actions["cipher"] = lambda _: [cipher.seal_and_open(payload[:size], framed) for size in sizes]
     try:
-        ms = _paired_median_ms(actions, repeats)
+        ms, cpu = _paired_wall_and_cpu_ms(actions, repeats, server_pid)
     finally:
         peer.close()
         client.frame_bytes = framed
     socket_ms = ms["plain_socket"]
-    return {"objects": len(keys), "bytes": sum(sizes), "frame_bytes": framed, "socket_ms": socket_ms,
+    return {"objects": len(keys), "bytes": sum(sizes), "frame_bytes": framed, "socket_ms": socket_ms, "cpu_ms": cpu,
             "inline_ms": ms["framed"], "inline_vs_socket": ms["framed"] / socket_ms,
             "whole_ms": ms["whole"], "whole_vs_socket": ms["whole"] / socket_ms,
             "many_ms": ms["many"], "many_vs_socket": ms["many"] / socket_ms,
             "cipher_ms": ms.get("cipher"), "cipher_vs_socket": ms["cipher"] / socket_ms if "cipher" in ms else None}
+
+
+def _paired_wall_and_cpu_ms(actions: dict, repeats: int, server_pid: int | None) -> tuple[dict, dict]:
+    """As store_bench._paired_median_ms (interleaved, one untimed round first), with the CPU time of this
+    process and the server beside the wall time: two dicts of medians, in ms."""
+    def cpu_now() -> float:
+        return cpu_seconds(os.getpid()) + (cpu_seconds(server_pid) if server_pid else 0.0)
+
+    for action in actions.values():
+        action(-1)
+    wall: dict[str, list[float]] = {name: [] for name in actions}
+    cpu: dict[str, list[float]] = {name: [] for name in actions}
+    for i in range(repeats):
+        for name, action in actions.items():
+            cpu_0, start = cpu_now(), time.perf_counter()
+            action(i)
+            wall[name].append((time.perf_counter() - start) * 1e3)
+            cpu[name].append((cpu_now() - cpu_0) * 1e3)
+    return ({name: float(np.median(v)) for name, v in wall.items()}, {name: float(np.median(v)) for name, v in cpu.items()})
 
 
 class SodiumBox:

@@ -55,7 +55,8 @@ def _bench_restore_with_server(settings: Settings, args) -> int:
             with closing(RemoteStore.from_settings(server.engine_settings)) as remote:
                 r = bench_restore_through_server(engine, remote, prompt_tokens=args.tokens, repeats=args.repeats)
             with bench_client(server, use_shm=False) as inline_client:
-                i = bench_inline_vs_socket(inline_client, r["keys"], engine.namespace, repeats=args.repeats)
+                i = bench_inline_vs_socket(inline_client, r["keys"], engine.namespace, repeats=args.repeats,
+                                           server_pid=server.pid)
     print(f"restore of {r['restored_tokens']} tokens ({r['state_bytes'] / 1e6:.1f} MB, {r['objects']} objects), "
           f"medians of {args.repeats}, interleaved:")
     print(f"  embedded store        {r['embedded_ms']:7.1f} ms (lookup+fetch+assemble+set), plain memory copy "
@@ -65,6 +66,7 @@ def _bench_restore_with_server(settings: Settings, args) -> int:
     print(f"  inline over TCP (CURVE), the {i['objects']} objects ({i['bytes'] / 1e6:.1f} MB) against a plain "
           f"loopback socket sending the same sizes ({i['socket_ms']:.1f} ms):")
     frames = f"{i['frame_bytes'] / 2**20:g} MiB frames"
+    cpu = i["cpu_ms"]
     print(f"    one by one, {frames:<16} {i['inline_ms']:7.1f} ms, ratio {i['inline_vs_socket']:.2f}x (target <= 3x)")
     print(f"    one by one, whole objects    {i['whole_ms']:7.1f} ms, ratio {i['whole_vs_socket']:.2f}x (the wire before "
           "issue 47)")
@@ -74,6 +76,8 @@ def _bench_restore_with_server(settings: Settings, args) -> int:
     else:
         print(f"    the cipher alone             {i['cipher_ms']:7.1f} ms, ratio {i['cipher_vs_socket']:.2f}x (libsodium "
               "XSalsa20-Poly1305 sealing and opening the same bytes on one core, no socket)")
+    print("    CPU time (bench process + server), medians: " + ", ".join(
+        f"{name} {ms:.0f} ms" for name, ms in cpu.items()))
     return 0
 
 
