@@ -24,12 +24,21 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 from kvbridge.store.behind import BehindWriter
 from kvbridge.store.objects import StoredObject
 
 POLL_S = 0.005   # how often a wait looks for the other writer's object (a rename: no event to wait on)
 INFLIGHT_COUNTS = ("inflight_reads", "inflight_waits", "inflight_waited_ms", "inflight_timeouts", "inflight_failed")
+
+
+@dataclass
+class WaitBound:
+    """One call's bound on its waits (a lookup or get_many waits at most this long in all)."""
+
+    until: float          # time.monotonic()
+    waited: bool = False  # a wait ran in this call: keys asked before it may have landed since
 
 
 class TierInflight:
@@ -62,19 +71,23 @@ class TierInflight:
             self._hits[found.tier] += 1
         return found
 
-    def _inflight_deadline(self) -> float:
-        return time.monotonic() + self.inflight_wait_s
+    def _inflight_deadline(self) -> WaitBound:
+        return WaitBound(time.monotonic() + self.inflight_wait_s)
 
-    def _await_writer(self, key: bytes, deadline: float) -> int | None:
+    def _await_writer(self, key: bytes, bound: WaitBound) -> int | None:
         """The level that holds `key` once another writer's write of it landed; None when no writer is
-        writing it, its write failed, or `deadline` (time.monotonic()) passed first."""
+        writing it, its write failed, or the call's bound passed first."""
         if self.inflight_wait_s <= 0:
             return None
         writing = [index for index, level in enumerate(self._levels) if level.tier.writing(key)]
         if not writing:
-            # landed since the caller last looked (while this call waited for an earlier key, say): one more
-            # look at the local tiers; a remote tier's look would be a round trip on every miss
+            if not bound.waited:
+                return None
+            # landed while this call waited for an earlier key: one more look at the local tiers (not a
+            # remote one: that would be a round trip)
             return self._landed([index for index, level in enumerate(self._levels) if not level.tier.remote], key)
+        bound.waited = True
+        deadline = bound.until
         started = time.monotonic()
         while True:
             # who still writes is asked before looking for the object: a writer that renamed its file

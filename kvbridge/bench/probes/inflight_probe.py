@@ -8,7 +8,8 @@ queue, and CachedEngine keeps that queue quiet while the next request runs. Each
 about a document (its own first line, so no repeat restores another's), then at once a second question
 about it, on two engines side by side in one run: KVB_INFLIGHT_WAIT_MS=0 (the old behaviour) and
 --wait-ms. It prints the follow-up's TTFT, the tokens it restored and whether its greedy answer equals
-the cold answer (the oracle), per repeat, and the medians with their ratio.
+the cold answer (the oracle), per repeat, and the medians with their ratio. `--miss-cost` instead times what
+the checks add to a lookup that misses (no model).
 """
 from __future__ import annotations
 
@@ -36,6 +37,36 @@ def engine_for(settings: Settings, url: str, wait_ms: int, l1_bytes: int, prefix
     return CachedEngine(settings, make_backend("llamacpp", settings), store=store).start()
 
 
+def miss_cost(rounds: int = 20, per_round: int = 200) -> None:
+    """What the in-flight checks add to a lookup that misses (L1 + a real L2 directory of 512 objects, 30
+    hashes, none stored, no writer), the setting off and on side by side."""
+    import os
+    import time
+
+    from kvbridge.store import ObjectMeta
+    from kvbridge.store.disk import DiskTier
+
+    with tempfile.TemporaryDirectory(prefix="kvb-inflight-miss-") as directory:
+        stores = {ms: TieredStore([MemoryTier(1 << 30), DiskTier(directory, 1 << 30)], namespace="ns",
+                                  inflight_wait_ms=ms) for ms in (0, 250)}
+        for _ in range(512):
+            stores[0].put(os.urandom(16), b"x" * 1024, ObjectMeta("ns", 4, bytes(16)))
+        missing = [os.urandom(16) for _ in range(30)]
+        times: dict[int, list[float]] = {ms: [] for ms in stores}
+        for _ in range(rounds):
+            for ms, store in stores.items():
+                started = time.perf_counter()
+                for _ in range(per_round):
+                    store.lookup(missing)
+                times[ms].append((time.perf_counter() - started) / per_round * 1e6)
+        for store in stores.values():
+            store.close()
+    for ms, found in times.items():
+        print(f"KVB_INFLIGHT_WAIT_MS={ms}: a lookup of 30 hashes that misses: {statistics.median(found):.1f} us "
+              f"(median of {rounds} x {per_round})")
+    print(f"on / off: {statistics.median(times[250]) / statistics.median(times[0]):.2f}x")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
@@ -43,7 +74,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wait-ms", type=int, default=250, help="KVB_INFLIGHT_WAIT_MS of the 'on' engine")
     parser.add_argument("--l1-mb", type=int, default=8, help="L1 of both engines, below the document's KV")
     parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1)")
+    parser.add_argument("--miss-cost", action="store_true", help="only time what the checks add to a lookup that misses")
     args = parser.parse_args(argv)
+    if args.miss_cost:
+        miss_cost()
+        return
     # one llama.cpp thread: on a machine whose cores are shared, two spin-wait for each other at every step
     settings = Settings.from_env().replace(l2_enabled=False, n_predict=16, threads=args.threads)
     rows: dict[str, list[tuple[float, int, bool]]] = {"off (0 ms)": [], f"on ({args.wait_ms} ms)": []}
