@@ -15,7 +15,6 @@ import pytest
 from conftest import as_fresh, needs_model
 from kvbridge.backends import make_backend
 from kvbridge.engine.cached_engine import CachedEngine
-from kvbridge.engine.cold_cut import GRID, restorable
 from kvbridge.settings import WORK_DIR
 
 from test_llama_server import BINARY as LLAMA_SERVER
@@ -97,8 +96,9 @@ def test_restore_from_l1_and_l2_equals_cold(engine, short_doc):
     assert first.error == "" and first.matched_tokens == 0 and first.stored_objects > 0
     cold, warm = cold_then_restore(engine, prompt)
     assert warm.tier == "L1" and warm.restore_ok is True
-    # token-granular, to where the engine prefills the rest as cold did (the last 8 to 15 tokens: cold_cut)
-    assert warm.matched_tokens == restorable(warm.prompt_tokens) > warm.prompt_tokens - 2 * GRID
+    # token-granular, to where the engine prefills the rest as cold did (its cut rule's last rows: cold_cut)
+    rule = engine.cut_rule
+    assert warm.matched_tokens == rule.restorable(warm.prompt_tokens) > warm.prompt_tokens - rule.min_rows - rule.grid
     assert warm.prefill_tokens == warm.prompt_tokens - warm.matched_tokens
     assert warm.text == cold.text and cold.text.strip()
 
@@ -114,7 +114,7 @@ def test_partial_share_restores_only_the_common_prefix(engine, short_doc):
     # a question long enough that it diverges before where a restore ends (the last 8 to 15 tokens: cold_cut)
     other = doc_prompt(short_doc, "When is the annual meeting held, where is it held, and who may attend it?")
     cold, warm = cold_then_restore(engine, other)
-    assert 0 < warm.matched_tokens < restorable(warm.prompt_tokens)
+    assert 0 < warm.matched_tokens < engine.cut_rule.restorable(warm.prompt_tokens)
     # the tail makes reuse token-granular: more than the last full chunk boundary
     assert warm.matched_tokens > warm.chunks_hit * 32
     assert warm.text == cold.text

@@ -15,7 +15,6 @@ import pytest
 from conftest import needs_model
 from kvbridge.backends import make_backend
 from kvbridge.engine.cached_engine import CachedEngine
-from kvbridge.engine.cold_cut import restorable
 from kvbridge.errors import EngineUnavailable
 from kvbridge.settings import WORK_DIR
 
@@ -35,6 +34,7 @@ def test_restore_in_a_fresh_process_from_l2(make_settings, short_doc):
         engine.infer(prompt, mode="lmcache", n_predict=N_PREDICT)
         engine.infer(UNRELATED, mode="native", n_predict=4)
         cold = engine.infer(prompt, mode="cold", n_predict=N_PREDICT)
+        rule = engine.cut_rule
     script = textwrap.dedent(f"""
         import dataclasses, json
         from kvbridge.settings import Settings
@@ -50,7 +50,7 @@ def test_restore_in_a_fresh_process_from_l2(make_settings, short_doc):
                          timeout=300, env={**os.environ, "PYTHONPATH": str(WORK_DIR)})
     assert out.returncode == 0, out.stderr[-2000:]
     record = json.loads(out.stdout.strip().splitlines()[-1])
-    assert record["tier"] == "L2" and record["matched_tokens"] == restorable(record["prompt_tokens"])
+    assert record["tier"] == "L2" and record["matched_tokens"] == rule.restorable(record["prompt_tokens"])
     assert record["text"] == cold.text
 
 

@@ -13,7 +13,6 @@ import pytest
 from kvbridge.backends import make_backend
 from kvbridge.settings import Settings
 from kvbridge.engine.cached_engine import CachedEngine
-from kvbridge.engine.cold_cut import restorable
 from kvbridge.formats.llama_state import parse_state
 from kvbridge.store import TieredStore
 
@@ -51,7 +50,7 @@ def test_three_modes_and_a_restore_equal_to_cold(settings):
 
         hit = engine.infer(QUESTION, mode="lmcache")
         assert hit.restore_ok is True and hit.tier == "L1"
-        cut = restorable(n)   # the engine prefills the rest as its cold run did (kvbridge.engine.cold_cut)
+        cut = engine.cut_rule.restorable(n)   # the engine prefills the rest as its cold run did (kvbridge.engine.cold_cut)
         assert hit.matched_tokens == cut and hit.chunks_hit == cut // settings.chunk_size
         assert hit.engine_cached_tokens == cut               # llama-server really reused the restore
         assert hit.prefill_tokens == n - cut and "ineffective" not in hit.notes
@@ -72,7 +71,7 @@ def test_restart_drops_the_server_and_l1_then_hits_l2(settings):
         assert process_gone(old_pid) and engine.backend.server.pid != old_pid
         hit = engine.infer(QUESTION, mode="lmcache")
         assert hit.tier == "L2" and hit.restore_ok is True
-        assert hit.engine_cached_tokens == hit.matched_tokens == restorable(cold.prompt_tokens)
+        assert hit.engine_cached_tokens == hit.matched_tokens == engine.cut_rule.restorable(cold.prompt_tokens)
         assert hit.text == cold.text
 
 
@@ -88,7 +87,7 @@ def test_chunks_stored_in_process_restore_into_llama_server(settings):
         assert server.namespace == namespace, "equal model, cache types and V layout must share a namespace"
         hit = server.infer(QUESTION, mode="lmcache")
         assert hit.tier == "L2" and hit.restore_ok is True
-        assert hit.engine_cached_tokens == hit.matched_tokens == restorable(hit.prompt_tokens)
+        assert hit.engine_cached_tokens == hit.matched_tokens == server.cut_rule.restorable(hit.prompt_tokens)
         assert hit.text == in_process_cold.text
         cold = server.infer(QUESTION, mode="cold")
         assert cold.text == hit.text
@@ -115,7 +114,7 @@ def test_flash_attention_changes_the_namespace(settings):
         flash.infer(QUESTION, mode="lmcache")
         hit = flash.infer(QUESTION, mode="lmcache")
         hit_kv = parse_state(flash.backend.save_state().data)
-    restored = restorable(cold.prompt_tokens)
+        restored = flash.cut_rule.restorable(cold.prompt_tokens)
     assert hit.restore_ok is True and hit.engine_cached_tokens == hit.matched_tokens == restored
     assert native.engine_cached_tokens == cold.prompt_tokens - 1   # llama-server's own cache: all but the last
     assert cold_kv.geometry.v_trans == hit_kv.geometry.v_trans == 0

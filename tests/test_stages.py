@@ -9,7 +9,6 @@ import pytest
 from conftest import needs_model
 from kvbridge.backends import make_backend
 from kvbridge.engine.cached_engine import CachedEngine
-from kvbridge.engine.cold_cut import restorable
 from kvbridge.engine.records import RECORD_FIELDS
 from kvbridge.engine.stages import STAGE_FIELDS, STAGES, stages_gap_ms, stages_of
 from kvbridge.store import TieredStore
@@ -101,7 +100,7 @@ def test_a_hot_prefix_is_restored_from_the_state_already_assembled(make_settings
         assert first.matched_tokens == second.matched_tokens and second.restore_ok
         assert second.text == cold.text and second.fetch_bytes < first.fetch_bytes / 2   # the tail only, no chunk
         repeat = engine.infer(ask(QUESTIONS[0]), mode="lmcache")   # the store now reaches further than the hot state
-        assert repeat.matched_tokens == restorable(repeat.prompt_tokens) > second.matched_tokens
+        assert repeat.matched_tokens == engine.cut_rule.restorable(repeat.prompt_tokens) > second.matched_tokens
         assert repeat.prefill_tokens == repeat.prompt_tokens - repeat.matched_tokens
         assert engine._kv.hot_hits == 1 and repeat.text == cold.text
         for tier in engine.store.tier_names:     # the user empties the store: a miss, whatever is in memory

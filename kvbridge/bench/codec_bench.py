@@ -39,6 +39,7 @@ def _kv(engine, store):
                  engine.geometry)
     kv.hot_restores = False   # each restore reads and decodes its objects: that is what the codecs are timed on
     kv.cold_cut = engine._kv is not None and engine._kv.cold_cut   # and restores what the engine's restores do
+    kv.cut_rule = engine.cut_rule
     return kv
 
 

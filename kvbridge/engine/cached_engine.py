@@ -25,6 +25,8 @@ from kvbridge.settings import Settings
 from kvbridge.errors import EmptyPrompt, KVBridgeError, StateTransferError
 from kvbridge.engine.segments import tokenize_segments
 from kvbridge.engine.hashing import make_hasher
+from kvbridge.engine import cut_verdicts
+from kvbridge.engine.cold_cut import DEFAULT_RULE, CutRule
 from kvbridge.engine.chunks import ChunkKV, ForeignState
 from kvbridge.engine.shadow_index import ShadowIndex
 from kvbridge.formats.architectures import ModelTraits
@@ -128,7 +130,8 @@ class CachedEngine:
             kv_layout = decision.namespace_key
             if self.geometry is not None:
                 remember_geometry(self.geometry)   # the int8 codec finds a chunk's K and V rows by it
-        self.namespace = namespace_for(self.settings, fingerprint=self.backend.kv_fingerprint(),
+        fingerprint = self.backend.kv_fingerprint()
+        self.namespace = namespace_for(self.settings, fingerprint=fingerprint,
                                        model_path=self.backend.model_file(), kv_layout=kv_layout, store=self.store)
         self.hasher = make_hasher(self.settings.chunk_size, self.namespace, self.settings.prefer_lmcache_hasher)
         seed = getattr(self.hasher, "seed", b"")
@@ -136,6 +139,7 @@ class CachedEngine:
             self._kv = ChunkKV(self.store, self.namespace, seed, self.settings.chunk_size, self.geometry)
             self._kv.prefault_scratch = not self.backend.assembles_in_place
             self._kv.cold_cut = True   # the engine prefills what a restore leaves as its cold run did
+            self._kv.cut_rule = cut_verdicts.rule_for(self.settings, self.backend.model_file(), fingerprint)
             if self.settings.explain_misses:
                 self._kv.misses.learn_namespaces()
         elif self.backend.kv_mode != "full":
@@ -153,6 +157,12 @@ class CachedEngine:
             return self.backend.save_state().data
         finally:
             self.backend.reset_native_cache()
+
+    @property
+    def cut_rule(self) -> CutRule:
+        """Where this engine's restores end (kvbridge.engine.cold_cut): the cut probe's verdict for its model,
+        build and CPU, or the fixed grid of 8 where none was proven (and before the engine has started)."""
+        return self._kv.cut_rule if self._kv is not None else DEFAULT_RULE
 
     # status --------------------------------------------------------------------------------
     def status(self) -> dict:
@@ -173,6 +183,7 @@ class CachedEngine:
             "kv_layout": self._layout_summary(),
             "model": self.traits.summary() if self.traits else "",
             "kv_refusal": self.kv_refusal,
+            "cut_rule": self.cut_rule.describe() if self._kv is not None else "",
             "started": self.started,
             "store": self.store.stats(),
             "metrics": self.metrics.snapshot(),
@@ -453,6 +464,10 @@ class CachedEngine:
         m = self.metrics
         for name, count in self.backend.take_counters().items():
             m.inc(name, count)
+        # objects read from writes not landed yet, waits for them and their ms (kvbridge.store.tiered_inflight);
+        # a cache server's store has no write-behind queue of this process, so nothing to take
+        for name, count in getattr(self.store, "take_inflight", dict)().items():
+            m.inc(name, count)
         m.inc(f"requests_{r.mode}")
         if r.error:
             return
@@ -464,10 +479,6 @@ class CachedEngine:
         if r.mode == "lmcache":
             m.inc(PROMPT_TOKENS, r.prompt_tokens)   # tier_hit_rates(): restored tokens by tier over these
             for tier, n in hit_tiers.items():
-        # objects read from writes not landed yet, waits for them and their ms (kvbridge.store.tiered_inflight);
-        # a cache server's store has no write-behind queue of this process, so nothing to take
-        for name, count in getattr(self.store, "take_inflight", dict)().items():
-            m.inc(name, count)
                 m.inc(f"{HIT_TOKENS_PREFIX}{tier}", n)
             m.inc(f"hits_{r.tier}" if r.matched_tokens else "misses")
             m.record("lookup_ms", r.lookup_ms)

@@ -32,7 +32,7 @@ import numpy as np
 
 from kvbridge.backends.base import SeqState, WindowCapture
 from kvbridge.engine.assembly_buffer import AssemblyBuffer
-from kvbridge.engine.cold_cut import on_grid, restorable
+from kvbridge.engine.cold_cut import DEFAULT_RULE, CutRule
 from kvbridge.engine.hashing import tail_key, tokens_digest
 from kvbridge.engine.misses import MissExplainer
 from kvbridge.engine.restore_plan import RestorePlan, common_prefix_length
@@ -75,6 +75,17 @@ class ChunkKV:
         self.cold_cut = False
         # names the cause of a miss (kvbridge.engine.misses); it remembers what this process could not store
         self.misses = MissExplainer(store, namespace, seed, chunk_size)
+        self._cut_rule: CutRule = DEFAULT_RULE
+
+    @property
+    def cut_rule(self) -> CutRule:
+        """Where restores end when `cold_cut` is on: the cut probe's verdict for this model, build and CPU
+        (kvbridge.engine.cut_verdicts), or the fixed grid of 8; the miss explainer words its notes by it."""
+        return self._cut_rule
+
+    @cut_rule.setter
+    def cut_rule(self, rule: CutRule) -> None:
+        self._cut_rule = self.misses.cut_rule = rule
 
     def close(self) -> None:
         if self._own_buffer:
@@ -112,7 +123,11 @@ class ChunkKV:
             with timer.stage("fetch"):
                 return self._plan_snapshot(tokens, hashes, limit)
         if self._cuts():
-            limit = restorable(len(tokens))
+            limit = self.cut_rule.restorable(len(tokens))
+        elif self.cold_cut and self.geometry.recurrent:
+            # CachedEngine's engine prefills these models chunk by chunk: the last chunk's end before the prompt's
+            # end is where a cold run's step ends too (kvbridge.backends.llamacpp)
+            limit = (len(tokens) - 1) // self.chunk_size * self.chunk_size
         plan = RestorePlan(limit=max(limit, 0))
         if limit < 1:
             return plan
@@ -155,7 +170,7 @@ class ChunkKV:
         _, keep = self._tail_keep(obj, tokens, wanted * c, limit, plan)
         reach = wanted * c + keep
         if self._cuts():
-            reach = on_grid(reach)
+            reach = self.cut_rule.cut(reach, len(tokens))
         if reach > len(hot) or reach == 0:
             return False   # the store holds more of this prompt (or none of it: a miss stays a miss)
         plan.hot = True
@@ -198,7 +213,7 @@ class ChunkKV:
         view, keep = self._tail_keep(obj, tokens, start, limit, plan)
         if keep > 0:
             found.append((view, obj, keep))
-        left = n = self._on_grid(start + keep, plan)
+        left = n = self._on_grid(start + keep, len(tokens), plan)
         for view, obj, cells in found:
             take = min(cells, left)
             if take < 1:
@@ -219,12 +234,12 @@ class ChunkKV:
         """Whether restores end on the cold-cut grid: asked for, and the KV can be cut by position."""
         return self.cold_cut and self.geometry is not None and not self.geometry.recurrent
 
-    def _on_grid(self, n: int, plan: RestorePlan) -> int:
-        """`n` restorable tokens, brought onto the cold-cut grid when restores are cut (plan.reach keeps `n`)."""
-        if not self._cuts() or on_grid(n) == n:
-            return n
-        plan.reach = n
-        return on_grid(n)
+    def _on_grid(self, n: int, n_prompt: int, plan: RestorePlan) -> int:
+        """`n` restorable tokens, cut where the rule lets a restore end when restores are cut (plan.reach keeps `n`)."""
+        cut = self.cut_rule.cut(n, n_prompt) if self._cuts() else n
+        if cut != n:
+            plan.reach = n
+        return cut
 
     def assemble(self, plan: RestorePlan,
                  buffer_for: Callable[[int, Sequence[int]], np.ndarray | None] | None = None) -> SeqState:

@@ -129,6 +129,7 @@ def _explain(engine: CachedEngine, namespace: str, seed: bytes, tokens: list[int
         kv = engine._kv if namespace == engine.namespace else ChunkKV(store, namespace, seed, settings.chunk_size,
                                                                       engine.geometry)
         kv.cold_cut = engine._kv is not None and engine._kv.cold_cut   # cut where the engine's restores are cut
+        kv.cut_rule = engine.cut_rule
         hot, kv.hot_restores = kv.hot_restores, False   # read what a fresh restore reads, not a state held
         try:
             plan = kv.find_prefix(tokens, hashes)

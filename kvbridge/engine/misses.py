@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from kvbridge.engine.cold_cut import GRID
+from kvbridge.engine.cold_cut import DEFAULT_RULE, CutRule
 from kvbridge.engine.hashing import ChunkHasher, tail_key
 from kvbridge.engine.namespace import NAMESPACE_VERSION
 from kvbridge.store.history import MIN_HISTORY, MissProbe
@@ -156,6 +156,7 @@ class MissExplainer:
         self.seed = seed
         self.chunk_size = chunk_size
         self.detokenize = detokenize
+        self.cut_rule: CutRule = DEFAULT_RULE   # where the engine's restores end (ChunkKV.cut_rule)
         self._not_stored: OrderedDict[bytes, str] = OrderedDict()   # key -> why it was not stored (this process)
         self._known_namespaces: dict[str, int] = {}                 # from the last probe (or the engine's start)
         self._lock = threading.Lock()
@@ -208,7 +209,7 @@ class MissExplainer:
         by_tier = dict(getattr(plan, "tier_tokens", {}) or {}) if plan is not None else {}
         if n > 1 and limit < 1:
             return MissReport(reason="below_chunk", at_token=0, hit_tiers=by_tier,
-                              detail=f"the prompt has {n} tokens: a restore leaves the last {GRID} or more of a prompt "
+                              detail=f"the prompt has {n} tokens: a restore leaves the last {self.cut_rule.min_rows} or more of a prompt "
                               "to the engine (so its answer equals a cold run's), and this one is computed whole")
         if limit < 1:
             return MissReport(reason="below_chunk" if n else "", at_token=0, hit_tiers=by_tier,
@@ -221,7 +222,7 @@ class MissExplainer:
         report = self._cause(tokens, hashes, plan, reach, fault, probe, across_salts)
         grid_note = ""
         if reach > at:
-            grid_note = (f" (restored to token {at}: restores end on a grid of {GRID} tokens, so the engine computes "
+            grid_note = (f" (restored to token {at}: restores end on a grid of {self.cut_rule.grid} tokens, so the engine computes "
                          "the rest with the kernels its cold run used)")
         later = None
         if report[0] == "none_stored" and probe and not across_salts:

@@ -9,7 +9,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
-from kvbridge.engine.cold_cut import GRID
 from kvbridge.engine.modes import mode_names
 from kvbridge.engine.records import RequestRecord
 from kvbridge.engine.stages import STAGE_LABELS, STAGES, stages_gap_ms, stages_of
@@ -162,7 +161,7 @@ def plain_copy_ms(source, repeats: int = 5) -> float:
 
 def stored_prefix(engine, prompt_tokens: int = 2048):
     """Store a prompt of the built-in document whose restore gives `prompt_tokens` tokens (a multiple of 8: a
-    restore leaves the engine the last GRID tokens, kvbridge.engine.cold_cut); (record, tokens, hashes) of it.
+    restore leaves the engine its cut rule's last min_rows tokens, kvbridge.engine.cold_cut); (record, tokens, hashes) of it.
 
     The engine still holds the prompt afterwards, so a caller can save its state again (bench-restore
     stores the same cells through a cache server as well).
@@ -171,9 +170,10 @@ def stored_prefix(engine, prompt_tokens: int = 2048):
 
     backend = engine.backend
     tokens = backend.tokenize(builtin_document())
-    while len(tokens) < prompt_tokens + GRID:
+    left = engine.cut_rule.min_rows   # what the engine's restores leave it to compute (its cut rule)
+    while len(tokens) < prompt_tokens + left:
         tokens = tokens + tokens
-    tokens = tokens[: prompt_tokens + GRID]
+    tokens = tokens[: prompt_tokens + left]
     record = engine.infer(backend.detokenize(tokens), mode="lmcache", n_predict=1)  # stores the prefix
     prompt = engine.prepare(backend.detokenize(tokens))
     tokens = list(prompt.tokens)
