@@ -236,6 +236,10 @@ def test_a_lone_store_after_the_first_goes_into_pages_lent_ahead(server):
         client.flush()
     assert server.store.pool.stats()["write_leases"] == 0 and server.store.pool.stats()["read_leases"] == 0
     server.store.pool.check_invariants()
+    with CacheClient(server.url, timeout_s=5, grants=False) as client:   # as before issue 47: prepare and commit
+        for i in range(3):
+            assert client.store(bytes([i + 10]) * 16, blob_of(150_000, i + 10), META) == (True, "")
+        assert client.counters["granted_stores"] == 0 and server.store.pool.stats()["write_leases"] == 0
 
 
 def test_inline_frames_are_cut_as_asked_and_an_old_peers_whole_frame_still_works(server):

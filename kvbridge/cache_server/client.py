@@ -67,13 +67,15 @@ class CacheClient:
     def __init__(self, url: str, instance_id: str | None = None, priority: int = 5, *, token: str = "",
                  server_key: str = "", timeout_s: float = 5.0, use_shm: bool = True, label: str = "",
                  wait_for_key: bool = False, checksum: bool = False,
-                 frame_bytes: int = protocol.INLINE_FRAME_BYTES) -> None:
+                 frame_bytes: int = protocol.INLINE_FRAME_BYTES, grants: bool = True) -> None:
         """`token`: the shared secret ('' -> this user's token file); `server_key`: the server's Z85 public key
         ('' -> this user's key file). `wait_for_key`: a key file that does not exist yet (a server still
         starting) is a warning here instead of CacheServerRefused; calls are refused until it appears.
         `checksum` (KVB_CACHE_SERVER_CHECKSUM): stores through shared memory carry a digest of their bytes,
         and every object read out of shared memory is checked against its writer's digest. `frame_bytes`: inline
-        bytes travel in frames of at most this size (0: each object in one frame, as before issue 47)."""
+        bytes travel in frames of at most this size (0: each object in one frame, as before issue 47). `grants`: a
+        lone store asks for pages lent ahead of the next one, which then takes one round trip (False: every lone
+        store is prepare and commit, as before issue 47)."""
         if not isinstance(priority, int) or not 0 <= priority <= 9:
             raise ValueError(f"CacheClient(priority=...) must be an int from 0 to 9, got {priority!r}")
         if instance_id is not None and (not isinstance(instance_id, str) or not 0 < len(instance_id) <= 128):
@@ -88,6 +90,7 @@ class CacheClient:
                              f"{protocol.MIN_INLINE_FRAME_BYTES}, got {frame_bytes!r}")
         self.url = url
         self.frame_bytes = frame_bytes
+        self.grants = grants
         self.instance_id = instance_id or uuid.uuid4().hex
         self.priority = priority
         self.timeout_s = timeout_s
@@ -300,10 +303,12 @@ class CacheClient:
     # brings the next grant. A server from before issue 47 gives none; one under pressure gives none.
     def _grant_wanted(self, size: int) -> int:
         with self._grant_lock:
-            return 0 if self._grant is not None else size
+            return 0 if self._grant is not None or not self.grants else size
 
     def _take_grant(self, segment: Segment, size: int) -> protocol.PrepareReply | None:
         """The grant when it fits `size` bytes (it is then this call's alone); one too small is given back."""
+        if not self.grants:
+            return None
         with self._grant_lock:
             grant, self._grant = self._grant, None
         if grant is None or len(grant.pages) * segment.page_bytes >= size:
