@@ -147,8 +147,9 @@ def test_a_repeated_document_is_cached_and_answers_as_cold(served):
                                                              messages=doc_messages())
     cold, warm = first.parse(), second.parse()
     assert cold.usage.prompt_tokens_details.cached_tokens < 64      # at most the chat template's head
-    document_tokens = warm.usage.prompt_tokens - 24
-    assert warm.usage.prompt_tokens_details.cached_tokens >= document_tokens
+    # all but the question's last tokens, as far as exact mode's cut allows (serve's default: up to 63 short)
+    assert warm.usage.prompt_tokens_details.cached_tokens >= safe_reuse(warm.usage.prompt_tokens - 1,
+                                                                        warm.usage.prompt_tokens)
     assert second.headers["X-KVBridge-Tier"] in ("resident", "L1", "L2")
     assert warm.choices[0].message.content == cold.choices[0].message.content
     assert warm.usage.completion_tokens == cold.usage.completion_tokens
