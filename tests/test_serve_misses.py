@@ -13,6 +13,7 @@ import pytest
 import requests
 
 from conftest import needs_model
+from kvbridge.scheduler.exact import safe_reuse
 from kvbridge.serve.tenants import key_digest
 from process_helpers import wait_for
 from test_serve import Served, short_doc_messages
@@ -85,7 +86,8 @@ def test_the_header_and_the_usage_name_each_miss_and_each_hit(served):
 
     headers, usage = ask_streamed(served, DEFAULT_KEY, short_doc_messages())   # resident now: shared, a hit
     assert headers["X-KVBridge-Miss"] == "hit" and headers["X-KVBridge-Tier"] == "resident"
-    reused = usage["prompt_tokens"] - 1                                  # the last token is always computed
+    # the last token is always computed, and exact mode (serve's default) computes from its cut on (safe_reuse)
+    reused = safe_reuse(usage["prompt_tokens"] - 1, usage["prompt_tokens"])
     assert usage["prompt_tokens_details"]["cached_tokens"] == reused
     assert usage["kvbridge"] == {"miss_reason": "hit", "miss_detail": "", "hit_tiers": {"context": reused}}
 

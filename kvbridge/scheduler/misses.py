@@ -20,6 +20,7 @@ import numpy as np
 
 from kvbridge.engine.misses import MissExplainer, MissReport
 from kvbridge.engine.restore_plan import RestorePlan
+from kvbridge.scheduler.exact import safe_reuse
 from kvbridge.scheduler.requests import Request
 from kvbridge.scheduler.sequence_store import SequenceStore
 
@@ -28,17 +29,25 @@ CONTEXT_TIER = "context"   # hit_tiers' name for cells shared from a resident se
 
 class AdmissionMisses:
     """Fills a first admission's miss fields. `probe`: KVB_EXPLAIN_MISSES (False: no store call, the cause
-    from the plan alone); `half_block`: less than this beyond the resident cells is never read from the store."""
+    from the plan alone); `half_block`: less than this beyond the resident cells is never read from the store;
+    `exact`: exact mode, whose cut (kvbridge.scheduler.exact.safe_reuse) leaves up to 63 tokens of a prompt that
+    matched whole to compute: reaching that cut is a hit, not a miss to explain."""
 
-    def __init__(self, detokenize: Callable[[Sequence[int]], str] | None, probe: bool, half_block: int) -> None:
+    def __init__(self, detokenize: Callable[[Sequence[int]], str] | None, probe: bool, half_block: int,
+                 exact: bool = False) -> None:
         self.detokenize = detokenize
         self.probe = probe
         self.half_block = max(1, half_block)
+        self.exact = exact
+
+    def _limit(self, n: int) -> int:
+        """The most of an n-token prompt any reuse gives: all but the last token, or exact mode's cut of that."""
+        return safe_reuse(n - 1, n) if self.exact else n - 1
 
     def resident_only(self, request: Request, sequences: SequenceStore, shared: int, resident: Sequence[int]) -> None:
         """No lookup was made: the resident run (`shared` of the `resident` tokens a source holds) reaches to
         within half a block of the prompt's end."""
-        n, limit = len(request.prompt), len(request.prompt) - 1
+        n, limit = len(request.prompt), self._limit(len(request.prompt))
         hit = _context(shared)
         if shared >= limit:
             MissReport(hit_tiers=hit, at_token=shared).apply(request.record)
@@ -55,7 +64,7 @@ class AdmissionMisses:
         """The store was asked (`plan`, a RestorePlan); `restored`: its prefix replaced the `shared` resident cells
         (of the `resident` tokens their source holds)."""
         prompt = request.prompt
-        n, limit = len(prompt), len(prompt) - 1
+        n, limit = len(prompt), self._limit(len(prompt))
         reached = plan.matched_tokens if restored else shared
         hit = dict(plan.tier_tokens) if restored else _context(shared)
         if reached >= limit:

@@ -101,7 +101,7 @@ class Scheduler:
         self._ids = iter(range(1, 1 << 62))   # requests and cached prefixes: one numbering
         self.prefixes = PrefixCache(self._ctx, self.seqs, self.queues.running, s.sched_cached_prefixes, self._ids,
                                     self.journal, whole_only=bool(geometry.recurrent), exact=self.exact)
-        misses = AdmissionMisses(self._detokenize, s.explain_misses, s.sched_block_tokens // 2)
+        misses = AdmissionMisses(self._detokenize, s.explain_misses, s.sched_block_tokens // 2, exact=self.exact)
         self.restorer = Restorer(self._ctx, self.seqs, self.prefixes, self._swap_for, geometry.window, s.chunk_size,
                                  self.journal, geometry=geometry, misses=misses, exact=self.exact)
         if self.exact:
