@@ -166,14 +166,14 @@ class TieredStore(TierWrites, TierUpkeep, TierHistory, TierInflight):
         keys = [check_key(key) for key in hashes]
         holders = self._holders(keys)
         tiers: list[str] = []
-        deadline = self._inflight_deadline()   # one bound for every wait of this lookup (tiered_inflight)
+        bound = self._wait_bound()   # one bound for every wait of this lookup (tiered_inflight)
         for key, index in zip(keys, holders):
             if index is None or not self._levels[index].tier.available():
                 queued = self._queued_object(key, expected)   # its write still queued behind a request
                 if queued is not None:
                     tiers.append(queued.tier)
                     continue
-                index = self._await_writer(key, deadline) if index is None else None
+                index = self._await_writer(key, bound) if index is None else None
                 if index is None:
                     break   # not stored, or in a remote tier marked down: its objects cannot be read now
             meta = self._levels[index].tier.meta(key)
@@ -237,13 +237,13 @@ class TieredStore(TierWrites, TierUpkeep, TierHistory, TierInflight):
         expected = self.namespace if namespace is None else namespace
         holders = self._holders(keys, remote=False)   # local tiers (a file another process wrote) only
         queued: dict[int, StoredObject] = {}
-        deadline = self._inflight_deadline()
+        bound = self._wait_bound()
         for at in [at for at, index in enumerate(holders) if index is None]:
             found_queued = self._queued_object(keys[at], expected)
             if found_queued is not None:
                 queued[at] = found_queued
             else:
-                holders[at] = self._await_writer(keys[at], deadline)
+                holders[at] = self._await_writer(keys[at], bound)
         unknown = [at for at, index in enumerate(holders) if index is None and at not in queued]
         with self._lock:
             for at, (key, index) in enumerate(zip(keys, holders)):

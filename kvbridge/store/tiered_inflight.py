@@ -71,7 +71,7 @@ class TierInflight:
             self._hits[found.tier] += 1
         return found
 
-    def _inflight_deadline(self) -> WaitBound:
+    def _wait_bound(self) -> WaitBound:
         return WaitBound(time.monotonic() + self.inflight_wait_s)
 
     def _await_writer(self, key: bytes, bound: WaitBound) -> int | None:
