@@ -8,7 +8,8 @@ length of a request, a follow-up missed them for certain, however long it took t
 Two cases, both bounded and both off with KVB_INFLIGHT_WAIT_MS=0 (the old behaviour: a miss):
 - a write of this store still queued or running behind a request (BehindWriter.latest): served from the
   bytes the job holds, at once, with no wait: the very bytes the tier will hold (the newest job wins,
-  as it will in the tier). Counted `inflight_reads`.
+  as it will in the tier). Counted `inflight_reads`. A lossy tier's codec has not run on them yet: what is
+  served is the exact KV the put was given, never worse than what the tier will hold.
 - another writer's write of the key into a shared tier (a live writer's temp file in the L2 directory:
   another process, or another thread of this one): waited for, polling every POLL_S, at most
   KVB_INFLIGHT_WAIT_MS per lookup or get_many call in all. A write that fails (its temp file gone and no
