@@ -74,8 +74,8 @@ def _bench_table(data: dict) -> list[str]:
 
 
 # what follows this line on the page is written by hand (each figure's command is in Docs/Research.md) and kept as it
-# is when the matrix regenerates the page above it
-KEPT_MARK = ("<!-- Sections below this line are written by hand (their commands are in Docs/Research.md); "
+# is when the matrix regenerates the page above it (a blank line first: the comment never joins the table above)
+KEPT_MARK = ("\n<!-- Sections below this line are written by hand (their commands are in Docs/Research.md); "
              "python -m kvbridge.models.matrix regenerates only what is above it. -->")
 
 
