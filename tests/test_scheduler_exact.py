@@ -258,3 +258,19 @@ def test_a_hybrid_model_runs_with_the_mode_off_and_says_why(make_settings):
     assert not scheduler.exact and not view["exact"]["on"] and "lfm2" in view["exact"]["off_reason"]
     assert any(note.startswith("exact mode is off: lfm2") for note in view["notes"])
     assert not record.error and record.gen_tokens >= 1
+
+
+def test_exact_modes_cut_of_a_whole_match_is_a_hit_and_a_divergence_still_explained():
+    """Serve's miss header in exact mode: a repeated prompt reused up to exact mode's cut (736 of 792 tokens) is a
+    hit (it once said lease_busy); a prompt that diverged inside the cut's window is still explained."""
+    from kvbridge.scheduler.misses import AdmissionMisses
+
+    prompt = list(range(1000, 1792))
+    cut = safe_reuse(len(prompt) - 1, len(prompt))
+    exact_misses, off = AdmissionMisses(None, False, 8, exact=True), AdmissionMisses(None, False, 8)
+    assert cut == 736
+    assert exact_misses._whole_hit(prompt, cut, 0, prompt[:-1])                 # resident: the whole prompt
+    assert exact_misses._whole_hit(prompt, cut, len(prompt) - 1, ())            # the store: the whole prompt
+    assert not exact_misses._whole_hit(prompt, cut, 0, prompt[:760] + [7] * 31)   # diverged at 760
+    assert not exact_misses._whole_hit(prompt, cut - 32, 0, prompt[:-1])        # short of the cut
+    assert not off._whole_hit(prompt, cut, 0, prompt[:-1])                      # the mode off: n - 1 or a miss
