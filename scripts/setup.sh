@@ -178,6 +178,16 @@ if [[ $need_install -eq 1 ]]; then
     say "Python packages installed ($((SECONDS - install_start_s)) s)"
 fi
 
+# 4b. The cut probe, once per model, build, K/V type, thread count and CPU: where a restore may end so the
+#     engine's answer equals its cold run's, measured bit for bit and kept beside the build record
+#     (kvbridge/bench/probes/cut_probe.py; about a minute a model on 2 quiet cores). Without a verdict
+#     restores end on the fixed grid of 8, so a failed probe costs speed, never correctness: not fatal.
+for name in "${wanted_models[@]}"; do
+    KVB_MODEL="$name" KVB_MODEL_PATH="" kvb_python -m kvbridge.bench.probes.cut_probe --save --if-missing 2>/dev/null \
+        | sed 's/^/  cut probe: /' \
+        || say "the cut probe of $name failed; its restores use the fixed grid of 8 (run: .venv/bin/kvbridge cut-probe)"
+done
+
 # 5. Only with --test: what the tests need and KVBridge itself does not.
 if [[ $want_test -eq 1 ]]; then
     # 5a. The test packages (pytest, playwright, the openai SDK, the client libraries serve is tested

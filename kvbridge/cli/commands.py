@@ -7,7 +7,7 @@ import sys
 from kvbridge.cli import (bench, bench_cache_server, bench_floor, bench_fleet, bench_l3, bench_misses,
                           bench_restore, bench_scheduler, bench_serve, bench_store, cache_server, demo, fleet, gui, info,
                           serve, setup)
-from kvbridge.cli import explain
+from kvbridge.cli import cut_probe, explain
 from kvbridge.cli.command import Command
 from kvbridge.settings.cmdline import Parser
 
@@ -16,7 +16,7 @@ COMMANDS: tuple[Command, ...] = (
     bench_cache_server.COMMAND, bench_l3.COMMAND, bench_floor.COMMAND, bench_scheduler.COMMAND, bench_serve.COMMAND,
     bench_fleet.COMMAND, bench_misses.COMMAND, cache_server.COMMAND, serve.COMMAND, fleet.COMMAND, info.NAMESPACE,
     info.ENGINES, info.SCENARIOS,
-    explain.COMMAND,
+    explain.COMMAND, cut_probe.COMMAND,
 )
 BY_NAME = {command.name: command for command in COMMANDS}
 

@@ -65,6 +65,7 @@ COMMAND_EXTRAS: dict[str, Needs] = {
     "engines": Needs(),
     "scenarios": Needs(),
     "explain": Needs(engine="engine"),
+    "cut-probe": Needs(("llama",)),                            # probes llama.cpp in this process
 }
 
 

@@ -170,32 +170,54 @@ def derive_rule(results: list[PromptProbe], repeatable: bool = True, source: str
     return CutRule(BATCH_TOKENS, 1, False, proven=True, source=f"{source}; only prefill piece starts are exact")
 
 
-def main(argv: list[str] | None = None) -> None:
-    from kvbridge.engine import cut_verdicts
-    from kvbridge.settings.cmdline import Parser
-
-    parser = Parser(prog="kvbridge cut-probe", description=__doc__.split("\n\n")[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--save", action="store_true", help="keep the verdict where engines find it")
+    parser.add_argument("--if-missing", action="store_true",
+                        help="with --save: do nothing when this model, build and CPU already have a verdict")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths probed")
-    args = parser.parse_args(argv)
+
+
+def run(args) -> int:
+    """`kvbridge cut-probe`: probe the configured model (KVB_MODEL, KVB_CACHE_TYPE_K/V, KVB_FLASH_ATTN,
+    KVB_THREADS), print every differing restore end and the verdict, and keep it with --save."""
+    from kvbridge.engine import cut_verdicts
+    from kvbridge.errors import BadSettings
+
     settings = Settings.from_env()
-    lengths = tuple(int(x) for x in args.lengths.split(",") if x.strip())
+    try:
+        lengths = tuple(int(x) for x in args.lengths.split(",") if x.strip())
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 2 or max(lengths) > 4 * BATCH_TOKENS:
+        raise BadSettings(f"--lengths takes prompt lengths of 2 to {4 * BATCH_TOKENS} tokens separated by commas "
+                          f"(default {','.join(map(str, LENGTHS))}); got {args.lengths!r}")
+    key = cut_verdicts.verdict_key(settings)
+    if args.save and args.if_missing and cut_verdicts.load(key) is not None:
+        print(f"{key['model_file']}: a cut verdict for this model, build and CPU is kept already; not probing again")
+        return 0
     started = time.perf_counter()
     results, repeatable = probe(settings, lengths)
     seconds = time.perf_counter() - started
-    key = cut_verdicts.verdict_key(settings)
     rule = derive_rule(results, repeatable, source=cut_verdicts.source_line(key))
-    print(f"{settings.model_path or settings.model}, K/V {settings.cache_type_k}/{settings.cache_type_v}, "
-          f"flash attention {'on' if settings.flash_attn else 'off'}, {settings.resolved_threads()} threads, "
-          f"{seconds:.0f} s{'' if repeatable else ' — COLD RUNS DID NOT REPEAT: nothing proven'}")
+    print(f"{key['model_file']}, K/V {settings.cache_type_k}/{settings.cache_type_v}, flash attention "
+          f"{'on' if settings.flash_attn else 'off'}, {settings.resolved_threads()} threads, {seconds:.0f} s"
+          f"{'' if repeatable else ' — COLD RUNS DID NOT REPEAT: nothing proven'}")
     for r in results:
         shown = ", ".join(f"{c} (-{r.n - c})" for c in r.differ) or "none"
         print(f"  {r.n} tokens: {len(r.differ)} of {len(r.cuts)} restore ends differ: {shown}")
-    print(f"verdict: {rule.describe()}; cuts before the last prefill piece "
-          f"{'allowed' if rule.crosses_pieces else 'end at a piece start'}")
+    print(f"verdict: {rule.describe()}; a cut before the last prefill piece "
+          f"{'is allowed' if rule.crosses_pieces else 'goes back to the piece start'}")
     if args.save:
-        path = cut_verdicts.save(key, rule, results, seconds)
-        print(f"saved: {path}")
+        print(f"saved: {cut_verdicts.save(key, rule, results, seconds)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    from kvbridge.settings.cmdline import Parser
+
+    parser = Parser(prog="python -m kvbridge.bench.probes.cut_probe", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":
