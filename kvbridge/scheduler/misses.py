@@ -31,7 +31,8 @@ class AdmissionMisses:
     """Fills a first admission's miss fields. `probe`: KVB_EXPLAIN_MISSES (False: no store call, the cause
     from the plan alone); `half_block`: less than this beyond the resident cells is never read from the store;
     `exact`: exact mode, whose cut (kvbridge.scheduler.exact.safe_reuse) leaves up to 63 tokens of a prompt that
-    matched whole to compute: reaching that cut is a hit, not a miss to explain."""
+    matched whole to compute: reaching that cut of a whole match is a hit, not a miss to explain (a prompt that
+    diverged is explained as before)."""
 
     def __init__(self, detokenize: Callable[[Sequence[int]], str] | None, probe: bool, half_block: int,
                  exact: bool = False) -> None:
@@ -40,16 +41,20 @@ class AdmissionMisses:
         self.half_block = max(1, half_block)
         self.exact = exact
 
-    def _limit(self, n: int) -> int:
-        """The most of an n-token prompt any reuse gives: all but the last token, or exact mode's cut of that."""
-        return safe_reuse(n - 1, n) if self.exact else n - 1
+    def _whole_hit(self, prompt: Sequence[int], reached: int, matched: int, resident: Sequence[int]) -> bool:
+        """Exact mode: the prompt matched whole (the store's reach `matched`, or the resident tokens) and the reuse
+        `reached` exact mode's cut of it."""
+        n = len(prompt)
+        if not self.exact or reached < safe_reuse(n - 1, n):
+            return False
+        return matched >= n - 1 or _common_prefix(prompt, resident) >= n - 1
 
     def resident_only(self, request: Request, sequences: SequenceStore, shared: int, resident: Sequence[int]) -> None:
         """No lookup was made: the resident run (`shared` of the `resident` tokens a source holds) reaches to
         within half a block of the prompt's end."""
-        n, limit = len(request.prompt), self._limit(len(request.prompt))
+        n, limit = len(request.prompt), len(request.prompt) - 1
         hit = _context(shared)
-        if shared >= limit:
+        if shared >= limit or self._whole_hit(request.prompt, shared, 0, resident):
             MissReport(hit_tiers=hit, at_token=shared).apply(request.record)
             return
         if self._resident_diverged(request, sequences, shared, resident):
@@ -64,13 +69,15 @@ class AdmissionMisses:
         """The store was asked (`plan`, a RestorePlan); `restored`: its prefix replaced the `shared` resident cells
         (of the `resident` tokens their source holds)."""
         prompt = request.prompt
-        n, limit = len(prompt), self._limit(len(prompt))
+        n, limit = len(prompt), len(prompt) - 1
         reached = plan.matched_tokens if restored else shared
         hit = dict(plan.tier_tokens) if restored else _context(shared)
-        if reached >= limit:
+        if reached >= limit or self._whole_hit(prompt, reached, plan.matched_tokens, resident):
             MissReport(hit_tiers=hit, at_token=reached).apply(request.record)
             return
         queued = min(sequences.queued_reach(prompt), limit)
+        if self.exact:   # what exact mode would keep of the queued write: no gain over `reached`, no lease_busy
+            queued = safe_reuse(queued, n)
         if queued >= reached + self.half_block:
             MissExplainer.fixed("lease_busy", f"from token {reached} of {n}: the first {queued} tokens of this prompt "
                                 "are queued in the scheduler's store writer (a prompt answered moments ago), not in "
@@ -139,3 +146,12 @@ def resident_tokens(source) -> Sequence[int]:
 
 def _context(tokens: int) -> dict[str, int]:
     return {CONTEXT_TIER: tokens} if tokens else {}
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two token sequences share."""
+    m = min(len(a), len(b))
+    if m == 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(a[:m]) != np.asarray(b[:m]))
+    return int(differ[0]) if len(differ) else m
