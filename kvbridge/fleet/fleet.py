@@ -268,11 +268,11 @@ class Fleet:
                  f"{', KV events ' + w.events_url if w.events_url else ''})" for w in self.workers]
         if self._cache_server is not None:
             lines.insert(0, f"cache server: {self.store_url} (pid {self._cache_server.pid})")
-        if self._router is not None:
-            lines.append(f"router: {self.url} (pid {self._router.pid}, vllm-router --policy {self.policy})")
         from kvbridge.scheduler.exact import off_reason   # here: the fleet's own process loads no llama.cpp
 
         off = off_reason(self.settings)   # a worker's own log says it again, with what its model adds
         lines.append("exact mode: on in every worker (answers equal cold runs; --no-exact turns it off)" if not off
                      else f"exact mode: off: {off}")
+        if self._router is not None:   # the last line: who waits for the fleet's lines waits for this one
+            lines.append(f"router: {self.url} (pid {self._router.pid}, vllm-router --policy {self.policy})")
         return lines
