@@ -23,7 +23,7 @@ from kvbridge.cache_server.protocol import LOOKUP_PURPOSES, PROBE_OUTCOMES
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 # request kinds whose latency has its own histogram (the lookup / retrieve / store)
 _TIMED = {"lookup": "lookup", "retrieve": "retrieve", "store_prepare": "store", "store_commit": "store",
-          "store_inline": "store"}
+          "store_inline": "store", "store_granted": "store"}
 OTHER_PURPOSE = "other"   # the label of a purpose this server does not know (a newer client): no client mints labels
 HIT_RATE_PURPOSE = "prompt"
 
