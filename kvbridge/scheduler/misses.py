@@ -104,16 +104,19 @@ class AdmissionMisses:
                            resident: Sequence[int]) -> bool:
         """The resident source continues the shared run with other tokens: `diverged`, read off its cells' token
         ids (no store call; its prompt was stored too, so the store cannot hold more of this one)."""
-        if shared < 1 or len(resident) <= shared:
-            return False
-        seen = RestorePlan(matched_tokens=shared, continuation=(0, np.asarray(resident)))
-        seen.add_tokens(CONTEXT_TIER, shared)
         prompt = request.prompt
+        # exact mode shared only up to its cut: where the resident run really diverges is further on
+        reach = max(shared, _common_prefix(prompt, resident)) if self.exact else shared
+        if reach < 1 or len(resident) <= reach:
+            return False
+        seen = RestorePlan(matched_tokens=reach, continuation=(0, np.asarray(resident)))
+        seen.add_tokens(CONTEXT_TIER, reach)
         report = self._explainer(sequences).explain(prompt, sequences.hashes(prompt), seen, probe=False)
         if report.reason != "diverged":
             return False
-        MissReport(reason="diverged", detail=f"{shared} tokens shared from resident cells; {report.detail}",
-                   at_token=shared, hit_tiers=seen.tier_tokens, probe_ms=report.probe_ms).apply(request.record)
+        cut = f" (exact mode reuses {shared} of them: its cut)" if reach > shared else ""
+        MissReport(reason="diverged", detail=f"{reach} tokens shared from resident cells{cut}; {report.detail}",
+                   at_token=shared, hit_tiers=_context(shared), probe_ms=report.probe_ms).apply(request.record)
         return True
 
     def _explainer(self, sequences: SequenceStore) -> MissExplainer:
