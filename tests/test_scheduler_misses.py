@@ -27,7 +27,8 @@ OTHER_QUESTION = "\n\nQuestion: when are the reports due, and who sends them to 
 def settings_for(tmp_path, **changes) -> Settings:
     base = dict(chunk_size=CHUNK, ctx_size=1024, n_predict=4, l2_dir=str(tmp_path / "l2"),
                 output_dir=str(tmp_path / "output"), input_dir=str(tmp_path / "input"), sched_kv_cells=2048,
-                sched_max_running=2, sched_block_tokens=16)
+                sched_max_running=2, sched_block_tokens=16,
+                sched_exact=False)   # the mode off's reuse (all but the last token); exact mode's: test_serve_misses
     base.update(changes)
     return dataclasses.replace(Settings(), **base)
 
