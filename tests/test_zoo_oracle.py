@@ -26,7 +26,6 @@ import pytest
 
 from kvbridge.backends.llamacpp import LlamaCppBackend
 from kvbridge.engine.cached_engine import CachedEngine
-from kvbridge.engine.cold_cut import on_grid, restorable
 from kvbridge.models import ZOO_ARCHITECTURES, zoo_arch, zoo_model
 from kvbridge.models.matrix_oracle import top_margin
 
@@ -84,7 +83,7 @@ def test_a_restore_answers_as_a_cold_prefill(arch, make_settings):
         recurrent = zoo_arch(arch).family in ("hybrid", "recurrent")
         assert warm.restore_ok
         assert warm.matched_tokens == ((warm.prompt_tokens - 1) // 32 * 32 if recurrent
-                                       else restorable(warm.prompt_tokens))
+                                       else engine.cut_rule.restorable(warm.prompt_tokens))
         assert warm.prompt_tokens > 7 * 32   # several chunks, well past the test models' window of 32
         if zoo_arch(arch).family in ("hybrid", "recurrent"):
             assert engine.geometry.recurrent > 0
@@ -110,13 +109,14 @@ def test_a_follow_up_restores_the_stored_prefix_and_a_fresh_process_restores_fro
         # grid: cold_cut)
         recurrent = zoo_arch(arch).family in ("hybrid", "recurrent")
         assert follow.matched_tokens >= (stored.prompt_tokens // 32 * 32 if recurrent
-                                         else on_grid(stored.prompt_tokens - 1))
+                                         else engine.cut_rule.on_grid(stored.prompt_tokens - 1))
+        rule = engine.cut_rule
     fresh = _fresh_process(settings)
     # every stored chunk; the tail at the last boundary is the follow-up's now, which a recurrent model can only
     # restore whole (its state cannot be cut back to where QUESTION ends)
     assert fresh["text"] == cold.text and fresh["tier"] == "L2" and not fresh["error"]
     # (and attention KV no further than the cold cut: kvbridge.engine.cold_cut)
-    assert fresh["matched"] >= min((stored.prompt_tokens - 1) // 32 * 32, restorable(stored.prompt_tokens))
+    assert fresh["matched"] >= min((stored.prompt_tokens - 1) // 32 * 32, rule.restorable(stored.prompt_tokens))
 
 
 def _fresh_process(settings) -> dict:
