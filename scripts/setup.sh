@@ -182,11 +182,20 @@ fi
 #     engine's answer equals its cold run's, measured bit for bit and kept beside the build record
 #     (kvbridge/bench/probes/cut_probe.py; about a minute a model on 2 quiet cores). Without a verdict
 #     restores end on the fixed grid of 8, so a failed probe costs speed, never correctness: not fatal.
-for name in "${wanted_models[@]}"; do
-    KVB_MODEL="$name" KVB_MODEL_PATH="" kvb_python -m kvbridge.bench.probes.cut_probe --save --if-missing 2>/dev/null \
-        | sed 's/^/  cut probe: /' \
-        || say "the cut probe of $name failed; its restores use the fixed grid of 8 (run: .venv/bin/kvbridge cut-probe)"
-done
+#     A stamp (the build record's checksum and the models) skips the step on later runs, where every
+#     verdict is kept already.
+probe_stamp="$VENV/.cut-probe-stamp"
+probe_want="$(sha256_of "$VENV/kvbridge-build.json" 2>/dev/null || echo none) ${wanted_models[*]}"
+if [[ ! -f "$probe_stamp" || "$(cat "$probe_stamp")" != "$probe_want" ]]; then
+    probed=1
+    for name in "${wanted_models[@]}"; do
+        say "probing where $name's restores may end (the cut probe, about a minute)"
+        KVB_MODEL="$name" KVB_MODEL_PATH="" kvb_python -m kvbridge.bench.probes.cut_probe --save --if-missing \
+            2>/dev/null | sed 's/^/  cut probe: /' \
+            || { probed=0; say "the cut probe of $name failed; its restores use the fixed grid of 8 (run: .venv/bin/kvbridge cut-probe --save)"; }
+    done
+    if [[ $probed -eq 1 ]]; then echo "$probe_want" >"$probe_stamp"; fi
+fi
 
 # 5. Only with --test: what the tests need and KVBridge itself does not.
 if [[ $want_test -eq 1 ]]; then
