@@ -36,7 +36,7 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.settings import Settings
 
 MB = 1e6
-WARM_RING_BYTES = 256 << 20   # the warm-copy baseline's ring: larger than a CPU's last-level cache
+WARM_RING_BYTES = 128 << 20   # the warm-copy baseline's ring: larger than a CPU's last-level cache (32 MiB here)
 BENCH_NAMESPACE = "bench-cache-server"
 
 
