@@ -180,7 +180,7 @@ fi
 
 # 4b. The cut probe, once per model, build, K/V type, thread count and CPU: where a restore may end so the
 #     engine's answer equals its cold run's, measured bit for bit and kept beside the build record
-#     (kvbridge/bench/probes/cut_probe.py; about a minute a model on 2 quiet cores). Without a verdict
+#     (kvbridge/models/cut_probe.py; about a minute a model on 2 quiet cores). Without a verdict
 #     restores end on the fixed grid of 8, so a failed probe costs speed, never correctness: not fatal.
 #     A stamp (the build record's checksum and the models) skips the step on later runs, where every
 #     verdict is kept already.
@@ -190,7 +190,7 @@ if [[ ! -f "$probe_stamp" || "$(cat "$probe_stamp")" != "$probe_want" ]]; then
     probed=1
     for name in "${wanted_models[@]}"; do
         say "probing where $name's restores may end (the cut probe, about a minute)"
-        KVB_MODEL="$name" KVB_MODEL_PATH="" kvb_python -m kvbridge.bench.probes.cut_probe --save --if-missing \
+        KVB_MODEL="$name" KVB_MODEL_PATH="" kvb_python -m kvbridge.models.cut_probe --save --if-missing \
             2>/dev/null | sed 's/^/  cut probe: /' \
             || { probed=0; say "the cut probe of $name failed; its restores use the fixed grid of 8 (run: .venv/bin/kvbridge cut-probe --save)"; }
     done

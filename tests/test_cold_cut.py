@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import needs_model
-from kvbridge.bench.probes.cut_probe import PromptProbe, derive_rule, differing_cuts, probe
+from kvbridge.models.cut_probe import PromptProbe, derive_rule, differing_cuts, probe
+from kvbridge.backends.llama_cpp_model import model_path_for
 from kvbridge.engine import cut_verdicts
 from kvbridge.engine.cold_cut import DEFAULT_RULE, GRID, CutRule, on_grid, restorable
 from kvbridge.settings import Settings
@@ -112,7 +113,7 @@ def test_the_probe_proves_a_rule_for_smollm2_and_an_engine_ends_restores_by_it(t
                                            threads=2, chunk_size=32, l2_dir=str(tmp_path / "l2"), l1_bytes=64 << 20)
     results, repeatable = probe(settings, (45, 130))
     assert repeatable and all(r.cuts for r in results)
-    key = cut_verdicts.verdict_key(settings)
+    key = cut_verdicts.verdict_key(settings, model_path_for(settings))
     rule = derive_rule(results, repeatable, source=cut_verdicts.source_line(key))
     assert rule.proven and rule.grid <= GRID and rule.min_rows <= GRID
     monkeypatch.setattr(cut_verdicts, "VERDICT_DIR", tmp_path / "verdicts")

@@ -6,7 +6,7 @@ Place in the flow: chunk hashes -> lookup -> fetch + confirm (ChunkKV.find_prefi
 A restore hands the engine KV computed as a cold run computed it; the promise is that greedy output after it
 equals the cold output token for token. That holds only when the tokens the engine still computes go through
 the same kernels as in the cold run. llama.cpp's CPU kernels choose their arithmetic by a batch's rows
-(Docs/Research.md §26 and §28, `kvbridge.bench.probes.cut_probe`):
+(Docs/Research.md §26 and §28, `kvbridge.models.cut_probe`):
 - one row alone takes the matrix-vector kernels (with f16 K/V the K·Q product too), which round differently
   from the rows of a prefill batch: restoring "all but the last token" changed SmolLM2's answer to a
   near-tie question ("south orchard, week 4" cold, "north orchard, week 3" warm);

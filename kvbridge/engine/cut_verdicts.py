@@ -1,7 +1,7 @@
 """The cut probe's verdicts, kept beside the llama.cpp build record and read when an engine opens its namespace.
 
 Place in the flow: `kvbridge cut-probe --save` (./scripts/setup.sh runs it for the embedded models) measures where
-a restore may end on this machine (kvbridge.bench.probes.cut_probe) and writes one small file here; CachedEngine
+a restore may end on this machine (kvbridge.models.cut_probe) and writes one small file here; CachedEngine
 reads it (rule_for) and its restores end where that rule allows (kvbridge.engine.cold_cut.CutRule). A verdict
 holds only for what the probe ran: the model file (its sha256), the llama.cpp release and its build flags, the K/V
 types, flash attention, the prefill batch, the thread count and the CPU (its model name and instruction flags) —
@@ -51,14 +51,13 @@ def _build_flags(record: Path) -> str:
         return "no build record"
 
 
-def verdict_key(settings, model_path: Path | None = None, record: Path = BUILD_RECORD) -> dict[str, str]:
+def verdict_key(settings, model_path: Path, record: Path = BUILD_RECORD) -> dict[str, str]:
     """What a verdict holds for; two equal keys run the same kernels on the same rows."""
     import llama_cpp
 
-    from kvbridge.backends.llama_cpp_model import model_path_for
     from kvbridge.engine.namespace import file_sha256, sha_cache_file
 
-    path = Path(model_path) if model_path is not None else model_path_for(settings)
+    path = Path(model_path)
     return {
         "model_sha256": file_sha256(path, sha_cache_file(settings.l2_dir)),
         "model_file": path.name,

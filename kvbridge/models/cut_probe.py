@@ -1,7 +1,7 @@
 """The smallest exact cut for this model, llama.cpp build, K/V type, batch size, thread count and CPU, measured
 bit for bit (kvbridge.engine.cold_cut, Docs/Research.md §26 and §28).
 
-`python -m kvbridge.bench.probes.cut_probe [--save]` (or `kvbridge cut-probe`; KVB_MODEL, KVB_CACHE_TYPE_K/V,
+`python -m kvbridge.models.cut_probe [--save]` (or `kvbridge cut-probe`; KVB_MODEL, KVB_CACHE_TYPE_K/V,
 KVB_FLASH_ATTN and KVB_THREADS pick what is probed) prefills random-token prompts of several lengths cold, then,
 for every restore end in each prompt's last WINDOW positions (and CROSS ends before its last prefill piece), does
 what an engine does after a restore and compares with the cold run:
@@ -25,6 +25,7 @@ import numpy as np
 
 from kvbridge.backends.base import BATCH_TOKENS
 from kvbridge.backends.llama_context import LlamaContext
+from kvbridge.backends.llama_cpp_model import model_path_for
 from kvbridge.engine.cold_cut import DEFAULT_RULE, CutRule
 from kvbridge.settings import Settings
 
@@ -191,7 +192,7 @@ def run(args) -> int:
     if not lengths or min(lengths) < 2 or max(lengths) > 4 * BATCH_TOKENS:
         raise BadSettings(f"--lengths takes prompt lengths of 2 to {4 * BATCH_TOKENS} tokens separated by commas "
                           f"(default {','.join(map(str, LENGTHS))}); got {args.lengths!r}")
-    key = cut_verdicts.verdict_key(settings)
+    key = cut_verdicts.verdict_key(settings, model_path_for(settings))
     if args.save and args.if_missing and cut_verdicts.load(key) is not None:
         print(f"{key['model_file']}: a cut verdict for this model, build and CPU is kept already; not probing again")
         return 0
@@ -215,7 +216,7 @@ def run(args) -> int:
 def main(argv: list[str] | None = None) -> None:
     from kvbridge.settings.cmdline import Parser
 
-    parser = Parser(prog="python -m kvbridge.bench.probes.cut_probe", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m kvbridge.models.cut_probe", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     raise SystemExit(run(parser.parse_args(argv)))
 
