@@ -22,7 +22,8 @@ end on a grid of `grid` tokens leaving at least `min_rows` to compute (SmolLM2 o
 restore ends where the prompt diverges). Where nothing was proven, DEFAULT_RULE: a grid of 8 leaving 8 or more,
 a margin for kernels that group up to 8 rows (every cut of §26's probe on it was exact). A stored prefix that a
 longer prompt extends is cut to the grid as well: the last rows of the prompt that stored it may have been
-computed as leftover rows. A recurrent state cannot be cut by position; those models keep their own rule.
+computed as leftover rows. A recurrent state cannot be cut by position: those models are prefilled chunk by
+chunk in every mode and a restore ends at the last chunk end before the prompt's end (kvbridge.backends.llamacpp).
 """
 from __future__ import annotations
 
