@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -79,7 +78,7 @@ def _run_child(phase: str, model_path: Path, l2_dir: str, questions: int, n_pred
     run = subprocess.run([sys.executable, "-m", "kvbridge.bench.probes.zoo_doc_qa", "--child", phase,
                           "--model", str(model_path), "--l2", l2_dir, "--questions", str(questions),
                           "--n-predict", str(n_predict)],
-                         capture_output=True, text=True, env={**os.environ, "KVB_LOG_LEVEL": "warning"})
+                         capture_output=True, text=True)
     if run.returncode != 0:
         raise RuntimeError(f"{phase} child failed on {model_path.name}: {run.stderr[-2000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
