@@ -13,7 +13,6 @@ the checks add to a lookup that misses (no model).
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 from pathlib import Path
@@ -23,6 +22,7 @@ from kvbridge.bench.common.private_redis import private_redis
 from kvbridge.bench.common.scenarios import builtin_document
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.settings import Settings
+from kvbridge.settings.cmdline import Parser
 from kvbridge.store import TieredStore
 from kvbridge.store.redis_tier import RedisTier
 from kvbridge.store.tiers import MemoryTier
@@ -68,7 +68,7 @@ def miss_cost(rounds: int = 20, per_round: int = 200) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m kvbridge.bench.probes.inflight_probe", description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--doc-chars", type=int, default=3600, help="characters of the built-in handbook (~4 a token)")
     parser.add_argument("--wait-ms", type=int, default=250, help="KVB_INFLIGHT_WAIT_MS of the 'on' engine")
