@@ -57,6 +57,7 @@ def bench_restore_through_server(engine, remote_store, prompt_tokens: int = 2048
     remote_kv = ChunkKV(remote_store, engine.namespace, getattr(engine.hasher, "seed", b""), engine.settings.chunk_size,
                         engine.geometry)
     remote_kv.prefault_scratch, remote_kv.cold_cut = local_kv.prefault_scratch, local_kv.cold_cut   # the same restore
+    remote_kv.cut_rule = local_kv.cut_rule
     local_kv.hot_restores = remote_kv.hot_restores = False   # both paths read and assemble every time
     try:
         remote_kv.store_prompt(backend.save_state(), tokens, hashes)   # the same cells, now on the server too
