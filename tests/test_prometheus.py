@@ -20,6 +20,7 @@ import yaml
 
 from cache_server_helpers import ServerProcess
 from conftest import needs_model
+from kvbridge.scheduler.exact import safe_reuse
 from process_helpers import clean_env, free_port, start_kvbridge, stop, wait_for
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "prometheus"
@@ -191,7 +192,8 @@ def test_prometheus_reads_serve_misses_by_reason_and_hits_by_tier_as_the_answers
     assert (miss, hit) == ("none_stored", "hit"), stack["answers"]
     assert first.prompt_tokens_details.cached_tokens == 0
     reused = second.prompt_tokens_details.cached_tokens
-    assert reused >= (first.prompt_tokens // CHUNK) * CHUNK, stack["answers"]
+    # serve runs exact mode by default: the rest of the prompt prefills as a solo run would from its cut
+    assert reused >= safe_reuse(first.prompt_tokens - 1, first.prompt_tokens), stack["answers"]
     prom = stack["prometheus"]
     total = first.prompt_tokens + second.prompt_tokens
     prom.wait("kvbridge_serve_prompt_tokens_total", lambda r: r.get(()) == total, "both prompts scraped")

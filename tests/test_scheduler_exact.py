@@ -91,11 +91,15 @@ def test_five_concurrent_requests_with_preemption_equal_their_solo_runs_on_f16(m
     assert not differing, f"requests {differing} differ from their solo runs in exact mode"
     assert all(len(ours) >= 4 for ours, _ in pairs)
 
-    off = settings.replace(sched_exact=False, l2_dir=settings.l2_dir + "-off")
-    records, prompts, generated, _ = run_workload(off, short_doc, generated_tokens)
-    pairs = solo_answers(off, prompts, records, generated)
+    # the mode off's batches depend on timing, so one run may happen to match every solo run: up to two runs
+    for attempt in range(2):
+        off = settings.replace(sched_exact=False, l2_dir=settings.l2_dir + f"-off{attempt}")
+        records, prompts, generated, _ = run_workload(off, short_doc, generated_tokens)
+        pairs = solo_answers(off, prompts, records, generated)
+        if any(ours != solo for ours, solo in pairs):
+            break
     assert any(ours != solo for ours, solo in pairs), \
-        "with the mode off every answer equalled its solo run too: this workload no longer shows what exact mode fixes"
+        "with the mode off every answer equalled its solo run twice: this workload no longer shows what exact mode fixes"
 
 
 @needs_model

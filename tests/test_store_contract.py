@@ -100,7 +100,8 @@ def test_every_tier_is_covered(tmp_path):
         return {sub for direct in cls.__subclasses__() for sub in {direct} | all_subclasses(direct)}
 
     covered = {type(build(tmp_path / name, 0)) for name, (build, _) in TIERS.items()}
-    assert covered == all_subclasses(Tier)
+    # the project's tiers (a test's own subclass, loaded when the suite runs together, is not one)
+    assert covered == {cls for cls in all_subclasses(Tier) if cls.__module__.startswith("kvbridge.")}
 
 
 def test_put_then_get_returns_the_same_bytes_and_meta(tier):

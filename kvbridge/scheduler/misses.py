@@ -65,13 +65,14 @@ class AdmissionMisses:
                             "not read for so few", at_token=shared, hit_tiers=hit).apply(request.record)
 
     def after_lookup(self, request: Request, sequences: SequenceStore, plan, shared: int, resident: Sequence[int],
-                     restored: bool) -> None:
+                     restored: bool, kept: int | None = None) -> None:
         """The store was asked (`plan`, a RestorePlan); `restored`: its prefix replaced the `shared` resident cells
-        (of the `resident` tokens their source holds)."""
+        (of the `resident` tokens their source holds); `kept`: how much of it the engine keeps (exact mode's cut),
+        which is what hit_tiers counts, as the usage's cached_tokens does."""
         prompt = request.prompt
         n, limit = len(prompt), len(prompt) - 1
         reached = plan.matched_tokens if restored else shared
-        hit = dict(plan.tier_tokens) if restored else _context(shared)
+        hit = _first_tokens(dict(plan.tier_tokens), kept) if restored else _context(shared)
         if reached >= limit or self._whole_hit(prompt, reached, plan.matched_tokens, resident):
             MissReport(hit_tiers=hit, at_token=reached).apply(request.record)
             return
@@ -145,6 +146,19 @@ def resident_tokens(source) -> Sequence[int]:
         return ()
     tokens = getattr(source, "tokens", None)   # a CachedPrefix
     return tokens if tokens is not None else source.context[:source.kv_tokens]
+
+
+def _first_tokens(by_tier: dict[str, int], kept: int | None) -> dict[str, int]:
+    """`by_tier` (tokens a restore gave, in prompt order) cut to its first `kept` tokens."""
+    if kept is None:
+        return by_tier
+    out, left = {}, kept
+    for tier, tokens in by_tier.items():
+        if left <= 0:
+            break
+        out[tier] = min(tokens, left)
+        left -= out[tier]
+    return out
 
 
 def _context(tokens: int) -> dict[str, int]:

@@ -113,7 +113,7 @@ class Restorer:
             usable = safe_reuse(usable, len(request.prompt))
         restored = usable > enough and plan.state is not None   # judged on what exact mode keeps of it
         if explain:
-            self.misses.after_lookup(request, sequences, plan, shared, resident_tokens(source), restored)
+            self.misses.after_lookup(request, sequences, plan, shared, resident_tokens(source), restored, usable)
         if not restored:
             return kept
         self.pool.empty(request)   # the store's copy replaces the shared cells: one sequence, one source
