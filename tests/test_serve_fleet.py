@@ -238,9 +238,12 @@ def test_pd_roles(fleet):
     leg = prefill.post("/v1/chat/completions", {**body, **PREFILL_LEG}).json()
     params = leg["kv_transfer_params"]
     assert "transfer_mode" not in params       # it would send vllm-router down its NIXL path
+    timings = params["kvbridge"].pop("timings_ms")   # the leg's own path, for taking a hand-off apart
     assert params["kvbridge"] == {"instance": prefill.port_id, "prompt_tokens": leg["usage"]["prompt_tokens"],
                                   "stored_tokens": leg["usage"]["prompt_tokens"], "chunk_size": CHUNK,
                                   "model": "SmolLM2-135M-Instruct.Q4_1"}
+    assert set(timings) == {"queue", "first_token", "finished"}
+    assert 0 <= timings["queue"] <= timings["first_token"] <= timings["finished"]
     # KVB_SERVE_ROLE=prefill stores every request before its answer, a plain one too
     plain = prefill.post("/v1/completions", {"model": "x", "prompt": DOCUMENT, "max_tokens": 2}).json()
     assert plain["kv_transfer_params"]["kvbridge"]["stored_tokens"] == plain["usage"]["prompt_tokens"]

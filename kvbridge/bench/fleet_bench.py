@@ -255,6 +255,12 @@ def run_bench_fleet(settings: Settings, *, documents_count: int = 6, questions_p
         def folder(name: str) -> Path:
             return Path(temp) / name.replace("/", "-")
 
+        if exact:   # the workers' thread count is seldom the one setup.sh proved: prove it, once per machine
+            from kvbridge.fleet.fleet import prove_cut
+
+            proved = prove_cut(fleet_settings(settings, size, folder("probe"), exact=True))
+            progress(f"exact mode's cut for the workers' settings: {proved}")
+
         single = runs["single"] = FleetRun("single", "round_robin", 1, False, cells=size.worker_cells * SINGLE_SCALE)
 
         def single_body() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +43,31 @@ CACHE_SERVER_STOP_S = 60.0     # SIGTERM to SIGKILL, the cache server (it flushe
 SERVE_READY = r"KVBridge serve ready on (http://\S+)"
 ROUTER_KEY_SETTING = "KVB_SERVE_ROUTER_KEY_ENV"
 CACHE_SERVER_READY = r"cache server ready on (\S+)"
+
+
+CUT_PROBE_TIMEOUT_S = 900.0   # about a minute a model on 2 quiet cores, several on a busy one
+
+
+def prove_cut(settings: Settings) -> str:
+    """Prove exact mode's cut for the workers' own settings once (`kvbridge cut-probe --save --if-missing` with
+    them), so that their restores end where the probe proved and not on the fixed grid of 32: a PD decode leg
+    otherwise computes 32 or more of the tokens the prefill leg stored (Docs/Research.md §34). setup.sh proves
+    the default thread count only, and a fleet often gives each worker fewer threads. Runs in a child process
+    (the fleet's own process loads no llama.cpp); the probe's last line, or why it failed."""
+    from kvbridge.scheduler.exact import off_reason
+
+    if off_reason(settings):
+        return f"no cut probe: exact mode is off ({off_reason(settings)})"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVB_")}
+    env.update(settings_to_env(settings))
+    try:
+        done = subprocess.run([sys.executable, "-m", "kvbridge.models.cut_probe", "--save", "--if-missing"], env=env,
+                              capture_output=True, text=True, timeout=CUT_PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"the cut probe did not finish within {CUT_PROBE_TIMEOUT_S:.0f} s: restores use the fixed grid"
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    return last if done.returncode == 0 else f"the cut probe failed (status {done.returncode}): {last}"
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,11 @@ def prefill_params(instance: str, record, chunk_size: int, model_id: str) -> dic
     """The prefill answer's kv_transfer_params: what the decode leg will find in the shared store."""
     return {"kvbridge": {"instance": instance, "prompt_tokens": record.prompt_tokens,
                          "stored_tokens": int(getattr(record, "stored_tokens", 0)), "chunk_size": chunk_size,
-                         "model": model_id}}
+                         "model": model_id,
+                         # the leg's own path (the request's only: its queue, its first token, its end), so a
+                         # hand-off can be taken apart stage by stage (kvbridge.bench.probes.pd_probe)
+                         "timings_ms": {"queue": round(record.queue_ms, 1), "first_token": round(record.ttft_ms, 1),
+                                        "finished": round(record.total_ms, 1)}}}
 
 
 def decode_leg(gen: Generation) -> dict | None:
