@@ -14,6 +14,10 @@ import pytest
 
 from conftest import needs_model
 from kvbridge.backends.llama_context import BATCH_TOKENS, LlamaContext
+from kvbridge.backends.llama_cpp_model import llama_cpp_fingerprint
+from kvbridge.backends.model_traits import traits_of_model
+from kvbridge.engine import cut_verdicts
+from kvbridge.engine.cold_cut import CutRule
 from kvbridge.scheduler import Scheduler, exact
 from kvbridge.scheduler.exact import ALIGN, next_piece, plan_exact, safe_reuse
 from kvbridge.scheduler.requests import Request
@@ -164,6 +168,31 @@ def make_request(prompt_len: int, kv: int, priority: int = 5, generated: int = 0
     return request
 
 
+def test_a_proven_cut_rule_lets_reuse_end_nearer_the_divergence():
+    """Where the cut probe proved a finer rule (SmolLM2 on this CPU: any token, leaving 2), exact mode's reuse
+    (shared cells, restores) follows it; an unproven verdict keeps the grid of 32; a rule not proven across pieces
+    cuts an earlier piece only at its start."""
+    smol = CutRule(1, 2, proven=True, source="test")
+    gemma = CutRule(4, 8, crosses_pieces=False, proven=True, source="test")
+    assert exact.cut_rule(smol) is smol and exact.cut_rule(CutRule()) is exact.ALIGN_RULE
+    assert safe_reuse(99, 100, smol) == 98            # the grid of 32 gave 64
+    assert safe_reuse(70, 100, smol) == 70
+    assert safe_reuse(512, 513, smol) == 512          # the last piece's one token is the solo run's too
+    assert safe_reuse(99, 100, gemma) == 92           # on the grid of 4, 8 left
+    assert safe_reuse(600, 1000, gemma) == 600
+    assert safe_reuse(600, 1200, gemma) == 512        # not the last piece: only its start
+    assert safe_reuse(4, 20, gemma) == 0 and safe_reuse(31, 100, smol) == 0   # under 32 tokens: nothing
+    for rule in (smol, gemma):
+        for n in range(0, 1100, 7):
+            for length in (40, 200, 513, 530, 1100):
+                cut = safe_reuse(n, length, rule)
+                assert cut % rule.grid == 0 and cut <= min(n, length - 1)
+                if rule.crosses_pieces:   # never less than the grid of 32 reuses
+                    assert cut >= safe_reuse(n, length)
+                end = min((cut // BATCH_TOKENS + 1) * BATCH_TOKENS, length)
+                assert cut % BATCH_TOKENS == 0 or end - cut >= rule.min_rows
+
+
 def test_prefill_pieces_end_where_solo_pieces_end_or_at_an_aligned_cut():
     assert next_piece(make_request(1000, 0), 512) == 512
     assert next_piece(make_request(1000, 512), 512) == 488
@@ -239,8 +268,15 @@ def test_the_scheduler_says_whether_the_mode_is_on(make_settings):
     """At defaults the scheduler runs exact; with flash attention it starts with the mode off and says why, in its
     snapshot (what serve's /health and the lab read) and its notes."""
     small = dict(sched_kv_cells=512, sched_max_running=2, sched_cached_prefixes=0)
-    with Scheduler(make_settings(sched_exact=True, **small)) as scheduler:
-        assert scheduler.exact and scheduler.snapshot()["exact"] == {"on": True, "off_reason": ""}
+    settings = make_settings(sched_exact=True, **small)
+    with Scheduler(settings) as scheduler:
+        assert scheduler.exact and scheduler.snapshot()["exact"] == {"on": True, "off_reason": "",
+                                                                "cut_rule": scheduler.cut_rule.describe()}
+        # its cut is CachedEngine's verdict for this model, build and CPU where the probe ran, else a grid of 32
+        verdict = cut_verdicts.rule_for(settings, scheduler._ctx.model_path,
+                                        llama_cpp_fingerprint(settings, traits_of_model(scheduler._ctx.model)))
+        assert scheduler.cut_rule == (verdict if verdict.proven else exact.ALIGN_RULE)
+        assert any(note == f"exact mode's cut: {scheduler.cut_rule.describe()}" for note in scheduler.journal.notes)
     with Scheduler(make_settings(sched_exact=True, flash_attn=True, **small)) as scheduler:
         view = scheduler.snapshot()
         assert not scheduler.exact and not view["exact"]["on"] and "KVB_FLASH_ATTN" in view["exact"]["off_reason"]

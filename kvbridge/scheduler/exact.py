@@ -16,7 +16,10 @@ answer under concurrency"), and what this mode does about each:
 3. Where a prefill piece starts and how long it is. A solo run prefills its prompt in BATCH_TOKENS
    pieces from position 0; a piece here ends where a solo piece ends, or at a multiple of ALIGN tokens
    with ALIGN or more left of that solo piece (kernels pick their path by rows: 4 rows and 8 differ, and
-   repacked weights group rows by 4), and so does reused KV (shared cells, a restore): `safe_reuse`.
+   repacked weights group rows by 4). Reused KV (shared cells, a restore) ends on the cut rule's grid with
+   its fewest rows or more left of the solo piece (`safe_reuse`): the cut probe's verdict for this model,
+   build and CPU (kvbridge.engine.cut_verdicts, the one CachedEngine's restores follow), else ALIGN_RULE,
+   a grid of 32 leaving 32 or more.
 4. How reused KV was computed. Only prefill-computed prompt cells are shared (never a running request's
    generated tokens, which its decode steps computed one at a time), a preempted sequence is kept whole
    in this process (its own cells back bit for bit; a sliding-window model's, whose saved state holds
@@ -41,12 +44,16 @@ from typing import Sequence
 import numpy as np
 
 from kvbridge.backends.llama_context import BATCH_TOKENS
+from kvbridge.engine.cold_cut import CutRule
 from kvbridge.scheduler.planner import SHARED_STEP_PREFILL, Batch
 from kvbridge.scheduler.requests import Request
 
 log = logging.getLogger(__name__)
 
-ALIGN = 32                  # a cut inside a solo prefill piece: at a multiple of this, with as many tokens beyond
+ALIGN = 32                  # a cut inside a solo prefill piece where nothing was proven: at a multiple of this,
+                            # with as many tokens beyond
+ALIGN_RULE = CutRule(ALIGN, ALIGN, source="exact mode's fixed grid of 32 (no cut probe verdict for this model, "
+                                          "build and CPU)")
 BATCHED_TAG = "batched"     # the store's objects of a scheduler with the mode off: KV computed beside other sequences
 PROBE_TOKENS = 24           # each probe sequence's prompt
 PROBE_STEPS = 2             # decode steps compared at each width
@@ -76,24 +83,41 @@ def solo_piece_end(position: int, prompt_len: int) -> int:
     return min((position // BATCH_TOKENS + 1) * BATCH_TOKENS, prompt_len)
 
 
-def safe_reuse(n_tokens: int, prompt_len: int) -> int:
+def cut_rule(verdict: CutRule) -> CutRule:
+    """Exact mode's rule: the cut probe's verdict where one was proven here (a cut it proves exact after a restore
+    is exact where a piece of the scheduler's ends too: the rows before it were computed as a batch ending there,
+    the rows after it as a batch starting there), else ALIGN_RULE."""
+    return verdict if verdict.proven else ALIGN_RULE
+
+
+def safe_reuse(n_tokens: int, prompt_len: int, rule: CutRule = ALIGN_RULE) -> int:
     """The most of `n_tokens` reused prompt tokens (shared or restored) after which the rest of the prompt
-    prefills with the solo run's arithmetic: at most all but the last token, at a multiple of ALIGN that
-    starts a solo piece or leaves ALIGN or more tokens of it."""
-    cut = (min(n_tokens, prompt_len - 1) // ALIGN) * ALIGN
-    while cut > 0:
-        start = (cut // BATCH_TOKENS) * BATCH_TOKENS
-        if cut == start or solo_piece_end(cut, prompt_len) - cut >= ALIGN:
-            return cut
-        cut -= ALIGN
-    return 0
+    prefills with the solo run's arithmetic: at most all but the last token, at the start of a solo piece or on
+    `rule`'s grid leaving `rule.min_rows` or more tokens of its solo piece (and, where `rule` was not proven
+    across pieces, only in the prompt's last piece); nothing under ALIGN tokens."""
+    cut = min(n_tokens, prompt_len - 1)
+    if cut <= 0:
+        return 0
+    start = cut // BATCH_TOKENS * BATCH_TOKENS
+    if not rule.crosses_pieces and start < (prompt_len - 1) // BATCH_TOKENS * BATCH_TOKENS:
+        return start
+    inside = rule.on_grid(min(cut, solo_piece_end(cut, prompt_len) - rule.min_rows))
+    cut = max(start, inside)
+    # under ALIGN tokens nothing is reused: such a prefix is the chat template's opening, shared with prompts of
+    # any length, and the probe's donors were prompts of about the same length (with Gemma 3 a 4-token share from
+    # a 600-token prompt changed two short answers: Research §35)
+    return cut if cut >= ALIGN else 0
 
 
 def next_piece(request: Request, room: int, first: bool = True) -> int:
     """How many of the request's pending prompt tokens its next prefill piece takes: to the end of the solo
     piece it is in, or, when that is more than `room`, to an ALIGN cut that leaves ALIGN or more of it. When
     no such cut fits the room, the step's first piece takes its whole solo piece (so every step makes
-    progress) and a later one takes nothing this step (0): the step stays as short as the room says."""
+    progress) and a later one takes nothing this step (0): the step stays as short as the room says.
+
+    Always ALIGN, not the cut probe's verdict: a piece cut short by the room may neither start at a solo piece's
+    start nor end where a solo piece ends, a batch the probe does not measure (its batches start at a restore's
+    end and run to the piece's end, or start at a piece's start and end at a cut)."""
     start, prompt_len = request.kv_tokens, len(request.prompt)
     end = solo_piece_end(start, prompt_len)
     if end - start > room:

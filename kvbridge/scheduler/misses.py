@@ -18,9 +18,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from kvbridge.engine.cold_cut import CutRule
 from kvbridge.engine.misses import MissExplainer, MissReport
 from kvbridge.engine.restore_plan import RestorePlan
-from kvbridge.scheduler.exact import safe_reuse
+from kvbridge.scheduler.exact import ALIGN_RULE, safe_reuse
 from kvbridge.scheduler.requests import Request
 from kvbridge.scheduler.sequence_store import SequenceStore
 
@@ -30,22 +31,23 @@ CONTEXT_TIER = "context"   # hit_tiers' name for cells shared from a resident se
 class AdmissionMisses:
     """Fills a first admission's miss fields. `probe`: KVB_EXPLAIN_MISSES (False: no store call, the cause
     from the plan alone); `half_block`: less than this beyond the resident cells is never read from the store;
-    `exact`: exact mode, whose cut (kvbridge.scheduler.exact.safe_reuse) leaves up to 63 tokens of a prompt that
-    matched whole to compute: reaching that cut of a whole match is a hit, not a miss to explain (a prompt that
+    `exact`: exact mode, whose cut (kvbridge.scheduler.exact.safe_reuse under `rule`) leaves up to 63 tokens of a
+    prompt that matched whole to compute (2 where the cut probe proved SmolLM2 exact at any token): reaching that cut of a whole match is a hit, not a miss to explain (a prompt that
     diverged is explained as before)."""
 
     def __init__(self, detokenize: Callable[[Sequence[int]], str] | None, probe: bool, half_block: int,
-                 exact: bool = False) -> None:
+                 exact: bool = False, rule: CutRule = ALIGN_RULE) -> None:
         self.detokenize = detokenize
         self.probe = probe
         self.half_block = max(1, half_block)
         self.exact = exact
+        self.rule = rule
 
     def _whole_hit(self, prompt: Sequence[int], reached: int, matched: int, resident: Sequence[int]) -> bool:
         """Exact mode: the prompt matched whole (the store's reach `matched`, or the resident tokens) and the reuse
         `reached` exact mode's cut of it."""
         n = len(prompt)
-        if not self.exact or reached < safe_reuse(n - 1, n):
+        if not self.exact or reached < safe_reuse(n - 1, n, self.rule):
             return False
         return matched >= n - 1 or _common_prefix(prompt, resident) >= n - 1
 
@@ -78,7 +80,7 @@ class AdmissionMisses:
             return
         queued = min(sequences.queued_reach(prompt), limit)
         if self.exact:   # what exact mode would keep of the queued write: no gain over `reached`, no lease_busy
-            queued = safe_reuse(queued, n)
+            queued = safe_reuse(queued, n, self.rule)
         if queued >= reached + self.half_block:
             MissExplainer.fixed("lease_busy", f"from token {reached} of {n}: the first {queued} tokens of this prompt "
                                 "are queued in the scheduler's store writer (a prompt answered moments ago), not in "

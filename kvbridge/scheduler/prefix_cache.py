@@ -20,8 +20,9 @@ import time
 from typing import Iterator, Sequence
 
 from kvbridge.engine.chunks import common_prefix_length
+from kvbridge.engine.cold_cut import CutRule
 from kvbridge.scheduler.events import Journal
-from kvbridge.scheduler.exact import safe_reuse
+from kvbridge.scheduler.exact import ALIGN_RULE, safe_reuse
 from kvbridge.scheduler.ledger import Holding
 from kvbridge.scheduler.requests import CachedPrefix, Request
 from kvbridge.scheduler.sequences import SequencePool
@@ -35,7 +36,8 @@ class PrefixCache:
     """The cached prefixes, and the resident run (theirs or a running request's) a new context shares."""
 
     def __init__(self, ctx, pool: SequencePool, running: list[Request], limit: int, ids: Iterator[int],
-                 journal: Journal, whole_only: bool = False, exact: bool = False) -> None:
+                 journal: Journal, whole_only: bool = False, exact: bool = False,
+                 rule: CutRule = ALIGN_RULE) -> None:
         self._ctx = ctx
         self.pool = pool
         self.ledger = pool.ledger
@@ -46,6 +48,7 @@ class PrefixCache:
         self.whole_only = whole_only   # a recurrent model: share a resident sequence only whole
         # KVB_SCHED_EXACT: share only prompt cells a prefill computed, cut where a solo prefill would cut
         self.exact = exact
+        self.rule = rule   # exact mode's cut (kvbridge.scheduler.exact.cut_rule)
         self.prefixes: list[CachedPrefix] = []
 
     def best_source(self, context: list[int], salt: str, prompt_len: int | None = None):
@@ -62,7 +65,7 @@ class PrefixCache:
                 tokens = tokens[:len(source.prompt)]   # its answer's cells were decoded one token a call
             n = common_prefix(tokens, context, limit)
             if self.exact:
-                n = safe_reuse(n, prompt_len if prompt_len is not None else len(context))
+                n = safe_reuse(n, prompt_len if prompt_len is not None else len(context), self.rule)
             if self.whole_only and n < len(tokens):
                 continue   # its recurrent state is past the common run: cannot be shared
             if n > best_len:

@@ -23,10 +23,11 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Callable
 
 from kvbridge.backends.base import WindowCapture
+from kvbridge.engine.cold_cut import CutRule
 from kvbridge.errors import KVBridgeError, StateTransferError
 from kvbridge.formats.llama_state import KVGeometry, LayoutError, parse_recurrent_capture, parse_state
 from kvbridge.scheduler.events import Journal
-from kvbridge.scheduler.exact import safe_reuse
+from kvbridge.scheduler.exact import ALIGN_RULE, safe_reuse
 from kvbridge.scheduler.misses import AdmissionMisses, resident_tokens
 from kvbridge.scheduler.prefix_cache import PrefixCache
 from kvbridge.scheduler.requests import Request
@@ -49,9 +50,11 @@ def resolve(future: Future, result) -> None:
 class Restorer:
     def __init__(self, ctx, pool: SequencePool, cache: PrefixCache, store_for: Callable[[str], SequenceStore],
                  window: int, chunk_size: int, journal: Journal, geometry: KVGeometry | None = None,
-                 misses: AdmissionMisses | None = None, exact: bool = False) -> None:
+                 misses: AdmissionMisses | None = None, exact: bool = False,
+                 rule: CutRule = ALIGN_RULE) -> None:
         self._ctx = ctx
         self.exact = exact   # KVB_SCHED_EXACT: restores cut where a solo prefill would cut; swap-outs private
+        self.rule = rule     # where: exact mode's cut rule (kvbridge.scheduler.exact.cut_rule)
         # exact mode's swapped-out contexts of a sliding-window model: under a salt nobody can send (random per
         # scheduler), so a swapped answer's KV, decoded one token a call, never serves another prompt's prefill
         self._swap_salt_tag = "\x00exact-swap-" + secrets.token_hex(16)
@@ -110,7 +113,7 @@ class Restorer:
         usable = plan.matched_tokens
         whole_swap = ticket is not None and usable == len(request.context) - 1   # a swapped context, all of it back
         if self.exact and not whole_swap:   # the rest prefills as a solo run would (kvbridge.scheduler.exact)
-            usable = safe_reuse(usable, len(request.prompt))
+            usable = safe_reuse(usable, len(request.prompt), self.rule)
         restored = usable > enough and plan.state is not None   # judged on what exact mode keeps of it
         if explain:
             self.misses.after_lookup(request, sequences, plan, shared, resident_tokens(source), restored, usable)

@@ -30,6 +30,7 @@ from kvbridge.backends.base import Message
 from kvbridge.backends.llama_context import LlamaContext, Sampler
 from kvbridge.backends.llama_cpp_model import llama_cpp_fingerprint
 from kvbridge.backends.model_traits import traits_of_model
+from kvbridge.engine import cut_verdicts
 from kvbridge.engine.layout import decide_layout, probe_state_on_sequence
 from kvbridge.engine.namespace import namespace_for
 from kvbridge.engine.records import RequestRecord
@@ -88,8 +89,11 @@ class Scheduler:
         # a recurrent model's state is captured where each chunk ends while it prefills (0: not recurrent)
         boundary_step = s.chunk_size if geometry.recurrent else 0
         remember_geometry(geometry)   # the int8 codec finds a chunk's K and V rows by it
-        self.namespace = namespace_for(s, fingerprint=llama_cpp_fingerprint(s, traits), model_path=self._ctx.model_path,
+        fingerprint = llama_cpp_fingerprint(s, traits)
+        self.namespace = namespace_for(s, fingerprint=fingerprint, model_path=self._ctx.model_path,
                                        kv_layout=exact.namespace_key(layout.namespace_key, self.exact), store=self.store)
+        # exact mode's cut: the cut probe's verdict for this model, build and CPU (CachedEngine's), else a grid of 32
+        self.cut_rule = exact.cut_rule(cut_verdicts.rule_for(s, self._ctx.model_path, fingerprint))
         self._store_shared = SequenceStoreShared()   # one writer thread and one restore buffer for every salt
         self._swaps = SaltStores(lambda salt: SequenceStore(self.store, s, salt_namespace(self.namespace, salt),
                                                             geometry, shared=self._store_shared,
@@ -100,14 +104,18 @@ class Scheduler:
         self.journal = events.Journal()
         self._ids = iter(range(1, 1 << 62))   # requests and cached prefixes: one numbering
         self.prefixes = PrefixCache(self._ctx, self.seqs, self.queues.running, s.sched_cached_prefixes, self._ids,
-                                    self.journal, whole_only=bool(geometry.recurrent), exact=self.exact)
-        misses = AdmissionMisses(self._detokenize, s.explain_misses, s.sched_block_tokens // 2, exact=self.exact)
+                                    self.journal, whole_only=bool(geometry.recurrent), exact=self.exact,
+                                    rule=self.cut_rule)
+        misses = AdmissionMisses(self._detokenize, s.explain_misses, s.sched_block_tokens // 2, exact=self.exact,
+                                 rule=self.cut_rule)
         self.restorer = Restorer(self._ctx, self.seqs, self.prefixes, self._swap_for, geometry.window, s.chunk_size,
-                                 self.journal, geometry=geometry, misses=misses, exact=self.exact)
+                                 self.journal, geometry=geometry, misses=misses, exact=self.exact,
+                                 rule=self.cut_rule)
         if self.exact:
             self.journal.notes.append(
                 f"exact mode: one KV stream per sequence, prefill pieces on their own, up to {self.decode_width} "
                 "decode tokens a call (as many as leave each sequence's logits those of a decode alone on this CPU)")
+            self.journal.notes.append(f"exact mode's cut: {self.cut_rule.describe()}")
         elif s.sched_exact:
             self.journal.notes.append(f"exact mode is off: {self.exact_off_reason}")
         if geometry.recurrent:
@@ -265,7 +273,8 @@ class Scheduler:
         sequence ids, counters."""
         with self._lock:
             view = events.snapshot(self.settings, self.ledger, self.queues, self.prefixes, self.seqs.free, self.journal)
-        view["exact"] = {"on": self.exact, "off_reason": self.exact_off_reason}
+        view["exact"] = {"on": self.exact, "off_reason": self.exact_off_reason,
+                         "cut_rule": self.cut_rule.describe() if self.exact else ""}
         return view
 
     def events(self) -> list[dict]:

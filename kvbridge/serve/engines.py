@@ -128,7 +128,8 @@ class ServeEngine:
         return {}
 
     def exact_mode(self) -> dict[str, object]:
-        """{"exact": on or off, "exact_off_reason": why off ("" when on)} for /health and /get_server_info; {}
+        """{"exact": on or off, "exact_off_reason": why off ("" when on), "exact_cut": where its restores end} for
+        /health and /get_server_info; {}
         for an engine without the mode (llama-server's queue runs one request at a time)."""
         return {}
 
@@ -192,7 +193,8 @@ class SchedulerEngine(ServeEngine):
                 "exact": int(self.scheduler.exact)}
 
     def exact_mode(self) -> dict[str, object]:
-        return {"exact": self.scheduler.exact, "exact_off_reason": self.scheduler.exact_off_reason}
+        return {"exact": self.scheduler.exact, "exact_off_reason": self.scheduler.exact_off_reason,
+                "exact_cut": self.scheduler.cut_rule.describe() if self.scheduler.exact else ""}
 
     def bytes_held(self) -> dict[str, dict[str, int]] | None:
         return self.scheduler.bytes_held()
