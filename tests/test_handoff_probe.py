@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvbridge.bench.probes.handoff_probe import COLUMNS, EngineLayout, main, probe_model, synthetic_state
+from kvbridge.bench.probes.handoff_probe import (COLUMNS, SERVER_COLUMNS, EngineLayout, main, probe_model,
+                                                 probe_server, synthetic_state)
 from kvbridge.formats.llama_state import KVGeometry, parse_state
+from conftest import needs_llama_server_and_model
 
 TRANSPOSED = KVGeometry(1, 2, (1, 1), (8, 12), (1, 1), (8, 12), (2, 2), (4, 6))
 PLAIN = KVGeometry(0, 2, (1, 1), (8, 12), (1, 1), (6, 10), (0, 0), (0, 0))
@@ -43,6 +45,14 @@ def test_on_the_real_engine_set_data_takes_the_whole_state(make_settings):
     assert set(result.times) == set(COLUMNS) and all(len(v) == 2 for v in result.times.values())
     assert result.state_bytes > 300 * 1000 and all(t > 0 for v in result.times.values() for t in v)
     assert "set_data beyond the bytes" in result.line()
+
+
+@pytest.mark.parametrize("marks", [pytest.param(0, marks=needs_llama_server_and_model())], ids=["live"])
+def test_through_llama_server_the_restore_file_is_restored_again(make_settings, marks):
+    result = probe_server(make_settings(), "smollm2-135m", 300, reps=2)
+    assert set(result.times) == set(SERVER_COLUMNS)
+    # the server's own restore time came back with every restore, and the client waited at least that long
+    assert all(0 < ms <= wall for ms, wall in zip(result.times["server_ms"], result.times["server_restore"]))
 
 
 def test_bad_arguments_are_named(capsys):

@@ -2,6 +2,7 @@
 
     python -m kvbridge.bench.probes.handoff_probe                        # both embedded models, 7,600 tokens
     python -m kvbridge.bench.probes.handoff_probe --models gemma3-270m --tokens 7600 --reps 21
+    python -m kvbridge.bench.probes.handoff_probe --engine llama-server      # the slot-file path
 
 Place in the flow: ... lookup -> fetch -> assemble -> **handoff** (LlamaCppBackend.restore_state: reset the
 cache, `llama_state_seq_set_data`, the token list) -> suffix prefill. A hot restore (the same prefix again,
@@ -19,6 +20,12 @@ set_data - layout is what llama.cpp does per cell beyond the bytes (find_slot, a
 used cells and of each sequence's positions, one insert per cell per cache; a sliding-window model has two
 caches). The state is a valid layout of N cells holding random KV bytes (set_data reads no values), so no
 prefill is needed; nothing is decoded after it.
+
+With --engine llama-server the restore goes through KVBridge's own llama-server (slot files): the state is
+assembled once straight into the mapped restore file (state_buffer), then restored again and again as a hot
+restore is (reuse_last_restore: `POST /slots/0?action=restore` of that file); columns: copy, the restore as the
+client waits for it (server_restore) and the server's own `timings.restore_ms` (server_ms: it maps the file,
+patches/llama.cpp/0001, and runs set_data's reader on it).
 
 Which libllama runs is llama-cpp-python's choice: LLAMA_CPP_LIB_PATH points it at another build (a patched one
 in a scratch directory); the path used is printed. Figures are ms, the minimum of the repeats (the least
@@ -41,6 +48,7 @@ from kvbridge.settings.cmdline import Parser
 from kvbridge.settings.models import EMBEDDED_MODELS
 
 COLUMNS = ("copy", "layout", "set_data", "handoff")
+SERVER_COLUMNS = ("copy", "server_restore", "server_ms")
 
 
 @dataclass
@@ -49,6 +57,10 @@ class HandoffResult:
     tokens: int
     state_bytes: int
     times: dict[str, list[float]] = field(default_factory=dict)   # column -> ms per repeat
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return tuple(self.times)
 
     def best(self, column: str) -> float:
         return min(self.times[column])
@@ -59,10 +71,10 @@ class HandoffResult:
     def line(self) -> str:
         copy = self.best("copy")
         cols = "  ".join(f"{c} {self.best(c):6.2f} [{self.median(c):6.2f}] {self.best(c) / copy:4.2f}x"
-                         for c in COLUMNS)
-        beyond = self.best("set_data") - self.best("layout")
-        return (f"{self.model:13} {self.tokens:5} tokens {self.state_bytes / 1e6:6.1f} MB  {cols}  "
-                f"set_data beyond the bytes {beyond:5.2f} ms")
+                         for c in self.columns)
+        beyond = (f"  set_data beyond the bytes {self.best('set_data') - self.best('layout'):5.2f} ms"
+                  if "set_data" in self.times else "")
+        return f"{self.model:13} {self.tokens:5} tokens {self.state_bytes / 1e6:6.1f} MB  {cols}{beyond}"
 
 
 def synthetic_state(geometry, n_cells: int, seed: int = 0) -> np.ndarray:
@@ -159,6 +171,40 @@ def probe_model(settings: Settings, model: str, n_tokens: int, reps: int) -> Han
             return result
 
 
+def probe_server(settings: Settings, model: str, n_tokens: int, reps: int) -> HandoffResult:
+    """copy, and a hot restore through llama-server's slot file (client wall and the server's own time)."""
+    from kvbridge.backends import make_backend
+    from kvbridge.backends.base import SeqState
+    from kvbridge.engine.cached_engine import CachedEngine
+
+    ctx = -(-(n_tokens + 64) // 256) * 256
+    with tempfile.TemporaryDirectory(prefix="kvb-handoff-") as tmp:
+        model_settings = settings.replace(model=model, model_path="", ctx_size=ctx, l2_dir=tmp)
+        with CachedEngine(model_settings, make_backend("llama-server", model_settings)) as engine:
+            backend = engine.backend
+            state = synthetic_state(engine.geometry, n_tokens)
+            size = len(state)
+            tokens = [1] * n_tokens
+            buffer = backend.state_buffer(size, tokens)
+            if buffer is None:
+                raise RuntimeError("this llama-server's slot directory is not on this machine")
+            np.copyto(buffer[:size], state)
+            backend.restore_state(SeqState(data=buffer[:size], n_tokens=n_tokens), tokens)   # the file is complete
+            source = np.ones(size, dtype=np.uint8)
+            target = np.empty_like(source)
+            target.fill(1)
+            result = HandoffResult(model, n_tokens, size, {c: [] for c in SERVER_COLUMNS})
+            for _ in range(reps):
+                result.times["copy"].append(_timed(lambda: np.copyto(target, source)))
+                started = time.perf_counter()   # the restore drops the slot's cells itself, as in a request
+                if not backend.reuse_last_restore(tokens):
+                    raise RuntimeError("the restore file no longer holds the state")
+                result.times["server_restore"].append((time.perf_counter() - started) * 1000)
+                result.times["server_ms"].append(backend.last_restore_ms or float("nan"))
+            backend.reset_native_cache()
+            return result
+
+
 def loaded_library() -> str:
     """The libllama this process loaded (LLAMA_CPP_LIB_PATH or llama-cpp-python's own)."""
     import llama_cpp.llama_cpp as binding
@@ -171,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(EMBEDDED_MODELS), help="comma-separated embedded models")
     parser.add_argument("--tokens", type=int, default=7600, help="cells in the restored state (default 7600)")
     parser.add_argument("--reps", type=int, default=15, help="interleaved repeats (default 15)")
+    parser.add_argument("--engine", choices=("llama.cpp", "llama-server"), default="llama.cpp",
+                        help="in-process (default) or through llama-server's slot files")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     bad = [m for m in models if m not in EMBEDDED_MODELS]
@@ -179,9 +227,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                      + (f" (unknown: {', '.join(bad)})" if bad else ""))
     settings = Settings.from_env()
     print("ms, minimum of the repeats [median], and x one copy:")
+    probe = probe_model if args.engine == "llama.cpp" else probe_server
     for model in models:
-        print(probe_model(settings, model, args.tokens, args.reps).line(), flush=True)
-    print(f"libllama: {loaded_library()}")
+        print(probe(settings, model, args.tokens, args.reps).line(), flush=True)
+    if args.engine == "llama.cpp":
+        print(f"libllama: {loaded_library()}")
     return 0
 
 
