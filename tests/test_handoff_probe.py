@@ -41,7 +41,7 @@ def test_the_layout_column_writes_each_byte_where_set_data_puts_it(geometry):
 
 
 def test_on_the_real_engine_set_data_takes_the_whole_state(make_settings):
-    result = probe_model(make_settings(), "smollm2-135m", 300, reps=2)
+    result = probe_model(make_settings(), "smollm2-135m", 300, reps=2, loop_s=0.2, say=lambda line: None)
     assert set(result.times) == set(COLUMNS) and all(len(v) == 2 for v in result.times.values())
     assert result.state_bytes > 300 * 1000 and all(t > 0 for v in result.times.values() for t in v)
     assert "set_data beyond the bytes" in result.line()

@@ -27,6 +27,9 @@ restore is (reuse_last_restore: `POST /slots/0?action=restore` of that file); co
 client waits for it (server_restore) and the server's own `timings.restore_ms` (server_ms: it maps the file,
 patches/llama.cpp/0001, and runs set_data's reader on it).
 
+--loop-s S then repeats the handoff alone for S seconds after each model's line (its pid is printed first), so a
+profiler sees nothing else: `perf record -g -p PID -- sleep 8`, then `perf report --no-children --sort symbol`.
+
 Which libllama runs is llama-cpp-python's choice: LLAMA_CPP_LIB_PATH points it at another build (a patched one
 in a scratch directory); the path used is printed. Figures are ms, the minimum of the repeats (the least
 disturbed), with medians beside them.
@@ -34,6 +37,7 @@ disturbed), with medians beside them.
 from __future__ import annotations
 
 import ctypes
+import os
 import statistics
 import sys
 import tempfile
@@ -128,8 +132,9 @@ def _timed(fn) -> float:
     return (time.perf_counter() - started) * 1000
 
 
-def probe_model(settings: Settings, model: str, n_tokens: int, reps: int) -> HandoffResult:
-    """The four columns for one model, interleaved over `reps` repeats."""
+def probe_model(settings: Settings, model: str, n_tokens: int, reps: int, loop_s: float = 0.0,
+                say=print) -> HandoffResult:
+    """The four columns for one model, interleaved over `reps` repeats (then loop_s seconds of handoffs alone)."""
     import llama_cpp
 
     from kvbridge.backends import make_backend
@@ -167,6 +172,12 @@ def probe_model(settings: Settings, model: str, n_tokens: int, reps: int) -> Han
                 backend.reset_native_cache()
                 result.times["set_data"].append(_timed(set_data))
                 result.times["handoff"].append(_timed(lambda: backend.restore_state(seq_state, tokens)))
+            say(result.line())
+            if loop_s > 0:
+                say(f"handoffs alone for {loop_s:g} s (pid {os.getpid()})")
+                until = time.monotonic() + loop_s
+                while time.monotonic() < until:
+                    backend.restore_state(seq_state, tokens)
             backend.reset_native_cache()
             return result
 
@@ -217,19 +228,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(EMBEDDED_MODELS), help="comma-separated embedded models")
     parser.add_argument("--tokens", type=int, default=7600, help="cells in the restored state (default 7600)")
     parser.add_argument("--reps", type=int, default=15, help="interleaved repeats (default 15)")
+    parser.add_argument("--loop-s", type=float, default=0.0,
+                        help="in-process: then the handoff alone for this many seconds, to profile (default 0)")
     parser.add_argument("--engine", choices=("llama.cpp", "llama-server"), default="llama.cpp",
                         help="in-process (default) or through llama-server's slot files")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     bad = [m for m in models if m not in EMBEDDED_MODELS]
-    if bad or args.tokens < 1 or args.reps < 1:
-        parser.error(f"--models takes {', '.join(EMBEDDED_MODELS)}; --tokens and --reps at least 1"
+    if bad or args.tokens < 1 or args.reps < 1 or args.loop_s < 0:
+        parser.error(f"--models takes {', '.join(EMBEDDED_MODELS)}; --tokens and --reps at least 1, --loop-s not below 0"
                      + (f" (unknown: {', '.join(bad)})" if bad else ""))
     settings = Settings.from_env()
     print("ms, minimum of the repeats [median], and x one copy:")
-    probe = probe_model if args.engine == "llama.cpp" else probe_server
+    def say(line: str) -> None:
+        print(line, flush=True)
+
     for model in models:
-        print(probe(settings, model, args.tokens, args.reps).line(), flush=True)
+        if args.engine == "llama.cpp":
+            probe_model(settings, model, args.tokens, args.reps, args.loop_s, say)
+        else:
+            say(probe_server(settings, model, args.tokens, args.reps).line())
     if args.engine == "llama.cpp":
         print(f"libllama: {loaded_library()}")
     return 0
