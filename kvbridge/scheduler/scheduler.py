@@ -244,13 +244,6 @@ class Scheduler:
             raise RequestRefused("the scheduler is closed")
         return list(self._prompt_tokens(prompt))
 
-    def stored_reach(self, tokens: Sequence[int], salt: str = "") -> int:
-        """How many leading `tokens` the store holds now under `salt` (chunks, then a tail whose ids are these):
-        what a PD decode leg waits for (kvbridge.serve.pd). Any thread: the salt's store is found under the lock."""
-        with self._lock:
-            sequences = self._swap_for(salt)
-        return sequences.stored_prefix(tokens)
-
     def unsalted_hashes(self, tokens: Sequence[int]) -> list[bytes]:
         """The chunk hashes (one per whole chunk) unsalted prompts are stored under (cache salt "")."""
         return self.swap.hashes(tokens)

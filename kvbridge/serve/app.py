@@ -94,8 +94,6 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
             gen = dataclasses.replace(gen, cache_salt=tenant.cache_salt(gen.cache_salt), tenant=tenant.name,
                                       blend=blend)
             stored_first = pd.stores_before_answer(gen, settings.serve_role)
-            if pd.handoff_pending(pd.decode_leg(gen)):   # its prefill leg answered before its write landed
-                await run_in_threadpool(pd.wait_for_handoff, pd.decode_leg(gen), lambda: engine.stored_reach(gen))
             job = Job(asyncio.get_running_loop())
             # tokenizing, and the engine's lock
             await run_in_threadpool(engine.submit, gen, priority, job, stored_first)
@@ -122,8 +120,6 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
             return StreamingResponse(_stream(gen, job, first, rid, endpoint, full, later),
                                      media_type="text/event-stream", headers=headers,
                                      background=BackgroundTask(_run_all, later))
-        if stored_first and first is not None and first[0] == "text" and pd.answers_at_first_token(gen):
-            return _early_prefill_answer(gen, job, rid, endpoint, first[1], full)
         last = first
         while last is not None and last[0] == "text":   # a whole answer: read past its pieces
             last = await _next_event(job, gone)
@@ -143,33 +139,6 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
             body["kv_transfer_params"] = pd.prefill_params(instance_id, record, settings.chunk_size, engine.model_id)
         return JSONResponse(body, headers={TIER_HEADER: record.tier, MISS_HEADER: shown.reason,
                                            **_decode_headers(gen, record)}, background=_after_answer(after))
-
-    finishing: set[asyncio.Task] = set()   # early prefill answers' ends, held until they are counted
-
-    def _early_prefill_answer(gen: Generation, job: Job, rid: str, endpoint: str, text: str, full: bool) -> Response:
-        """A PD prefill leg's answer at its first token (kvbridge.serve.pd), from the live record; its write goes
-        on, and the request is counted in the metrics once it is done."""
-        record = _record(job, ("text", text))
-        shown = client_view(record, full)
-        body = response_body(gen, rid, engine.model_id, text, "length",
-                             usage(record.prompt_tokens, 1, record.matched_tokens, shown.usage_fields()))
-        body["kv_transfer_params"] = pd.prefill_params(instance_id, record, settings.chunk_size, engine.model_id,
-                                                       written=False)
-        task = asyncio.ensure_future(_count_when_done(job, endpoint, gen, full))
-        finishing.add(task)
-        task.add_done_callback(finishing.discard)
-        return JSONResponse(body, headers={TIER_HEADER: record.tier, MISS_HEADER: shown.reason})
-
-    async def _count_when_done(job: Job, endpoint: str, gen: Generation, full: bool) -> None:
-        last = await job.next_event()
-        while last[0] == "text":
-            last = await job.next_event()
-        if last[0] == "error":
-            metrics.answered(endpoint, as_api_error(last[1]).status)
-            return
-        after = metrics.finished(endpoint, last[1], gen.tenant, gen.cache_salt, client_view(last[1], full))
-        if after is not None:
-            await run_in_threadpool(after)
 
     async def _stream(gen: Generation, job: Job, first, rid: str, endpoint: str, full: bool,
                       later: list) -> AsyncIterator[bytes]:

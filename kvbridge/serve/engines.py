@@ -120,11 +120,6 @@ class ServeEngine:
         router's render call is answered with."""
         raise NotImplementedError
 
-    def stored_reach(self, gen: Generation) -> int:
-        """How many leading prompt tokens of the request the store holds now (a PD decode leg waits for its
-        prefill leg's write, kvbridge.serve.pd); -1 when the engine cannot tell."""
-        return -1
-
     def join_fleet(self, instance_id: str) -> None:
         """Called once serve knows its instance id (its port bound), before the ready line: start what a
         fleet worker publishes (KV events, when KVB_KV_EVENTS_URL is set)."""
@@ -180,9 +175,6 @@ class SchedulerEngine(ServeEngine):
 
     def tokens_of(self, gen: Generation) -> list[int]:
         return self.scheduler.tokens_of(gen.prompt)
-
-    def stored_reach(self, gen: Generation) -> int:
-        return self.scheduler.stored_reach(self.scheduler.tokens_of(gen.prompt), gen.cache_salt)
 
     def join_fleet(self, instance_id: str) -> None:
         if self.settings.kv_events_url and self.kv_events is None:

@@ -8,13 +8,12 @@ once that answered, the decode worker gets the original request plus the prefill
 every chunk of its prompt in the shared store (the cache server of KVB_STORE_URL, or L3), and the decode
 leg's admission restores them as it restores any stored prefix.
 
-The hand-off is a pipeline: the prefill leg answers at its first token, while its prompt's write (never
-skipped) is still under way, and says so ("written": false, the tokens it will have stored); the router's
-hop and the decode leg's arrival overlap that write, and the decode leg waits, before its admission, until the
-store holds the promised prefix (polled, at most HANDOFF_WAIT_S: past it the rest is computed, as any miss
-is, so a lost write costs time, never the answer). Measured in Docs/Research.md §34. The prefill answer says
-what it stored under "kv_transfer_params": {"kvbridge": {...}}; never "transfer_mode" (that sends vllm-router
-down its NIXL path).
+The prefill leg answers once its prompt's write has landed, and says what the store holds then, under
+"kv_transfer_params": {"kvbridge": {...}} (with its own timings, so a hand-off can be taken apart); never
+"transfer_mode" (that sends vllm-router down its NIXL path). Answering at the first token instead, with the
+decode leg polling the store for the promised prefix, was tried and measured (Docs/Research.md §34): it gained
+nothing on two cores, and a poll that reads the previous prompt's tail while the new one is put makes the cache
+server refuse the newer tail as busy, so the decode leg found its promise never kept.
 
 KVB_SERVE_ROLE: `both` (the default: each leg as asked), `prefill` (every request is stored before it
 is answered: the instance exists to fill the shared cache), `decode` (a prefill leg is refused).
@@ -22,16 +21,11 @@ is answered: the instance exists to fill the shared cache), `decode` (a prefill 
 from __future__ import annotations
 
 import logging
-import time
-from typing import Callable
 
 from kvbridge.serve.protocol import ApiError, Generation
 
 log = logging.getLogger(__name__)
 RESTORED_HEADER = "X-KVBridge-Restored-Tokens"   # a decode leg's: prompt tokens restored or shared, not prefilled
-HANDOFF_WAIT_S = 5.0    # the longest a decode leg waits for its prefill leg's write: a write of a few thousand
-                        # tokens takes well under a second here; past this the write is presumed lost
-HANDOFF_POLL_S = 0.003  # between two looks at the store (each a lookup and a read of the tail's header and ids)
 
 
 def is_prefill_leg(gen: Generation) -> bool:
@@ -53,23 +47,15 @@ def stores_before_answer(gen: Generation, role: str) -> bool:
     return prefill_leg or role == "prefill"
 
 
-def answers_at_first_token(gen: Generation) -> bool:
-    """A PD prefill leg answers at its first token, its write still under way (a request on a prefill instance
-    that is no leg keeps its promise: answered once stored)."""
-    return is_prefill_leg(gen)
-
-
-def prefill_params(instance: str, record, chunk_size: int, model_id: str, written: bool = True) -> dict:
-    """The prefill answer's kv_transfer_params: what the decode leg will find in the shared store (written: in
-    it now; else the prompt's tokens once the write under way lands)."""
-    stored = int(getattr(record, "stored_tokens", 0)) if written else record.prompt_tokens
+def prefill_params(instance: str, record, chunk_size: int, model_id: str) -> dict:
+    """The prefill answer's kv_transfer_params: what the decode leg will find in the shared store."""
     return {"kvbridge": {"instance": instance, "prompt_tokens": record.prompt_tokens,
-                         "stored_tokens": stored, "written": written, "chunk_size": chunk_size,
+                         "stored_tokens": int(getattr(record, "stored_tokens", 0)), "chunk_size": chunk_size,
                          "model": model_id,
                          # the leg's own path (the request's only: its queue, its first token, its end), so a
                          # hand-off can be taken apart stage by stage (kvbridge.bench.probes.pd_probe)
                          "timings_ms": {"queue": round(record.queue_ms, 1), "first_token": round(record.ttft_ms, 1),
-                                        **({"finished": round(record.total_ms, 1)} if written else {})}}}
+                                        "finished": round(record.total_ms, 1)}}}
 
 
 def decode_leg(gen: Generation) -> dict | None:
@@ -87,29 +73,3 @@ def check_restore(entry: dict, record) -> None:
                  "was prefilled again (is KVB_STORE_URL the same cache server on both?)",
                  record.matched_tokens, stored, entry.get("instance", "?"))
 
-
-def handoff_pending(entry: dict | None) -> bool:
-    """The decode leg of a prefill leg that answered before its write landed."""
-    return isinstance(entry, dict) and entry.get("written") is False and _count(entry.get("stored_tokens")) > 0
-
-
-def wait_for_handoff(entry: dict, reach: Callable[[], int], timeout_s: float = HANDOFF_WAIT_S,
-                     clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> int:
-    """Wait until the store holds the prefix the prefill leg promised (`reach`: how many leading prompt tokens it
-    holds now; negative: this engine cannot tell, so nothing is waited for), or `timeout_s` passed; what it held
-    last. All but the last prompt token is enough: a restore never takes more."""
-    target = _count(entry.get("stored_tokens")) - 1
-    deadline = clock() + timeout_s
-    while True:
-        held = reach()
-        if held < 0 or held >= target:
-            return held
-        if clock() >= deadline:
-            log.info("decode leg: the store held %d of the %d prompt tokens the prefill instance %s promised after "
-                     "%.1f s; the rest is prefilled here", held, target + 1, entry.get("instance", "?"), timeout_s)
-            return held
-        sleep(HANDOFF_POLL_S)
-
-
-def _count(value) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0

@@ -86,6 +86,7 @@ def stages(settings: Settings, trials: int, cold: bool, max_tokens: int, documen
                     for name in ("colocated", "pd"):
                         ask(sdk[name], model, docs, Question(0, 0), max_tokens, cache_salt=salt)
                     ask(sdk["pd"], model, docs, Question(0, 0), max_tokens, cache_salt=hand_salt)
+                    time.sleep(1.0)   # the warm prompts' writes land before the measured requests
                 order = ("colocated", "pd") if trial % 2 == 0 else ("pd", "colocated")
                 got = {name: ask(sdk[name], model, docs, question, max_tokens, cache_salt=salt) for name in order}
                 hand = by_hand(pd, model, docs, question, max_tokens, hand_salt)
@@ -122,7 +123,7 @@ def summary(rows: list[dict]) -> None:
     print(f"medians of {len(rows)}: colocated TTFT {colo:.0f} ms; PD TTFT {pd:.0f} ms ({pd / colo:.2f}x, "
           f"{statistics.median(r['pd_ttft_ms'] / r['colocated_ttft_ms'] for r in rows):.2f}x per trial)")
     print(f"  prefill leg {prefill_leg:.0f} ms: first token at {first:.0f}, finished at {finished:.0f}, answered "
-          f"{prefill_leg - finished:.0f} ms later (its store write, unless it answers early; HTTP)")
+          f"answered {prefill_leg - finished:.0f} ms later (its store write and the lookup after it; HTTP)")
     print(f"  decode leg TTFT {decode:.0f} ms; router and the rest {pd - prefill_leg - decode:.0f} ms")
 
 
@@ -153,6 +154,7 @@ def decoders(settings: Settings, count: int, max_tokens: int, document_chars: in
                 for name in order:
                     salt = _salt()
                     ask(client(urls[name]), model, docs, Question(0, 0), max_tokens, cache_salt=salt)
+                    time.sleep(WRITE_WAIT_S)   # the prefix's write lands (a follow-up sent at once would recompute it)
                     began = time.perf_counter()
                     with ThreadPoolExecutor(count) as pool:
                         answers = list(pool.map(lambda q: ask(client(urls[name]), model, docs, q, max_tokens,
@@ -163,7 +165,8 @@ def decoders(settings: Settings, count: int, max_tokens: int, document_chars: in
                             wrong += 1
                             print(f"{name} {a.key}: {a.error or repr(a.text)} differs from cold {oracle[a.key]!r}")
                     tpots = [a.time_per_output_token_ms for a in answers if a.time_per_output_token_ms]
-                    results.setdefault(name, []).append({
+                    cached = [a.cached_tokens for a in answers]
+                    results.setdefault(name, []).append({"cached": cached,
                         "mean_ttft_ms": statistics.fmean(a.ttft_ms for a in answers if a.ttft_ms),
                         "max_ttft_ms": max(a.ttft_ms for a in answers if a.ttft_ms),
                         "tpot_ms": statistics.median(tpots) if tpots else None, "wall_ms": wall,
@@ -171,7 +174,7 @@ def decoders(settings: Settings, count: int, max_tokens: int, document_chars: in
                     r = results[name][-1]
                     print(f"rep {rep} {name}: mean TTFT {r['mean_ttft_ms']:.0f} ms, last first token "
                           f"{r['max_ttft_ms']:.0f} ms, TPOT {r['tpot_ms'] or 0:.1f} ms, all answered "
-                          f"{r['wall_ms']:.0f} ms ({r['prompt']} prompt tokens)", flush=True)
+                          f"{r['wall_ms']:.0f} ms ({r['prompt']} prompt tokens, cached {r['cached']})", flush=True)
     base = results["colocated x1"]
     for name, rs in results.items():
         ratio = {k: statistics.median(r[k] / b[k] for r, b in zip(rs, base) if r[k] and b[k])
@@ -182,6 +185,7 @@ def decoders(settings: Settings, count: int, max_tokens: int, document_chars: in
 
 
 EXACT = [True]
+WRITE_WAIT_S = 3.0   # --decoders: after warming the prefix, before the requests (as bench-fleet's --think-s)
 
 
 def _salt() -> str:
