@@ -123,7 +123,7 @@ def summary(rows: list[dict]) -> None:
     print(f"medians of {len(rows)}: colocated TTFT {colo:.0f} ms; PD TTFT {pd:.0f} ms ({pd / colo:.2f}x, "
           f"{statistics.median(r['pd_ttft_ms'] / r['colocated_ttft_ms'] for r in rows):.2f}x per trial)")
     print(f"  prefill leg {prefill_leg:.0f} ms: first token at {first:.0f}, finished at {finished:.0f}, answered "
-          f"answered {prefill_leg - finished:.0f} ms later (its store write and the lookup after it; HTTP)")
+          f"{prefill_leg - finished:.0f} ms later (its store write and the lookup after it; HTTP)")
     print(f"  decode leg TTFT {decode:.0f} ms; router and the rest {pd - prefill_leg - decode:.0f} ms")
 
 
