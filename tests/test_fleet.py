@@ -334,3 +334,17 @@ def test_pd_under_kv_aware_needs_the_routers_block_size(make_settings):
         Fleet(make_settings(chunk_size=32), workers=2, policy="kv_aware", pd=True)
     with pytest.raises(BadSettings, match="--pd needs at least 2 workers"):
         Fleet(make_settings(), workers=1, policy="round_robin", pd=True)
+
+
+def test_prove_cut_probes_the_workers_own_settings_or_says_why_not(make_settings, tmp_path):
+    """kvbridge.fleet.fleet.prove_cut (Research §34): a PD decode leg restores only as far as exact mode's cut,
+    proven per thread count. With the mode off nothing is probed; with it on, the probe runs in a child process
+    with the workers' settings, and its failure comes back as a line naming it (here: a model file that is not
+    there), never an exception."""
+    from kvbridge.fleet.fleet import prove_cut
+
+    off = prove_cut(make_settings(sched_exact=False))
+    assert off.startswith("no cut probe: exact mode is off") and "KVB_SCHED_EXACT=false" in off
+    missing = tmp_path / "no-such-model.gguf"
+    failed = prove_cut(make_settings(sched_exact=True, flash_attn=False, model_path=str(missing), threads=1))
+    assert failed.startswith("the cut probe failed (status "), failed
