@@ -28,7 +28,10 @@ the PD pair below, which alternate requests). Every fleet gets the caller's sett
   attention off). The single instance (the cold oracle) runs so too, and every policy's fleet runs twice: in
   exact mode (its usual name) and then with the mode off on its default kernels, flash attention on (the name
   plus OFF_SUFFIX), so `ratios["exact_vs_off_tokens_per_s"]` compares the two side by side in one run. The
-  mode off's answers are counted against the cold ones but fail nothing: it makes no such promise.
+  mode off's answers are counted against the cold ones but fail nothing: it makes no such promise. Before any
+  fleet starts, exact mode's cut is proven for the workers' own settings (kvbridge.fleet.fleet.prove_cut, once per
+  machine): their thread count is seldom the one setup.sh proved, and without a verdict a restore leaves 32 or
+  more tokens to compute (a PD decode leg recomputed 54 of the 598 its prefill leg stored, Research §34).
 
 Runs, in this order:
 1. **single**: one instance with all the memory (`Fleet(workers=1)`, 3x a worker's cells and cached
