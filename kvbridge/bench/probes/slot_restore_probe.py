@@ -7,14 +7,16 @@ a slot directory. A prefix P0 (the built-in handbook) and P1 = P0 + `--rows` mor
 repeat:
 - native: P0 computed by the server, then P1 sent: the server reuses P0 and computes the rest;
 - restore: the slot erased, P0's slot file (saved once) restored, then P1 sent;
-- restore+touch: as restore, then one throwaway token's decode before P1 (a warm-up after the restore).
-It prints the server's own `timings.prompt_ms` and `prompt_n` for P1 in each case, and their medians. With
-`--perf DIR` it records `perf record -g` of the server during the native and the restore repeats apart
-(DIR/native.data, DIR/restore.data) for `perf report`.
+- restore, file rewritten: as restore, the slot file written again through a mapping first (as KVBridge
+  assembles a restore into its one restore file);
+- restore after a save: as restore, after a slot save read and deleted (as KVBridge captures an answer's KV).
+The cases run round robin. It prints the server's own `timings.prompt_ms` and `prompt_n` for P1 in each case,
+and their medians. `--perf FILE` records `perf record -g` of the server throughout.
 """
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import signal
 import statistics
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--rows", type=int, default=15)
-    parser.add_argument("--perf", type=Path, default=None)
+    parser.add_argument("--perf", type=Path, default=None, help="perf record -g of the server into this file")
     parser.add_argument("--doc-chars", type=int, default=7000)
     args = parser.parse_args(argv)
     settings = Settings.from_env()
@@ -92,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
             p0 = p1[:len(p1) - args.rows]
             completion(url, p0, 0)
             slot_action(url, "save", "p0.bin")
-            results: dict[str, list[tuple[float, int]]] = {"native": [], "restore": [], "restore+touch": []}
 
             def native() -> dict:
                 slot_action(url, "erase")
@@ -104,35 +105,49 @@ def main(argv: list[str] | None = None) -> int:
                 slot_action(url, "restore", "p0.bin")
                 return completion(url, p1)
 
-            def restore_touch() -> dict:
+            def restore_rewritten() -> dict:
+                # as KVBridge restores: the restore file written again just before (a mapped slot file)
+                path = slot_dir / "p0-rewritten.bin"
+                data = (slot_dir / "p0.bin").read_bytes()
+                with open(path, "r+b" if path.exists() else "w+b") as f:
+                    f.truncate(len(data))
+                    with mmap.mmap(f.fileno(), len(data)) as m:
+                        m[:] = data
                 slot_action(url, "erase")
-                slot_action(url, "restore", "p0.bin")
-                completion(url, p0 + p1[len(p0):len(p0) + 1], 0)   # one row computed, then P1 reuses it
+                slot_action(url, "restore", path.name)
                 return completion(url, p1)
 
-            cases = {"native": native, "restore": restore, "restore+touch": restore_touch}
-            for name, case in cases.items():   # a warm-up of each
+            def after_save() -> dict:
+                # as KVBridge's previous request left it: the slot saved to a file that is read and deleted
+                slot_action(url, "save", "last.bin")
+                (slot_dir / "last.bin").read_bytes()
+                (slot_dir / "last.bin").unlink()
+                slot_action(url, "erase")
+                slot_action(url, "restore", "p0.bin")
+                return completion(url, p1)
+
+            cases = {"native": native, "restore": restore, "restore, file rewritten": restore_rewritten,
+                     "restore after a save": after_save}
+            results = {name: [] for name in cases}
+            for case in cases.values():   # a warm-up of each
                 case()
-            for name in ("native", "restore"):
-                if args.perf:
-                    args.perf.mkdir(parents=True, exist_ok=True)
-                    recorder = subprocess.Popen(["perf", "record", "-g", "-F", "999", "-o",
-                                                 str(args.perf / f"{name}.data"), "-p", str(proc.pid)],
-                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                    time.sleep(0.5)
-                for _ in range(args.reps):
-                    t = cases[name]()["timings"]
+            recorder = None
+            if args.perf:
+                args.perf.parent.mkdir(parents=True, exist_ok=True)
+                recorder = subprocess.Popen(["perf", "record", "-g", "-F", "999", "-o", str(args.perf), "-p",
+                                             str(proc.pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(0.5)
+            for rep in range(args.reps):   # round robin, so the machine's load falls on every case alike
+                for name, case in cases.items():
+                    t = case()["timings"]
                     results[name].append((t["prompt_ms"], t["prompt_n"]))
-                if args.perf:
-                    recorder.send_signal(signal.SIGINT)
-                    recorder.wait(60)
-            for _ in range(args.reps):
-                t = restore_touch()["timings"]
-                results["restore+touch"].append((t["prompt_ms"], t["prompt_n"]))
+            if recorder is not None:
+                recorder.send_signal(signal.SIGINT)
+                recorder.wait(60)
             print(f"prompt {len(p1)} tokens, P0 {len(p0)}; llama-server {resolve_binary(settings)}")
             for name, rows in results.items():
                 ms = [r[0] for r in rows]
-                print(f"{name:14s} prompt_n {sorted({r[1] for r in rows})}  prompt_ms median {statistics.median(ms):7.1f}"
+                print(f"{name:24s} prompt_n {sorted({r[1] for r in rows})}  prompt_ms median {statistics.median(ms):7.1f}"
                       f"  all {' '.join(f'{m:.1f}' for m in ms)}")
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
