@@ -11,7 +11,6 @@ they must be). Prints medians and the ratio. The machine's load is printed: meas
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -19,6 +18,7 @@ import time
 from kvbridge.bench.common.scenarios import build_requests
 from kvbridge.scheduler import Scheduler, exact
 from kvbridge.settings import Settings
+from kvbridge.settings.cmdline import Parser
 from kvbridge.store import TieredStore
 from kvbridge.store.tiers import MemoryTier
 
@@ -34,7 +34,7 @@ def scheduler(settings: Settings, align_only: bool) -> Scheduler:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m kvbridge.bench.probes.exact_cut_probe", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--n-predict", type=int, default=16)
     args = parser.parse_args(argv)

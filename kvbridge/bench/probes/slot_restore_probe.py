@@ -15,7 +15,6 @@ and their medians. `--perf FILE` records `perf record -g` of the server througho
 """
 from __future__ import annotations
 
-import argparse
 import mmap
 import os
 import signal
@@ -34,6 +33,7 @@ from kvbridge.backends.model_traits import traits_of_file
 from kvbridge.backends.base import BATCH_TOKENS
 from kvbridge.bench.common.scenarios import builtin_document
 from kvbridge.settings import Settings
+from kvbridge.settings.cmdline import Parser
 
 QUESTION = "\n\nQuestion: What does the handbook say about meetings? Answer briefly."
 
@@ -67,7 +67,7 @@ def slot_action(url: str, action: str, filename: str | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m kvbridge.bench.probes.slot_restore_probe", description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--rows", type=int, default=15)
     parser.add_argument("--perf", type=Path, default=None, help="perf record -g of the server into this file")
