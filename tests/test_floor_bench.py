@@ -44,3 +44,24 @@ def test_unknown_paths_and_models_are_named(make_settings):
         run_floor_bench(make_settings(), paths=["gpu"], say=lambda line: None)
     with pytest.raises(BadSettings, match="--models"):
         run_floor_bench(make_settings(), paths=["in-process"], models=["llama-70b"], say=lambda line: None)
+
+
+def test_modes_take_turns_question_by_question_each_on_its_own_engine(make_settings):
+    # the default of bench-floor: a change in the machine's speed during the run falls on both modes alike
+    from kvbridge.backends import make_backend
+    from kvbridge.bench.common.runner import run_interleaved
+    from kvbridge.engine.cached_engine import CachedEngine
+
+    settings = make_settings(chunk_size=64, n_predict=4, threads=1)
+    with CachedEngine(settings, make_backend("llama.cpp", settings)) as native, \
+            CachedEngine(settings.replace(l2_enabled=False), make_backend("llama.cpp", settings)) as lmcache:
+        records = list(run_interleaved({"native": native, "lmcache": lmcache}, "doc-qa", n_requests=3,
+                                       document=DOCUMENT))
+    assert [(r.mode, r.request_index) for r in records] == [
+        ("native", 1), ("lmcache", 1), ("native", 2), ("lmcache", 2), ("native", 3), ("lmcache", 3)]
+    assert not any(r.error for r in records)
+    native_warm = [r for r in records if r.mode == "native"][1:]
+    lmcache_warm = [r for r in records if r.mode == "lmcache"][1:]
+    assert all(r.engine_cached_tokens > 200 for r in native_warm)   # its own context kept the document
+    assert all(r.matched_tokens > 200 and r.tier == "L1" for r in lmcache_warm)   # restored from its store
+    assert [r.text for r in native_warm] == [r.text for r in lmcache_warm]

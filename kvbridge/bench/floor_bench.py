@@ -33,7 +33,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from kvbridge.bench.common.report import fmt, is_warm, median_or_none, plain_copy_ms, ratio
-from kvbridge.bench.common.runner import empty_faster_tiers, run_scenario
+from kvbridge.bench.common.runner import empty_faster_tiers, run_interleaved, run_scenario
 from kvbridge.engine.records import RequestRecord
 from kvbridge.engine.stages import STAGES, stages_of
 from kvbridge.errors import BadSettings
@@ -171,8 +171,11 @@ def profile_request(engine, messages, before=None, top: int = 14, sort: str = "t
 
 def run_path(path: str, settings: Settings, model: str, run: int, workdir: Path, cold_texts: dict[int, str],
              n_requests: int | None, long_tokens: int, say: Say, document: str | None = None,
-             profile: bool = False) -> PathResult:
-    """One path on one model; fills cold_texts (the oracle) when it is empty and the path is doc-qa."""
+             profile: bool = False, interleave: bool = True) -> PathResult:
+    """One path on one model; fills cold_texts (the oracle) when it is empty and the path is doc-qa.
+
+    interleave: native and lmcache each on an engine of their own, taking turns question by question
+    (runner.run_interleaved); False: one engine, all of native's questions and then lmcache's."""
     from kvbridge.bench.long_context import (DEFAULT_WARM_REPEATS, build_prompts, length_rows, run_long_context,
                                              settings_for)
 
@@ -190,11 +193,18 @@ def run_path(path: str, settings: Settings, model: str, run: int, workdir: Path,
                 prompts = build_prompts(engine, [long_tokens], DEFAULT_WARM_REPEATS + 1, engine.settings.n_predict)
                 result.profile = profile_request(engine, next(iter(prompts.values()))[1])
             return result
-        modes = ["native", "lmcache"] + ([] if cold_texts else ["cold"])
-        records = list(run_scenario(engine, "doc-qa", modes, n_requests=n_requests, document=document,
-                                    progress=_progress(say, path), before_request=before))
-        if not cold_texts:
-            cold_texts.update({r.request_index: r.text for r in records if r.mode == "cold" and not r.error})
+        if not cold_texts:   # the oracle, once per model: its timings are not compared
+            cold = list(run_scenario(engine, "doc-qa", ["cold"], n_requests=n_requests, document=document,
+                                     progress=_progress(say, path)))
+            cold_texts.update({r.request_index: r.text for r in cold if not r.error})
+        if interleave:
+            with path_engine(path, settings, workdir / "native") as (native_engine, _):
+                records = list(run_interleaved({"native": native_engine, "lmcache": engine}, "doc-qa",
+                                               n_requests=n_requests, document=document,
+                                               progress=_progress(say, path), before_request={"lmcache": before}))
+        else:
+            records = list(run_scenario(engine, "doc-qa", ["native", "lmcache"], n_requests=n_requests,
+                                        document=document, progress=_progress(say, path), before_request=before))
         summarise_records(result, records, engine.geometry, cold_texts)
         if profile:
             from kvbridge.bench.common.scenarios import build_requests
@@ -213,7 +223,8 @@ def _progress(say: Say, path: str):
 
 def run_floor_bench(settings: Settings, paths: Sequence[str] = PATHS, models: Sequence[str] | None = None,
                     runs: int = 3, n_requests: int | None = None, long_tokens: int = LONG_CONTEXT_TOKENS,
-                    document: str | None = None, profile: bool = False, say: Say = print) -> dict:
+                    document: str | None = None, profile: bool = False, say: Say = print,
+                    interleave: bool = True) -> dict:
     """Every path on every model, `runs` times; {"results": [PathResult dicts], "table": [median rows]}."""
     unknown = [p for p in paths if p not in PATHS]
     if unknown:
@@ -234,7 +245,7 @@ def run_floor_bench(settings: Settings, paths: Sequence[str] = PATHS, models: Se
                     workdir.mkdir(parents=True)
                     try:
                         results.append(run_path(path, model_settings, model, run, workdir, cold_texts, n_requests,
-                                                long_tokens, say, document, profile and run == 1))
+                                                long_tokens, say, document, profile and run == 1, interleave))
                     except Exception as exc:   # one path's failure is a row, not the end of the run
                         results.append(PathResult(path, model, run, error=f"{type(exc).__name__}: {exc}"))
     return {"results": [r.to_dict() for r in results], "table": median_rows(results)}

@@ -14,6 +14,9 @@ def add_arguments(p) -> None:
     p.add_argument("--requests", type=int, default=None, help="doc-qa questions per path (default 12)")
     p.add_argument("--long-tokens", dest="long_tokens", type=int, default=7600,
                    help="long-context prompt length in tokens (default 7600)")
+    p.add_argument("--sequential", action="store_true",
+                   help="run all of native's questions, then lmcache's, on one engine (default: each mode on an "
+                        "engine of its own, taking turns question by question)")
     p.add_argument("--profile", action="store_true",
                    help="also run one warm lmcache request per path under cProfile and print its top functions")
 
@@ -26,7 +29,8 @@ def run(args) -> int:
     paths = [p.strip() for p in args.paths.split(",") if p.strip()] if args.paths else list(PATHS)
     models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
     result = run_floor_bench(settings, paths=paths, models=models, runs=args.runs, n_requests=args.requests,
-                             long_tokens=args.long_tokens, profile=args.profile)
+                             long_tokens=args.long_tokens, profile=args.profile,
+                             interleave=not args.sequential)
     print(format_floor(result))
     print(f"wrote {write_result_json(result, settings.output_dir, 'floor')}")
     return 1 if any(row["errors"] for row in result["table"]) else 0

@@ -71,6 +71,47 @@ def run_scenario(engine: CachedEngine, key: str, modes: str | Sequence[str], n_r
         progress(total, total, "done")
 
 
+def run_interleaved(engines: dict[str, CachedEngine], key: str, n_requests: int | None = None,
+                    document: str | None = None, progress: ProgressFn | None = None,
+                    n_predict: int | None = None,
+                    before_request: dict[str, BeforeRequestFn] | None = None) -> Iterator[RequestRecord]:
+    """Yield one RequestRecord per (request, mode): each mode on its own engine, the modes taking turns
+    request by request, so a change in the machine's speed over the run falls on every mode alike.
+
+    run_scenario runs a whole mode before the next; on two cores the same 15 warm prompt rows took
+    ~94 ms through one mode's minute and ~124 ms through the next one's (Docs/Research.md §37), which is
+    larger than the differences a side-by-side ratio is meant to show. Each engine starts from an empty
+    native cache, as run_scenario's modes do. before_request[mode](mode) runs off the clock.
+    """
+    modes = list(engines)
+    if get_scenario(key).run is not None:
+        raise BadSettings(f"The {key!r} scenario orders its own requests; modes can take turns only in the "
+                          "request-list scenarios (doc-qa, system-prompt, ...).")
+    requests = build_requests(key, n_requests, document)
+    for engine in engines.values():
+        engine.start()
+        engine.reset_native_cache()
+    total, done, index = len(modes) * len(requests), 0, 0
+    for request in requests:
+        if request.action == "restart":
+            for engine in engines.values():
+                engine.restart_backend(drop_l1=True)
+            done += len(modes)
+            continue
+        index += 1
+        for mode in modes:
+            if progress is not None:
+                progress(done, total, f"{mode}: {request.label}")
+            hook = (before_request or {}).get(mode)
+            if hook is not None:
+                hook(mode)
+            yield engines[mode].infer(list(request.messages), mode=mode, n_predict=n_predict, scenario=key,
+                                      label=request.label, request_index=index)
+            done += 1
+    if progress is not None:
+        progress(total, total, "done")
+
+
 def empty_faster_tiers(store, tier: str) -> BeforeRequestFn:
     """A before_request hook that makes every lmcache hit come from `tier` ("L2", "L3").
 
