@@ -72,11 +72,25 @@ def _flip_last_value_byte(tier: Tier, k: bytes) -> None:
         client.setrange(name, len(value) - 1, bytes([value[-1] ^ 0x01]))
 
 
+def _s3_tier(directory: Path, capacity: int) -> Tier:
+    """An S3Tier on the session's SeaweedFS (weed mini), under a prefix of its own (skipped without weed)."""
+    from tests.s3_helpers import s3_tier, session_s3
+
+    return s3_tier(session_s3(), capacity=capacity)
+
+
+def _flip_last_object_byte(tier: Tier, k: bytes) -> None:
+    client = tier._client
+    value = client.get_object(Bucket=tier.bucket, Key=tier.s3_key(k))["Body"].read()
+    client.put_object(Bucket=tier.bucket, Key=tier.s3_key(k), Body=value[:-1] + bytes([value[-1] ^ 0x01]))
+
+
 # name -> (build a tier of a capacity in a directory, corrupt a stored object or None when it cannot be)
 TIERS: dict[str, tuple[Callable[[Path, int], Tier], Callable[[Tier, bytes], None] | None]] = {
     "memory": (lambda directory, capacity: MemoryTier(capacity), None),  # holds the caller's own bytes
     "disk": (lambda directory, capacity: DiskTier(directory / "l2", capacity), _flip_last_byte),
     "redis": (_redis_tier, _flip_last_value_byte),
+    "s3": (_s3_tier, _flip_last_object_byte),
 }
 
 

@@ -92,6 +92,7 @@ def _value_problems(s: Settings) -> list[str]:
     problems += [message for failed, message in rules if failed]
     problems += _cache_server_problems(s)
     problems += _l3_problems(s)
+    problems += _s3_problems(s)
     problems += _scheduler_problems(s)
     problems += _serve_problems(s)
     urls = (("KVB_OLLAMA_URL", s.ollama_url), ("KVB_CLOUD_BASE_URL", s.cloud_base_url),
@@ -208,6 +209,62 @@ def _l3_problems(s: Settings) -> list[str]:
     if s.l3_password_env and not s.l3_password_env.replace("_", "").isalnum():
         problems.append("KVB_L3_PASSWORD_ENV must be the NAME of an environment variable (like REDIS_PASSWORD), "
                         "not the password itself (its value is not shown)")
+    return problems
+
+
+S3_ORDERS = ("after-l3", "before-l3")
+
+
+def s3_url_problem(url: str) -> str | None:
+    """A message when KVB_S3_URL is not an S3 endpoint (http(s)://host[:port]) without credentials, else None."""
+    example = "http://127.0.0.1:8333 (SeaweedFS) or https://s3.us-east-1.amazonaws.com"
+    scheme, sep, rest = url.partition("://")
+    netloc, _, path = rest.partition("/")
+    if not sep or scheme not in ("http", "https"):
+        return f"KVB_S3_URL={url!r} is not an S3 endpoint; use {example}"
+    if "@" in netloc:
+        return ("KVB_S3_URL carries credentials; put the keys in variables and name them in KVB_S3_ACCESS_KEY_ENV "
+                "and KVB_S3_SECRET_KEY_ENV instead (they are never written to .env, logs or exports)")
+    name, colon, port = netloc.rpartition(":") if not netloc.endswith("]") else (netloc, "", "")
+    if not netloc or (colon and not (name and port.isdigit() and 1 <= int(port) <= 65535)):
+        return f"KVB_S3_URL={url!r} names no host:port; use {example}"
+    if path.strip("/"):
+        return f"KVB_S3_URL={url!r} has a path; name only the endpoint and put the bucket in KVB_S3_BUCKET"
+    return None
+
+
+def _s3_problems(s: Settings) -> list[str]:
+    """The S3 tier (checked whether or not KVB_S3_URL is set, so a typo shows before it is used)."""
+    problems = []
+    try:
+        codec_class(s.s3_serde, setting="KVB_S3_SERDE")
+    except UnknownCodecError as error:
+        problems.append(str(error))
+    bucket_ok = 3 <= len(s.s3_bucket) <= 63 and all(c.islower() or c.isdigit() or c in "-." for c in s.s3_bucket)
+    rules = (
+        (not bucket_ok, f"KVB_S3_BUCKET={s.s3_bucket!r} is not a bucket name: 3 to 63 lower-case letters, digits, - and ."),
+        (not s.s3_prefix or s.s3_prefix.startswith("/") or s.s3_prefix.endswith("/")
+         or not all(c.isalnum() or c in "-_./" for c in s.s3_prefix),
+         f"KVB_S3_PREFIX={s.s3_prefix!r} must be letters, digits and - _ . / only, not starting or ending in / (default kvb)"),
+        (not s.s3_region.strip(), "KVB_S3_REGION is empty; use us-east-1 (the default; SeaweedFS and MinIO ignore it), "
+                                  "auto for Cloudflare R2, or your bucket's region"),
+        (s.s3_bytes <= 0, f"KVB_S3_BYTES={s.s3_bytes} must be more than 0 (the budget of everything under KVB_S3_PREFIX)"),
+        (s.s3_write_queue < 1, f"KVB_S3_WRITE_QUEUE={s.s3_write_queue} must be at least 1"),
+        (s.s3_timeout <= 0, f"KVB_S3_TIMEOUT={s.s3_timeout} must be more than 0 seconds"),
+        (s.s3_order not in S3_ORDERS, f"KVB_S3_ORDER={s.s3_order!r} must be one of {', '.join(S3_ORDERS)}"),
+    )
+    problems += [message for failed, message in rules if failed]
+    for var, value in (("KVB_S3_ACCESS_KEY_ENV", s.s3_access_key_env), ("KVB_S3_SECRET_KEY_ENV", s.s3_secret_key_env)):
+        if value and not value.replace("_", "").isalnum():
+            problems.append(f"{var} must be the NAME of an environment variable (like AWS_ACCESS_KEY_ID), "
+                            "not the key itself (its value is not shown)")
+        elif s.s3_url and not value:
+            problems.append(f"KVB_S3_URL is set but {var} is empty: name the variable holding the key "
+                            "(KVBridge never falls back to a default credential chain)")
+    if s.s3_url:
+        message = s3_url_problem(s.s3_url)
+        if message:
+            problems.append(message)
     return problems
 
 

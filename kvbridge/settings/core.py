@@ -66,6 +66,18 @@ class Settings:
     l3_ttl: float = 0.0               # seconds an L3 object lives; 0: until the server evicts it
     l3_serde: str = "raw"
     l3_write_queue: int = 64          # objects waiting to be written to L3 behind the request
+    # S3: an object store shared by hosts (SeaweedFS, AWS S3, R2, MinIO...; kvbridge.store.s3_tier; empty: none)
+    s3_url: str = ""                  # the endpoint, http(s)://host:port; never credentials in it
+    s3_bucket: str = "kvbridge"
+    s3_prefix: str = "kvb"            # every object KVBridge writes is under "<prefix>/"
+    s3_region: str = "us-east-1"
+    s3_bytes: int = 64 << 30          # the budget of everything under the prefix, shared by every host writing there
+    s3_write_queue: int = 64          # objects waiting to be written to S3 behind the request
+    s3_timeout: float = 5.0           # seconds any one S3 call may take before it is a miss
+    s3_serde: str = "raw"
+    s3_access_key_env: str = ""       # the NAME of the variable holding the access key id; never the key
+    s3_secret_key_env: str = ""       # the NAME of the variable holding the secret access key; never the key
+    s3_order: str = "after-l3"        # where S3 sits when L3 is set too: after-l3 or before-l3
     inflight_wait_ms: int = 250       # a lookup reads a write not landed yet: queued bytes at once, another writer's <= this; 0: off
     zstd_level: int = 3               # the zstd codec's level (1 fast .. 19 small)
     prefer_lmcache_hasher: bool = False

@@ -105,7 +105,9 @@ class TieredStore(TierWrites, TierUpkeep, TierHistory, TierInflight):
     def from_settings(cls, settings: Settings, namespace: str | None = None, *, with_l1: bool = True,
                       owner: str = "embedded", history: EvictionRing | None = None) -> "TieredStore":
         """[L1 (KVB_L1_BYTES)] + [L2 (KVB_L2_DIR, KVB_L2_BYTES, KVB_L2_SERDE) when KVB_L2_ENABLED]
-        + [L3 (KVB_L3_URL and the other KVB_L3_ settings) when KVB_L3_URL is set].
+        + [L3 (KVB_L3_URL and the other KVB_L3_ settings) when KVB_L3_URL is set]
+        + [S3 (KVB_S3_URL, KVB_S3_*; kvbridge.store.s3_tier) when KVB_S3_URL is set, after L3 or before it by
+        KVB_S3_ORDER]; the write-behind queue holds KVB_L3_WRITE_QUEUE + KVB_S3_WRITE_QUEUE objects.
 
         with_l1=False, owner="cache-server": the tiers below the cache server's shared-memory L1.
         An unreachable L3 is not an error here: it is marked down and retried (see redis_tier).
@@ -128,7 +130,14 @@ class TieredStore(TierWrites, TierUpkeep, TierHistory, TierInflight):
             from kvbridge.store.redis_tier import RedisTier   # redis-py is loaded only when L3 is used
 
             tiers.append(RedisTier.from_settings(settings))
-        return cls(tiers, namespace=namespace, write_queue=settings.l3_write_queue,
+        if settings.s3_url:
+            from kvbridge.store.s3_tier import S3Tier   # boto3 is loaded only when S3 is used
+
+            at = len(tiers) - 1 if settings.l3_url and settings.s3_order == "before-l3" else len(tiers)
+            tiers.insert(at, S3Tier.from_settings(settings))
+        write_queue = ((settings.l3_write_queue if settings.l3_url else 0)
+                       + (settings.s3_write_queue if settings.s3_url else 0)) or settings.l3_write_queue
+        return cls(tiers, namespace=namespace, write_queue=write_queue,
                    history=history if history is not None else settings.eviction_history,
                    inflight_wait_ms=settings.inflight_wait_ms)
 
