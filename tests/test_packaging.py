@@ -52,7 +52,7 @@ def declared(*groups: str) -> dict[str, Requirement]:
     return {canonicalize_name(r.name): r for r in reqs if canonicalize_name(r.name) != "kvbridge"}
 
 
-RUNTIME_GROUPS = ("", "llama", "gui", "serve", "cache-server", "redis", "fleet")
+RUNTIME_GROUPS = ("", "llama", "gui", "serve", "cache-server", "redis", "s3", "fleet")
 
 
 @pytest.mark.parametrize("requirements, groups", [("requirements.txt", RUNTIME_GROUPS),

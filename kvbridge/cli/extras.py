@@ -26,6 +26,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "serve": ("starlette", "uvicorn"),
     "cache-server": ("zmq",),
     "redis": ("redis", "hiredis"),
+    "s3": ("boto3",),
     "fleet": ("vllm_router",),
 }
 # fleet's requirements include kvbridge[serve,cache-server]: checking fleet checks those too

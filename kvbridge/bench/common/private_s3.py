@@ -37,8 +37,8 @@ from kvbridge.errors import KVBridgeError
 log = logging.getLogger(__name__)
 STARTUP_S = 60.0       # a cold start on 2 busy cores takes a few seconds; a wedged one is an error, not a hang
 STOP_S = 10.0          # weed exits a few seconds after SIGTERM
-ACCESS_KEY_ENV = "KVB_TEST_S3_ACCESS_KEY"     # the variables the keys travel in (KVB_S3_*_KEY_ENV name them)
-SECRET_KEY_ENV = "KVB_TEST_S3_SECRET_KEY"
+ACCESS_KEY_ENV = "PRIVATE_S3_ACCESS_KEY"     # the variables the keys travel in (KVB_S3_*_KEY_ENV name them)
+SECRET_KEY_ENV = "PRIVATE_S3_SECRET_KEY"
 PORT_NAMES = ("s3", "s3.port.grpc", "master", "master.port.grpc", "filer", "filer.port.grpc", "volume",
               "volume.port.grpc", "admin", "admin.port.grpc")
 
