@@ -17,9 +17,10 @@ Lookups. Never a HEAD per chunk: one ListObjectsV2 of `idx/` (StartAfter = the n
 SKEW_S, for writers whose clocks lag or whose marker landed late) tells this process every object written
 or used since its last look, with sizes, namespaces and last-use times, one round trip per 1,000 markers.
 A fresh process lists once at start (in the background; a lookup meanwhile waits for it) and so finds
-everything there with nothing in memory. A lookup of keys nobody here knows lists again (at most every
-RELIST_S). The marker's metadata is a hint: a get reads the object's own checked header and the store
-checks its namespace again.
+everything there with nothing in memory. A lookup of keys nobody here knows lists again (lookups queued
+behind a listing that started after they asked share it). A namespace first seen in a marker costs one GET
+of its ns/ text, once per process. The marker's metadata is a hint: a get reads the object's own checked
+header and the store checks its namespace again.
 
 Use times and eviction. A hit rewrites the key's marker with the current time (at most once per
 TOUCH_EVERY_S per key, behind the read) and deletes the old one: the durable last-use time. The budget
@@ -57,7 +58,6 @@ log = logging.getLogger(__name__)
 
 OBJECT_MAGIC = b"KVB-S3\r\n"
 SKEW_S = 60.0            # a listing re-reads markers this much older than the newest it saw (late writers, clocks)
-RELIST_S = 0.2           # a lookup of unknown keys lists again at most this often
 TOUCH_EVERY_S = 60.0     # a hit rewrites its marker (the durable use time) at most this often per key
 UPKEEP_S = 15.0          # the background listing + budget sweep runs this often
 LIST_PAGES_MOST = 1000   # one listing reads at most this many pages (1M markers)
@@ -88,7 +88,8 @@ class S3Tier(S3Link, Tier):
     def __init__(self, url: str, bucket: str, *, access_key: str, secret_key: str, prefix: str = "kvb",
                  region: str = "us-east-1", capacity: int = 64 << 30, timeout: float = 5.0,
                  codec: TierCodec | None = None, name: str = "S3",
-                 key_envs: tuple[str, str] = ("", ""), start: bool = True) -> None:
+                 key_envs: tuple[str, str] = ("", ""), start: bool = True,
+                 touch_every_s: float = TOUCH_EVERY_S) -> None:
         super().__init__(name, capacity)
         self.bucket = bucket
         self.prefix = prefix.strip("/")
@@ -100,7 +101,7 @@ class S3Tier(S3Link, Tier):
         self._lock = threading.Lock()
         self._list_lock = threading.Lock()       # one listing at a time; a lookup meanwhile waits for it
         self._cursor = ""                        # the newest marker name seen
-        self._listed_at = 0.0
+        self._list_started = 0.0
         self._namespaces: dict[str, str] = {}    # tag -> namespace text
         self._ns_written: set[str] = set()
         self.others: dict[str, int] = {}         # markers whose namespace text is missing: tag -> count
@@ -108,6 +109,7 @@ class S3Tier(S3Link, Tier):
         self._stop = threading.Event()
         self._upkeep: threading.Thread | None = None
         self.evicted_by_budget = 0
+        self.touch_every_s = touch_every_s
         if start:
             self._upkeep = threading.Thread(target=self._upkeep_loop, name=f"kvbridge-{name}-upkeep", daemon=True)
             self._list_lock.acquire()            # the first listing holds it from now: lookups wait for it
@@ -190,15 +192,22 @@ class S3Tier(S3Link, Tier):
 
     # -- listing ---------------------------------------------------------------------------------
     def refresh(self, wait: bool = True) -> int:
-        """List the markers written since the last look (all of them the first time); markers read."""
+        """List the markers written since the last look (all of them the first time); markers read.
+
+        Callers that queue behind a listing started after they asked take its result instead of listing
+        again, so a burst of lookups costs one round trip, and no lookup sees a listing older than itself."""
+        asked = time.monotonic()
         if not self._list_lock.acquire(blocking=wait, timeout=(self.timeout * 4) if wait else -1):
             return 0
         try:
+            if self._list_started > asked:
+                return 0
             return self._list_markers()
         finally:
             self._list_lock.release()
 
     def _list_markers(self) -> int:
+        self._list_started = time.monotonic()
         prefix = f"{self.prefix}/idx/"
         start_after = ""
         if self._cursor:
@@ -237,7 +246,6 @@ class S3Tier(S3Link, Tier):
                 break
         if unknown_tags:
             self._learn_namespaces(unknown_tags)
-        self._listed_at = time.monotonic()
         return seen
 
     def _learn_namespaces(self, tags: set[str]) -> None:
@@ -267,7 +275,7 @@ class S3Tier(S3Link, Tier):
         """Sizes of these objects; keys nobody here knows are looked for in one listing of new markers."""
         with self._lock:
             unknown = any(key not in self._index for key in keys)
-        if unknown and (self._list_lock.locked() or time.monotonic() - self._listed_at >= RELIST_S):
+        if unknown:
             try:
                 self.refresh()
             except StoreFault as fault:
@@ -322,7 +330,7 @@ class S3Tier(S3Link, Tier):
         """Rewrite the key's marker with the time of this hit (at most once per TOUCH_EVERY_S), behind the read."""
         with self._lock:
             entry = self._index.get(key)
-            if entry is None or now - max(entry.touched, self._newest_marker_time(entry)) < TOUCH_EVERY_S:
+            if entry is None or now - max(entry.touched, self._newest_marker_time(entry)) < self.touch_every_s:
                 return
             entry.touched = now
         self._pool.submit(self._write_marker, key, size, meta, now)
