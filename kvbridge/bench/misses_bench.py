@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 from kvbridge.bench.common.report import write_result_json
 from kvbridge.bench.common.runner import ProgressFn
 from kvbridge.bench.common.scenarios import builtin_document
-from kvbridge.engine.cold_cut import restorable
+from kvbridge.engine.cold_cut import DEFAULT_RULE, CutRule
 from kvbridge.errors import KVBridgeError
 from kvbridge.settings import Settings
 
@@ -64,11 +64,12 @@ class Attributed:
     explain_ms: float
     store_calls: int = 0
     client_reason: str = ""     # tenant-salt: what serve shows the tenant
+    rule: CutRule = DEFAULT_RULE   # where the engine that answered lets a restore end (CachedEngine.cut_rule)
 
     @property
     def missed(self) -> bool:
-        """Fewer tokens restored than a restore may give (CachedEngine's cold cut; the scheduler's rows are misses)."""
-        return self.matched_tokens < restorable(self.prompt_tokens)
+        """Fewer tokens restored than the engine's cut rule lets a restore give (the scheduler's rows are misses)."""
+        return self.matched_tokens < self.rule.restorable(self.prompt_tokens)
 
     @property
     def explained(self) -> bool:
@@ -123,7 +124,8 @@ def doc_qa_small_l1(settings: Settings, make_engine: Callable, n_requests: int, 
         with make_engine(small, l2) as engine:
             for i, (doc, prompt) in enumerate(zip(order, prompts)):
                 expected = "none_stored" if doc not in seen else "diverged" if last == doc else "evicted"
-                rows.append(_row("doc-qa", f"{doc}{i}", expected, _lmcache(engine, prompt, n_predict)))
+                rows.append(_row("doc-qa", f"{doc}{i}", expected, _lmcache(engine, prompt, n_predict),
+                                 rule=engine.cut_rule))
                 seen.add(doc)
                 last = doc
     return rows
@@ -137,7 +139,8 @@ def long_context(settings: Settings, engine, lengths: Sequence[int], n_predict: 
     for length, questions in build_prompts(engine, lengths, 2, n_predict).items():
         for q, prompt in enumerate(questions):
             expected = "diverged" if rows else "none_stored"
-            rows.append(_row("long-context", f"{length}/q{q}", expected, _lmcache(engine, prompt, n_predict)))
+            rows.append(_row("long-context", f"{length}/q{q}", expected, _lmcache(engine, prompt, n_predict),
+                             rule=engine.cut_rule))
     return rows
 
 
@@ -156,7 +159,8 @@ def model_file(settings: Settings, make_engine: Callable, n_requests: int, n_pre
                 for i, prompt in enumerate(prompts):
                     record = _lmcache(engine, prompt, n_predict)
                     if seed:
-                        rows.append(_row("model-file", f"q{i}", "other_namespace", record, "model_sha256"))
+                        rows.append(_row("model-file", f"q{i}", "other_namespace", record, "model_sha256",
+                                         rule=engine.cut_rule))
     return rows
 
 
@@ -204,7 +208,8 @@ def redis_stop(settings: Settings, make_engine: Callable, n_requests: int, doc_c
             engine.store.clear("L1")
             server.kill()
             for i, prompt in enumerate(prompts):
-                rows.append(_row("redis-stop", f"q{i}", "tier_down", _lmcache(engine, prompt, n_predict)))
+                rows.append(_row("redis-stop", f"q{i}", "tier_down", _lmcache(engine, prompt, n_predict),
+                                 rule=engine.cut_rule))
     return rows
 
 

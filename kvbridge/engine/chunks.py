@@ -213,7 +213,7 @@ class ChunkKV:
         view, keep = self._tail_keep(obj, tokens, start, limit, plan)
         if keep > 0:
             found.append((view, obj, keep))
-        left = n = self._on_grid(start + keep, len(tokens), plan)
+        left = n = self._cut_to_rule(start + keep, len(tokens), plan)
         for view, obj, cells in found:
             take = min(cells, left)
             if take < 1:
@@ -234,7 +234,7 @@ class ChunkKV:
         """Whether restores end on the cold-cut grid: asked for, and the KV can be cut by position."""
         return self.cold_cut and self.geometry is not None and not self.geometry.recurrent
 
-    def _on_grid(self, n: int, n_prompt: int, plan: RestorePlan) -> int:
+    def _cut_to_rule(self, n: int, n_prompt: int, plan: RestorePlan) -> int:
         """`n` restorable tokens, cut where the rule lets a restore end when restores are cut (plan.reach keeps `n`)."""
         cut = self.cut_rule.cut(n, n_prompt) if self._cuts() else n
         if cut != n:

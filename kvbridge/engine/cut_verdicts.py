@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from kvbridge.backends.base import BATCH_TOKENS
+from kvbridge.backends.build_check import build_flags
 from kvbridge.engine.cold_cut import DEFAULT_RULE, CutRule
 from kvbridge.settings.paths import BUILD_RECORD
 
@@ -42,15 +43,6 @@ def cpu_identity(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return f"{name} | flags {hashlib.sha256(flags.encode()).hexdigest()[:12]}"
 
 
-def _build_flags(record: Path) -> str:
-    """The build flags ./scripts/setup.sh compiled llama.cpp with (llama-server is built with the same ones)."""
-    try:
-        data = json.loads(record.read_text())
-        return " ".join(sorted(str(a) for a in data.get("cmake_args") or [])) or "default flags"
-    except (OSError, ValueError, AttributeError):
-        return "no build record"
-
-
 def verdict_key(settings, model_path: Path, record: Path = BUILD_RECORD) -> dict[str, str]:
     """What a verdict holds for; two equal keys run the same kernels on the same rows."""
     import llama_cpp
@@ -62,7 +54,7 @@ def verdict_key(settings, model_path: Path, record: Path = BUILD_RECORD) -> dict
         "model_sha256": file_sha256(path, sha_cache_file(settings.l2_dir)),
         "model_file": path.name,
         "llama_cpp_python": llama_cpp.__version__,
-        "build_flags": _build_flags(record),
+        "build_flags": build_flags(record),
         "cache_type_k": settings.cache_type_k.lower(),
         "cache_type_v": settings.cache_type_v.lower(),
         "flash_attn": "on" if settings.flash_attn else "off",

@@ -103,9 +103,10 @@ def safe_reuse(n_tokens: int, prompt_len: int, rule: CutRule = ALIGN_RULE) -> in
         return start
     inside = rule.on_grid(min(cut, solo_piece_end(cut, prompt_len) - rule.min_rows))
     cut = max(start, inside)
-    # under ALIGN tokens nothing is reused: such a prefix is the chat template's opening, shared with prompts of
-    # any length, and the probe's donors were prompts of about the same length (with Gemma 3 a 4-token share from
-    # a 600-token prompt changed two short answers: Research §35)
+    # under ALIGN tokens nothing is reused: with Gemma 3 a 4-token share (the chat template's opening) from a
+    # 600-token prompt changed two short answers in exact mode, though the cut probe proves such a cut and a
+    # prefix's rows do not depend on the prompt that computed them (donor_rows_probe); the cause is not found
+    # (Research §35)
     return cut if cut >= ALIGN else 0
 
 

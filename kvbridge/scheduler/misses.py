@@ -9,8 +9,8 @@ part is explained by the salt's ChunkKV explainer (one store call on a miss, non
 the scheduler knows comes first: a prompt still queued in its own store writer (`lease_busy`), a resident
 prompt that continues the shared run with other tokens (`diverged`, found in the cells' own token ids, no
 store call), a rest too short to read the store for (`below_chunk`), a store fault (`tier_down`) and a
-restore llama.cpp refused (`refused`). Only a request's first admission is explained: a swap-in restores what its own swap-out
-stored, which says nothing about the prompt's reuse.
+restore llama.cpp refused (`refused`). Only a request's first admission is explained: a swap-in restores
+what its own swap-out stored, which says nothing about the prompt's reuse.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ class AdmissionMisses:
     """Fills a first admission's miss fields. `probe`: KVB_EXPLAIN_MISSES (False: no store call, the cause
     from the plan alone); `half_block`: less than this beyond the resident cells is never read from the store;
     `exact`: exact mode, whose cut (kvbridge.scheduler.exact.safe_reuse under `rule`) leaves up to 63 tokens of a
-    prompt that matched whole to compute (2 where the cut probe proved SmolLM2 exact at any token): reaching that cut of a whole match is a hit, not a miss to explain (a prompt that
-    diverged is explained as before)."""
+    prompt that matched whole to compute (2 where the cut probe proved SmolLM2 exact at any token): reaching
+    that cut of a whole match is a hit, not a miss to explain (a prompt that diverged is explained as before)."""
 
     def __init__(self, detokenize: Callable[[Sequence[int]], str] | None, probe: bool, half_block: int,
                  exact: bool = False, rule: CutRule = ALIGN_RULE) -> None:
