@@ -191,5 +191,23 @@ def test_the_budget_evicts_the_least_recently_used_across_processes():
     fresh = s3_tier(s3, prefix=prefix)
     try:
         assert sorted(k.hex() for k in fresh.keys()) == kept and fresh.bytes_used() == 3000
+        assert fresh.census() == {"objects": 3, "bytes": 3000, "capped": False}
     finally:
         fresh.close()
+
+
+def test_a_full_listing_forgets_what_another_host_deleted_so_the_budget_counts_only_what_is_there():
+    s3 = session_s3()
+    prefix = fresh_prefix()
+    a, b = s3_tier(s3, prefix=prefix), s3_tier(s3, prefix=prefix)
+    try:
+        assert a.put(key("gone"), b"g" * 500, meta()) and a.put(key("kept"), b"k" * 300, meta())
+        assert b.discover_many([key("gone"), key("kept")]) == [500, 300]
+        a.remove(key("gone"))                                 # another host's eviction
+        b.refresh()                                           # new markers only: b still believes in it
+        assert b.contains(key("gone"))
+        b.refresh(full=True)                                  # what the upkeep runs before each sweep
+        assert not b.contains(key("gone")) and b.contains(key("kept")) and b.bytes_used() == 300
+    finally:
+        a.close()
+        b.close()

@@ -53,30 +53,34 @@ class S3Markers:
 
 
     # -- listing ---------------------------------------------------------------------------------
-    def refresh(self, wait: bool = True) -> int:
-        """List the markers written since the last look (all of them the first time); markers read.
+    def refresh(self, wait: bool = True, full: bool = False) -> int:
+        """List the markers written since the last look (all of them when `full`); markers read.
 
         Callers that queue behind a listing started after they asked take its result instead of listing
-        again, so a burst of lookups costs one round trip, and no lookup sees a listing older than itself."""
+        again, so a burst of lookups costs one round trip, and no lookup sees a listing older than itself.
+        A full listing (the upkeep's) also forgets what other hosts deleted since, so the budget's sweep
+        counts only what is there."""
         asked = time.monotonic()
         if not self._list_lock.acquire(blocking=wait, timeout=(self.timeout * 4) if wait else -1):
             return 0
         try:
-            if self._list_started > asked:
+            if self._list_started > asked and not full:
                 return 0
-            return self._list_markers()
+            return self._list_markers(full)
         finally:
             self._list_lock.release()
 
-    def _list_markers(self) -> int:
+    def _list_markers(self, full: bool = True) -> int:
         self._list_started = time.monotonic()
+        started_wall = time.time()
         prefix = f"{self.prefix}/idx/"
         start_after = ""
-        if self._cursor:
+        if self._cursor and not full:
             parsed = self._parse_marker(self._cursor)
             if parsed is not None:
                 start_after = f"{prefix}{max(0, int((parsed[1] - SKEW_S) * 1000)):013d}"
-        seen, token = 0, None
+        seen, token, complete = 0, None, False
+        seen_keys: set[bytes] = set()
         unknown_tags: set[str] = set()
         for _ in range(LIST_PAGES_MOST):
             args = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": 1000}
@@ -92,6 +96,7 @@ class S3Markers:
                     continue
                 key, when, size, tag, n_tokens = parsed
                 seen += 1
+                seen_keys.add(key)
                 if name > self._cursor:
                     self._cursor = name
                 namespace = self._namespaces.get(tag)
@@ -105,7 +110,14 @@ class S3Markers:
                 self._set(key, size, meta, when, name)
             token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
             if not token:
+                complete = True
                 break
+        if full and complete:   # gone since: deleted by another host (used before this listing began)
+            with self._lock:
+                gone = [key for key, entry in self._index.items()
+                        if key not in seen_keys and entry.last_used < started_wall]
+            for key in gone:
+                self._forget(key)
         if unknown_tags:
             self._learn_namespaces(unknown_tags)
         return seen
@@ -225,7 +237,7 @@ class S3Markers:
             log.debug("S3: sweep skipped: %s", fault)
         while not self._stop.wait(UPKEEP_S):
             try:
-                self.refresh()
+                self.refresh(full=True)
                 self.sweep()
             except StoreFault as fault:
                 log.debug("S3: upkeep skipped: %s", fault)
@@ -249,6 +261,13 @@ class S3Markers:
                        f"created ({fault}); create it, or name an existing one in KVB_S3_BUCKET")
             self._breaker.failed(message)
             raise S3Unavailable(message) from None
+
+    def census(self) -> dict:
+        """Objects and bytes under the prefix (every host's), from a listing of the new markers; StoreFault when
+        S3 cannot be reached. For the GUI's store panel, as L3's census()."""
+        self.refresh()
+        with self._lock:
+            return {"objects": len(self._index), "bytes": self._bytes, "capped": False}
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait for the first listing (tests and benches); True when it finished."""
