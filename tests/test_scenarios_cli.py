@@ -116,6 +116,21 @@ def test_cli_bench_writes_csv_json_and_html(tmp_path):
     assert data["records"][3]["matched_tokens"] > 0
 
 
+@needs_model
+@pytest.mark.live
+@pytest.mark.slow
+def test_cli_bench_interleave_runs_the_modes_in_turn_each_on_its_own_engine(tmp_path):
+    env = {**os.environ, "KVB_OUTPUT_DIR": str(tmp_path), "KVB_L2_DIR": str(tmp_path / "l2"), "KVB_CTX_SIZE": "2048"}
+    out = subprocess.run([sys.executable, "-m", "kvbridge", "bench", "--scenario", "system-prompt", "--requests", "2",
+                          "--modes", "cold,lmcache", "--chunk-size", "64", "--n-predict", "4", "--interleave"],
+                         cwd=WORK_DIR, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "2 engines, the modes taking turns" in out.stdout
+    records = json.loads(next(tmp_path.glob("*.json")).read_text())["records"]
+    assert [r["mode"] for r in records] == ["cold", "lmcache", "cold", "lmcache"]
+    assert records[3]["matched_tokens"] > 0 and records[3]["text"] == records[2]["text"]
+
+
 def test_cli_bad_engine_is_a_readable_error():
     env = {**os.environ, "KVB_ENGINE": "warp-drive"}
     out = subprocess.run([sys.executable, "-m", "kvbridge", "namespace"], cwd=WORK_DIR, capture_output=True,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+from pathlib import Path
 
 from kvbridge.bench.registry import bench_command
 from kvbridge.cli.command import Command
@@ -27,6 +28,9 @@ def add_arguments(p) -> None:
                                      "(default 512,1024,2048,4096,8192)")
     p.add_argument("--n-predict", dest="n_predict", type=int, default=None, help="tokens to generate")
     p.add_argument("--document", help="a text file to use as the document")
+    p.add_argument("--interleave", action="store_true",
+                   help="each mode on an engine of its own, the modes taking turns request by request (a change "
+                        "in the machine's speed then falls on every mode alike; default: mode after mode)")
     p.add_argument("--keep-store", action="store_true",
                    help="use the configured L2 (KVB_L2_DIR) instead of a fresh temporary store")
     p.add_argument("--cache-server", action="store_true",
@@ -76,26 +80,36 @@ def run(args) -> int:
 
 def _bench_run(args, settings: Settings, modes: list[str], lengths) -> int:
     from kvbridge.bench.common.report import format_stages, format_summary, format_table, summarize
-    from kvbridge.bench.common.runner import empty_faster_tiers, run_scenario
+    from kvbridge.bench.common.runner import empty_faster_tiers, run_interleaved, run_scenario
     from kvbridge.bench.long_context import format_rows, length_rows
     from kvbridge.gui.charts import run_figures
     from kvbridge.gui.export import export_run
 
-    with tempfile.TemporaryDirectory(prefix="kvb-bench-l2-") as fresh_l2:
+    with tempfile.TemporaryDirectory(prefix="kvb-bench-l2-") as fresh_l2, contextlib.ExitStack() as engines:
         # A fresh store by default: the first lmcache request is a real miss, and nothing of the user's is touched.
-        engine = make_engine(settings, None if args.keep_store else fresh_l2)
+        # --interleave: one engine per mode (each its own fresh L2), the modes taking turns request by request
+        per_mode = modes if args.interleave else modes[:1]
+        made = {mode: engines.enter_context(make_engine(settings, None if args.keep_store else
+                                                        str(Path(fresh_l2) / mode) if args.interleave else fresh_l2))
+                for mode in per_mode}
+        engine = made.get("lmcache", next(iter(made.values())))
         records = []
-        with engine:
-            status = engine.status()
-            print(f"engine {status['label']} ({status['location']}), {status['kv_mode'].upper()}, "
-                  f"namespace {status['namespace_short']}, chunk {settings.chunk_size}, context {settings.ctx_size}")
-            document = _read_document(args.document)
+        status = engine.status()
+        print(f"engine {status['label']} ({status['location']}), {status['kv_mode'].upper()}, "
+              f"namespace {status['namespace_short']}, chunk {settings.chunk_size}, context {settings.ctx_size}"
+              + (f"; {len(made)} engines, the modes taking turns" if args.interleave else ""))
+        document = _read_document(args.document)
+        if args.interleave:
+            before = {mode: empty_faster_tiers(e.store, args.from_tier) for mode, e in made.items()} \
+                if args.from_tier else None
+            records += run_interleaved(made, args.scenario, n_requests=args.requests, document=document,
+                                       progress=progress, n_predict=args.n_predict, before_request=before)
+        else:
             before = empty_faster_tiers(engine.store, args.from_tier) if args.from_tier else None
-            for record in run_scenario(engine, args.scenario, modes, n_requests=args.requests, document=document,
-                                       progress=progress, n_predict=args.n_predict, lengths=lengths,
-                                       before_request=before):
-                records.append(record)
-            stats = engine.store.stats()
+            records += run_scenario(engine, args.scenario, modes, n_requests=args.requests, document=document,
+                                    progress=progress, n_predict=args.n_predict, lengths=lengths,
+                                    before_request=before)
+        stats = engine.store.stats()
         print(format_table(records))
         summary = summarize(records)
         print(format_summary(summary))
