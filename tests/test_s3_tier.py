@@ -211,3 +211,33 @@ def test_a_full_listing_forgets_what_another_host_deleted_so_the_budget_counts_o
     finally:
         a.close()
         b.close()
+
+
+def test_a_missing_bucket_is_created_at_start():
+    s3 = session_s3()
+    bucket = "kvb-made-" + fresh_prefix("b").lower()
+    from kvbridge.store.s3_tier import S3Tier
+
+    tier = S3Tier(s3.url, bucket, access_key=s3.access_key, secret_key=s3.secret_key, prefix="kvb")
+    try:
+        assert tier.wait_ready() and tier.available(), tier.why_down()
+        tier._client.head_bucket(Bucket=bucket)               # there before any write (weed would make it on a PUT)
+        assert tier.put(key("made"), b"m" * 10, meta()) and tier.get(key("made"))[0] == b"m" * 10
+    finally:
+        tier.close()
+
+
+def test_from_settings_puts_s3_after_l3_or_before_it_and_no_key_reaches_a_message(monkeypatch):
+    monkeypatch.setenv("MY_S3_ACCESS", "AKIDEXAMPLE")
+    monkeypatch.setenv("MY_S3_SECRET", "s3cr3t-value-never-shown")
+    base = Settings(l2_enabled=False, l3_url="redis://127.0.0.1:1/0", s3_url="http://127.0.0.1:1",
+                    s3_access_key_env="MY_S3_ACCESS", s3_secret_key_env="MY_S3_SECRET", s3_timeout=0.5)
+    for order, names in (("after-l3", ["L1", "L3", "S3"]), ("before-l3", ["L1", "S3", "L3"])):
+        store = TieredStore.from_settings(base.replace(s3_order=order))
+        try:
+            assert store.tier_names == names
+        finally:
+            store.close()
+    shown = base.replace(s3_secret_key_env="s3cr3t-value-never-shown")
+    assert "s3cr3t-value-never-shown" not in repr(shown)
+    assert not any("s3cr3t-value-never-shown" in p for p in shown.validate(environ=dict(os.environ)))
