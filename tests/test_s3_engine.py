@@ -71,6 +71,17 @@ def objects_in(s3, prefix: str = "kvb") -> int:
         tier.close()
 
 
+def kinds_in(s3, prefix: str = "kvb") -> list[str]:
+    """The kind of every object in the bucket (chunk, tail), read back through a fresh tier."""
+    from tests.s3_helpers import s3_tier
+
+    tier = s3_tier(s3, prefix=prefix)
+    try:
+        return sorted(found[1].kind for found in tier.get_many(tier.keys()) if isinstance(found, tuple))
+    finally:
+        tier.close()
+
+
 @pytest.fixture
 def settings(make_settings):
     return make_settings(n_predict=12)
@@ -99,10 +110,13 @@ def test_host_b_restores_from_s3_what_host_a_stored_and_again_after_a_kill_and_r
     with private_s3() as s3:
         stored = _store_on_a(settings, s3)
         assert objects_in(s3) >= stored["stored_objects"]   # under the default prefix, found by a fresh listing
-        _b_restores(settings, s3, "b")
+        first = _b_restores(settings, s3, "b")               # the document's chunks, from A
+        assert "tail" in kinds_in(s3)                         # a partial last chunk is an object too
         s3.kill()                                             # SIGKILL: no goodbye
         s3.restart()                                          # the same data folder and ports
-        _b_restores(settings, s3, "c")                        # a fresh host, nothing in memory or on disk
+        again = _b_restores(settings, s3, "c")               # a fresh host, nothing in memory or on disk
+        # B stored question 1's own chunks and its token-granular tail: C restores past the document
+        assert again["matched_tokens"] > first["matched_tokens"], (again["matched_tokens"], first["matched_tokens"])
 
 
 def test_both_hosts_answer_correctly_when_s3_dies_mid_run(settings):
