@@ -51,7 +51,6 @@ class S3Markers:
         except ValueError:
             return None
 
-
     # -- listing ---------------------------------------------------------------------------------
     def refresh(self, wait: bool = True, full: bool = False) -> int:
         """List the markers written since the last look (all of them when `full`); markers read.
@@ -142,7 +141,6 @@ class S3Markers:
                         entry.meta = ObjectMeta(self._namespaces[parsed[3]], parsed[4], b"", created=parsed[1])
             self._bytes = sum(e.size for e in self._index.values())
 
-
     def _touch_later(self, key: bytes, size: int, meta: ObjectMeta, now: float) -> None:
         """Rewrite the key's marker with the time of this hit (at most once per TOUCH_EVERY_S), behind the read."""
         with self._lock:
@@ -150,12 +148,14 @@ class S3Markers:
             if entry is None or now - max(entry.touched, self._newest_marker_time(entry)) < self.touch_every_s:
                 return
             entry.touched = now
-        self._pool.submit(self._write_marker, key, size, meta, now)
+        try:
+            self._pool.submit(self._write_marker, key, size, meta, now)
+        except RuntimeError:   # the tier is closing: this use time is not recorded, nothing else is lost
+            pass
 
     def _newest_marker_time(self, entry: _Entry) -> float:
         times = [parsed[1] for parsed in map(self._parse_marker, entry.markers) if parsed]
         return max(times, default=0.0)
-
 
     def _write_namespace(self, namespace: str) -> None:
         tag = namespace_tag(namespace)
@@ -181,7 +181,6 @@ class S3Markers:
             old = [marker for marker in entry.markers if marker != name]
             entry.markers, entry.touched = [name], when
         self._delete_names(old)
-
 
     def _list_names(self, prefix: str) -> list[str]:
         names, token = [], None
@@ -259,7 +258,7 @@ class S3Markers:
         except StoreFault as fault:
             message = (f"bucket {self.bucket!r} (KVB_S3_BUCKET) does not exist at {self.url} and could not be "
                        f"created ({fault}); create it, or name an existing one in KVB_S3_BUCKET")
-            self._breaker.failed(message)
+            self._trip("server_errors", message)     # down, named by setting; the prober tries again
             raise S3Unavailable(message) from None
 
     def census(self) -> dict:

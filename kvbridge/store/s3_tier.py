@@ -30,7 +30,9 @@ sees the same markers, orders objects by their newest marker, and when the total
 markers until it is under. Deletes are idempotent, so two hosts sweeping at once delete the same
 objects; a host that saw a few more recent writes deletes a few more (at most what was written between
 their listings). A race costs a miss, never wrong data: a host reading an object another host just
-evicted gets NoSuchKey (a counted vanished miss, and the orphan marker is deleted). The store's own
+evicted gets NoSuchKey (a counted vanished miss, and the orphan marker is deleted); a marker another host
+wrote for an object this host deletes meanwhile counts in the budget until a read or a sweep deletes it
+(over-counting costs an early eviction, never a wrong answer). The store's own
 per-process LRU (capacity() is the budget) evicts what this process knows as for every tier.
 
 Faults (kvbridge.store.s3_link): every call bounded by KVB_S3_TIMEOUT; a dead endpoint is marked down
