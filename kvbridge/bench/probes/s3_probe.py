@@ -1,6 +1,6 @@
 """The S3 tier against plain GETs of the same objects, on a private SeaweedFS (weed mini): Research §36.
 
-    .venv/bin/python -m kvbridge.bench.s3_probe [--objects 8] [--mib 5.75] [--repeats 5]
+    .venv/bin/python -m kvbridge.bench.probes.s3_probe [--objects 8] [--mib 5.75] [--repeats 5]
 
 What it measures, side by side in one run on one endpoint and one boto3 client: a fresh tier's lookup of
 objects another tier wrote (its round trips and time), S3Tier.get_many (parallel GETs, header and blake3
