@@ -80,6 +80,8 @@ def test_n_is_not_read_as_np(tmp_path):
     ({"KVB_CACHE_SERVER_TOKEN_ENV": MARKER}, "KVB_CACHE_SERVER_TOKEN_ENV must be the NAME"),
     ({"KVB_CACHE_SERVER_SECRET_KEY_ENV": MARKER}, "KVB_CACHE_SERVER_SECRET_KEY_ENV must be the NAME"),
     ({"KVB_L3_PASSWORD_ENV": MARKER}, "KVB_L3_PASSWORD_ENV must be the NAME"),
+    ({"KVB_S3_ACCESS_KEY_ENV": MARKER}, "KVB_S3_ACCESS_KEY_ENV must be the NAME"),
+    ({"KVB_S3_SECRET_KEY_ENV": MARKER}, "KVB_S3_SECRET_KEY_ENV must be the NAME"),
     ({"KVB_CACHE_SERVER_PUBLIC_KEY": MARKER}, "KVB_CACHE_SERVER_PUBLIC_KEY is not a Z85 CURVE key"),
     ({"KVB_SERVE_API_KEY_FILE": MARKER}, "KVB_SERVE_API_KEY_FILE names a file that does not exist"),
     ({"KVB_SERVE_API_KEY_FILE": MARKER, "KVB_SERVE_API_KEY_ENV": "SERVE_KEY"}, "keep one of them"),
