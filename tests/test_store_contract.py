@@ -1,7 +1,8 @@
 """The Tier contract, run over every tier: the same put/get/contains/remove/sizes/clear/corruption tests.
 
 A new tier joins TIERS below; test_every_tier_is_covered fails until it does. The Redis tier runs
-against one real redis-server on loopback for the whole session, each test under its own key prefix.
+against one real redis-server on loopback for the whole session, each test under its own key prefix; the S3
+tier against one real SeaweedFS (`weed mini`, tests/s3_helpers.py) the same way.
 """
 from __future__ import annotations
 
