@@ -43,3 +43,11 @@ class StateTransferError(KVBridgeError):
 
 class EmptyPrompt(BadSettings):
     """A prompt with no tokens: there is nothing to prefill or to answer."""
+
+
+class RequestFailed(KVBridgeError):
+    """A request ended with record.error set; RequestRecord.raise_for_error() raises it with that message."""
+
+    def __init__(self, message: str, record=None) -> None:
+        super().__init__(message)
+        self.record = record   # the RequestRecord: its timings and notes up to the failure

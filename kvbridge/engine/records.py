@@ -62,6 +62,17 @@ class RequestRecord:
     swap_in_ms: float = 0.0
     stored_tokens: int = 0            # store_before_answer: the leading prompt tokens the store held when it answered
 
+    def raise_for_error(self) -> "RequestRecord":
+        """This record when the request succeeded; RequestFailed (a KVBridgeError) with `error` when it did not.
+
+        CachedEngine.infer() never raises for a failed request (a GUI or a bench keeps going and shows the
+        error): a program that wants an exception writes `engine.infer(prompt).raise_for_error()`."""
+        if self.error:
+            from kvbridge.errors import RequestFailed
+
+            raise RequestFailed(self.error, self)
+        return self
+
     def add_note(self, note: str) -> None:
         self.notes = f"{self.notes}; {note}" if self.notes else note
 
