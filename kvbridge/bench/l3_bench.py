@@ -41,11 +41,12 @@ ROUND_TRIPS_TARGET = 1        # a 12-hash lookup of hashes this process does not
 
 # -- (a) Document Q&A, every warm hit from L3 ------------------------------------------------------
 def doc_qa_from_l3(engine, n_requests: int | None = None, document: str | None = None,
-                   n_predict: int | None = None, progress: ProgressFn | None = None) -> dict:
-    """doc-qa cold then lmcache; before each lmcache request the L3 writes are drained and L1, L2 emptied."""
+                   n_predict: int | None = None, progress: ProgressFn | None = None, tier: str = "L3") -> dict:
+    """doc-qa cold then lmcache; before each lmcache request the remote writes are drained and every tier
+    faster than `tier` (L3; bench-s3 passes S3) emptied."""
     records = list(run_scenario(engine, "doc-qa", ["cold", "lmcache"], n_requests=n_requests, document=document,
                                 progress=progress, n_predict=n_predict,
-                                before_request=empty_faster_tiers(engine.store, "L3")))
+                                before_request=empty_faster_tiers(engine.store, tier)))
     summary = summarize(records)
     cold = {r.request_index: r for r in records if r.mode == "cold"}
     lmcache = [r for r in records if r.mode == "lmcache"]

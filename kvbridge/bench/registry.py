@@ -49,6 +49,12 @@ BENCH_COMMANDS: tuple[BenchCommand, ...] = (
         "cold answers (the oracle), plain redis-py GETs of the same values, the raw codec",
         "kvbridge.bench.l3_bench"),
     BenchCommand(
+        "bench-s3",
+        "the S3 tier (KVB_S3_URL, else a private weed mini): doc Q&A served from S3, 2k and 7.6k restores "
+        "against plain GETs, a lookup's round trips, S3 down, and boto3 against obstore and awscrt",
+        "cold answers (the oracle), plain boto3 GETs of the same objects, a store without S3",
+        "kvbridge.bench.s3_bench"),
+    BenchCommand(
         "bench-floor",
         "warm restores against their floor (native + one copy) on every path (in-process, llama-server, "
         "cache server, L3 on a private Redis, a 7.6k-token context) and both embedded models, with the "

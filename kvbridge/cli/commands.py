@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvbridge.cli import (bench, bench_cache_server, bench_floor, bench_fleet, bench_l3, bench_misses,
+from kvbridge.cli import (bench, bench_cache_server, bench_floor, bench_fleet, bench_l3, bench_misses, bench_s3,
                           bench_restore, bench_scheduler, bench_serve, bench_store, cache_server, demo, fleet, gui, info,
                           serve, setup)
 from kvbridge.cli import cut_probe, explain
@@ -13,8 +13,8 @@ from kvbridge.settings.cmdline import Parser
 
 COMMANDS: tuple[Command, ...] = (
     setup.COMMAND, gui.COMMAND, demo.COMMAND, bench.COMMAND, bench_store.COMMAND, bench_restore.COMMAND,
-    bench_cache_server.COMMAND, bench_l3.COMMAND, bench_floor.COMMAND, bench_scheduler.COMMAND, bench_serve.COMMAND,
-    bench_fleet.COMMAND, bench_misses.COMMAND, cache_server.COMMAND, serve.COMMAND, fleet.COMMAND, info.NAMESPACE,
+    bench_cache_server.COMMAND, bench_l3.COMMAND, bench_s3.COMMAND, bench_floor.COMMAND, bench_scheduler.COMMAND,
+    bench_serve.COMMAND, bench_fleet.COMMAND, bench_misses.COMMAND, cache_server.COMMAND, serve.COMMAND, fleet.COMMAND, info.NAMESPACE,
     info.ENGINES, info.SCENARIOS,
     explain.COMMAND, cut_probe.COMMAND,
 )

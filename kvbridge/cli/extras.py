@@ -54,6 +54,7 @@ COMMAND_EXTRAS: dict[str, Needs] = {
     "bench-restore": Needs(("cache-server",), engine="engine"),
     "bench-cache-server": Needs(("cache-server",)),
     "bench-l3": Needs(("redis",), engine="engine"),
+    "bench-s3": Needs(("s3",), engine="engine"),
     "bench-floor": Needs(("llama", "cache-server", "redis")),   # every path: in-process, cache server, L3
     "bench-scheduler": Needs(("llama",)),
     "bench-serve": Needs(("serve", "llama")),                  # serve's scheduler against llama-server
