@@ -11,7 +11,6 @@ No model runs here; `bench-s3` (the Document Q&A bench with every warm hit from 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -22,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from blake3 import blake3
 
 from kvbridge.bench.common.private_s3 import private_s3
+from kvbridge.settings.cmdline import Parser
 from kvbridge.store.objects import ObjectMeta
 from kvbridge.store.s3_tier import S3Tier
 
@@ -96,7 +96,7 @@ def run(objects: int, mib: float, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m kvbridge.bench.probes.s3_probe", description=__doc__.splitlines()[0])
     parser.add_argument("--objects", type=int, default=8)
     parser.add_argument("--mib", type=float, default=5.75)
     parser.add_argument("--repeats", type=int, default=5)
