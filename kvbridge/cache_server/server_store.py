@@ -1,8 +1,11 @@
-"""The cache server's store: the shared-memory L1 pool in front of the ordinary tiers (L2 disk, later L3).
+"""The cache server's store: the shared-memory L1 pool in front of the ordinary tiers (L2, L3, S3).
 
 Place in the flow: a client's lookup / retrieve / store reaches the storage and lookup modules,
 which call this. L1 is kvbridge.cache_server.pool.PagedPool over one shared-memory segment; the tiers
-below it are a kvbridge.store.TieredStore without L1 (the same L2 files an embedded store writes).
+below it are a kvbridge.store.TieredStore without L1 built by TieredStore.from_settings: L2 on disk
+(the same files an embedded store writes), then L3 on Redis when KVB_L3_URL is set and S3 when
+KVB_S3_URL is set (in KVB_S3_ORDER). So every engine on the host shares the server's one L3 client,
+one S3 client and its one write queue (tests/test_s3_cache_server.py).
 
 - lookup: L1 first, then the tiers below, leading hits only (as TieredStore.lookup).
 - retrieve: an L1 object is read-leased; an object found only below is promoted into L1 first (when
