@@ -167,7 +167,7 @@ def remote_tier_line(name: str, tier: dict, hits: int, census: dict | None) -> s
     faults = ", ".join(f"{remote[k]:,} {k.replace('_', ' ')}" for k in REMOTE_FAULTS if remote.get(k))
     ttl = float(remote.get("ttl_s") or 0)
     parts = [f"**{name}** `{remote.get('url', tier.get('location', '?'))}`", f"prefix `{prefix}`", state,
-             f"on the server under `{prefix}:obj:*` (every host's): {held}",
+             f"on the server under `{remote.get('objects_under') or prefix + ':obj:*'}` (every host's): {held}",
              f"this process: {hits:,} hits", f"codec {codec_cell(tier.get('codec') or remote.get('codec'))}",
              f"expiry {ttl:g} s" if ttl else "", "Redis Cluster" if remote.get("cluster") else "",
              f"faults: {faults}" if faults else ""]
@@ -184,7 +184,8 @@ def clear_question(state: AppState, tier: str | None) -> Outcome:
     others = ", ".join(t for t in tiers if t != tier) or "nothing else"
     remote = ((store_stats(state) or {}).get("tiers", {}).get(tier) or {}).get("remote")
     if remote:
-        return Outcome(f"**Really clear {tier}?** Every KVBridge object under `{remote.get('prefix')}:obj:*` on "
+        under = remote.get("objects_under") or f"{remote.get('prefix')}:obj:*"   # S3 names its own place
+        return Outcome(f"**Really clear {tier}?** Every KVBridge object under `{under}` on "
                        f"`{remote.get('url')}` is deleted, every host's, not only this process's; the server's other "
                        f"keys and {others} are kept.")
     return Outcome(f"**Really clear {tier}?** Every object in {tier} is deleted; {others} is kept.")

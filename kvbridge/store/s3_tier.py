@@ -290,6 +290,7 @@ class S3Tier(S3Markers, S3Link, Tier):
             "reason": self._breaker.reason,
             "retry_in_s": round(self._breaker.retry_in(), 1),
             "url": self.url, "bucket": self.bucket, "prefix": self.prefix, "codec": self.codec.label(),
+            "objects_under": f"{self.bucket}/{self.prefix}/obj/",    # the GUI's store panel says where
             "evicted_by_budget": self.evicted_by_budget,
             **{name: self.counts[name] for name in ("skipped_down", "timeouts", "connection_errors",
                                                      "auth_errors", "server_errors")},
