@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import signal
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from kvbridge.errors import EngineUnavailable
 from kvbridge.settings import SOURCE_CHECKOUT, WORK_DIR, setup_command
+from kvbridge.settings.build_record import build_record
 from kvbridge.settings.paths import BUILD_RECORD
 
 log = logging.getLogger(__name__)
@@ -33,29 +33,9 @@ CRASH_HOOK_VAR = "KVB_SMOKE_CRASH_VARIANTS"   # smoke_decode.py's test hook
 EXIT_ENVIRONMENT = 3   # smoke_decode.py: the environment is wrong (no llama_cpp, no model), not the build
 
 
-def build_record(record: Path = BUILD_RECORD) -> dict:
-    """What ./scripts/setup.sh wrote of the llama.cpp build it installed ({} without a usable record)."""
-    try:
-        data = json.loads(record.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def installed_variant(record: Path = BUILD_RECORD) -> str:
     """The instruction-set variant ./scripts/setup.sh installed ('unknown' without a build record)."""
     return str(build_record(record).get("variant") or "unknown")
-
-
-def build_flags(record: Path = BUILD_RECORD) -> str:
-    """The build flags ./scripts/setup.sh compiled llama.cpp with (llama-server is built with the same ones)."""
-    if not record.exists():
-        return "no build record"
-    data = build_record(record)
-    if not data:
-        return "no build record"
-    args = data.get("cmake_args") or []
-    return " ".join(sorted(str(a) for a in args)) if isinstance(args, list) and args else "default flags"
 
 
 def _library_files() -> list[Path]:

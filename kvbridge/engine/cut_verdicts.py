@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from kvbridge.backends.base import BATCH_TOKENS
-from kvbridge.backends.build_check import build_flags
 from kvbridge.engine.cold_cut import DEFAULT_RULE, CutRule
+from kvbridge.settings.build_record import build_flags
 from kvbridge.settings.paths import BUILD_RECORD
 
 log = logging.getLogger(__name__)
