@@ -11,8 +11,10 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -177,3 +179,53 @@ def test_explain_names_an_eviction_on_the_cache_server(tmp_path, document):
     assert history and all(e["tier"] == "L1" and e["gone"] for e in history)
     # the eviction the detail names is in the history: the object it made room for, by its key
     assert any(e["for_key"] and e["for_key"][:12] in said["miss"]["detail"] for e in history), (said, history)
+
+
+@needs_model
+def test_explain_given_serves_model_flags_finds_what_serve_stored(tmp_path, document):
+    """`serve -m X -ctk q8_0` stores a document; `explain` with the same flags looks in serve's namespace and
+    finds it (the second question diverges after it); without them it looks under the embedded f16 namespace and
+    says the prompt is stored under another one. `namespace` with the flags prints serve's namespace."""
+    from kvbridge.settings import EMBEDDED_MODEL_PATH
+    from process_helpers import free_port
+
+    openai = pytest.importorskip("openai", reason="the openai SDK is not installed (requirements.txt)")
+    settings = dataclasses.replace(Settings(), chunk_size=16, ctx_size=2048, n_predict=4, threads=1,
+                                   l2_dir=str(tmp_path / "l2"), output_dir=str(tmp_path / "output"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVB_")}
+    env.update(settings_to_env(settings), PYTHONPATH=str(PROJECT))
+    flags = ["-m", str(EMBEDDED_MODEL_PATH), "-ctk", "q8_0"]
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "serve", *flags, "--port", str(port)],
+                                cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while "KVBridge serve ready on" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        client.chat.completions.create(model="x", max_tokens=4, temperature=0,
+                                       messages=[{"role": "user", "content": document + QUESTION_A}])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()[-2000:]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvbridge", *args], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=180)
+
+    plain = run("explain", "--chat", "--json", document + QUESTION_B)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    plain = json.loads(plain.stdout)
+    assert plain["restorable_tokens"] == 0 and plain["miss"]["reason"] == "other_namespace", plain["miss"]
+    same = run("explain", *flags, "--chat", "--json", document + QUESTION_B)
+    assert same.returncode == 0, same.stderr[-2000:]
+    same = json.loads(same.stdout)
+    assert same["namespace"] != plain["namespace"]
+    assert same["restorable_tokens"] > 100 and same["miss"]["reason"] == "diverged", same["miss"]
+    shown = run("namespace", *flags, "--exact")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert f"namespace: {same['namespace']}" in shown.stdout
+    assert "exact mode: the same namespace" in shown.stdout

@@ -12,13 +12,13 @@ from pathlib import Path
 
 from kvbridge.bench.registry import bench_command
 from kvbridge.cli.command import Command
-from kvbridge.cli.common import add_engine_options, make_engine, progress, settings_from
+from kvbridge.cli.common import add_model_options, make_engine, progress, settings_for_model
 from kvbridge.errors import KVBridgeError
 from kvbridge.settings import Settings
 
 
 def add_arguments(p) -> None:
-    add_engine_options(p)
+    add_model_options(p, "bench")
     p.add_argument("--scenario", default="doc-qa", help="scenario key (see `scenarios`); default doc-qa")
     p.add_argument("--modes", default="cold,native,lmcache", help="comma-separated modes (cold, native, lmcache, blend); default the first three")
     p.add_argument("--requests", type=int, default=None, help="number of requests (default: the scenario's)")
@@ -47,7 +47,7 @@ def run(args) -> int:
     from kvbridge.bench.common.scenarios import ScenarioOptions, get_scenario
     from kvbridge.bench.long_context import parse_lengths
 
-    settings = settings_from(args)
+    settings = settings_for_model("bench", args)
     modes = parse_modes(args.modes)
     scenario = get_scenario(args.scenario)
     lengths = parse_lengths(args.lengths) if args.lengths else None

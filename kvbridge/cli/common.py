@@ -43,6 +43,27 @@ def settings_with_flags(command: str, args, *, leave_out: tuple[str, ...] = (), 
     return settings
 
 
+def settings_for_model(command: str, args) -> Settings:
+    """The settings of a command that looks at serve's model (explain, namespace, bench, demo): the environment,
+    serve's model flags given to it (kvbridge.settings.flags.MODEL_COMMANDS), then --engine, --chunk-size and
+    --n-predict; checked, a problem a flag caused naming the flag."""
+    settings = Settings.from_env()
+    given = vars(args)
+    settings = settings.replace(**overrides(command, given, settings))
+    settings = settings.replace(**{name: given[name] for name in ("engine", "chunk_size", "n_predict")
+                                   if given.get(name) is not None})
+    flagged, others = blame(command, given, settings.validate())
+    if flagged or others:
+        raise SystemExit("Settings need attention:\n  - " + "\n  - ".join(flagged + others))
+    return settings
+
+
+def add_model_options(parser: argparse.ArgumentParser, command: str) -> None:
+    """--engine and --chunk-size, and serve's model flags as `command` takes them (add_flags)."""
+    add_engine_options(parser)
+    add_flags(parser, command)
+
+
 def settings_from(args) -> Settings:
     """Settings.from_env() with the command line's --engine, --chunk-size and --n-predict over them, checked."""
     settings = Settings.from_env()

@@ -4,13 +4,13 @@ from __future__ import annotations
 import tempfile
 
 from kvbridge.cli.command import Command
-from kvbridge.cli.common import add_engine_options, make_engine, settings_from
+from kvbridge.cli.common import add_model_options, make_engine, settings_for_model
 
 
 def run(args) -> int:
     from kvbridge.bench.common.runner import run_scenario
 
-    settings = settings_from(args)
+    settings = settings_for_model("demo", args)
     with tempfile.TemporaryDirectory(prefix="kvb-demo-l2-") as l2:
         with make_engine(settings, l2) as engine:
             print(f"Demo: Document Q&A on {engine.status()['label']}, 3 questions, cold then lmcache.")
@@ -21,4 +21,4 @@ def run(args) -> int:
 
 
 COMMAND = Command("demo", "run a short Document Q&A in cold and lmcache modes and print what happened",
-                  run, add_engine_options)
+                  run, lambda parser: add_model_options(parser, "demo"))

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from kvbridge.cli.command import Command
-from kvbridge.cli.common import add_engine_options, make_engine, settings_from
+from kvbridge.cli.common import add_model_options, make_engine, settings_for_model
 
 DEFAULT_EVICTIONS = 10
 
@@ -41,21 +41,27 @@ def read_prompt(args) -> str:
 
 def run(args) -> int:
     from kvbridge.engine.dry_run import dry_run, layout_text
+    from kvbridge.scheduler.exact import serve_namespace
     from kvbridge.scheduler.salts import salt_namespace
 
     if args.evictions < 0:
         raise SystemExit(f"--evictions must be 0 or more, not {args.evictions}.")
     text = read_prompt(args)
     prompt = [{"role": "user", "content": text}] if args.chat else text
-    settings = settings_from(args)
+    settings = settings_for_model("explain", args)
     engine = make_engine(settings)
     try:
         started = time.perf_counter()
         engine.start()   # loads the model and runs the layout probe, not the prompt
         start_s = time.perf_counter() - started
-        namespace = salt_namespace(engine.namespace, args.salt) if args.salt else None
+        # --exact / --no-exact: the prompt as serve's scheduler in that mode stores it (the mode off has its own
+        # namespace); without either, as this engine (CachedEngine) stores it
+        base, why = serve_namespace(engine) if getattr(args, "exact", None) is not None else (engine.namespace, "")
+        namespace = salt_namespace(base, args.salt) if args.salt else (base if why else None)
         result = dry_run(engine, prompt, namespace=namespace, evictions=args.evictions)
-        result.layout = layout_text(engine, start_s)
+        if why:
+            result.layout = f"{why}\n"
+        result.layout = (result.layout if why else "") + layout_text(engine, start_s)
         where = engine.backend.describe()
         store = f"cache server {settings.store_url}" if settings.store_url else \
             f"embedded ({', '.join(engine.store.tier_names)})"
@@ -115,7 +121,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--evictions", type=int, default=DEFAULT_EVICTIONS,
                         help=f"list the store's N newest evictions too (default {DEFAULT_EVICTIONS}; 0: none)")
     parser.add_argument("--salt", help="look under this cache salt's namespace (serve's cache_salt / a tenant's)")
-    add_engine_options(parser)
+    add_model_options(parser, "explain")
 
 
 COMMAND = Command("explain", "show what a prompt would restore from which tier and why the rest would not, "

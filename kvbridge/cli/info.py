@@ -2,16 +2,26 @@
 from __future__ import annotations
 
 from kvbridge.cli.command import Command
-from kvbridge.cli.common import add_engine_options, make_engine, settings_from
+from kvbridge.cli.common import add_model_options, make_engine, settings_for_model
+
+
+def add_namespace_options(parser) -> None:
+    add_model_options(parser, "namespace")
 
 
 def run_namespace(args) -> int:
-    settings = settings_from(args)
+    settings = settings_for_model("namespace", args)
     with make_engine(settings) as engine:
         status = engine.status()
         print(f"engine:    {status['label']} ({status['location']}), {status['kv_mode'].upper()}")
         print(f"namespace: {status['namespace']}")
         print(f"short:     {status['namespace_short']}")
+        if getattr(args, "exact", None) is not None:   # --exact / --no-exact: serve's scheduler in that mode
+            from kvbridge.engine.namespace import short_namespace
+            from kvbridge.scheduler.exact import serve_namespace
+
+            served, why = serve_namespace(engine)
+            print(f"serve:     {short_namespace(served)}  ({why or 'exact mode: the same namespace'})")
         print(f"KV layout: {status['kv_layout']}")
         if status.get("model"):
             print(f"model:     {status['model']}")
@@ -44,6 +54,6 @@ def run_scenarios(args) -> int:
 
 NAMESPACE = Command("namespace",
                     "start the configured engine and print its namespace (what its stored KV is keyed under)",
-                    run_namespace, add_engine_options)
+                    run_namespace, add_namespace_options)
 ENGINES = Command("engines", "list the engines in the registry", run_engines)
 SCENARIOS = Command("scenarios", "list the demo scenarios", run_scenarios)

@@ -130,6 +130,7 @@ class CachedEngine:
             kv_layout = decision.namespace_key
             if self.geometry is not None:
                 remember_geometry(self.geometry)   # the int8 codec finds a chunk's K and V rows by it
+        self.kv_layout_key = kv_layout   # the layout's key in the namespace (serve's scheduler tags it in the mode off)
         fingerprint = self.backend.kv_fingerprint()
         self.namespace = namespace_for(self.settings, fingerprint=fingerprint,
                                        model_path=self.backend.model_file(), kv_layout=kv_layout, store=self.store)

@@ -241,3 +241,21 @@ def namespace_key(kv_layout: str, exact: bool) -> str:
     so they share CachedEngine's namespace; the mode off tags its own (`BATCHED_TAG`), since KV computed in a
     unified cache beside other sequences is not what a cold run computes, and must reach neither of them."""
     return kv_layout if exact else f"{kv_layout}+{BATCHED_TAG}"
+
+
+def serve_namespace(engine) -> tuple[str, str]:
+    """(the namespace serve's scheduler stores this started CachedEngine's prompts under, with the engine's
+    settings; why it is not the engine's own, or ""). Exact mode shares the engine's namespace; the mode off
+    (asked for, or forced by flash attention or a recurrent model, as the scheduler forces it) has its own."""
+    from kvbridge.engine.namespace import namespace_for
+
+    geometry = engine.geometry
+    traits = engine.traits
+    why = off_reason(engine.settings, traits.architecture if traits is not None else "",
+                     recurrent=bool(geometry is not None and geometry.recurrent))
+    if not why or engine.backend.kv_mode != "full" or engine.kv_layout_key is None:
+        return engine.namespace, ""
+    namespace = namespace_for(engine.settings, fingerprint=engine.backend.kv_fingerprint(),
+                              model_path=engine.backend.model_file(),
+                              kv_layout=namespace_key(engine.kv_layout_key, False), store=engine.store)
+    return namespace, f"serve's scheduler runs with exact mode off ({why.split(':')[0]}): its own namespace"

@@ -15,6 +15,8 @@ Decisions, where llama-server's meaning needed one here:
   shared KV budget stays KVB_SCHED_KV_CELLS.
 - `-np` is the number of sequences decoding at once: the scheduler's KVB_SCHED_MAX_RUNNING (in `gui`, the
   lab tab's scheduler and `gui --serve`'s).
+- `explain`, `namespace`, `bench` and `demo` take serve's model, K/V, context and thread flags (and `explain`
+  and `namespace` its `--exact`), so that given serve's flags they compute serve's namespace.
 - `cache-server` takes `--host`/`--port` only: together they make KVB_CACHE_SERVER_URL tcp://HOST:PORT (the
   one given keeps the other's part of that URL); `--url` stays, and is refused beside them. It runs no model.
 Deliberately left out: llama-server flags whose meaning differs here (-n, -b, -ngl, --slots, -fa). A flag not
@@ -34,7 +36,17 @@ from kvbridge.settings.models import DEFAULT_MODEL, EMBEDDED_MODELS
 from kvbridge.settings.redact import shown
 
 SERVE, GUI, CACHE_SERVER = "serve", "gui", "cache-server"
-COMMANDS = (SERVE, GUI, CACHE_SERVER)
+EXPLAIN, NAMESPACE, BENCH, DEMO = "explain", "namespace", "bench", "demo"
+# the commands that only look at (or run) the model serve runs: given the same model, K/V and mode flags, they
+# compute the namespace serve's KV is stored under (`kvbridge explain -m X -ctk q8_0` after `serve -m X -ctk q8_0`)
+MODEL_COMMANDS = (EXPLAIN, NAMESPACE, BENCH, DEMO)
+COMMANDS = (SERVE, GUI, CACHE_SERVER, *MODEL_COMMANDS)
+
+
+def _model(field: str, mode: bool = False) -> dict[str, str]:
+    """A flag's field in serve and gui, and in the commands that look at serve's model (the mode flag only
+    where a namespace is shown: CachedEngine, which bench and demo run, is exact by its cold cut)."""
+    return {SERVE: field, GUI: field, **{c: field for c in (MODEL_COMMANDS[:2] if mode else MODEL_COMMANDS)}}
 
 
 @dataclass(frozen=True)
@@ -59,12 +71,12 @@ class Flag:
 
 
 FLAGS: tuple[Flag, ...] = (
-    Flag(("-m", "--model"), {SERVE: "model_path", GUI: "model_path"}, "PATH",
+    Flag(("-m", "--model"), _model("model_path"), "PATH",
          f"the GGUF model file to load, or an embedded model's name ({', '.join(EMBEDDED_MODELS)}), which sets "
          "KVB_MODEL instead", kind="path", unset=f"the embedded model KVB_MODEL names, {DEFAULT_MODEL}"),
-    Flag(("-c", "--ctx-size"), {SERVE: "ctx_size", GUI: "ctx_size"}, "N",
+    Flag(("-c", "--ctx-size"), _model("ctx_size"), "N",
          "context size: the most tokens one request may use, prompt and answer together", kind="int"),
-    Flag(("-t", "--threads"), {SERVE: "threads", GUI: "threads"}, "N", "CPU threads for the model; 0: every core",
+    Flag(("-t", "--threads"), _model("threads"), "N", "CPU threads for the model; 0: every core",
          kind="int"),
     Flag(("-np", "--parallel"), {SERVE: "sched_max_running", GUI: "sched_max_running"}, "N",
          "sequences decoding at once (the scheduler's continuous batch; 1 to 64)", kind="int"),
@@ -72,14 +84,14 @@ FLAGS: tuple[Flag, ...] = (
          "address to listen on; beyond 127.0.0.1 only on purpose"),
     Flag(("--port",), {SERVE: "serve_port", GUI: "port", CACHE_SERVER: "cache_server_url"}, "PORT",
          "port to listen on", kind="int"),
-    Flag(("-ctk", "--cache-type-k"), {SERVE: "cache_type_k", GUI: "cache_type_k"}, "TYPE",
+    Flag(("-ctk", "--cache-type-k"), _model("cache_type_k"), "TYPE",
          "KV cache type for K: f16, f32, bf16, q8_0, q4_0, ... (part of the cache's namespace)"),
-    Flag(("-ctv", "--cache-type-v"), {SERVE: "cache_type_v", GUI: "cache_type_v"}, "TYPE",
+    Flag(("-ctv", "--cache-type-v"), _model("cache_type_v"), "TYPE",
          "KV cache type for V (a quantised one needs flash attention, KVB_FLASH_ATTN)"),
     Flag(("--api-key-file",), {SERVE: "serve_api_key_file"}, "PATH",
          "a file you own, readable by you alone (chmod 600), holding the bearer token clients must send; "
          "read once at start, never shown; not with KVB_SERVE_API_KEY_ENV", kind="path", unset="no key"),
-    Flag(("--exact",), {SERVE: "sched_exact", GUI: "sched_exact"}, "",
+    Flag(("--exact",), _model("sched_exact", mode=True), "",
          "every answer equals the same request run alone, however many run at once (KVBridge's own; off by itself, "
          "said at start, with KVB_FLASH_ATTN=true or a recurrent model); --no-exact turns it off", kind="switch"),
 )
@@ -154,7 +166,7 @@ def model_changes(command: str, text: str) -> dict[str, object]:
         changes: dict[str, object] = {"model": text, "model_path": ""}
     else:
         changes = {"model_path": absolute(text)}
-    if command == SERVE:   # serve's engines are all llama.cpp: the flag, not KVB_OLLAMA_MODEL, names the model
+    if command != GUI:   # serve's engines are all llama.cpp: the flag, not KVB_OLLAMA_MODEL, names the model
         changes["ollama_model"] = ""
     return changes
 

@@ -22,7 +22,7 @@ from typing import get_type_hints
 
 from kvbridge.settings.cmdline import Parser
 from kvbridge.settings.core import PATH_FIELDS, SIZE_FIELDS, Settings, env_name, settings_to_env
-from kvbridge.settings.flags import COMMANDS, FLAGS, default_text
+from kvbridge.settings.flags import COMMANDS, FLAGS, MODEL_COMMANDS, default_text
 from kvbridge.settings.paths import WORK_DIR
 
 SOURCE_ROOT = Path(__file__).resolve().parents[2]   # a source checkout: .env.example and Docs/ are not in a wheel
@@ -203,15 +203,19 @@ FLAGS_TITLE = "Command-line flags (as llama-server's)"
 
 def flags_table(names: set[str]) -> list[str]:
     """kvbridge.settings.flags.FLAGS as a table: per command, the KVB_ variable each flag sets and its default."""
+    columns = [command for command in COMMANDS if command not in MODEL_COMMANDS]
     lines = ["`kvbridge serve`, `gui` and `cache-server` take these flags where llama-server's meaning holds "
              "(`kvbridge serve -m model.gguf -c 4096 -np 4 --port 8080`). Each sets the `KVB_` variable its cell "
              "names and wins over the environment and `.env`; a value the setting would refuse is refused "
              "naming the flag. `--help` of each command lists them. The table is kvbridge/settings/flags.py.",
-             "", "| Flag | " + " | ".join(f"`{c}`" for c in COMMANDS) + " | Meaning |",
-             "| --- |" + " --- |" * (len(COMMANDS) + 1)]
+             "", f"{', '.join(f'`{c}`' for c in MODEL_COMMANDS)} take serve's model, K/V, context and thread flags "
+             "(`explain` and `namespace` also `--exact`), as serve reads them: given serve's flags they compute "
+             "the namespace serve's KV is stored under.",
+             "", "| Flag | " + " | ".join(f"`{c}`" for c in columns) + " | Meaning |",
+             "| --- |" + " --- |" * (len(columns) + 1)]
     for flag in FLAGS:
         cells = []
-        for command in COMMANDS:
+        for command in columns:
             field = flag.fields.get(command)
             if field is None:
                 cells.append("—")
