@@ -37,6 +37,16 @@ class GGUFVocab:
     def has_chat_template(self) -> bool:
         return self.template.has_template
 
+    @property
+    def n_vocab(self) -> int:
+        """Token ids run 0..n_vocab-1 (an id past it would crash llama.cpp's detokenizer: check first)."""
+        return int(self._llama.n_vocab())
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The GGUF's metadata as llama.cpp read it (general.architecture, general.size_label, ...)."""
+        return dict(self._llama.metadata)
+
     def tokenize(self, text: str) -> list[int]:
         # add_bos=True adds BOS only when the model asks for it; special=True parses "<|im_start|>" etc.
         # as the single tokens they are, as Ollama and llama-server do for a raw prompt.

@@ -48,6 +48,7 @@ from kvbridge.serve.guards import BearerAuth, HostCheck, allowed_hosts, as_api_e
 from kvbridge.serve.tenants import DEFAULT, Tenant, TenantTable
 from kvbridge.serve.metrics import ServeMetrics
 from kvbridge.serve.misses import MISS_HEADER, client_view, header_value
+from kvbridge.serve.ollama_api import OllamaApi
 from kvbridge.serve.protocol import (
     BLEND_HEADER, PRIORITY_APPLIED_HEADER, PRIORITY_HEADER, TIER_HEADER, ApiError, Generation, chunk_body, completion_id, parse_blend,
     parse_generation, parse_priority, response_body, usage, usage_chunk,
@@ -210,7 +211,8 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", prometheus, methods=["GET"]),
-              *worker_routes(settings, engine, live_state, instance_id)]
+              *worker_routes(settings, engine, live_state, instance_id),
+              *OllamaApi(settings, engine, tenants, metrics).routes()]   # Ollama's /api/* (kvbridge.serve.ollama_api)
     # outermost first (WorkerApp's X-KVBridge-Instance outside them all): a wrong Host is refused before CORS
     # or the key are looked at
     hosts = allowed_hosts(settings.serve_allowed_hosts, host)

@@ -52,6 +52,14 @@ ROUTE_CALLERS: dict[str, frozenset[str]] = {
     "/get_load": _STATE,                            # the whole server's load: another tenant's requests move it
     "/get_server_info": _STATE,                     # the model file's path, the KV-event endpoints
     "/kv_event_sources": _STATE,
+    # Ollama's API (kvbridge.serve.ollama_api): generation as the OpenAI side's, the model's own facts to anyone
+    "/api/chat": frozenset({TENANT}),
+    "/api/generate": frozenset({TENANT}),
+    "/api/embed": frozenset({TENANT}),
+    "/api/tags": _ANY,
+    "/api/show": _ANY,
+    "/api/ps": _ANY,
+    "/api/version": _ANY,
 }
 # why each kind of caller is refused a route, naming the settings that decide it
 _REFUSED = {
@@ -64,6 +72,9 @@ _REFUSED = {
             "(KVB_SERVE_TENANTS_FILE, KVB_SERVE_API_KEY_FILE or KVB_SERVE_API_KEY_ENV)",
 }
 _CODES = {TENANT: "not_for_tenants", OPERATOR: "operator_key", ROUTER: "router_key"}
+# Ollama's clients send no key unless told: how to tell them
+_OLLAMA_KEY_HINT = ("; Ollama's clients send it when told: ollama.Client(host, headers={'Authorization': 'Bearer <key>'}) "
+                    "or OLLAMA_API_KEY=<key> in the client's environment")
 
 
 def route_refusal(method: str, path: str, caller, no_keys: bool) -> "ApiError | None":
@@ -141,7 +152,7 @@ class BearerAuth:
         if caller is None and self._tenants.required and scope["path"] not in OPEN_PATHS:
             refusal = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with serve's key "
                                     "(KVB_SERVE_API_KEY_FILE or the variable KVB_SERVE_API_KEY_ENV names), or a "
-                                    "tenant's key (KVB_SERVE_TENANTS_FILE)",
+                                    "tenant's key (KVB_SERVE_TENANTS_FILE)" + _OLLAMA_KEY_HINT * scope["path"].startswith("/api/"),
                                code="invalid_api_key", kind="authentication_error")
         elif scope["path"] in self._paths and not (caller is None and scope["path"] in OPEN_PATHS):
             refusal = route_refusal(scope["method"], scope["path"], caller or DEFAULT, self._tenants.no_keys)
