@@ -21,6 +21,8 @@ import pytest
 import requests
 
 from conftest import needs_model
+from kvbridge.serve.ollama_protocol import ServedModel, display_name
+from kvbridge.settings import Settings
 from kvbridge.settings.models import EMBEDDED_MODELS
 from test_serve import Served
 
@@ -53,6 +55,18 @@ def ollama_store(root: Path) -> Path:
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(manifest))
     return root
+
+
+def test_names_are_ollama_names_and_a_blob_given_by_path_is_named_from_its_manifest(tmp_path):
+    assert [display_name(n) for n in ("llama3.2", "user/name:tag", "registry.ollama.ai/library/x:1", "h:5000/ns/m:t")] \
+        == ["llama3.2:latest", "user/name:tag", "x:1", "h:5000/ns/m:t"]
+    store = ollama_store(tmp_path / "models")
+    blob = next(b for b in (store / "blobs").iterdir() if b.stat().st_size > 10 ** 6)
+    served = ServedModel.of(Settings(model_path=str(blob)), blob)   # serve -m ~/.ollama/models/blobs/sha256-...
+    assert (served.name, served.from_store) == ("smollm2:latest", True)
+    assert served.answers_to("smollm2") and served.answers_to("SmolLM2:latest") and not served.answers_to("smollm2:q8")
+    plain = EMBEDDED_MODELS["smollm2-135m"].path
+    assert ServedModel.of(Settings(model_path=str(plain)), plain).name == plain.stem + ":latest"
 
 
 def ollama_served(tmp_path: Path, name: str, store: Path, l2: Path, **env: str) -> Served:
@@ -120,6 +134,9 @@ def test_what_cannot_be_done_is_refused_naming_the_field(served):
                 (lambda: c.generate(model=NAME, prompt="Hi", format="json"), 400, "'format'"),
                 (lambda: c.chat(model=NAME, messages=[{"role": "user", "content": "Hi"}],
                                 tools=[{"type": "function", "function": {"name": "f"}}]), 400, "'tools'"),
+                (lambda: c.generate(model=NAME, prompt="Hi", context=[10 ** 6]), 400, "'context'"),
+                (lambda: c.generate(model=NAME, prompt="Hi", options={"num_predict": 10 ** 6}), 400,
+                 "options.num_predict"),
                 (lambda: c.embed(model=NAME, input="Hi"), 501, "embeddings"),
                 (lambda: c.show("other/model:tag"), 404, "model 'other/model:tag' not found")]
     for call, status, said in refusals:

@@ -74,7 +74,14 @@ class ServedModel:
             if found is not None and found.gguf_path == model_path:
                 return cls(display_name(settings.ollama_model), model_path, found.manifest_digest.split(":", 1)[1],
                            stat.st_size, modified, True)
-        return cls(display_name(model_path.stem), model_path, model_path.name, stat.st_size, modified, False)
+        named = _store_name_of_blob(model_path)   # `serve -m ~/.ollama/models/blobs/sha256-...`: its manifest's name
+        if named is not None:
+            return cls(named[0], model_path, named[1], stat.st_size, modified, True)
+        try:
+            name = display_name(model_path.stem)
+        except ValueError:   # a file name Ollama could not take as a model name: listed as it is
+            name = model_path.stem
+        return cls(name, model_path, model_path.name, stat.st_size, modified, False)
 
     def answers_to(self, name: Any) -> bool:
         """Whether a request's `model` names this model (`smollm2` and `smollm2:latest` both do)."""
@@ -84,6 +91,23 @@ class ServedModel:
             return display_name(name).lower() == self.name.lower()
         except ValueError:
             return False
+
+
+def _store_name_of_blob(path: Path) -> tuple[str, str] | None:
+    """(Ollama's name, manifest digest) of the first manifest (by path) whose model layer is this blob, when
+    `path` lies in an Ollama store's blobs/ folder; None otherwise."""
+    if path.parent.name != "blobs" or not path.name.startswith("sha256-"):
+        return None
+    manifests = path.parent.parent / "manifests"
+    for manifest in sorted(m for m in manifests.rglob("*") if m.is_file()):
+        parts = manifest.relative_to(manifests).parts
+        if len(parts) < 4:
+            continue
+        name = "/".join(parts[:-1]) + ":" + parts[-1]
+        found = locate_ollama_model(manifests.parent, name)
+        if found is not None and found.gguf_path.resolve() == path.resolve():
+            return display_name(name), found.manifest_digest.split(":", 1)[1]
+    return None
 
 
 def check_model(body: Any, served: ServedModel) -> None:
