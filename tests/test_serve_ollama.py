@@ -170,3 +170,39 @@ def test_a_second_process_restores_the_conversation_from_l2(served):
     assert restored["kvbridge"]["cached_tokens"] >= 32
     assert restored["prompt_eval_cached_count"] == restored["kvbridge"]["cached_tokens"]
     assert restored["prompt_eval_count"] == cold["prompt_eval_count"]   # the whole prompt, as Ollama counts it
+
+
+def test_tenants_keep_their_kv_apart_on_ollamas_routes(tmp_path):
+    """Two tenants' keys on /api/chat: each reuses its own KV (and, in its group, the OpenAI side's), never the
+    other's; the operator's key runs no chat. In-process over the real scheduler."""
+    from kvbridge.serve.engines import SchedulerEngine
+    from kvbridge.serve.server import BackgroundServe
+    from kvbridge.serve.tenants import key_digest
+
+    keys = {"alice": "ollama-alice-key", "bob": "ollama-bob-key"}
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps({"tenants": [{"name": n, "key_sha256": key_digest(k)} for n, k in keys.items()]}))
+    settings = Settings(chunk_size=32, ctx_size=1024, sched_kv_cells=3072, serve_max_tokens=16, serve_port=0,
+                        l2_dir=str(tmp_path / "l2"), output_dir=str(tmp_path / "output"),
+                        serve_tenants_file=str(tenants))
+    engine = SchedulerEngine(settings)
+    endpoint = BackgroundServe(settings, engine, port=0)
+    messages = [{"role": "system", "content": "Answer from the rota. " + "The north orchard is pruned in week 3. " * 20},
+                {"role": "user", "content": "Which orchard is pruned in week 3?"}]
+    body = {"model": display_name(engine.model_path.stem), "messages": messages, "options": GREEDY, "stream": False}
+
+    def cached(who: str) -> int:
+        answer = requests.post(endpoint.url + "/api/chat", json=body, timeout=120,
+                               headers={"Authorization": f"Bearer {keys[who]}"})
+        assert answer.status_code == 200, answer.text
+        return answer.json()["kvbridge"]["cached_tokens"]
+
+    try:
+        assert cached("alice") == 0
+        assert cached("alice") > 0           # its own KV, resident or stored
+        assert cached("bob") == 0            # alice's prompt is a cold prefill for bob
+        keyless = requests.post(endpoint.url + "/api/chat", json=body, timeout=30)
+        assert keyless.status_code == 401 and "OLLAMA_API_KEY" in keyless.json()["error"]["message"]
+    finally:
+        endpoint.stop()
+        engine.close()
