@@ -223,3 +223,82 @@ def test_a_systemd_credential_is_trusted_whoever_owns_it(tmp_path, monkeypatch):
     monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path / "elsewhere"))
     with pytest.raises(BadSettings, match="belongs to another user"):
         secret_from_file("KVB_SERVE_API_KEY_FILE", str(path))
+
+
+def test_serves_llama_server_table_is_the_flags_table():
+    import re
+
+    from kvbridge.settings.flags import llama_server_table
+
+    page = (Path(__file__).resolve().parents[1] / "Docs" / "Serve.md").read_text()
+    found = re.search(r"<!-- llama-server-flags: begin -->\n(.*?)\n<!-- llama-server-flags: end -->", page, re.S)
+    assert found, "Docs/Serve.md lost its llama-server-flags markers"
+    assert found.group(1) == llama_server_table(), ("Docs/Serve.md's 'Coming from llama-server' table differs from "
+                                                   "kvbridge.settings.flags: paste llama_server_table() between the markers")
+
+
+def test_llama_arg_variables_set_what_their_flags_set_and_the_command_line_wins(monkeypatch, tmp_path):
+    for name in [n for n in os.environ if n.startswith("LLAMA_ARG_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("LLAMA_ARG_MODEL", str(EMBEDDED_MODEL_PATH))
+    monkeypatch.setenv("LLAMA_ARG_CTX_SIZE", "2048")
+    monkeypatch.setenv("LLAMA_ARG_PORT", "8123")
+    monkeypatch.setenv("LLAMA_ARG_CACHE_TYPE_K", "q8_0")
+    monkeypatch.setenv("KVB_CTX_SIZE", "1024")   # a flag's variable wins over KVB_, as the flag does
+    s = flag_settings("serve")
+    assert (s.model_path, s.ctx_size, s.serve_port, s.cache_type_k) == (str(EMBEDDED_MODEL_PATH), 2048, 8123, "q8_0")
+    s = flag_settings("serve", "-c", "4096", "--port", "8124")
+    assert (s.ctx_size, s.serve_port) == (4096, 8124)
+    assert flag_settings("gui").port != 8123   # llama-server's variables are serve's, the drop-in's, only
+
+
+def test_llama_server_flags_serve_ignores_say_why_and_hf_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("LLAMA_ARG_N_GPU_LAYERS", "99")
+    s = flag_settings("serve", "-ngl", "99", "-cb", "--metrics", "--jinja", "--no-webui", "-cram", "0",
+                      "--slot-save-path", "/tmp/slots", "-c", "2048")
+    assert s.ctx_size == 2048
+    said = capsys.readouterr().err
+    for flag in ("-ngl", "-cb", "--metrics", "--jinja", "--no-webui", "-cram", "--slot-save-path"):
+        assert f"{flag} is accepted and ignored: " in said, flag
+    assert "LLAMA_ARG_N_GPU_LAYERS" not in said   # the flag was given: one line for it, not two
+    with pytest.raises(SystemExit):
+        parsed("serve", "-hf", "ggml-org/gemma-3-1b-it-GGUF")
+    assert "-hf is refused: it downloads from Hugging Face" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parsed("gui", "-ngl", "99")   # the drop-in is serve; the GUI takes none of them
+
+
+@needs_model
+@pytest.mark.skipif(not KVBRIDGE.is_file(), reason=f"no console script {KVBRIDGE}: pip install -e . first")
+def test_serve_runs_from_llama_servers_variables_and_its_command_line(tmp_path):
+    """As a llama-server compose file would start it: the model, context and port only in LLAMA_ARG_*, and
+    llama-server's README flags that mean nothing here on the command line."""
+    openai = pytest.importorskip("openai", reason="the openai SDK is not installed (requirements.txt)")
+    home = tmp_path / "home"
+    home.mkdir()
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVB_", "XDG_", "LLAMA_ARG_"))}
+    env.update(HOME=str(home), LLAMA_ARG_MODEL=str(EMBEDDED_MODEL_PATH), LLAMA_ARG_CTX_SIZE="2048",
+               LLAMA_ARG_PORT=str(port), LLAMA_ARG_N_GPU_LAYERS="99", KVB_THREADS="1")
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([str(KVBRIDGE), "serve", "--jinja", "--metrics", "-cb", "--no-webui"],
+                                cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while "KVBridge serve ready on" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        answer = client.chat.completions.create(model="x", max_tokens=4, temperature=0,
+                                                messages=[{"role": "user", "content": "Say hello."}])
+        assert answer.choices[0].message.content
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    said = log_path.read_text()
+    assert code == 0, said
+    assert f"{EMBEDDED_MODEL_PATH}, context 2048 tokens a request" in said   # LLAMA_ARG_MODEL and _CTX_SIZE taken
+    for line in ("--jinja is accepted and ignored", "--metrics is accepted and ignored",
+                 "LLAMA_ARG_N_GPU_LAYERS is set and ignored"):
+        assert line in said, line

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from kvbridge.settings import Settings
-from kvbridge.settings.flags import blame, flags_for, help_text, overrides
+from kvbridge.settings.flags import blame, flags_for, from_llama_env, help_text, ignored_for, ignored_lines, overrides
 
 
 def checked(settings: Settings) -> Settings:
@@ -28,6 +29,13 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
             continue
         parser.add_argument(*flag.spellings, dest=flag.dest, metavar=flag.metavar, default=None,
                             type=int if flag.kind == "int" else str, help=help_text(flag, command))
+    for ignored in ignored_for(command):   # llama-server's, accepted and ignored with a line at start
+        if ignored.takes_value:
+            parser.add_argument(*ignored.spellings, dest=ignored.dest, metavar="X", default=None,
+                                help=f"llama-server's; accepted and ignored: {ignored.why}")
+        else:
+            parser.add_argument(*ignored.spellings, dest=ignored.dest, action="store_true", default=None,
+                                help=f"llama-server's; accepted and ignored: {ignored.why}")
 
 
 def settings_with_flags(command: str, args, *, leave_out: tuple[str, ...] = (), strict: bool = True) -> Settings:
@@ -35,7 +43,10 @@ def settings_with_flags(command: str, args, *, leave_out: tuple[str, ...] = (), 
     problem a flag caused names the flag and its value and always stops the command (the person just typed
     it); the others stop it too when `strict` (the GUI shows them instead, to be fixed in its Engine panel)."""
     settings = Settings.from_env()
-    given = {name: value for name, value in vars(args).items() if name not in leave_out}
+    given = from_llama_env(command, vars(args), os.environ)   # serve: LLAMA_ARG_* where no flag was given
+    given = {name: value for name, value in given.items() if name not in leave_out}
+    for line in ignored_lines(command, given, os.environ):
+        print(f"kvbridge {command}: {line}", file=sys.stderr)
     settings = settings.replace(**overrides(command, given, settings))
     flagged, others = blame(command, given, settings.validate())
     if flagged or (strict and others):

@@ -19,7 +19,11 @@ Decisions, where llama-server's meaning needed one here:
   and `namespace` its `--exact`), so that given serve's flags they compute serve's namespace.
 - `cache-server` takes `--host`/`--port` only: together they make KVB_CACHE_SERVER_URL tcp://HOST:PORT (the
   one given keeps the other's part of that URL); `--url` stays, and is refused beside them. It runs no model.
-Deliberately left out: llama-server flags whose meaning differs here (-n, -b, -ngl, --slots, -fa). A flag not
+- serve is the drop-in for llama-server: where a flag is not given it reads llama-server's variable for it
+  (`LLAMA_ARG_*`, from_llama_env), and it accepts and ignores, with a line at start, the llama-server flags that
+  mean nothing here (IGNORED: -ngl, -cb, --metrics, --jinja, ...). Docs/Serve.md's "Coming from llama-server"
+  table is llama_server_table().
+Deliberately left out: llama-server flags whose meaning differs here (-n, -b, -ub, -fa, --slots). A flag not
 in the table is refused by name (kvbridge.settings.cmdline: no spelling is read as another); REFUSED says why
 and what to use instead for the llama-server flags a person is likeliest to bring, its secrets first.
 """
@@ -59,6 +63,7 @@ class Flag:
     help: str                      # the same in every command that takes it
     kind: str = "text"             # text, int, path (made absolute, `~` expanded) or switch (--x: on, --no-x: off)
     unset: str = ""                # what an unset field means, when its default value does not say it
+    env: str = ""                  # llama-server's variable for it (LLAMA_ARG_*), read by serve as llama-server reads it
 
     @property
     def dest(self) -> str:
@@ -73,21 +78,26 @@ class Flag:
 FLAGS: tuple[Flag, ...] = (
     Flag(("-m", "--model"), _model("model_path"), "PATH",
          f"the GGUF model file to load, or an embedded model's name ({', '.join(EMBEDDED_MODELS)}), which sets "
-         "KVB_MODEL instead", kind="path", unset=f"the embedded model KVB_MODEL names, {DEFAULT_MODEL}"),
+         "KVB_MODEL instead", kind="path", unset=f"the embedded model KVB_MODEL names, {DEFAULT_MODEL}",
+         env="LLAMA_ARG_MODEL"),
     Flag(("-c", "--ctx-size"), _model("ctx_size"), "N",
-         "context size: the most tokens one request may use, prompt and answer together", kind="int"),
+         "context size: the most tokens one request may use, prompt and answer together", kind="int",
+         env="LLAMA_ARG_CTX_SIZE"),
     Flag(("-t", "--threads"), _model("threads"), "N", "CPU threads for the model; 0: every core",
-         kind="int"),
+         kind="int", env="LLAMA_ARG_THREADS"),
     Flag(("-np", "--parallel"), {SERVE: "sched_max_running", GUI: "sched_max_running"}, "N",
-         "sequences decoding at once (the scheduler's continuous batch; 1 to 64)", kind="int"),
+         "sequences decoding at once (the scheduler's continuous batch; 1 to 64)", kind="int",
+         env="LLAMA_ARG_N_PARALLEL"),
     Flag(("--host",), {SERVE: "serve_host", GUI: "host", CACHE_SERVER: "cache_server_url"}, "HOST",
-         "address to listen on; beyond 127.0.0.1 only on purpose"),
+         "address to listen on; beyond 127.0.0.1 only on purpose", env="LLAMA_ARG_HOST"),
     Flag(("--port",), {SERVE: "serve_port", GUI: "port", CACHE_SERVER: "cache_server_url"}, "PORT",
-         "port to listen on", kind="int"),
+         "port to listen on", kind="int", env="LLAMA_ARG_PORT"),
     Flag(("-ctk", "--cache-type-k"), _model("cache_type_k"), "TYPE",
-         "KV cache type for K: f16, f32, bf16, q8_0, q4_0, ... (part of the cache's namespace)"),
+         "KV cache type for K: f16, f32, bf16, q8_0, q4_0, ... (part of the cache's namespace)",
+         env="LLAMA_ARG_CACHE_TYPE_K"),
     Flag(("-ctv", "--cache-type-v"), _model("cache_type_v"), "TYPE",
-         "KV cache type for V (a quantised one needs flash attention, KVB_FLASH_ATTN)"),
+         "KV cache type for V (a quantised one needs flash attention, KVB_FLASH_ATTN)",
+         env="LLAMA_ARG_CACHE_TYPE_V"),
     Flag(("--api-key-file",), {SERVE: "serve_api_key_file"}, "PATH",
          "a file you own, readable by you alone (chmod 600), holding the bearer token clients must send; "
          "read once at start, never shown; not with KVB_SERVE_API_KEY_ENV", kind="path", unset="no key"),
@@ -107,9 +117,76 @@ REFUSED: Mapping[str, str] = {
     "--ssl-cert-file": "serve speaks plain HTTP; put TLS in a proxy in front of it",
     "-hft": "KVBridge takes no Hugging Face token; fetch the model first and give -m PATH",
     "--hf-token": "KVBridge takes no Hugging Face token; fetch the model first and give -m PATH",
+    "-hf": "it downloads from Hugging Face, and KVBridge runs offline: download the GGUF and give -m PATH",
+    "-hfr": "it downloads from Hugging Face, and KVBridge runs offline: download the GGUF and give -m PATH",
+    "--hf-repo": "it downloads from Hugging Face, and KVBridge runs offline: download the GGUF and give -m PATH",
     "-n": "it is llama-server's --n-predict; in serve a request's max_tokens decides, at most KVB_SERVE_MAX_TOKENS",
     "--n-predict": "in serve a request's max_tokens decides, at most KVB_SERVE_MAX_TOKENS",
 }
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """A llama-server flag serve accepts and ignores, saying why at start: it means nothing here, and refusing it
+    would stop a llama-server command line that runs as it is (its value, if it takes one, is read and dropped)."""
+
+    spellings: tuple[str, ...]
+    takes_value: bool
+    why: str
+    env: str = ""   # llama-server's variable for it: set, it is ignored the same way
+
+    @property
+    def dest(self) -> str:
+        return "ignored_" + self.spellings[-1].lstrip("-").replace("-", "_")
+
+
+IGNORED: tuple[Ignored, ...] = (
+    Ignored(("-ngl", "--gpu-layers", "--n-gpu-layers"), True,
+            "KVBridge runs llama.cpp on the CPU: no layer goes to a GPU", "LLAMA_ARG_N_GPU_LAYERS"),
+    Ignored(("-cb", "--cont-batching"), False, "serve's scheduler always batches continuously",
+            "LLAMA_ARG_CONT_BATCHING"),
+    Ignored(("-nocb", "--no-cont-batching"), False, "serve's scheduler always batches continuously"),
+    Ignored(("--metrics",), False, "serve's /metrics is always on (the operator's, Prometheus text)"),
+    Ignored(("--jinja",), False, "serve renders every prompt with the model's own chat template; requests with "
+            "`tools` are refused with a 400", "LLAMA_ARG_JINJA"),
+    Ignored(("--no-jinja",), False, "serve renders every prompt with the model's own chat template"),
+    Ignored(("--no-webui",), False, "serve has no web UI (KVBridge's GUI is `kvbridge gui`)"),
+    Ignored(("--no-warmup",), False, "serve's start-up evaluates only the few tokens its layout probe needs"),
+    Ignored(("--slot-save-path",), True, "serve keeps KV in KVBridge's store (KVB_L2_DIR and the tiers below it), "
+            "not in slot files"),
+    Ignored(("-cram", "--cache-ram"), True, "KVBridge's RAM tier is KVB_L1_BYTES; llama-server's RAM prompt cache "
+            "is what it replaces", "LLAMA_ARG_CACHE_RAM"),
+)
+
+
+def ignored_for(command: str) -> tuple[Ignored, ...]:
+    """The llama-server flags `command` accepts and ignores (serve's, as the drop-in for llama-server)."""
+    return IGNORED if command == SERVE else ()
+
+
+def from_llama_env(command: str, given: Mapping[str, object], environ: Mapping[str, str]) -> dict[str, object]:
+    """`given` with each flag not on the command line taken from llama-server's variable for it (LLAMA_ARG_*), as
+    llama-server reads them: serve only (what llama-server's Docker images and compose files set). The
+    command line wins over them, and they over KVB_ variables, as a flag does."""
+    if command != SERVE:
+        return dict(given)
+    taken = dict(given)
+    for flag in flags_for(command):
+        if flag.env and taken.get(flag.dest) is None and environ.get(flag.env, "").strip():
+            value = environ[flag.env].strip()
+            taken[flag.dest] = int(value) if flag.kind == "int" and value.lstrip("-").isdigit() else value
+    return taken
+
+
+def ignored_lines(command: str, given: Mapping[str, object], environ: Mapping[str, str]) -> list[str]:
+    """One line per llama-server flag (or its variable) given to `command` that it ignores, saying why."""
+    lines = []
+    for flag in ignored_for(command):
+        if given.get(flag.dest) not in (None, False):
+            lines.append(f"{flag.spellings[0]} is accepted and ignored: {flag.why}")
+        elif flag.env and environ.get(flag.env, "").strip():
+            lines.append(f"{flag.env} is set and ignored: {flag.why}")
+    return lines
 
 
 def flags_for(command: str) -> tuple[Flag, ...]:
@@ -211,3 +288,20 @@ def blame(command: str, given: Mapping[str, object], problems: list[str]) -> tup
         else:
             others.append(problem)
     return flagged, others
+
+
+def llama_server_table() -> str:
+    """Docs/Serve.md's "Coming from llama-server" table: each llama-server flag serve knows, what it does in
+    serve, and llama-server's variable for it (tests/test_cli_flags.py holds the page to this)."""
+    rows = ["| llama-server flag | in `kvbridge serve` | variable |", "| --- | --- | --- |"]
+    for flag in flags_for(SERVE):
+        if flag.spellings[0].startswith("--") and flag.dest in ("api_key_file", "exact"):
+            continue   # KVBridge's own, not llama-server's
+        rows.append(f"| `{', '.join(flag.spellings)}` | sets `{env_name(flag.fields[SERVE])}`: {flag.help} | "
+                    f"{f'`{flag.env}`' if flag.env else '—'} |")
+    for ignored in IGNORED:
+        rows.append(f"| `{', '.join(ignored.spellings)}` | accepted and ignored, said at start: {ignored.why} | "
+                    f"{f'`{ignored.env}` (ignored)' if ignored.env else '—'} |")
+    for spelling, why in REFUSED.items():
+        rows.append(f"| `{spelling}` | refused: {why} | — |")
+    return "\n".join(rows)
