@@ -99,6 +99,7 @@ def test_the_client_lists_shows_and_ps_the_model_by_its_ollama_name(served):
     running = client(served).ps()
     assert [m.model for m in running.models] == [f"{NAME}:latest"] and running.models[0].context_length == 1024
     assert requests.get(served.url + "/api/version", timeout=10).json()["version"]
+    assert requests.get(served.url + "/", timeout=10).text == "Ollama is running"
 
 
 def test_chat_streamed_and_not_gives_the_same_greedy_answer(served):
@@ -156,6 +157,7 @@ def test_a_second_process_restores_the_conversation_from_l2(served):
     second = ollama_served(served.tmp, "second", served.store, served.tmp / "l2", KVB_SERVE_API_KEY_ENV="OLLAMA_TEST_KEY",
                            OLLAMA_TEST_KEY=KEY).start()
     try:
+        assert requests.get(second.url + "/", timeout=10).status_code == 200   # the heartbeat needs no key
         with pytest.raises(ollama.ResponseError) as caught:   # Ollama's clients send no key unless told
             client(second).chat(model=NAME, messages=messages, options=GREEDY)
         assert caught.value.status_code == 401 and "headers={'Authorization': 'Bearer <key>'}" in str(caught.value)

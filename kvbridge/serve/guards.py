@@ -32,7 +32,7 @@ from kvbridge.settings.checks import host_list
 from kvbridge.serve.tenants import DEFAULT, TenantTable
 
 log = logging.getLogger(__name__)
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/v1/health", "/")   # up or down, to anyone: "/" is the heartbeat Ollama's clients probe
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 TENANT, OPERATOR, ROUTER = "tenant", "operator", "router"   # Tenant.role
 _ANY = frozenset({TENANT, OPERATOR, ROUTER})
@@ -52,6 +52,13 @@ ROUTE_CALLERS: dict[str, frozenset[str]] = {
     "/get_load": _STATE,                            # the whole server's load: another tenant's requests move it
     "/get_server_info": _STATE,                     # the model file's path, the KV-event endpoints
     "/kv_event_sources": _STATE,
+    # llama-server's (kvbridge.serve.llama_api): generation as the OpenAI side's; the model's facts to anyone; the
+    # slots, which show what else runs, to the operator
+    "/completion": frozenset({TENANT}),
+    "/detokenize": _ANY,
+    "/props": _ANY,
+    "/slots": frozenset({OPERATOR}),
+    "/v1/health": _ANY,
     # Ollama's API (kvbridge.serve.ollama_api): generation as the OpenAI side's, the model's own facts to anyone
     "/api/chat": frozenset({TENANT}),
     "/api/generate": frozenset({TENANT}),
@@ -60,6 +67,7 @@ ROUTE_CALLERS: dict[str, frozenset[str]] = {
     "/api/show": _ANY,
     "/api/ps": _ANY,
     "/api/version": _ANY,
+    "/": _ANY,
 }
 # why each kind of caller is refused a route, naming the settings that decide it
 _REFUSED = {

@@ -3,6 +3,7 @@ speak `/api/chat`) run on KVBridge's cache, which survives a restart where Ollam
 
     POST /api/chat, POST /api/generate   NDJSON stream (Ollama's default) or one object
     GET  /api/tags, POST /api/show, GET /api/ps, GET /api/version, POST /api/embed (501: no embeddings)
+    GET  /   "Ollama is running", what Ollama's CLI and clients probe for; open, as /health is
 
 A thin translation, as the OpenAI side is (kvbridge.serve.app): a body is checked into a Generation
 (kvbridge.serve.ollama_protocol), run as a Job on the same engine, tenant salt and metrics as
@@ -24,7 +25,7 @@ from typing import AsyncIterator
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvbridge.serve.engines import Job, ServeEngine
@@ -61,7 +62,8 @@ class OllamaApi:
                 Route("/api/show", self.show, methods=["POST"]),
                 Route("/api/ps", self.ps, methods=["GET"]),
                 Route("/api/version", self.version, methods=["GET"]),
-                Route("/api/embed", self.embed, methods=["POST"])]
+                Route("/api/embed", self.embed, methods=["POST"]),
+                Route("/", self.heartbeat, methods=["GET"])]
 
     def vocab(self):
         """The model's vocabulary and template (on a worker thread: loading it reads the GGUF's vocabulary)."""
@@ -220,6 +222,10 @@ class OllamaApi:
         except ApiError as exc:
             return _error(exc)
         return JSONResponse(await run_in_threadpool(self._show))
+
+    async def heartbeat(self, request: Request) -> Response:
+        # the words Ollama answers at / (its CLI's heartbeat, and clients that probe for an Ollama server, read them)
+        return PlainTextResponse("Ollama is running")
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": API_VERSION})
