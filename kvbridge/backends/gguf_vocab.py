@@ -47,10 +47,10 @@ class GGUFVocab:
         """The GGUF's metadata as llama.cpp read it (general.architecture, general.size_label, ...)."""
         return dict(self._llama.metadata)
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
         # add_bos=True adds BOS only when the model asks for it; special=True parses "<|im_start|>" etc.
         # as the single tokens they are, as Ollama and llama-server do for a raw prompt.
-        return self._llama.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+        return self._llama.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self._llama.detokenize(list(tokens), special=True).decode("utf-8", "replace")

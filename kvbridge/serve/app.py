@@ -48,6 +48,7 @@ from kvbridge.serve.guards import BearerAuth, HostCheck, allowed_hosts, as_api_e
 from kvbridge.serve.tenants import DEFAULT, Tenant, TenantTable
 from kvbridge.serve.metrics import ServeMetrics
 from kvbridge.serve.misses import MISS_HEADER, client_view, header_value
+from kvbridge.serve.llama_api import LlamaServerApi
 from kvbridge.serve.ollama_api import OllamaApi
 from kvbridge.serve.protocol import (
     BLEND_HEADER, PRIORITY_APPLIED_HEADER, PRIORITY_HEADER, TIER_HEADER, ApiError, Generation, chunk_body, completion_id, parse_blend,
@@ -206,12 +207,15 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
         status = getattr(exc, "status_code", 405)
         return error_response(ApiError(status, f"{request.method} is not allowed on {request.url.path}"))
 
+    llama = LlamaServerApi(settings, engine, tenants, metrics)
     routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", prometheus, methods=["GET"]),
-              *worker_routes(settings, engine, live_state, instance_id),
+              Route("/v1/health", health, methods=["GET"]),   # llama-server's second name for it
+              *worker_routes(settings, engine, live_state, instance_id, vocab=llama.vocab),
+              *llama.routes(),   # llama-server's /completion, /detokenize, /props, /slots (kvbridge.serve.llama_api)
               *OllamaApi(settings, engine, tenants, metrics).routes()]   # Ollama's /api/* (kvbridge.serve.ollama_api)
     # outermost first (WorkerApp's X-KVBridge-Instance outside them all): a wrong Host is refused before CORS
     # or the key are looked at

@@ -3,6 +3,7 @@ routes a router calls besides the completions, and the instance's name on every 
 
     POST /v1/chat/completions/render, POST /v1/completions/render   -> {"token_ids": [...]}
     POST /tokenize   ({"prompt": str} or {"messages": [...]})       -> {"tokens", "count", "max_model_len"}
+                     ({"content": str}, llama-server's)            -> {"tokens"}
     GET  /get_load                                                  -> {"load": running + waiting}
     GET  /get_server_info                                           -> model, instance, block size, role
     GET  /kv_event_sources                                          -> {"0": {"endpoint": ...}} or {}
@@ -73,8 +74,10 @@ class WorkerApp(Starlette):
         return InstanceHeader(super().build_middleware_stack(), self.instance_id)
 
 
-def worker_routes(settings: Settings, engine: ServeEngine, live_state: LiveState, instance_id: str) -> list[Route]:
-    """The routes a router calls besides the completions."""
+def worker_routes(settings: Settings, engine: ServeEngine, live_state: LiveState, instance_id: str,
+                  vocab=None) -> list[Route]:
+    """The routes a router calls besides the completions; `vocab()`: the model's vocabulary, for llama-server's
+    form of /tokenize."""
 
     async def tokens_of(body, kind: str) -> list[int]:
         """The ids the completion of this body would prefill; ApiError as the completion would refuse it."""
@@ -104,9 +107,14 @@ def worker_routes(settings: Settings, engine: ServeEngine, live_state: LiveState
         return await render(request, "completion")
 
     async def tokenize(request: Request) -> Response:
-        """vLLM's /tokenize: a chat when the body has messages, else a prompt."""
+        """vLLM's /tokenize: a chat when the body has messages, else a prompt; llama-server's when the body has
+        `content` (kvbridge.serve.llama_api: the text's ids, BOS only with add_special)."""
         try:
             body = await read_json(request, settings.serve_max_body_bytes)
+            if isinstance(body, dict) and "content" in body and vocab is not None:
+                from kvbridge.serve.llama_api import tokenize_content
+
+                return JSONResponse(await run_in_threadpool(tokenize_content, vocab(), body))
             kind = "chat" if isinstance(body, dict) and "messages" in body else "completion"
             tokens = await tokens_of(body, kind)
         except ApiError as exc:
