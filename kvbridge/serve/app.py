@@ -3,6 +3,8 @@
     POST /v1/chat/completions, POST /v1/completions   (stream or not; stream_options.include_usage)
     GET  /v1/models, GET /health, GET /metrics (Prometheus text)
     what a router calls on a fleet worker (render, /tokenize, /get_load, ...): kvbridge.serve.worker
+    llama-server's (/completion, /detokenize, /props, /slots, /v1/health): kvbridge.serve.llama_api
+    Ollama's (/api/chat, /api/generate, /api/tags, ...): kvbridge.serve.ollama_api
 
 Every response names this instance in `X-KVBridge-Instance`; a PD router's prefill leg is stored
 before it is answered and says what it stored (kvbridge.serve.pd).
