@@ -60,6 +60,8 @@ def test_every_part_runs_on_a_private_weed_and_lmcache_answers_equal_cold(make_s
     assert "HeadObject" not in lookup["unknown_held"]["requests"]
     assert (lookup["known"]["round_trips"], lookup["known"]["n_hit"]) == (0, lookup["keys"])
     assert lookup["not_held"]["n_hit"] == 0 and lookup["not_held"]["round_trips"] <= 1
+    assert lookup["next_prompt"]["n_hit"] == lookup["keys"]
+    assert lookup["next_prompt"]["requests"] == {"ListObjectsV2": 1}, "a known namespace: one round trip"
 
     for case in ("killed", "silent"):
         down = result["down"][case]
