@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvbridge.store.redis_link import _Breaker
+from kvbridge.store.breaker import Breaker as _Breaker
 from kvbridge.store.redis_tier import RedisTier
 from tests.redis_helpers import RedisServer, needs_redis
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter
 from typing import Any, Callable
 from urllib.parse import urlsplit, urlunsplit
@@ -28,11 +27,11 @@ from redis.exceptions import (AuthenticationError, ClusterDownError, NoPermissio
                               RedisClusterException, RedisError, ResponseError, TryAgainError)
 from redis.retry import Retry
 
+from kvbridge.store.breaker import Breaker
 from kvbridge.store.objects import StoreFault
 
 log = logging.getLogger("kvbridge.store.redis_tier")   # the L3 tier's one logger, as before it was split
 
-FIRST_BACKOFF_S, MOST_BACKOFF_S = 1.0, 30.0
 READ_SIZE = 4 << 20              # bytes per socket read (redis-py's default is 64 KiB)
 
 
@@ -69,48 +68,6 @@ def connect(url: str, password: str | None, timeout: float) -> redis.Redis | Red
     return redis.Redis.from_url(url, max_connections=32, **common)
 
 
-class _Breaker:
-    """Up, or down until a retry time that backs off. Requests never probe: while down they skip, and
-    a background prober (RedisTier._probe_until_up) pings at each retry time, so a silent server costs
-    one request one timeout in all, not one per backoff period."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._lock = threading.Lock()
-        self.down_since: float | None = None
-        self.reason = ""
-        self._retry_at = 0.0
-        self._delay = FIRST_BACKOFF_S
-
-    @property
-    def is_down(self) -> bool:
-        return self.down_since is not None
-
-    def allow(self) -> bool:
-        with self._lock:
-            return self.down_since is None
-
-    def succeeded(self) -> None:
-        with self._lock:
-            if self.down_since is not None:
-                log.info("L3 is reachable again (down %.1f s)", self._clock() - self.down_since)
-            self.down_since, self.reason, self._delay = None, "", FIRST_BACKOFF_S
-
-    def failed(self, reason: str) -> None:
-        with self._lock:
-            now = self._clock()
-            if self.down_since is None:
-                self.down_since = now
-                log.warning("L3 marked down (%s); retrying in %.0f s, requests skip it meanwhile", reason, self._delay)
-            self.reason = reason
-            self._retry_at = now + self._delay
-            self._delay = min(self._delay * 2, MOST_BACKOFF_S)
-
-    def retry_in(self) -> float:
-        with self._lock:
-            return max(0.0, self._retry_at - self._clock()) if self.down_since is not None else 0.0
-
-
 class RedisLink:
     """The connection half of RedisTier (a mixin): the client, the breaker, its prober and the fault counters.
 
@@ -132,7 +89,7 @@ class RedisLink:
         self._prober: threading.Thread | None = None
         self._wake = threading.Event()     # set at close: the prober stops
         self._closed = False
-        self._breaker = _Breaker()
+        self._breaker = Breaker("L3")
         self.counts: Counter[str] = Counter()   # skipped_down, timeouts, connection_errors, auth_errors, writes_refused
         self._sent_here = threading.local()      # calls sent by each thread (calls_on_this_thread)
 

@@ -15,23 +15,20 @@ at retry times that back off from 1 s to 30 s; so a silent endpoint costs one re
 all. Another error the endpoint answers with (a 5xx, a SlowDown) is an S3Refused fault and leaves S3 up.
 Nothing here raises to the user: calls raise StoreFault subclasses, which the tier turns into misses.
 
-The breaker is the same rule as L3's (kvbridge.store.redis_link._Breaker); it is written again here with
-the tier's name in its log lines rather than changing L3's module under it (one shared module is the
-house issue's job).
+The breaker is L3's rule, from the one module of every remote tier (kvbridge.store.breaker).
 """
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter
 from typing import Any, Callable
 
+from kvbridge.store.breaker import Breaker
 from kvbridge.store.objects import StoreFault
 
 log = logging.getLogger("kvbridge.store.s3_tier")
 
-FIRST_BACKOFF_S, MOST_BACKOFF_S = 1.0, 30.0
 POOL_CONNECTIONS = 32            # parallel GETs of one restore share these
 AUTH_CODES = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
                         "ExpiredToken", "AuthorizationHeaderMalformed", "InvalidSecurity"})
@@ -61,44 +58,6 @@ def connect(url: str, region: str, access_key: str, secret_key: str, timeout: fl
     session = boto3.session.Session(aws_access_key_id=access_key, aws_secret_access_key=secret_key,
                                     region_name=region)
     return session.client("s3", endpoint_url=url, config=config)
-
-
-class Breaker:
-    """Up, or down until a retry time that backs off; requests never probe (a prober thread does)."""
-
-    def __init__(self, label: str, clock: Callable[[], float] = time.monotonic) -> None:
-        self.label = label
-        self._clock = clock
-        self._lock = threading.Lock()
-        self.down_since: float | None = None
-        self.reason = ""
-        self._retry_at = 0.0
-        self._delay = FIRST_BACKOFF_S
-
-    @property
-    def is_down(self) -> bool:
-        return self.down_since is not None
-
-    def succeeded(self) -> None:
-        with self._lock:
-            if self.down_since is not None:
-                log.info("%s is reachable again (down %.1f s)", self.label, self._clock() - self.down_since)
-            self.down_since, self.reason, self._delay = None, "", FIRST_BACKOFF_S
-
-    def failed(self, reason: str) -> None:
-        with self._lock:
-            now = self._clock()
-            if self.down_since is None:
-                self.down_since = now
-                log.warning("%s marked down (%s); retrying in %.0f s, requests skip it meanwhile",
-                            self.label, reason, self._delay)
-            self.reason = reason
-            self._retry_at = now + self._delay
-            self._delay = min(self._delay * 2, MOST_BACKOFF_S)
-
-    def retry_in(self) -> float:
-        with self._lock:
-            return max(0.0, self._retry_at - self._clock()) if self.down_since is not None else 0.0
 
 
 class S3Link:
