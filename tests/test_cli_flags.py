@@ -78,7 +78,8 @@ def test_every_flag_sets_a_real_setting_of_its_type_and_its_help_says_which():
             assert field in SETTING_NAMES, (flag.name, field)
             if field != "cache_server_url":   # cache-server's --host/--port both make one URL
                 kind = type(getattr(Settings(), field))
-                assert (flag.kind == "int") == (kind is int) and (flag.kind == "switch") == (kind is bool), flag.name
+                assert (flag.kind == "int") == (kind is int), flag.name
+                assert (flag.kind in ("switch", "onoff")) == (kind is bool), flag.name
     for command in COMMANDS:
         with pytest.raises(SystemExit):
             parsed(command, "--help")
@@ -302,3 +303,59 @@ def test_serve_runs_from_llama_servers_variables_and_its_command_line(tmp_path):
     for line in ("--jinja is accepted and ignored", "--metrics is accepted and ignored",
                  "LLAMA_ARG_N_GPU_LAYERS is set and ignored"):
         assert line in said, line
+
+
+def test_batch_sizes_are_kvbridges_own_or_refused_saying_why(capsys, monkeypatch):
+    from kvbridge.backends.base import BATCH_TOKENS
+    from kvbridge.settings import flags
+
+    assert flags.BATCH_TOKENS == BATCH_TOKENS   # the settings layer's copy of the proven piece
+    for argv in (("-b", "2048"), ("-b", "512"), ("--batch-size", "4096"), ("-ub", "512"), ("--ubatch-size", "512")):
+        flag_settings("serve", *argv)   # llama-server's defaults and KVBridge's size run as they are
+    for argv, said in ((("-b", "1000"), "-b/--batch-size: 1000: the logical batch size takes a multiple of 512"),
+                       (("-ub", "2048"), "-ub/--ubatch-size: 2048: the physical batch size takes 512 only"),
+                       (("-b", "256"), "cold cut and exact mode are proven")):
+        with pytest.raises(SystemExit) as refused:
+            parsed("serve", *argv)
+        assert refused.value.code == 2 and said in capsys.readouterr().err, argv
+    monkeypatch.setenv("LLAMA_ARG_UBATCH", "1024")
+    with pytest.raises(SystemExit, match="LLAMA_ARG_UBATCH 1024: the physical batch size takes 512 only"):
+        flag_settings("serve")
+    monkeypatch.setenv("LLAMA_ARG_UBATCH", "512")
+    monkeypatch.setenv("LLAMA_ARG_BATCH", "2048")
+    flag_settings("serve")
+
+
+def test_flash_attn_takes_llama_servers_words_and_auto_is_off(capsys, monkeypatch):
+    assert Settings().flash_attn is False
+    assert flag_settings("serve", "-fa", "on").flash_attn is True
+    assert flag_settings("serve", "--flash-attn", "off").flash_attn is False
+    monkeypatch.setenv("KVB_FLASH_ATTN", "true")
+    assert flag_settings("serve", "-fa", "auto").flash_attn is False   # auto is off: exact mode needs it off
+    monkeypatch.setenv("LLAMA_ARG_FLASH_ATTN", "on")
+    assert flag_settings("serve").flash_attn is True and flag_settings("serve", "-fa", "off").flash_attn is False
+    assert flag_settings("namespace", "-fa", "on").flash_attn is True   # its namespace is serve's
+    with pytest.raises(SystemExit) as refused:
+        parsed("serve", "-fa", "maybe")
+    assert refused.value.code == 2 and "-fa/--flash-attn: 'maybe' is not on, off or auto" in capsys.readouterr().err
+    monkeypatch.setenv("LLAMA_ARG_FLASH_ATTN", "yes please")
+    with pytest.raises(SystemExit, match="LLAMA_ARG_FLASH_ATTN: 'yes please' is not on, off or auto"):
+        flag_settings("serve")
+
+
+def test_alias_names_the_model_as_llama_server_takes_them(monkeypatch):
+    assert flag_settings("serve", "-a", " my-model , gpt-4o-mini,").serve_model_alias == "my-model,gpt-4o-mini"
+    monkeypatch.setenv("LLAMA_ARG_ALIAS", "from-env")
+    assert flag_settings("serve").serve_model_alias == "from-env"
+    assert flag_settings("serve", "--alias", "given").serve_model_alias == "given"
+    assert any("KVB_SERVE_MODEL_ALIAS='two words'" in p for p in Settings(serve_model_alias="two words").validate())
+    assert not Settings(serve_model_alias="a,b").validate()
+
+
+def test_version_prints_kvbridges_and_llama_cpps_and_exits_0():
+    import llama_cpp
+
+    done = subprocess.run([sys.executable, "-m", "kvbridge", "serve", "--version"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("kvbridge ") and f"llama-cpp-python {llama_cpp.__version__}" in done.stdout

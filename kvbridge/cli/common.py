@@ -8,7 +8,8 @@ import os
 import sys
 
 from kvbridge.settings import Settings
-from kvbridge.settings.flags import blame, flags_for, from_llama_env, help_text, ignored_for, ignored_lines, overrides
+from kvbridge.settings.flags import (argparse_type, batches_for, blame, flags_for, from_llama_env, help_text,
+                                     ignored_for, ignored_lines, overrides)
 
 
 def checked(settings: Settings) -> Settings:
@@ -28,7 +29,10 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
                                 help=help_text(flag, command))
             continue
         parser.add_argument(*flag.spellings, dest=flag.dest, metavar=flag.metavar, default=None,
-                            type=int if flag.kind == "int" else str, help=help_text(flag, command))
+                            type=argparse_type(flag), help=help_text(flag, command))
+    for batch in batches_for(command):   # llama-server's batch sizes: KVBridge's own size only
+        parser.add_argument(*batch.spellings, dest=batch.dest, metavar="N", default=None, type=batch.argparse_type,
+                            help=f"llama-server's {batch.what}; {batch.why()}")
     for ignored in ignored_for(command):   # llama-server's, accepted and ignored with a line at start
         if ignored.takes_value:
             parser.add_argument(*ignored.spellings, dest=ignored.dest, metavar="X", default=None,

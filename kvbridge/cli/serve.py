@@ -29,8 +29,33 @@ def serve_engine_choice(value: str) -> str:
     raise argparse.ArgumentTypeError(f"{value!r} is not an engine serve can run; use {use}")
 
 
+class _Version(argparse.Action):
+    """--version, as llama-server's: KVBridge's version and the llama.cpp it runs (llama-cpp-python's release), exit 0.
+    Read when asked, so building the parser loads no llama.cpp."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(version_text())
+        parser.exit()
+
+
+def version_text() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+    return f"kvbridge {of('kvbridge')}\nllama.cpp: llama-cpp-python {of('llama_cpp_python')}"
+
+
 def add_arguments(p) -> None:
     add_flags(p, SERVE)
+    p.add_argument("--version", action=_Version, help="print KVBridge's version and the llama.cpp release it runs, "
+                                                       "then exit")
     p.add_argument("--engine", type=serve_engine_choice, metavar="{" + ",".join(SERVE_ENGINES) + "}",
                    help="scheduler: in-process, many requests at once (default: KVB_SERVE_ENGINE); "
                         "llama-server: CachedEngine in lmcache mode, requests queued")

@@ -360,6 +360,10 @@ def _serve_problems(s: Settings) -> list[str]:
          f"KVB_SERVE_ALLOWED_HOSTS={s.serve_allowed_hosts!r}: list host names or addresses without scheme or port, "
          "comma-separated (like localhost,127.0.0.1,::1), or * for any"),
         (s.serve_drain_timeout < 0, f"KVB_SERVE_DRAIN_TIMEOUT={s.serve_drain_timeout} cannot be negative"),
+        (any(not name.strip() or any(c.isspace() or not c.isprintable() for c in name.strip())
+             for name in s.serve_model_alias.split(",")) if s.serve_model_alias else False,
+         f"KVB_SERVE_MODEL_ALIAS={s.serve_model_alias!r}: give the model's names comma-separated, each without spaces "
+         "(like my-model,gpt-4o-mini), or leave it empty for the model file's name"),
         (bool(s.serve_api_key_env) and not s.serve_api_key_env.replace("_", "").isalnum(),
          "KVB_SERVE_API_KEY_ENV must be the NAME of an environment variable (like SERVE_API_KEY), not the key "
          "itself (its value is not shown)"),

@@ -104,6 +104,7 @@ class Settings:
     serve_host: str = "127.0.0.1"
     serve_port: int = 8000
     serve_engine: str = "scheduler"   # scheduler (in-process, many requests at once) or llama-server (queued)
+    serve_model_alias: str = ""       # the model's names in the API, comma-separated (-a); empty: the file's name
     serve_api_key_env: str = ""       # the NAME of the variable holding the bearer token; never the token
     serve_api_key_file: str = ""      # a file the user owns holding the bearer token (--api-key-file); read at start
     serve_admin_key_env: str = ""     # the NAME of the variable holding the operator key (all of /metrics, /health)

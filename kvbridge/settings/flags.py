@@ -23,12 +23,24 @@ Decisions, where llama-server's meaning needed one here:
   (`LLAMA_ARG_*`, from_llama_env), and it accepts and ignores, with a line at start, the llama-server flags that
   mean nothing here (IGNORED: -ngl, -cb, --metrics, --jinja, ...). Docs/Serve.md's "Coming from llama-server"
   table is llama_server_table().
-Deliberately left out: llama-server flags whose meaning differs here (-n, -b, -ub, -fa, --slots). A flag not
+- `-fa on|off|auto` sets KVB_FLASH_ATTN (kind "onoff"): auto is off, since exact mode and the proven cold cut need
+  the transposed V that flash attention gives up (llama-server's auto turns it on where the device supports it).
+- `-b`/`-ub` (BATCHES): KVBridge prefills in pieces of BATCH_TOKENS (512) from position 0, and the cold cut and
+  exact mode are proven on those pieces. `-ub` (the physical batch, what llama.cpp computes at once) takes 512
+  only; `-b` (the logical batch, split by llama.cpp into ubatches) takes any multiple of 512, llama-server's
+  default 2048 among them, since its pieces are then the same 512-token ones. No KVB_ setting: one value works.
+- `-a/--alias` sets KVB_SERVE_MODEL_ALIAS: comma-separated names, as llama-server takes them; the first is the id
+  /v1/models, /props and every answer show.
+- `LLAMA_API_KEY` (llama-server's key variable, comma-separated keys) is read by serve as llama-server reads it,
+  the one variable of llama-server's that holds a secret: serve stores only its NAME, as KVB_SERVE_API_KEY_ENV
+  (from_llama_env), so the key is read at start and never stored, shown or passed on.
+Deliberately left out: llama-server flags whose meaning differs here (-n, --slots). A flag not
 in the table is refused by name (kvbridge.settings.cmdline: no spelling is read as another); REFUSED says why
 and what to use instead for the llama-server flags a person is likeliest to bring, its secrets first.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from collections.abc import Mapping
@@ -61,7 +73,8 @@ class Flag:
     fields: Mapping[str, str]      # command -> the Settings field the flag sets there
     metavar: str
     help: str                      # the same in every command that takes it
-    kind: str = "text"             # text, int, path (made absolute, `~` expanded) or switch (--x: on, --no-x: off)
+    kind: str = "text"             # text, int, path (made absolute, `~` expanded), switch (--x: on, --no-x: off) or
+    #                                onoff (llama-server's on|off|auto as a bool; auto: off, see the module docstring)
     unset: str = ""                # what an unset field means, when its default value does not say it
     env: str = ""                  # llama-server's variable for it (LLAMA_ARG_*), read by serve as llama-server reads it
 
@@ -98,6 +111,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("-ctv", "--cache-type-v"), _model("cache_type_v"), "TYPE",
          "KV cache type for V (a quantised one needs flash attention, KVB_FLASH_ATTN)",
          env="LLAMA_ARG_CACHE_TYPE_V"),
+    Flag(("-fa", "--flash-attn"), _model("flash_attn"), "on|off|auto",
+         "flash attention; auto is off here, since exact mode needs it off (on changes the V layout and so the "
+         "cache's namespace)", kind="onoff", env="LLAMA_ARG_FLASH_ATTN"),
+    Flag(("-a", "--alias"), {SERVE: "serve_model_alias"}, "NAMES",
+         "the model's names in the API, comma-separated: the first is the id /v1/models and every answer show",
+         unset="the model file's name", env="LLAMA_ARG_ALIAS"),
     Flag(("--api-key-file",), {SERVE: "serve_api_key_file"}, "PATH",
          "a file you own, readable by you alone (chmod 600), holding the bearer token clients must send; "
          "read once at start, never shown; not with KVB_SERVE_API_KEY_ENV", kind="path", unset="no key"),
@@ -159,6 +178,95 @@ IGNORED: tuple[Ignored, ...] = (
 )
 
 
+ON, OFF, AUTO = ("on", "enabled", "true", "1"), ("off", "disabled", "false", "0"), ("auto",)   # llama-server's words
+
+
+def flag_value(flag: Flag, text: str, source: str = ""):
+    """A flag's value from its text (the command line's, or its LLAMA_ARG_* variable's, `source`): an int, an
+    onoff's bool, else the text; ValueError naming what it takes."""
+    if flag.kind == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{source or flag.name}: invalid int value: {text!r}") from None
+    if flag.kind == "onoff":
+        word = text.strip().lower()
+        if word in ON or word in OFF + AUTO:
+            return word in ON
+        raise ValueError(f"{source or flag.name}: {_not_on_off(text)}")
+    return text
+
+
+# kvbridge.backends.base.BATCH_TOKENS, the prefill piece the cold cut and exact mode are proven on (the settings
+# layer sits below the backends, so it is repeated here; tests/test_cli_flags.py holds the two equal)
+BATCH_TOKENS = 512
+
+
+def argparse_type(flag: Flag):
+    """What argparse converts the flag's text with: int, an onoff's bool (its error naming the words it takes), str."""
+    if flag.kind == "int":
+        return int
+    if flag.kind != "onoff":
+        return str
+
+    def on_off(text: str) -> bool:
+        try:
+            return flag_value(flag, text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(_not_on_off(text)) from None
+    return on_off
+
+
+def _not_on_off(text: str) -> str:
+    return f"{text!r} is not on, off or auto (auto is off here: exact mode needs flash attention off)"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A llama-server batch flag serve takes only at the size KVBridge's cut and exact mode are proven on."""
+
+    spellings: tuple[str, ...]
+    env: str
+    what: str          # what the size is, in llama-server's words
+    multiple: bool     # any multiple of BATCH_TOKENS (the logical batch), or BATCH_TOKENS only (the physical one)
+
+    @property
+    def dest(self) -> str:
+        return self.spellings[-1].lstrip("-").replace("-", "_")
+
+    def why(self) -> str:
+        if self.multiple:
+            return (f"takes a multiple of {BATCH_TOKENS} (llama-server's default 2048 among them): llama.cpp splits "
+                    f"a logical batch into {BATCH_TOKENS}-token ubatches, the pieces KVBridge's cold cut and exact "
+                    "mode are proven on")
+        return (f"takes {BATCH_TOKENS} only: KVBridge prefills in {BATCH_TOKENS}-token pieces from position 0, and "
+                "its cold cut and exact mode are proven on them")
+
+    def argparse_type(self, text: str) -> int:
+        try:
+            return self.check(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text}: the {self.what} {self.why()}") from None
+
+    def check(self, text: str, source: str = "") -> int:
+        """The size, or ValueError naming the flag (or its variable), why, and what works."""
+        value = int(text) if text.strip().isdigit() else -1
+        if value == BATCH_TOKENS or (self.multiple and value > 0 and value % BATCH_TOKENS == 0):
+            return value
+        raise ValueError(f"{source or '/'.join(self.spellings)} {text}: the {self.what} {self.why()}")
+
+
+BATCHES: tuple[Batch, ...] = (
+    Batch(("-b", "--batch-size"), "LLAMA_ARG_BATCH", "logical batch size", multiple=True),
+    Batch(("-ub", "--ubatch-size"), "LLAMA_ARG_UBATCH", "physical batch size", multiple=False),
+)
+
+
+def batches_for(command: str) -> tuple[Batch, ...]:
+    """The batch flags `command` takes (serve's, as the drop-in for llama-server)."""
+    return BATCHES if command == SERVE else ()
+
+
 def ignored_for(command: str) -> tuple[Ignored, ...]:
     """The llama-server flags `command` accepts and ignores (serve's, as the drop-in for llama-server)."""
     return IGNORED if command == SERVE else ()
@@ -173,9 +281,23 @@ def from_llama_env(command: str, given: Mapping[str, object], environ: Mapping[s
     taken = dict(given)
     for flag in flags_for(command):
         if flag.env and taken.get(flag.dest) is None and environ.get(flag.env, "").strip():
-            value = environ[flag.env].strip()
-            taken[flag.dest] = int(value) if flag.kind == "int" and value.lstrip("-").isdigit() else value
+            try:
+                taken[flag.dest] = flag_value(flag, environ[flag.env].strip(), flag.env)
+            except ValueError as exc:
+                raise SystemExit(f"Settings need attention:\n  - {exc}") from None
+    for batch in BATCHES:
+        if taken.get(batch.dest) is None and environ.get(batch.env, "").strip():
+            try:
+                batch.check(environ[batch.env].strip(), batch.env)
+            except ValueError as exc:
+                raise SystemExit(f"Settings need attention:\n  - {exc}") from None
+    if environ.get(LLAMA_API_KEY, "").strip() and taken.get("api_key_file") is None:
+        taken[LLAMA_KEY_DEST] = LLAMA_API_KEY   # its NAME, as KVB_SERVE_API_KEY_ENV: the key is read at start only
     return taken
+
+
+LLAMA_API_KEY = "LLAMA_API_KEY"   # llama-server's key variable: comma-separated keys (kvbridge.serve.server reads it)
+LLAMA_KEY_DEST = "llama_api_key_env"
 
 
 def ignored_lines(command: str, given: Mapping[str, object], environ: Mapping[str, str]) -> list[str]:
@@ -228,10 +350,14 @@ def overrides(command: str, given: Mapping[str, object], settings: Settings) -> 
             continue
         if flag.dest == "model":
             changes.update(model_changes(command, str(value)))
+        elif flag.dest == "alias":
+            changes[field] = ",".join(name.strip() for name in str(value).split(",") if name.strip())
         elif flag.kind == "path":
             changes[field] = absolute(str(value))
         else:
             changes[field] = value
+    if command == SERVE and given.get(LLAMA_KEY_DEST):
+        changes["serve_api_key_env"] = given[LLAMA_KEY_DEST]
     if command == CACHE_SERVER and (given.get("host") is not None or given.get("port") is not None):
         changes["cache_server_url"] = tcp_url(settings.cache_server_url, given.get("host"), given.get("port"))
     return changes
@@ -299,6 +425,13 @@ def llama_server_table() -> str:
             continue   # KVBridge's own, not llama-server's
         rows.append(f"| `{', '.join(flag.spellings)}` | sets `{env_name(flag.fields[SERVE])}`: {flag.help} | "
                     f"{f'`{flag.env}`' if flag.env else '—'} |")
+    for batch in BATCHES:
+        rows.append(f"| `{', '.join(batch.spellings)}` | accepted at KVBridge's size, else refused: the {batch.what} "
+                    f"{batch.why()} | `{batch.env}` |")
+    rows.append(f"| `--api-key` | refused (see below); its variable `{LLAMA_API_KEY}` is read as llama-server reads "
+                "it: comma-separated keys, any of which a client may send as `Authorization: Bearer KEY`, all the "
+                "`default` tenant's; only the variable's name is kept (as `KVB_SERVE_API_KEY_ENV`) | "
+                f"`{LLAMA_API_KEY}` |")
     for ignored in IGNORED:
         rows.append(f"| `{', '.join(ignored.spellings)}` | accepted and ignored, said at start: {ignored.why} | "
                     f"{f'`{ignored.env}` (ignored)' if ignored.env else '—'} |")
