@@ -45,7 +45,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvbridge.serve import pd
-from kvbridge.serve.engines import Job, LiveState, ServeEngine
+from kvbridge.serve.engines import Job, LiveState, ServeEngine, client_gone, next_event
 from kvbridge.serve.guards import BearerAuth, HostCheck, allowed_hosts, as_api_error, error_response, read_json
 from kvbridge.serve.tenants import DEFAULT, Tenant, TenantTable
 from kvbridge.serve.metrics import ServeMetrics
@@ -104,7 +104,7 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
         except ApiError as exc:
             metrics.answered(endpoint, exc.status)
             return error_response(exc)
-        gone = asyncio.ensure_future(_client_gone(request))
+        gone = asyncio.ensure_future(client_gone(request))
         try:
             response = await _answer(gen, job, endpoint, gone, stored_first, full)
         finally:
@@ -115,7 +115,7 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
 
     async def _answer(gen: Generation, job: Job, endpoint: str, gone: asyncio.Future, stored_first: bool,
                       full: bool) -> Response:
-        first = await _next_event(job, gone)
+        first = await next_event(job, gone)
         rid = completion_id(gen.kind)
         if gen.stream and first is not None and first[0] != "error":
             headers = {TIER_HEADER: _tier(job, first), MISS_HEADER: header_value(_record(job, first)),
@@ -126,7 +126,7 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
                                      background=BackgroundTask(_run_all, later))
         last = first
         while last is not None and last[0] == "text":   # a whole answer: read past its pieces
-            last = await _next_event(job, gone)
+            last = await next_event(job, gone)
         if last is None:                       # the client left: the request was cancelled, its blocks freed
             metrics.answered(endpoint, 499)
             return Response(status_code=499)
@@ -238,21 +238,6 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
 
 
 # -- helpers ----------------------------------------------------------------------------------------
-async def _client_gone(request: Request) -> None:
-    """Returns when the client disconnects (its body is read: all that can arrive now is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _next_event(job: Job, gone: asyncio.Future):
-    """The job's next event, or None when the client disconnected first (the job is then cancelled)."""
-    waiter = asyncio.ensure_future(job.next_event())
-    done, _ = await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if waiter in done:
-        return waiter.result()
-    waiter.cancel()
-    job.cancel()
-    return None
 
 
 def _record(job: Job, first):

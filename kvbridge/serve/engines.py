@@ -70,6 +70,23 @@ class Job:
                              daemon=True).start()
 
 
+async def client_gone(request) -> None:
+    """Returns when the client disconnects (its body is read: all that can arrive now is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def next_event(job: Job, gone: asyncio.Future):
+    """The job's next event, or None when the client disconnected first (the job is then cancelled)."""
+    waiter = asyncio.ensure_future(job.next_event())
+    done, _ = await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if waiter in done:
+        return waiter.result()
+    waiter.cancel()
+    job.cancel()
+    return None
+
+
 class LiveState:
     """`engine.state()` for /health and /metrics without the event loop waiting on the engine: read on a
     worker thread, one read at a time; a read not back within `wait_s` answers the last state read

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvbridge.serve.engines import Job, ServeEngine
+from kvbridge.serve.engines import Job, ServeEngine, client_gone, next_event
 from kvbridge.serve.guards import as_api_error, read_json
 from kvbridge.serve.metrics import ServeMetrics
 from kvbridge.serve.misses import client_view
@@ -107,9 +107,9 @@ class OllamaApi:
             self.metrics.answered(endpoint, exc.status)
             return _error(exc)
         full = self.tenants.sees_everything(tenant)
-        gone = asyncio.ensure_future(_client_gone(request))
+        gone = asyncio.ensure_future(client_gone(request))
         try:
-            first = await _next_event(job, gone)
+            first = await next_event(job, gone)
         finally:
             gone.cancel()
         if first is None:
@@ -125,7 +125,7 @@ class OllamaApi:
             return StreamingResponse(_ndjson(events, job, later), media_type=NDJSON,
                                      background=BackgroundTask(_run_all, later))
         collector = asyncio.ensure_future(_collect(events, later))
-        gone = asyncio.ensure_future(_client_gone(request))
+        gone = asyncio.ensure_future(client_gone(request))
         try:
             done, _ = await asyncio.wait({collector, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -299,19 +299,3 @@ def _error(exc: ApiError) -> JSONResponse:
 def _run_all(calls: list) -> None:
     for call in calls:
         call()
-
-
-async def _client_gone(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _next_event(job: Job, gone: asyncio.Future):
-    """The job's next event, or None when the client disconnected first (the job is then cancelled)."""
-    waiter = asyncio.ensure_future(job.next_event())
-    done, _ = await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if waiter in done:
-        return waiter.result()
-    waiter.cancel()
-    job.cancel()
-    return None
