@@ -94,6 +94,9 @@ def test_a_verdict_round_trips_and_a_damaged_or_foreign_one_is_not_trusted(tmp_p
     assert (loaded.grid, loaded.min_rows, loaded.crosses_pieces, loaded.proven) == (4, 7, True, True)
     assert "verdict" in loaded.describe() and "m.gguf" in loaded.describe()
     assert cut_verdicts.load({**_key(), "threads": "1"}, folder=tmp_path) is None   # another key: not probed
+    # the same GGUF under another name (an Ollama blob, a copy) is the same model by its sha256
+    blob = cut_verdicts.load({**_key(), "model_file": "sha256-" + "ab" * 32}, folder=tmp_path)
+    assert blob is not None and blob.grid == 4 and "sha256-" in blob.describe()
     body = json.loads(path.read_text())
     body["rule"]["grid"] = 1                                                    # edited by hand: checksum fails
     path.write_text(json.dumps(body))

@@ -64,8 +64,17 @@ def verdict_key(settings, model_path: Path, record: Path = BUILD_RECORD) -> dict
     }
 
 
+# what the verdict's file name and its check leave out: the model file's name is shown, never compared (the same
+# GGUF as an Ollama blob, `sha256-...`, or as a copy under another name is the same model by its sha256)
+SHOWN_ONLY = ("model_file",)
+
+
+def _compared(key: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in key.items() if k not in SHOWN_ONLY}
+
+
 def key_digest(key: dict[str, str]) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return hashlib.sha256(json.dumps(_compared(key), sort_keys=True).encode()).hexdigest()[:24]
 
 
 def source_line(key: dict[str, str]) -> str:
@@ -108,7 +117,8 @@ def load(key: dict[str, str], folder: Path | None = None) -> CutRule | None:
     except (OSError, ValueError) as exc:
         log.warning("cut verdict %s is unreadable (%s); restores use the fixed grid of 8", path, exc)
         return None
-    if not isinstance(body, dict) or body.get("format") != FORMAT or body.get("key") != key:
+    if not isinstance(body, dict) or body.get("format") != FORMAT or not isinstance(body.get("key"), dict) \
+            or _compared(body["key"]) != _compared(key):
         log.warning("cut verdict %s is not a %s for this model and build; restores use the fixed grid of 8",
                     path, FORMAT)
         return None
