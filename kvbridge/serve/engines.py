@@ -125,7 +125,9 @@ class ServeEngine:
 
         self.settings = settings
         self.model_path: Path = model_path_for(settings)
-        self.model_id = self.model_path.stem
+        # -a/--alias (KVB_SERVE_MODEL_ALIAS): the first of its names, as llama-server shows its first alias
+        self.model_aliases = [name.strip() for name in settings.serve_model_alias.split(",") if name.strip()]
+        self.model_id = self.model_aliases[0] if self.model_aliases else self.model_path.stem
 
     def submit(self, gen: Generation, priority: int, job: Job, store_before_answer: bool = False) -> None:
         """Start the request; `store_before_answer` (a PD prefill leg, kvbridge.serve.pd): its answer comes only

@@ -19,6 +19,13 @@ was shown them (kvbridge.serve.misses). A miss its own salt's namespaces leave `
 another salt: that probe runs only after the answer has left (`finished` hands it back to run then), so the
 operator's count of that request's cause lands a moment after the answer, and the tenant's timing never
 includes it (issue 46).
+
+llama-server's names (`llamacpp:*`, its README's /metrics table) stand beside KVBridge's in the operator's view,
+fed from the same finished requests (LlamaCounts), so a Grafana panel made for llama-server keeps working:
+`prompt_tokens_total` counts the prompt tokens computed (llama-server leaves cached ones out: here, restored and
+shared ones), `prompt_seconds_total` the time from admission to the first token (restore, prefill and the first
+step), `tokens_predicted_total` and `tokens_predicted_seconds_total` the answer's tokens and the time after the
+first, `requests_processing` and `requests_deferred` the engine's running and waiting requests.
 """
 from __future__ import annotations
 
@@ -51,6 +58,52 @@ _LABELLED = {
     "misses": ("reason", "Finished requests that missed by tenant, by the cause the tenant was shown"),
     "miss_tokens": ("reason", "Prompt tokens computed because of a miss by tenant, by the cause the tenant was shown"),
 }
+
+
+@dataclass
+class LlamaCounts:
+    """llama-server's counters, as its /metrics names them (see the module docstring for what each counts here)."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    tokens_predicted: int = 0
+    tokens_predicted_seconds: float = 0.0
+    requests_processing: int = 0
+    requests_deferred: int = 0
+
+    def add(self, record) -> None:
+        self.prompt_tokens += max(0, record.prompt_tokens - record.matched_tokens)
+        self.prompt_seconds += max(0.0, record.ttft_ms - record.queue_ms) / 1e3
+        self.tokens_predicted += record.gen_tokens
+        self.tokens_predicted_seconds += max(0.0, record.total_ms - record.ttft_ms) / 1e3
+
+
+class _LlamaSeries:
+    """llama-server's families (`llamacpp:*`), read off LlamaCounts at render time."""
+
+    def __init__(self, counts: LlamaCounts, lock: threading.Lock) -> None:
+        self._counts, self._lock = counts, lock
+
+    def collect(self):
+        with self._lock:
+            c = LlamaCounts(**asdict(self._counts))
+        for name, value, doc in (
+                ("prompt_tokens", c.prompt_tokens, "Number of prompt tokens processed."),
+                ("prompt_seconds", c.prompt_seconds, "Prompt process time"),
+                ("tokens_predicted", c.tokens_predicted, "Number of generation tokens processed."),
+                ("tokens_predicted_seconds", c.tokens_predicted_seconds, "Predict process time")):
+            family = CounterMetricFamily(f"llamacpp:{name}", doc)   # the family adds llama-server's _total
+            family.add_metric([], value)
+            yield family
+        for name, value, doc in (
+                ("prompt_tokens_seconds", c.prompt_tokens / c.prompt_seconds if c.prompt_seconds else 0.0,
+                 "Average prompt throughput in tokens/s."),
+                ("predicted_tokens_seconds",
+                 c.tokens_predicted / c.tokens_predicted_seconds if c.tokens_predicted_seconds else 0.0,
+                 "Average generation throughput in tokens/s."),
+                ("requests_processing", c.requests_processing, "Number of requests processing."),
+                ("requests_deferred", c.requests_deferred, "Number of requests deferred.")):
+            yield GaugeMetricFamily(f"llamacpp:{name}", doc, value=value)
 
 
 @dataclass
@@ -97,6 +150,8 @@ class ServeMetrics:
         self._tenants: OrderedDict[str, TenantCounts] = OrderedDict()   # least recently served first
         self._groups: dict[str, str] = {}   # tenant -> its cache group's salt (group_of), for bytes held
         self._lock = threading.Lock()       # the GUI's lab reads tenant_usage from its own thread
+        self.llama = LlamaCounts()          # llama-server's names for the same requests (operator's view only)
+        r.register(_LlamaSeries(self.llama, self._lock))
 
     def answered(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -127,6 +182,7 @@ class ServeMetrics:
             if shown_reason:
                 counts.misses[shown_reason] = counts.misses.get(shown_reason, 0) + 1
                 counts.miss_tokens[shown_reason] = counts.miss_tokens.get(shown_reason, 0) + missed
+            self.llama.add(record)
         self.prompt_tokens.inc(record.prompt_tokens)
         self.cached_tokens.inc(record.matched_tokens)
         self.completion_tokens.inc(record.gen_tokens)
@@ -157,6 +213,9 @@ class ServeMetrics:
         are what the app read off the engine (a thread's work, not this one's)."""
         for name, value in engine_state.items():
             self._state_gauge.labels(name).set(value)
+        with self._lock:
+            self.llama.requests_processing = engine_state.get("running", 0)
+            self.llama.requests_deferred = engine_state.get("waiting", 0)
         with self._lock:
             tenants = list(self._tenants)
         return self._text(self.registry, tenants, held, with_bytes=True), CONTENT_TYPE_LATEST

@@ -7,9 +7,15 @@ the fleet under it (its KV-event publisher, when KVB_KV_EVENTS_URL is set) befor
 to KVB_SERVE_DRAIN_TIMEOUT seconds, then close the engine (unfinished requests fail, their KV blocks
 freed) and exit 0. `BackgroundServe` runs the same app beside the GUI (`gui --serve`). Both refuse
 to listen beyond loopback without a key (`run` before the model loads).
+
+While the model loads, `run` already holds its socket and answers every request there as llama-server does then:
+503 `{"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}` (LoadingAnswer), so a
+health check that polls /health or /v1/health sees "loading", not "refused". It says nothing else (no key is
+asked for: the answer shows nothing), and it stops before uvicorn takes the socket.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -22,10 +28,11 @@ import uvicorn
 from kvbridge.errors import BadSettings
 from kvbridge.serve.app import build_app
 from kvbridge.serve.engines import ServeEngine, make_serve_engine
-from kvbridge.serve.tenants import TenantTable
+from kvbridge.serve.tenants import DEFAULT, TenantTable, key_digest
 from kvbridge.serve.worker import instance_id_for
 from kvbridge.settings import Settings
 from kvbridge.settings.checks import open_serve_problem
+from kvbridge.settings.flags import LLAMA_API_KEY
 from kvbridge.settings.secrets import secret_from, secret_from_file
 
 log = logging.getLogger(__name__)
@@ -81,14 +88,32 @@ class _Server(uvicorn.Server):
         return self.config.port
 
 
+def api_keys_from(settings: Settings, environ=os.environ) -> list[str]:
+    """serve's keys: api_key_from's one, or, read from llama-server's LLAMA_API_KEY (serve's drop-in reading,
+    kvbridge.settings.flags), its comma-separated keys, as llama-server splits them: any of them is the `default`
+    tenant's (llama-server has no tenants: one cache for every key). BadSettings when LLAMA_API_KEY holds none."""
+    key = api_key_from(settings, environ)
+    if settings.serve_api_key_env != LLAMA_API_KEY:
+        return [key] if key else []
+    keys = [part.strip() for part in key.split(",") if part.strip()]
+    if not keys:
+        raise BadSettings(f"{LLAMA_API_KEY} is set but holds no key (comma-separated keys, as llama-server reads it); "
+                          "set a key in it or unset it to need none")
+    return keys
+
+
 def tenants_from(settings: Settings, environ=os.environ) -> TenantTable:
     """Who may call and as which tenant: the tenants file (plus the single key as `default`), the single
-    key alone, or no key asked for (every caller is `default`); plus the operator's and the router's keys, if set."""
-    key = api_key_from(settings, environ)
+    key alone (or LLAMA_API_KEY's keys), or no key asked for (every caller is `default`); plus the operator's and the
+    router's keys, if set."""
+    keys = api_keys_from(settings, environ)
     if settings.serve_tenants_file:
-        table = TenantTable.load(settings.serve_tenants_file, key)
+        if len(keys) > 1:
+            raise BadSettings(f"{LLAMA_API_KEY} holds {len(keys)} keys and KVB_SERVE_TENANTS_FILE names tenants: give "
+                              f"each key its own tenant in the file and keep one key (or none) in {LLAMA_API_KEY}")
+        table = TenantTable.load(settings.serve_tenants_file, keys[0] if keys else "")
     else:
-        table = TenantTable.single(key) if key else TenantTable.open()
+        table = TenantTable([(key_digest(key), DEFAULT) for key in keys]) if keys else TenantTable.open()
     return table.with_operator(admin_key_from(settings, environ)).with_router(router_key_from(settings, environ))
 
 
@@ -114,13 +139,6 @@ def cannot_bind(host: str, port: int) -> str:
             "(--port / KVB_SERVE_PORT, --host / KVB_SERVE_HOST).")
 
 
-def check_port(host: str, port: int) -> None:
-    """Refuse a port another process holds before the model loads (BadSettings naming the settings), not
-    once it has loaded (the real socket is bound after)."""
-    if port != 0:
-        listen_socket(host, port).close()
-
-
 def listen_socket(host: str, port: int) -> socket.socket:
     """The server's socket, bound (port 0: a free one); BadSettings naming the settings when it cannot be."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -134,10 +152,60 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _bound_app(settings: Settings, engine: ServeEngine, host: str, port: int, tenants: TenantTable):
-    """(socket, app): the socket bound first, so the instance id names the real port; the engine joins the
-    fleet under that id (a closed socket when that fails)."""
-    sock = listen_socket(host, port)
+LOADING = json.dumps({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}).encode()
+
+
+class LoadingAnswer:
+    """llama-server's 503 "Loading model" to every request on the bound socket while the engine loads, one
+    connection at a time (a thread, stopped before uvicorn takes the socket; connections waiting then are
+    uvicorn's). A request whose head does not arrive within a second is dropped."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.listen(128)
+        self._sock = sock
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kvbridge-loading", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        self._sock.settimeout(0.1)   # so stop() is seen within a tenth of a second
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:   # the socket closed under it (serve stopped while loading)
+                return
+            with conn:
+                self._answer(conn)
+
+    @staticmethod
+    def _answer(conn: socket.socket) -> None:
+        conn.settimeout(1.0)
+        head = b""
+        try:
+            while b"\r\n\r\n" not in head and len(head) < 65536:
+                piece = conn.recv(4096)
+                if not piece:
+                    return
+                head += piece
+            conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\nRetry-After: 1\r\nConnection: close\r\n\r\n" % len(LOADING)
+                         + LOADING)
+        except OSError:   # the client went away or was too slow: nothing to answer
+            return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sock.settimeout(None)
+
+
+def _bound_app(settings: Settings, engine: ServeEngine, host: str, port: int, tenants: TenantTable,
+               sock: socket.socket | None = None):
+    """(socket, app): the socket bound first (or `sock`, bound already), so the instance id names the real port;
+    the engine joins the fleet under that id (a closed socket when that fails)."""
+    sock = sock or listen_socket(host, port)
     try:
         instance_id = instance_id_for(settings, host, sock.getsockname()[1])
         engine.join_fleet(instance_id)
@@ -145,6 +213,16 @@ def _bound_app(settings: Settings, engine: ServeEngine, host: str, port: int, te
     except BaseException:
         sock.close()
         raise
+
+
+def kv_budget_line(settings: Settings, engine_key: str) -> str:
+    """One line when a request's context (-c, KVB_CTX_SIZE) is larger than the KV every request shares
+    (KVB_SCHED_KV_CELLS): the scheduler would refuse every prompt past the budget, so say it at start."""
+    if engine_key != "scheduler" or settings.ctx_size <= settings.sched_kv_cells:
+        return ""
+    return (f"note: a request may use {settings.ctx_size} tokens (-c, KVB_CTX_SIZE) but every request together has "
+            f"{settings.sched_kv_cells} KV cells (KVB_SCHED_KV_CELLS): a prompt and answer over "
+            f"{settings.sched_kv_cells} tokens can never run; raise KVB_SCHED_KV_CELLS or lower -c")
 
 
 def exact_line(engine: ServeEngine) -> str:
@@ -161,18 +239,28 @@ def run(settings: Settings, host: str | None = None, port: int | None = None, en
     host = host or settings.serve_host
     port = settings.serve_port if port is None else port
     check_exposure(settings, host)
-    check_port(host, port)
     tenants = tenants_from(settings)
     for sig in (signal.SIGTERM, signal.SIGINT):   # while the model loads: stop at once
         signal.signal(sig, lambda signum, frame: sys.exit(0))
     print(f"loading the {engine_key or settings.serve_engine} engine: {model_label(settings)}, context "
           f"{settings.ctx_size} tokens a request (-c), {settings.sched_max_running} at once (-np)…", flush=True)
-    engine = make_serve_engine(settings, engine_key)
+    too_small = kv_budget_line(settings, engine_key or settings.serve_engine)
+    if too_small:
+        print(too_small, file=sys.stderr, flush=True)
+    sock = listen_socket(host, port)   # held from now on: a port another process holds is refused before the load
+    loading = LoadingAnswer(sock)
+    try:
+        engine = make_serve_engine(settings, engine_key)
+    except BaseException:
+        loading.stop()
+        sock.close()
+        raise
+    loading.stop()
     print(exact_line(engine), flush=True)
     try:
         try:
-            sock, app = _bound_app(settings, engine, host, port, tenants)
-        except BadSettings as exc:   # the port was taken since check_port looked, or the publisher's was
+            sock, app = _bound_app(settings, engine, host, port, tenants, sock)
+        except BadSettings as exc:   # the KV-event publisher's port was taken
             print(exc, file=sys.stderr)
             return 2
         server = _Server(_config(app, settings, host, port),
