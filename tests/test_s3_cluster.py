@@ -63,7 +63,10 @@ def test_a_volume_server_killed_restores_come_from_the_other_copy_or_are_counted
             assert warm["tier"] in ("S3", "L1", "L2") and warm["restore_ok"] is True, warm
         else:
             assert warm["miss_reason"] in ("tier_down", "none_stored"), warm
-        assert warm["wall_s"] < cold["wall_s"] + TIMEOUT_S + 1.5, (warm["wall_s"], cold["wall_s"])
+        # what the store cost the request (asking S3, reading the objects): at most one timeout. Not the
+        # wall time: on 2 shared cores a prefill or a decode swings by seconds between neighbouring requests
+        store_ms = warm["lookup_ms"] + warm["fetch_ms"]
+        assert store_ms < TIMEOUT_S * 1e3 + 1000, (store_ms, warm["wall_s"], cold["wall_s"])
     # B's first question reads before B writes anything: the surviving copy answers it
     assert warm_1["tier"] == "S3" and warm_1["restore_ok"] is True
     assert warm_1["matched_tokens"] >= warm_1["prompt_tokens"] // 2
