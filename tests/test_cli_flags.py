@@ -67,7 +67,7 @@ def test_serve_m_runs_from_an_empty_folder_with_nothing_else_set(tmp_path):
         code = proc.wait(timeout=60)
     said = log_path.read_text()
     assert code == 0 and "serve stopped." in said, said
-    assert f"{home}/models/x.gguf, context 4096 tokens a request" in said   # -m expanded, -c taken
+    assert f"{home}/models/x.gguf, context 4096 tokens a request of 4096 shared (-c)" in said   # -m expanded, -c taken
     assert (home / ".cache" / "kvbridge" / "l2").is_dir() and not os.listdir(empty)   # L2 under HOME, cwd untouched
 
 
@@ -117,7 +117,8 @@ def test_a_flag_wins_over_the_environment_and_the_env_file(tmp_path, monkeypatch
 
     s = flag_settings("serve", "-m", "model.gguf", "-c", "4096", "-t", "3", "-np", "2", "--host", "127.0.0.2",
                       "--port", "8081", "-ctk", "f32", "-ctv", "f32")
-    assert (s.model_path, s.ctx_size, s.threads, s.sched_max_running) == (str(tmp_path / "model.gguf"), 4096, 3, 2)
+    assert (s.model_path, s.ctx_size, s.threads, s.sched_max_running) == (str(tmp_path / "model.gguf"), 2048, 3, 2)
+    assert s.sched_kv_cells == 4096   # -c is the KV shared, split across the -np slots given (llama-server's -c)
     assert (s.serve_host, s.serve_port, s.cache_type_k, s.cache_type_v) == ("127.0.0.2", 8081, "f32", "f32")
     assert s.ollama_model == "" and s.threads == 3   # serve's -m names the model, not KVB_OLLAMA_MODEL
     assert flag_settings("serve").serve_port == 9000 and flag_settings("serve").ctx_size == 2048   # no flag: env
@@ -299,7 +300,7 @@ def test_serve_runs_from_llama_servers_variables_and_its_command_line(tmp_path):
         code = proc.wait(timeout=60)
     said = log_path.read_text()
     assert code == 0, said
-    assert f"{EMBEDDED_MODEL_PATH}, context 2048 tokens a request" in said   # LLAMA_ARG_MODEL and _CTX_SIZE taken
+    assert f"{EMBEDDED_MODEL_PATH}, context 2048 tokens a request of 2048 shared" in said   # LLAMA_ARG_MODEL, _CTX_SIZE
     for line in ("--jinja is accepted and ignored", "--metrics is accepted and ignored",
                  "LLAMA_ARG_N_GPU_LAYERS is set and ignored"):
         assert line in said, line
@@ -359,3 +360,23 @@ def test_version_prints_kvbridges_and_llama_cpps_and_exits_0():
                           timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("kvbridge ") and f"llama-cpp-python {llama_cpp.__version__}" in done.stdout
+
+
+def test_c_is_llama_servers_shared_context_split_only_when_np_is_given(monkeypatch, capsys):
+    from kvbridge.backends.gguf_vocab import GGUFVocab
+
+    monkeypatch.setenv("KVB_SCHED_KV_CELLS", "8192")
+    s = flag_settings("serve", "-c", "16384")
+    assert (s.sched_kv_cells, s.ctx_size) == (16384, 16384)   # no -np: one request may use it all
+    s = flag_settings("serve", "-c", "8192", "-np", "4")
+    assert (s.sched_kv_cells, s.ctx_size, s.sched_max_running) == (8192, 2048, 4)   # -np given: split
+    assert flag_settings("gui", "-c", "4096").sched_kv_cells == 4096                  # the GUI's scheduler alike
+    assert flag_settings("namespace", "-c", "4096").sched_kv_cells == 8192            # elsewhere: a request's only
+    s = flag_settings("serve", "-m", str(EMBEDDED_MODEL_PATH), "-c", "0")
+    meta = GGUFVocab(EMBEDDED_MODEL_PATH).metadata
+    trained = int(meta[f"{meta['general.architecture']}.context_length"])
+    assert (s.sched_kv_cells, s.ctx_size) == (trained, trained) and trained > 0
+    assert f"-c 0 is the model's trained context, {trained} tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as too_small:
+        flag_settings("serve", "-c", "100")
+    assert "KVB_SCHED_KV_CELLS=100 is too small" in str(too_small.value) and "-c 100" in str(too_small.value)

@@ -8,8 +8,8 @@ import os
 import sys
 
 from kvbridge.settings import Settings
-from kvbridge.settings.flags import (argparse_type, batches_for, blame, flags_for, from_llama_env, help_text,
-                                     ignored_for, ignored_lines, overrides)
+from kvbridge.settings.flags import (SHARED_CONTEXT, argparse_type, batches_for, blame, flags_for, from_llama_env,
+                                     help_text, ignored_for, ignored_lines, overrides)
 
 
 def checked(settings: Settings) -> Settings:
@@ -49,6 +49,10 @@ def settings_with_flags(command: str, args, *, leave_out: tuple[str, ...] = (), 
     settings = Settings.from_env()
     given = from_llama_env(command, vars(args), os.environ)   # serve: LLAMA_ARG_* where no flag was given
     given = {name: value for name, value in given.items() if name not in leave_out}
+    if command in SHARED_CONTEXT and given.get("ctx_size") == 0:   # -c 0: the model's own, as llama-server's
+        given["ctx_size"] = trained_context(settings.replace(**overrides(command, {**given, "ctx_size": None},
+                                                                         settings)))
+        print(f"kvbridge {command}: -c 0 is the model's trained context, {given['ctx_size']} tokens", file=sys.stderr)
     for line in ignored_lines(command, given, os.environ):
         print(f"kvbridge {command}: {line}", file=sys.stderr)
     settings = settings.replace(**overrides(command, given, settings))
@@ -56,6 +60,26 @@ def settings_with_flags(command: str, args, *, leave_out: tuple[str, ...] = (), 
     if flagged or (strict and others):
         raise SystemExit("Settings need attention:\n  - " + "\n  - ".join(flagged + others))
     return settings
+
+
+def trained_context(settings: Settings) -> int:
+    """The context the model was trained on (its GGUF's <architecture>.context_length), for -c 0; SystemExit
+    naming -c when the model cannot be read or does not say."""
+    from kvbridge.backends.gguf_vocab import GGUFVocab
+    from kvbridge.backends.llama_cpp_model import model_path_for
+    from kvbridge.errors import KVBridgeError
+
+    try:
+        path = model_path_for(settings)
+        meta = GGUFVocab(path).metadata
+    except KVBridgeError as exc:
+        raise SystemExit(f"Settings need attention:\n  - -c 0 asks for the model's trained context, but the model "
+                         f"cannot be read: {exc}") from None
+    value = meta.get(f"{meta.get('general.architecture', '')}.context_length", "")
+    if not str(value).isdigit() or int(value) <= 0:
+        raise SystemExit(f"Settings need attention:\n  - -c 0 asks for the model's trained context, and {path.name} "
+                         "does not say it (no <architecture>.context_length): give -c N")
+    return int(value)
 
 
 def settings_for_model(command: str, args) -> Settings:

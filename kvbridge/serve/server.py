@@ -243,7 +243,8 @@ def run(settings: Settings, host: str | None = None, port: int | None = None, en
     for sig in (signal.SIGTERM, signal.SIGINT):   # while the model loads: stop at once
         signal.signal(sig, lambda signum, frame: sys.exit(0))
     print(f"loading the {engine_key or settings.serve_engine} engine: {model_label(settings)}, context "
-          f"{settings.ctx_size} tokens a request (-c), {settings.sched_max_running} at once (-np)…", flush=True)
+          f"{settings.ctx_size} tokens a request of {settings.sched_kv_cells} shared (-c), "
+          f"{settings.sched_max_running} at once (-np)…", flush=True)
     too_small = kv_budget_line(settings, engine_key or settings.serve_engine)
     if too_small:
         print(too_small, file=sys.stderr, flush=True)

@@ -11,8 +11,12 @@ Decisions, where llama-server's meaning needed one here:
 - `-m` takes a GGUF path (KVB_MODEL_PATH, made absolute); an embedded model's name (`-m smollm2-135m`) with no
   file of that name selects that model instead (KVB_MODEL, and KVB_MODEL_PATH emptied). In `serve`, whose
   engines are all llama.cpp, `-m` also sets aside KVB_OLLAMA_MODEL (which else comes before KVB_MODEL).
-- `-c` is the most one request may use (KVB_CTX_SIZE), as a llama-server slot's context; the scheduler's
-  shared KV budget stays KVB_SCHED_KV_CELLS.
+- `-c N` in serve and gui means what llama-server's does: the KV every request shares, N cells
+  (KVB_SCHED_KV_CELLS), and what one request may use (KVB_CTX_SIZE): all N, or N split across the slots when `-np`
+  is given (llama-server splits only then; context_changes). `-c 0` is the model's trained context, read from the
+  GGUF by kvbridge.cli.common (the settings layer reads no model). Elsewhere `-c` is KVB_CTX_SIZE alone, and
+  KVB_CTX_SIZE/KVB_SCHED_KV_CELLS set by variables keep their own meanings (serve says at start when a request
+  could use more than every request shares).
 - `-np` is the number of sequences decoding at once: the scheduler's KVB_SCHED_MAX_RUNNING (in `gui`, the
   lab tab's scheduler and `gui --serve`'s).
 - `explain`, `namespace`, `bench` and `demo` take serve's model, K/V, context and thread flags (and `explain`
@@ -94,8 +98,9 @@ FLAGS: tuple[Flag, ...] = (
          "KVB_MODEL instead", kind="path", unset=f"the embedded model KVB_MODEL names, {DEFAULT_MODEL}",
          env="LLAMA_ARG_MODEL"),
     Flag(("-c", "--ctx-size"), _model("ctx_size"), "N",
-         "context size: the most tokens one request may use, prompt and answer together", kind="int",
-         env="LLAMA_ARG_CTX_SIZE"),
+         "context size, as llama-server's: the KV every request shares (also KVB_SCHED_KV_CELLS in serve and gui), "
+         "all of it one request's, or split across the slots when -np is given; 0: the model's trained context",
+         kind="int", env="LLAMA_ARG_CTX_SIZE"),
     Flag(("-t", "--threads"), _model("threads"), "N", "CPU threads for the model; 0: every core",
          kind="int", env="LLAMA_ARG_THREADS"),
     Flag(("-np", "--parallel"), {SERVE: "sched_max_running", GUI: "sched_max_running"}, "N",
@@ -350,6 +355,8 @@ def overrides(command: str, given: Mapping[str, object], settings: Settings) -> 
             continue
         if flag.dest == "model":
             changes.update(model_changes(command, str(value)))
+        elif flag.dest == "ctx_size" and command in SHARED_CONTEXT:
+            changes.update(context_changes(int(value), given.get("parallel")))
         elif flag.dest == "alias":
             changes[field] = ",".join(name.strip() for name in str(value).split(",") if name.strip())
         elif flag.kind == "path":
@@ -361,6 +368,17 @@ def overrides(command: str, given: Mapping[str, object], settings: Settings) -> 
     if command == CACHE_SERVER and (given.get("host") is not None or given.get("port") is not None):
         changes["cache_server_url"] = tcp_url(settings.cache_server_url, given.get("host"), given.get("port"))
     return changes
+
+
+SHARED_CONTEXT = (SERVE, GUI)   # the commands whose -c is llama-server's: the KV shared by every request
+
+
+def context_changes(n_ctx: int, parallel: object) -> dict[str, object]:
+    """-c N as llama-server reads it: N KV cells shared by every request (KVB_SCHED_KV_CELLS), each request's most
+    all N (KVB_CTX_SIZE), or N split across the slots when -np is given. N is the model's trained context for
+    -c 0, resolved before this (kvbridge.cli.common)."""
+    slots = int(parallel) if isinstance(parallel, int) and parallel > 0 else 1
+    return {"sched_kv_cells": n_ctx, "ctx_size": n_ctx // slots}
 
 
 def model_changes(command: str, text: str) -> dict[str, object]:
@@ -405,6 +423,8 @@ def blame(command: str, given: Mapping[str, object], problems: list[str]) -> tup
         value = given.get(flag.dest)
         if value is not None:
             fields = ("model_path", "model") if flag.dest == "model" else (flag.fields[command],)
+            if flag.dest == "ctx_size" and command in SHARED_CONTEXT:
+                fields = ("ctx_size", "sched_kv_cells")
             named.append((f"{flag.spellings[0]} {shown(flag.spellings[-1], value)}", [env_name(f) for f in fields]))
     flagged, others = [], []
     for problem in problems:
