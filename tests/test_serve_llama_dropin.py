@@ -71,7 +71,7 @@ def test_serve_as_llama_server_starts_it(tmp_path):
             assert done.status_code == 200, done.text
             assert done.json()["model"] == "my-model" and done.json()["usage"]["completion_tokens"] >= 1
         models = requests.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=30).json()
-        assert [m["id"] for m in models["data"]] == ["my-model"]
+        assert [(m["id"], m["aliases"]) for m in models["data"]] == [("my-model", ["my-model", "gpt-4o-mini"])]
 
         text = requests.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).text
         predicted = metric(text, "llamacpp:tokens_predicted_total")

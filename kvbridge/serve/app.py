@@ -178,7 +178,7 @@ def build_app(settings: Settings, engine: ServeEngine, api_key: str = "", host: 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
             {"id": engine.model_id, "object": "model", "created": int(engine.model_path.stat().st_mtime),
-             "owned_by": "kvbridge"}]})
+             "owned_by": "kvbridge", "aliases": engine.model_aliases}]})   # -a's names, as llama-server lists them
 
     def caller(request: Request) -> Tenant:
         return getattr(request.state, "tenant", DEFAULT)
