@@ -191,7 +191,15 @@ def test_the_key_file_must_be_yours_alone_nonempty_and_not_beside_the_variable(t
     with pytest.raises(BadSettings, match="is empty"):
         api_key_from(Settings(serve_api_key_file=str(empty)), {})
     with pytest.raises(BadSettings, match="more than one word"):
-        api_key_from(Settings(serve_api_key_file=str(key_file(tmp_path, text=f"{KEY}\nsecond\n"))), {})
+        api_key_from(Settings(serve_api_key_file=str(key_file(tmp_path, text=f"{KEY} second\n"))), {})
+    from kvbridge.serve.server import tenants_from   # llama-server's file: a key a line, `#` lines comments
+
+    several = Settings(serve_api_key_file=str(key_file(tmp_path, text=f"# ours\n{KEY}\n\n  second-key-0123 \n")))
+    table = tenants_from(several, {})
+    assert [table.resolve(k.encode()).name for k in (KEY, "second-key-0123")] == ["default", "default"]
+    assert table.resolve(b"# ours") is None and table.resolve(b"ours") is None
+    with pytest.raises(BadSettings, match="is empty"):
+        api_key_from(Settings(serve_api_key_file=str(key_file(tmp_path, text="# only a comment\n"))), {})
     with pytest.raises(SystemExit, match="does not exist"):
         flag_settings("serve", "--api-key-file", str(tmp_path / "absent.key"))
 

@@ -45,8 +45,8 @@ def api_key_from(settings: Settings, environ=os.environ) -> str:
     if settings.serve_api_key_file and settings.serve_api_key_env:
         raise BadSettings("KVB_SERVE_API_KEY_FILE (--api-key-file) and KVB_SERVE_API_KEY_ENV both name serve's key; "
                           "keep one of them")
-    if settings.serve_api_key_file:
-        return secret_from_file("KVB_SERVE_API_KEY_FILE (--api-key-file)", settings.serve_api_key_file)
+    if settings.serve_api_key_file:   # llama-server's format: a key a line, `#` lines comments (api_keys_from)
+        return secret_from_file("KVB_SERVE_API_KEY_FILE (--api-key-file)", settings.serve_api_key_file, per_line=True)
     return secret_from("KVB_SERVE_API_KEY_ENV", settings.serve_api_key_env, environ,
                        unset_hint="leave KVB_SERVE_API_KEY_ENV empty to need no key")
 
@@ -89,10 +89,13 @@ class _Server(uvicorn.Server):
 
 
 def api_keys_from(settings: Settings, environ=os.environ) -> list[str]:
-    """serve's keys: api_key_from's one, or, read from llama-server's LLAMA_API_KEY (serve's drop-in reading,
-    kvbridge.settings.flags), its comma-separated keys, as llama-server splits them: any of them is the `default`
-    tenant's (llama-server has no tenants: one cache for every key). BadSettings when LLAMA_API_KEY holds none."""
+    """serve's keys: the key file's, one a line (llama-server's --api-key-file), KVB_SERVE_API_KEY_ENV's one, or,
+    read from llama-server's LLAMA_API_KEY (serve's drop-in reading, kvbridge.settings.flags), its comma-separated
+    keys, as llama-server splits them: any of them is the `default` tenant's (llama-server has no tenants: one cache
+    for every key). BadSettings when LLAMA_API_KEY holds none."""
     key = api_key_from(settings, environ)
+    if settings.serve_api_key_file:
+        return key.splitlines()
     if settings.serve_api_key_env != LLAMA_API_KEY:
         return [key] if key else []
     keys = [part.strip() for part in key.split(",") if part.strip()]
@@ -109,8 +112,9 @@ def tenants_from(settings: Settings, environ=os.environ) -> TenantTable:
     keys = api_keys_from(settings, environ)
     if settings.serve_tenants_file:
         if len(keys) > 1:
-            raise BadSettings(f"{LLAMA_API_KEY} holds {len(keys)} keys and KVB_SERVE_TENANTS_FILE names tenants: give "
-                              f"each key its own tenant in the file and keep one key (or none) in {LLAMA_API_KEY}")
+            where = "KVB_SERVE_API_KEY_FILE (--api-key-file)" if settings.serve_api_key_file else LLAMA_API_KEY
+            raise BadSettings(f"{where} holds {len(keys)} keys and KVB_SERVE_TENANTS_FILE names tenants: give each "
+                              f"key its own tenant in the file and keep one key (or none) in {where}")
         table = TenantTable.load(settings.serve_tenants_file, keys[0] if keys else "")
     else:
         table = TenantTable([(key_digest(key), DEFAULT) for key in keys]) if keys else TenantTable.open()

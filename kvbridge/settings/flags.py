@@ -123,8 +123,8 @@ FLAGS: tuple[Flag, ...] = (
          "the model's names in the API, comma-separated: the first is the id /v1/models and every answer show",
          unset="the model file's name", env="LLAMA_ARG_ALIAS"),
     Flag(("--api-key-file",), {SERVE: "serve_api_key_file"}, "PATH",
-         "a file you own, readable by you alone (chmod 600), holding the bearer token clients must send; "
-         "read once at start, never shown; not with KVB_SERVE_API_KEY_ENV", kind="path", unset="no key"),
+         "a file you own, readable by you alone (chmod 600), holding the bearer tokens clients may send, one a line "
+         "(# lines are comments), as llama-server's; read once at start, never shown; not with KVB_SERVE_API_KEY_ENV", kind="path", unset="no key"),
     Flag(("--exact",), _model("sched_exact", mode=True), "",
          "every answer equals the same request run alone, however many run at once (KVBridge's own; off by itself, "
          "said at start, with KVB_FLASH_ATTN=true or a recurrent model); --no-exact turns it off", kind="switch"),

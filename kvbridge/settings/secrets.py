@@ -92,10 +92,11 @@ def key_file_problem(setting: str, path: str) -> str | None:
     return _status_problem(setting, path, status)
 
 
-def secret_from_file(setting: str, path: str) -> str:
+def secret_from_file(setting: str, path: str, *, per_line: bool = False) -> str:
     """The key in the file `setting` names: checked as key_file_problem() does on the open file, read once,
     surrounding whitespace stripped. BadSettings naming the setting and the file (never the key) when the file
-    is unusable, empty, or holds more than one word."""
+    is unusable, empty, or holds more than one word. `per_line`: llama-server's --api-key-file, a key a line and
+    `#` lines comments: the keys, one a line (a line of more than one word is still refused)."""
     try:
         fd = os.open(Path(path).expanduser(), os.O_RDONLY | os.O_NONBLOCK)   # a FIFO must not hang the start
     except OSError as error:
@@ -110,8 +111,12 @@ def secret_from_file(setting: str, path: str) -> str:
         key = data.decode("utf-8").strip()
     except UnicodeDecodeError:
         raise BadSettings(f"{setting}={path} is not text; write the key into it as one line") from None
+    if per_line:
+        key = "\n".join(line.strip() for line in key.splitlines() if line.strip() and not line.lstrip().startswith("#"))
     if not key:
         raise BadSettings(f"{setting}={path} is empty; write the key clients must send into it (one line)")
+    if per_line and all(len(line.split()) == 1 for line in key.splitlines()):
+        return key
     if len(key.split()) != 1:
         raise BadSettings(f"{setting}={path} holds more than one word or line; a key file holds the key alone")
     return key
