@@ -448,13 +448,14 @@ def llama_server_table() -> str:
     for batch in BATCHES:
         rows.append(f"| `{', '.join(batch.spellings)}` | accepted at KVBridge's size, else refused: the {batch.what} "
                     f"{batch.why()} | `{batch.env}` |")
-    rows.append(f"| `--api-key` | refused (see below); its variable `{LLAMA_API_KEY}` is read as llama-server reads "
-                "it: comma-separated keys, any of which a client may send as `Authorization: Bearer KEY`, all the "
-                "`default` tenant's; only the variable's name is kept (as `KVB_SERVE_API_KEY_ENV`) | "
-                f"`{LLAMA_API_KEY}` |")
     for ignored in IGNORED:
         rows.append(f"| `{', '.join(ignored.spellings)}` | accepted and ignored, said at start: {ignored.why} | "
                     f"{f'`{ignored.env}` (ignored)' if ignored.env else '—'} |")
     for spelling, why in REFUSED.items():
-        rows.append(f"| `{spelling}` | refused: {why} | — |")
+        variable = "—"
+        if spelling == "--api-key":   # the flag is refused, its variable read: it is never seen by other accounts
+            variable = (f"`{LLAMA_API_KEY}`, read as llama-server reads it: comma-separated keys, any of which a "
+                        "client may send as `Authorization: Bearer KEY`, each the `default` tenant's; only the "
+                        "variable's name is kept (as `KVB_SERVE_API_KEY_ENV`)")
+        rows.append(f"| `{spelling}` | refused: {why} | {variable} |")
     return "\n".join(rows)
