@@ -4,8 +4,9 @@ early layer ranks the tokens that deviate most at the last layer (CacheBlend's p
     python -m kvbridge.bench.probes.blend_deviation_probe                  # 6 prompts of 4 passages
     python -m kvbridge.bench.probes.blend_deviation_probe --prompts 12 --passages 6
 
-Place in the flow: the RAG corpus (kvbridge.bench.rag) -> per prompt: its segments stored when not
-stored yet (each computed after the instruction alone, as blend stores it) ->, in the blend runner's context: **cold** (every token decoded; its
+Place in the flow: the RAG corpus (kvbridge.bench.rag) -> per prompt: its segments stored when not stored
+yet (each computed after the instruction alone, as blend stores it) -> in the blend runner's context:
+**cold** (every token decoded; its
 sequence state read with kvbridge.formats.llama_state) and **blended** (BlendRunner.place with nothing
 recomputed, the question decoded after it so llama.cpp applies the K shift, the state read the same
 way) -> per reused token (passages after the first; the instruction and the first passage stand where
