@@ -13,6 +13,11 @@ one holding the answer and others drawn at random - in a random order, then the 
 the engine's blend separator, so every mode runs the same token ids and each passage keeps its ids
 wherever it stands.
 
+A second corpus of the same shape, the patient and staff handbook of an invented small-town clinic
+(kvbridge/data/rag_corpus_clinic.json), is picked by its name in CORPORA (`bench --scenario rag
+--corpus clinic`); a path to a file of the same schema works too. load_corpus refuses a corpus in
+which a question's answer is missing from its passage's text or stands in another passage as well.
+
 Order of a run: a warm-up in which every passage is seen once (prompts of `passages` passages each,
 run in lmcache and in blend mode, so both the exact store and the passage store have seen them),
 then each mode over the same measured prompts. A measured prompt shares with the warm-up and with
@@ -28,10 +33,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from kvbridge.bench.common.report import holds_fact
 from kvbridge.engine.records import RequestRecord
 from kvbridge.errors import BadSettings
 
 CORPUS_PATH = Path(__file__).resolve().parents[1] / "data" / "rag_corpus.json"
+CORPORA = {   # name -> file: the corpora `bench --scenario rag --corpus NAME` knows
+    "railway": CORPUS_PATH,
+    "clinic": CORPUS_PATH.with_name("rag_corpus_clinic.json"),
+}
+DEFAULT_CORPUS = "railway"
 CORPUS_SCHEMA = "kvbridge-rag-corpus"
 DEFAULT_PROMPTS = 12
 DEFAULT_PASSAGES = 4
@@ -49,8 +60,24 @@ class RagPrompt:
     answer: str
 
 
-def load_corpus(path: Path = CORPUS_PATH) -> dict:
-    """The corpus, checked: schema and version, passages and questions that refer to them."""
+def corpus_path(path_or_name: str | Path = DEFAULT_CORPUS) -> Path:
+    """The file of a registered corpus (CORPORA), or the path given: a Path, or a string that names a
+    .json file or holds a path separator. Any other string is an unknown name."""
+    if isinstance(path_or_name, Path):
+        return path_or_name
+    if path_or_name in CORPORA:
+        return CORPORA[path_or_name]
+    if path_or_name.lower().endswith(".json") or "/" in path_or_name or "\\" in path_or_name:
+        return Path(path_or_name).expanduser()
+    raise BadSettings(f"Unknown RAG corpus {path_or_name!r}; known corpora: {', '.join(CORPORA)} "
+                      "(or the path to a .json file of the same schema).")
+
+
+def load_corpus(path_or_name: str | Path = DEFAULT_CORPUS) -> dict:
+    """The corpus (a name in CORPORA, or a path), checked: schema and version, passages and questions that
+    refer to them, and every question's answer in its own passage's text and in no other passage (title
+    or text; holds_fact's rule, case and spacing ignored), so that a bench can judge a reply by it."""
+    path = corpus_path(path_or_name)
     try:
         corpus = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -61,6 +88,18 @@ def load_corpus(path: Path = CORPUS_PATH) -> dict:
     unknown = [q["id"] for q in corpus["questions"] if q["passage"] not in ids]
     if unknown:
         raise BadSettings(f"{path}: questions {', '.join(unknown)} name passages that are not in the corpus")
+    for q in corpus["questions"]:
+        answer = q["answer"] if isinstance(q.get("answer"), str) else ""
+        own = next(p for p in corpus["passages"] if p["id"] == q["passage"])
+        if not holds_fact(own["text"], answer):
+            raise BadSettings(f"{path}: the answer {answer!r} of question {q['id']} is not in the text of its "
+                              f"passage {q['passage']}, so no reply could be judged by it")
+        others = [p["id"] for p in corpus["passages"]
+                  if p["id"] != q["passage"] and holds_fact(f"{p['title']}. {p['text']}", answer)]
+        if others:
+            raise BadSettings(f"{path}: the answer {answer!r} of question {q['id']} stands in passage(s) "
+                              f"{', '.join(others)} as well as in its own {q['passage']}: a reply could hold "
+                              "it without the right passage")
     return corpus
 
 
@@ -111,13 +150,15 @@ def warmup_prompts(corpus: dict, separator: str, n_passages: int = DEFAULT_PASSA
 
 def run_rag(engine, modes: Sequence[str], *, n_prompts: int | None = None, n_passages: int = DEFAULT_PASSAGES,
             seed: int = DEFAULT_SEED, n_predict: int | None = None, progress: ProgressFn | None = None,
-            stop_event: threading.Event | None = None) -> Iterator[RequestRecord]:
-    """Warm up (not yielded), then every mode over the same prompts; records carry scenario "rag"."""
-    corpus = load_corpus()
+            stop_event: threading.Event | None = None,
+            corpus: str | Path = DEFAULT_CORPUS) -> Iterator[RequestRecord]:
+    """Warm up (not yielded), then every mode over the same prompts of `corpus` (a name in CORPORA, or a
+    path); records carry scenario "rag"."""
+    texts = load_corpus(corpus)
     separator = engine.settings.blend_separator
-    prompts = build_prompts(corpus, separator, n_prompts=n_prompts or DEFAULT_PROMPTS, n_passages=n_passages,
+    prompts = build_prompts(texts, separator, n_prompts=n_prompts or DEFAULT_PROMPTS, n_passages=n_passages,
                             seed=seed)
-    warm = warmup_prompts(corpus, separator, n_passages, seed)
+    warm = warmup_prompts(texts, separator, n_passages, seed)
     warm_modes = [m for m in ("lmcache", "blend") if m in modes]
     total = len(warm) * len(warm_modes) + len(prompts) * len(modes)
     done = 0

@@ -28,6 +28,8 @@ def add_arguments(p) -> None:
                                      "(default 512,1024,2048,4096,8192)")
     p.add_argument("--n-predict", dest="n_predict", type=int, default=None, help="tokens to generate")
     p.add_argument("--document", help="a text file to use as the document")
+    p.add_argument("--corpus", help="rag: the passages and questions, railway (the default: a mountain railway's "
+                                    "handbook) or clinic (a small-town clinic's), or the path to a corpus JSON file")
     p.add_argument("--interleave", action="store_true",
                    help="each mode on an engine of its own, the modes taking turns request by request (a change "
                         "in the machine's speed then falls on every mode alike; default: mode after mode)")
@@ -51,6 +53,13 @@ def run(args) -> int:
     modes = parse_modes(args.modes)
     scenario = get_scenario(args.scenario)
     lengths = parse_lengths(args.lengths) if args.lengths else None
+    if args.corpus is not None:
+        if scenario.key != "rag":
+            raise KVBridgeError(f"--corpus picks the rag scenario's passages; the {scenario.key!r} scenario has "
+                                "none (use --document for a document).")
+        from kvbridge.bench.rag import load_corpus
+
+        load_corpus(args.corpus)   # an unknown name or a broken file is refused before any engine starts
     if scenario.context_needed is not None:
         # the run raises the context it needs itself (up to what the model supports): no KVB_CTX_SIZE to set
         needed = scenario.context_needed(ScenarioOptions(lengths=lengths), settings.n_predict)
@@ -82,6 +91,7 @@ def _bench_run(args, settings: Settings, modes: list[str], lengths) -> int:
     from kvbridge.bench.common.report import format_stages, format_summary, format_table, summarize
     from kvbridge.bench.common.runner import empty_faster_tiers, run_interleaved, run_scenario
     from kvbridge.bench.long_context import format_rows, length_rows
+    from kvbridge.bench.rag import DEFAULT_CORPUS
     from kvbridge.gui.charts import run_figures
     from kvbridge.gui.export import export_run
 
@@ -108,7 +118,7 @@ def _bench_run(args, settings: Settings, modes: list[str], lengths) -> int:
             before = empty_faster_tiers(engine.store, args.from_tier) if args.from_tier else None
             records += run_scenario(engine, args.scenario, modes, n_requests=args.requests, document=document,
                                     progress=progress, n_predict=args.n_predict, lengths=lengths,
-                                    before_request=before)
+                                    before_request=before, corpus=args.corpus)
         stats = engine.store.stats()
         print(format_table(records))
         summary = summarize(records)
@@ -121,7 +131,8 @@ def _bench_run(args, settings: Settings, modes: list[str], lengths) -> int:
             "command": "bench", "scenario": args.scenario, "modes": modes, "engine": status["engine"],
             "namespace": status["namespace"], "chunk_size": settings.chunk_size, "ctx_size": settings.ctx_size,
             "n_predict": settings.n_predict, "summary": summary, "store": stats,
-            "cache_server": settings.store_url or None, "from_tier": args.from_tier})
+            "cache_server": settings.store_url or None, "from_tier": args.from_tier,
+            **({"corpus": args.corpus or DEFAULT_CORPUS} if args.scenario == "rag" else {})})
         print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 1 if any(r.error for r in records) else 0
 

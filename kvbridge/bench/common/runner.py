@@ -26,12 +26,14 @@ def run_scenario(engine: CachedEngine, key: str, modes: str | Sequence[str], n_r
                  document: str | None = None, progress: ProgressFn | None = None,
                  stop_event: threading.Event | None = None, n_predict: int | None = None,
                  lengths: Sequence[int] | None = None,
-                 before_request: BeforeRequestFn | None = None) -> Iterator[RequestRecord]:
+                 before_request: BeforeRequestFn | None = None,
+                 corpus: str | None = None) -> Iterator[RequestRecord]:
     """Yield one RequestRecord per request, mode after mode; stops early when stop_event is set.
 
     Each mode starts from an empty native cache so that no mode is helped by the one before it.
     A scenario with its own runner (a measurement, e.g. long-context) orders its requests itself.
     before_request(mode) runs before each request, off its clock (e.g. empty_faster_tiers).
+    corpus: the rag scenario's corpus (a name in kvbridge.bench.rag.CORPORA, or a path); None: its default.
     """
     mode_list = parse_modes(modes)
     scenario = get_scenario(key)
@@ -42,7 +44,7 @@ def run_scenario(engine: CachedEngine, key: str, modes: str | Sequence[str], n_r
         if n_requests is not None and n_requests < 1:
             raise BadSettings(f"The number of requests must be at least 1, got {n_requests}.")
         options = ScenarioOptions(n_requests=n_requests, document=document,
-                                  lengths=tuple(lengths) if lengths else None)
+                                  lengths=tuple(lengths) if lengths else None, corpus=corpus)
         yield from scenario.run(engine, mode_list, options, progress=progress, stop_event=stop_event,
                                 n_predict=n_predict)
         return

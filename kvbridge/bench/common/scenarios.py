@@ -73,6 +73,7 @@ class ScenarioOptions:
     n_requests: int | None = None  # None: the scenario's own count
     document: str | None = None    # None: the built-in document
     lengths: tuple[int, ...] | None = None  # prompt lengths in tokens, for scenarios that sweep them
+    corpus: str | None = None      # rag: a corpus name (kvbridge.bench.rag.CORPORA) or a path; None: railway
 
 
 # A scenario that is a measurement rather than a list of requests runs itself:
@@ -222,10 +223,10 @@ register_scenario(Scenario(
 
 
 def _rag_run(engine, modes, opts: ScenarioOptions, progress=None, stop_event=None, n_predict=None):
-    from kvbridge.bench.rag import run_rag
+    from kvbridge.bench.rag import DEFAULT_CORPUS, run_rag
 
     return run_rag(engine, modes, n_prompts=opts.n_requests, n_predict=n_predict, progress=progress,
-                   stop_event=stop_event)
+                   stop_event=stop_event, corpus=opts.corpus or DEFAULT_CORPUS)
 
 
 register_scenario(Scenario(
