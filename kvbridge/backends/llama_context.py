@@ -49,8 +49,11 @@ class Sampler:
 
 
 class LlamaContext:
-    def __init__(self, settings: Settings, n_cells: int, n_seq: int, exact: bool = False) -> None:
-        """n_cells: the KV budget of every sequence together (the unified cache's size). exact: one stream of
+    def __init__(self, settings: Settings, n_cells: int, n_seq: int, exact: bool = False,
+                 eval_callback=None) -> None:
+        """n_cells: the KV budget of every sequence together (the unified cache's size). eval_callback: a
+        ggml_backend_sched_eval_callback that sees the graph's nodes (blend's selection pass, which reads
+        the first layers' K and V and stops the graph there; kept alive here). exact: one stream of
         cells per sequence id instead (non-unified), each filled from cell 0 as a fresh context is and each
         holding the longest request (min(n_cells, KVB_CTX_SIZE)), so a sequence's attention never depends on
         the cells beside it (kvbridge.scheduler.exact); n_seq times the memory, and cells reach another
@@ -82,6 +85,9 @@ class LlamaContext:
         params.kv_unified = not exact      # one pool of cells for every sequence: the KV budget
         params.swa_full = True             # a sliding-window model keeps every cell, as the in-process engine does
         params.n_threads = params.n_threads_batch = settings.resolved_threads()
+        self._eval_callback = eval_callback
+        if eval_callback is not None:
+            params.cb_eval = eval_callback
         params.type_k = ggml_type_id(settings.cache_type_k, "KVB_CACHE_TYPE_K")
         params.type_v = ggml_type_id(settings.cache_type_v, "KVB_CACHE_TYPE_V")
         params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if settings.flash_attn

@@ -39,7 +39,8 @@ def run_blend(engine, request: ModeRequest) -> None:
     result = runner.run(p.tokens, p.segments, recompute=recompute, n_predict=request.n_predict,
                         temperature=request.temperature, on_text=request.on_text, t0=request.t0,
                         recompute_at=settings.blend_recompute_at)
-    result.fill_record(record, len(p.segments), recompute, settings.blend_recompute_at)
+    result.fill_record(record, len(p.segments), recompute, settings.blend_recompute_at,
+                       settings.blend_recompute_ratio)
     record.ttft_ms = result.ttft_ms
     record.text = result.text
     record.gen_tokens = len(result.tokens)

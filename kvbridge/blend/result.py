@@ -32,8 +32,12 @@ class BlendResult:
     fetch_bytes: int = 0
     tier: str = "none"
     notes: list[str] = field(default_factory=list)
+    selection_ms: float = 0.0     # the deviation rule's selection pass and choice (part of prefill_ms's wait)
+    drift: float | None = None    # the deviation the kept reused tokens carry (the gate's estimate); None: not measured
+    fell_back: bool = False       # the gate placed the prompt as prefix reuse instead
+    recomputed_runs: int = 0      # the deviation rule: runs of consecutive recomputed tokens
 
-    def fill_record(self, record, n_segments: int, recompute: int, recompute_at: str) -> None:
+    def fill_record(self, record, n_segments: int, recompute: int, recompute_at: str, ratio: float = 0.0) -> None:
         """What the placement reused, where from and what it cost, into a RequestRecord, with the note
         that says so (CachedEngine and the scheduler both record a blend request this way)."""
         record.matched_tokens = self.reused_tokens
@@ -41,18 +45,27 @@ class BlendResult:
         record.assemble_ms, record.handoff_ms = self.assemble_ms, self.handoff_ms
         record.restore_ms = self.assemble_ms + self.handoff_ms
         passages = n_segments - 2
+        how = f"{ratio:.0%} of each reused passage" if ratio > 0 else f"{recompute} per reused passage"
+        if recompute_at == "deviation":
+            share = f"{ratio:.0%} of the reused tokens" if ratio > 0 else f"{recompute} per reused passage"
+            how = (f"{share}, the most deviant by the selection pass ({self.recomputed_runs} runs, "
+                   f"{self.selection_ms:.0f} ms)")
+        else:
+            how += f", at its {recompute_at}"
         record.add_note(f"blend: {self.reused_segments} of {passages + 1} segments reused (instruction and "
-                        f"{passages} passages), {self.recomputed_tokens} prompt tokens recomputed "
-                        f"({recompute} per reused passage, at its {recompute_at})")
+                        f"{passages} passages), {self.recomputed_tokens} prompt tokens recomputed ({how})")
         for note in self.notes:
             record.add_note(note)
+        record.blend_drift, record.blend_fallback = self.drift, self.fell_back
+        if self.fell_back:
+            record.add_note(f"blend: the gate fell back to prefix reuse (drift {self.drift:.3f} above KVB_BLEND_GATE)")
         self._explain(record, passages + 1)
 
     def _explain(self, record, reusable: int) -> None:
         """Blend's own miss cause: a segment not stored yet is none_stored; the tokens recomputed in every reused
         passage and the question are computed by design, not missed."""
         hit = {self.tier: self.reused_tokens} if self.reused_tokens else {}
-        if self.reused_segments < reusable:
+        if self.reused_segments < reusable and not self.fell_back:   # the gate's fallback computes them by design
             MissExplainer.fixed("none_stored", f"blend: {reusable - self.reused_segments} of {reusable} segments "
                                 "(instruction and passages) were not stored yet; they are stored after this answer",
                                 hit_tiers=hit).apply(record)

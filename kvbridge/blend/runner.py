@@ -44,6 +44,8 @@ from kvbridge.backends.text_decoding import Utf8Decoder
 from kvbridge.blend.passages import (FoundPassage, blend_namespace, check_passage, instruction_key, passage_key,
                                      passage_meta)
 from kvbridge.blend.result import BlendResult, Placement
+from kvbridge.blend.deviation import DeviationPlacement
+from kvbridge.blend.selection import PlacedPassage, SelectionPass
 from kvbridge.engine.layout import probe_geometry, probe_state_on_sequence
 from kvbridge.engine.segments import segment_spans
 from kvbridge.errors import KVBridgeError, StateTransferError
@@ -53,22 +55,26 @@ from kvbridge.formats.llama_state import KVGeometry, LayoutError, parse_state
 from kvbridge.settings import Settings
 
 ANSWER, SCRATCH = 0, 1
-RECOMPUTE_AT = ("end", "start")   # which tokens of a reused passage are recomputed (KVB_BLEND_RECOMPUTE_AT)
+# which tokens of a reused passage are recomputed (KVB_BLEND_RECOMPUTE_AT): each passage's last or first ones, or
+# the prompt's most deviant ones by the selection pass (kvbridge.blend.selection)
+RECOMPUTE_AT = ("end", "start", "deviation")
 PROBE = " ".join(["Blend layout probe."] * 4)
 # An own context is sized to the prompts it has answered, in steps of CELL_STEP, up to KVB_CTX_SIZE: llama.cpp's
 # K shift rotates every cell of the context, used or not, so a context twice the prompt's size shifts twice the
 # cells (Docs/Research.md §16).
 CELL_STEP = 512
 # An own context's sequences beyond the answer and the scratch one: each passage's recomputed tokens are decoded in
-# one of these, all in one llama_decode (BlendRunner.place, run_seqs); more passages take a second decode.
+# one of these, all in one llama_decode (BlendRunner.place, run_seqs); more passages take a second decode. The
+# deviation rule's runs (consecutive chosen tokens) are many more: they take every sequence an own context has.
 RUN_SEQS = 8
+DEVIATION_SEQS = 48
 
 
 class BlendRefused(KVBridgeError):
     """This model or engine cannot run blend mode; the message says why, for a person."""
 
 
-class BlendRunner:
+class BlendRunner(DeviationPlacement):
     def __init__(self, settings: Settings, store, namespace: str, *, n_cells: int | None = None,
                  context: LlamaContext | None = None, geometry: KVGeometry | None = None) -> None:
         """Own context (two sequences, grown to the prompts' size up to `n_cells`, default KVB_CTX_SIZE), or a
@@ -78,7 +84,7 @@ class BlendRunner:
         self.namespace = blend_namespace(namespace)
         self.max_cells = n_cells or settings.ctx_size
         self.ctx = context if context is not None else LlamaContext(settings, min(self.max_cells, CELL_STEP),
-                                                                         2 + RUN_SEQS)
+                                                                         2 + DEVIATION_SEQS)
         self._own_context = context is None
         self._scratch = _Scratch()   # shared with the runners made by under()
         try:
@@ -122,13 +128,16 @@ class BlendRunner:
 
     def close(self) -> None:
         if self._own_context:
+            if self._scratch.selection is not None:
+                self._scratch.selection.close()
+                self._scratch.selection = None
             self.ctx.close()
 
     def _grow(self, need: int) -> None:
         """A new own context of the next CELL_STEP above `need` cells (at most max_cells); nothing in the old
         one outlives a request, and the geometry does not depend on the size."""
         cells = min(self.max_cells, -(-need // CELL_STEP) * CELL_STEP)
-        grown = LlamaContext(self.settings, cells, 2 + RUN_SEQS)
+        grown = LlamaContext(self.settings, cells, 2 + DEVIATION_SEQS)
         self.ctx.close()
         self.ctx = grown
 
@@ -136,16 +145,24 @@ class BlendRunner:
     def run(self, tokens: Sequence[int], starts: Sequence[int], *, recompute: int, n_predict: int,
             temperature: float = 0.0, seed: int | None = None, reuse: bool = True, store: bool = True,
             on_text: Callable[[str], None] | None = None, t0: float | None = None,
-            recompute_at: str = "end") -> BlendResult:
+            recompute_at: str = "end", ratio: float | None = None, gate: float | None = None,
+            prefix_only: bool = False) -> BlendResult:
         """Answer `tokens` (segments beginning at `starts`: instruction, passages, question).
 
         reuse=False computes every token (the cold reference in this same context); store=False keeps
-        the store as it is (the quality curve runs one prompt at several recompute counts)."""
+        the store as it is (the quality curve runs one prompt at several recompute counts); prefix_only
+        reuses the instruction and the first passage alone (prefix reuse: what the gate falls back to)."""
         t0 = time.perf_counter() if t0 is None else t0
         tokens = [int(t) for t in tokens]
         need = len(tokens) + n_predict
-        # beside the answer, the scratch sequence holds one segment at a time (placing it, storing it)
-        room = need + max(b - a for a, b in segment_spans(starts, len(tokens)))
+        # beside the answer, the scratch sequence holds one segment at a time (placing it, storing it); the
+        # deviation rule's recomputed tokens stand beside their stored cells until they replace them
+        spans = segment_spans(starts, len(tokens))
+        room = need + max(b - a for a, b in spans)
+        if recompute_at == "deviation" and not prefix_only:
+            share = self.settings.blend_recompute_ratio if ratio is None else ratio
+            room += (-(-int(share * 1000) * len(tokens) // 1000) if share > 0
+                     else recompute * max(0, len(spans) - 3))
         if room > self.ctx.n_cells and self._own_context and self.ctx.n_cells < self.max_cells:
             self._grow(min(room, self.max_cells))
         if need > self.ctx.n_cells:
@@ -153,9 +170,14 @@ class BlendRunner:
                                 f"blend context of {self.ctx.n_cells} tokens (KVB_CTX_SIZE).")
         result = BlendResult()
         self.ctx.seq_rm(ANSWER)
-        run_seqs = range(SCRATCH + 1, SCRATCH + 1 + RUN_SEQS) if self._own_context else ()
-        placement = self.place(tokens, starts, recompute, result, reuse=reuse, recompute_at=recompute_at,
-                               run_seqs=run_seqs)
+        seqs = DEVIATION_SEQS if recompute_at == "deviation" else RUN_SEQS
+        run_seqs = range(SCRATCH + 1, SCRATCH + 1 + seqs) if self._own_context else ()
+        if prefix_only:
+            placement = self._place_fixed(tokens, starts, 0, result, answer=ANSWER, scratch=SCRATCH, reuse=reuse,
+                                          recompute_at="end", run_seqs=(), prefix_only=True)
+        else:
+            placement = self.place(tokens, starts, recompute, result, reuse=reuse, recompute_at=recompute_at,
+                                   run_seqs=run_seqs, ratio=ratio, gate=gate)
         t = time.perf_counter()
         logits = self._decode(ANSWER, placement.pending, placement.kv_tokens, want_logits=True)
         result.prefill_ms += (time.perf_counter() - t) * 1000
@@ -168,7 +190,8 @@ class BlendRunner:
 
     def place(self, tokens: list[int], starts: Sequence[int], recompute: int, result: BlendResult, *,
               answer: int = ANSWER, scratch: int = SCRATCH, reuse: bool = True,
-              recompute_at: str = "end", run_seqs: Sequence[int] = ()) -> "Placement":
+              recompute_at: str = "end", run_seqs: Sequence[int] = (), ratio: float | None = None,
+              gate: float | None = None) -> "Placement":
         """Fill the empty sequence `answer` left to right: the stored instruction (with the first passage when
         it is stored: it stands where it was computed, so its KV is cold's and nothing of it is recomputed),
         then for each later passage its stored cells and `recompute` of its tokens decoded in context: its
@@ -180,10 +203,32 @@ class BlendRunner:
         llama_decode after the stored cells are in place, each passage's in a sequence of its own that
         shares the answer's cells before it, instead of one decode per passage (each decode reads every
         weight once: ~28 ms here for a few tokens). They then see the stored cells of the passages before
-        them, not those passages' recomputed tokens."""
+        them, not those passages' recomputed tokens.
+
+        `ratio` (default KVB_BLEND_RECOMPUTE_RATIO), when above 0, wins over `recompute`: that share of each
+        reused passage's tokens (end, start), or of all reused tokens (deviation). "deviation" places every
+        stored passage whole, asks the selection pass which tokens deviate most (kvbridge.blend.selection),
+        and recomputes those in context; with `gate` (default KVB_BLEND_GATE) above 0, a prompt whose kept
+        tokens deviate more than it is placed as prefix reuse instead (result.fell_back)."""
         if recompute_at not in RECOMPUTE_AT:
             raise ValueError(f"recompute_at must be one of {RECOMPUTE_AT}, got {recompute_at!r}")
+        ratio = self.settings.blend_recompute_ratio if ratio is None else ratio
+        if recompute_at == "deviation":
+            gate = self.settings.blend_gate if gate is None else gate
+            return self._place_deviation(tokens, starts, recompute, result, answer=answer, scratch=scratch,
+                                         reuse=reuse, run_seqs=run_seqs, ratio=ratio, gate=gate)
+        return self._place_fixed(tokens, starts, recompute, result, answer=answer, scratch=scratch, reuse=reuse,
+                                 recompute_at=recompute_at, run_seqs=run_seqs, ratio=ratio)
+
+    def _place_fixed(self, tokens: list[int], starts: Sequence[int], recompute: int, result: BlendResult, *,
+                     answer: int, scratch: int, reuse: bool, recompute_at: str, run_seqs: Sequence[int],
+                     ratio: float = 0.0, shifted: list[PlacedPassage] | None = None,
+                     prefix_only: bool = False) -> "Placement":
+        """end/start: `recompute` (or `ratio` of each passage) of every stored passage's last or first tokens.
+        `shifted` collects the passages placed at a new position (whole, with recompute 0); prefix_only reuses the instruction
+        and the first passage alone (the gate's fallback)."""
         at_end = recompute_at == "end"
+        per_passage = (lambda n: round(ratio * n)) if ratio > 0 else (lambda n: recompute)
         spans = segment_spans(starts, len(tokens))
         instruction = tokens[spans[0][0]:spans[0][1]]
         self.ctx.seq_rm(scratch)
@@ -192,7 +237,9 @@ class BlendRunner:
         runs: list[tuple[int, list[int]]] = []   # (position, tokens) recomputed together (run_seqs)
         missing: list[tuple[int, int]] = []    # segments prefilled here, stored after the answer
         passages = spans[1:-1]
-        first = tokens[passages[0][0]:passages[0][1]] if passages and recompute < passages[0][1] - passages[0][0] else None
+        first = (tokens[passages[0][0]:passages[0][1]]
+                 if passages and per_passage(passages[0][1] - passages[0][0]) < passages[0][1] - passages[0][0]
+                 else None)
         placed = self._place_instruction(instruction, first, result, answer) if reuse else None
         if placed is not None:
             pending_at = len(instruction)
@@ -204,7 +251,9 @@ class BlendRunner:
             missing.append(spans[0])
         for start, end in passages:
             passage = tokens[start:end]
-            found = self._fetch(passage, instruction, result) if reuse and recompute < len(passage) else None
+            recompute = per_passage(len(passage))
+            found = (self._fetch(passage, instruction, result)
+                     if reuse and not prefix_only and recompute < len(passage) else None)
             if found is None:
                 self._recompute_runs(runs, answer, run_seqs, result)
                 pending += passage
@@ -230,6 +279,8 @@ class BlendRunner:
                 self._flush(pending, pending_at, result, answer)
                 self._place(found, len(instruction), start, *keep, result, answer, scratch)
                 pending, pending_at = [], end
+            if shifted is not None:
+                shifted.append(PlacedPassage(start, end, len(instruction), found.view))
             result.reused_tokens += len(passage) - recompute
             result.reused_segments += 1
         self._recompute_runs(runs, answer, run_seqs, result)
@@ -422,6 +473,7 @@ class BlendRunner:
 
 
 class _Scratch:
-    """The assembly buffer of a runner and its views (one request at a time uses it)."""
+    """The assembly buffer of a runner and its views (one request at a time uses it), and its selection pass."""
 
     data: np.ndarray | None = None
+    selection: SelectionPass | None = None

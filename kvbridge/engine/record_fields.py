@@ -57,6 +57,10 @@ FIELD_DOCS: dict[str, str] = {
     "swap_out_ms": "the scheduler: time spent swapping it out",
     "swap_in_ms": "the scheduler: time spent swapping it back in",
     "stored_tokens": "the scheduler: leading prompt tokens the store held when it answered",
+    "blend_drift": "blend's deviation rule: the mean deviation its kept reused tokens carry, what the gate reads "
+                   "(None: not measured)",
+    "blend_fallback": "blend's gate found `blend_drift` above `KVB_BLEND_GATE` and answered with prefix reuse "
+                      "(the instruction and first passage reused, the rest computed)",
 }
 
 

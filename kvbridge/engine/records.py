@@ -61,6 +61,9 @@ class RequestRecord:
     swap_out_ms: float = 0.0
     swap_in_ms: float = 0.0
     stored_tokens: int = 0            # store_before_answer: the leading prompt tokens the store held when it answered
+    # blend's deviation rule (kvbridge.blend.deviation)
+    blend_drift: float | None = None  # the deviation its kept reused tokens carry: what the gate reads
+    blend_fallback: bool = False      # the gate found the drift above KVB_BLEND_GATE: answered with prefix reuse
 
     def raise_for_error(self) -> "RequestRecord":
         """This record when the request succeeded; RequestFailed (a KVBridgeError) with `error` when it did not.

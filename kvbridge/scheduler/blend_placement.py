@@ -90,7 +90,7 @@ class BlendPlacer:
         record = request.record
         record.prefill_tokens += result.recomputed_tokens - len(placement.pending)   # decoded while placing
         result.fill_record(record, len(request.segments), self.settings.blend_recompute_tokens,
-                           self.settings.blend_recompute_at)
+                           self.settings.blend_recompute_at, self.settings.blend_recompute_ratio)
         self.journal.counters["blend_reused_tokens"] += result.reused_tokens
         return kv, result.tier if result.reused_tokens else "none"
 

@@ -66,11 +66,19 @@ def _value_problems(s: Settings) -> list[str]:
         (s.chunk_size < 1, f"KVB_CHUNK_SIZE={s.chunk_size} must be at least 1 (LMCache uses 256)"),
         (not s.blend_separator.strip(),
          "KVB_BLEND_SEPARATOR is empty; blend mode cuts prompts at it (default [KVB_SEP])"),
-        (s.blend_recompute_at not in ("end", "start"),
+        (s.blend_recompute_at not in ("end", "start", "deviation"),
          f"KVB_BLEND_RECOMPUTE_AT={s.blend_recompute_at!r} must be end (each reused passage's last tokens) "
-         "or start (its first tokens)"),
+         "or start (its first tokens) or deviation (the prompt's most deviant reused tokens)"),
         (s.blend_recompute_tokens < 0,
          f"KVB_BLEND_RECOMPUTE_TOKENS={s.blend_recompute_tokens} cannot be negative (0: only shift stored passages)"),
+        (not 0.0 <= s.blend_recompute_ratio <= 1.0,
+         f"KVB_BLEND_RECOMPUTE_RATIO={s.blend_recompute_ratio} must be a share from 0 to 1 of the reused tokens "
+         "(0: use KVB_BLEND_RECOMPUTE_TOKENS)"),
+        (s.blend_select_layers < 1,
+         f"KVB_BLEND_SELECT_LAYERS={s.blend_select_layers} must be at least 1 (the layers the deviation rule's "
+         "selection pass computes)"),
+        (s.blend_gate < 0,
+         f"KVB_BLEND_GATE={s.blend_gate} cannot be negative (0: no gate; above 0, the deviation a prompt may keep)"),
         (s.chunk_size >= 1 and s.ctx_size < max(64, s.chunk_size),
          f"KVB_CTX_SIZE={s.ctx_size} is too small: it must be at least 64 "
          f"and at least KVB_CHUNK_SIZE ({s.chunk_size})"),

@@ -1,0 +1,285 @@
+"""Blend's quality on the task: how often the answer states the expected fact, against TTFT, for cold, prefix
+reuse and blend at each selection rule and recompute ratio, on each RAG corpus: the curve a user picks a
+blend setting from, and the gate's table.
+
+    python -m kvbridge.bench.probes.blend_quality                       # both corpora, 24 prompts each
+    python -m kvbridge.bench.probes.blend_quality --corpora railway --prompts 6 --ratios 0.15 --rules deviation
+
+Place in the flow: a corpus (kvbridge.bench.rag) -> a warm-up that stores every passage (blend stores each
+computed after the instruction, where no measured prompt has it) -> per measured prompt, in the blend runner's
+context, one after the other so every setting meets the same machine: **cold** (every token computed),
+**prefix reuse** (the instruction and the first passage from blend's store, the rest computed: what a prefix
+cache gets from a shuffled prompt, and what the gate falls back to), **shift** (every passage reused, nothing
+recomputed), and **blend** at each rule (end, start, deviation) and ratio of the reused tokens recomputed ->
+per setting: mean TTFT, its ratio to cold's, answers stating the fact (kvbridge.bench.common.report.holds_fact),
+the share of reusable tokens recomputed, the selection pass's cost, and the gate's fallbacks.
+
+The gate's table reads the deviation rule's per-prompt drift (kvbridge.blend.selection: the deviation its kept
+tokens carry): for each threshold, how many prompts would fall back, and on the others, blend's fact count
+against cold's on the same prompts. A run with --gate also runs the gated setting itself.
+
+Written: the JSON result, an HTML figure (plotly: fact rate against TTFT, one line per rule through its
+ratios, cold and prefix reuse as points) and, with --png, that figure as a PNG (Chromium via Playwright).
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from kvbridge.bench.common.report import holds_fact, write_result_json
+from kvbridge.bench.rag import CORPORA, DEFAULT_SEED, build_prompts, load_corpus, warmup_prompts
+from kvbridge.settings import Settings
+from kvbridge.settings.cmdline import Parser
+
+RULES = ("end", "start", "deviation")
+RATIOS = (0.05, 0.15, 0.3)
+PROMPTS = 24
+PASSAGES = 4
+N_PREDICT = 32
+GATES = (0.05, 0.06, 0.07, 0.08, 0.09, 0.10)
+
+
+@dataclass
+class Answer:
+    ttft_ms: float
+    fact: bool
+    same: bool                    # the greedy answer equals cold's, token for token
+    recomputed_share: float       # of the reusable (shifted) passages' tokens
+    selection_ms: float = 0.0
+    drift: float | None = None
+    fell_back: bool = False
+
+
+@dataclass
+class PromptRun:
+    question: str
+    answers: dict[str, Answer] = field(default_factory=dict)   # setting label -> its answer
+
+
+@dataclass
+class QualityRow:
+    corpus: str
+    setting: str          # cold, prefix, shift, "<rule> <ratio>", "<rule> <ratio> gate <g>"
+    rule: str             # "", end, start, deviation
+    ratio: float
+    prompts: int
+    ttft_ms: float        # mean
+    speedup: float        # cold's mean TTFT / this one's
+    facts: int            # answers stating the expected fact
+    cold_facts: int
+    identical: int        # answers equal to cold's
+    recomputed_share: float
+    selection_ms: float
+    fell_back: int
+
+
+def label(rule: str, ratio: float, gate: float = 0.0) -> str:
+    return f"{rule} {ratio:g}" + (f" gate {gate:g}" if gate else "")
+
+
+def warm(engine, runner, corpus: dict, n_passages: int, seed: int) -> None:
+    """Every passage stored, each computed in a warm-up prompt (after the instruction, as blend stores it)."""
+    for prompt in warmup_prompts(corpus, engine.settings.blend_separator, n_passages, seed):
+        p = engine.prepare(prompt.messages)
+        runner.run(p.tokens, p.segments, recompute=0, n_predict=1, store=True)
+
+
+def measure_corpus(engine, corpus_name: str, *, n_prompts: int = PROMPTS, n_passages: int = PASSAGES,
+                   rules: Sequence[str] = RULES, ratios: Sequence[float] = RATIOS, gate: float = 0.0,
+                   n_predict: int = N_PREDICT, seed: int = DEFAULT_SEED, progress=print) -> list[PromptRun]:
+    runner = engine._blend_runner()
+    corpus = load_corpus(corpus_name)
+    prompts = build_prompts(corpus, engine.settings.blend_separator, n_prompts=n_prompts, n_passages=n_passages,
+                            seed=seed)
+    warm(engine, runner, corpus, n_passages, seed)
+    variants = [(rule, ratio, 0.0) for rule in rules for ratio in ratios]
+    if gate:
+        variants += [("deviation", ratio, gate) for ratio in ratios]
+    runs = []
+    for index, prompt in enumerate(prompts):
+        p = engine.prepare(prompt.messages)
+        tokens, starts = [int(t) for t in p.tokens], list(p.segments)
+
+        def answer(result, cold_tokens, reusable: int, whole: int) -> Answer:
+            share = (whole - result.reused_tokens) / reusable if reusable else 0.0
+            return Answer(result.ttft_ms, holds_fact(result.text, prompt.answer), result.tokens == cold_tokens,
+                          max(0.0, share), result.selection_ms, result.drift, result.fell_back)
+
+        cold = runner.run(tokens, starts, recompute=0, n_predict=n_predict, reuse=False, store=False)
+        prefix = runner.run(tokens, starts, recompute=0, n_predict=n_predict, store=False, prefix_only=True)
+        shift = runner.run(tokens, starts, recompute=0, n_predict=n_predict, store=False, ratio=0.0)
+        whole = shift.reused_tokens                       # every reusable token
+        reusable = whole - prefix.reused_tokens           # the shifted passages' tokens
+        run = PromptRun(prompt.label)
+        run.answers["cold"] = Answer(cold.ttft_ms, holds_fact(cold.text, prompt.answer), True, 1.0)
+        run.answers["prefix"] = answer(prefix, cold.tokens, reusable, whole)
+        run.answers["prefix"].recomputed_share = 1.0
+        run.answers["shift"] = answer(shift, cold.tokens, reusable, whole)
+        for rule, ratio, g in variants:
+            b = runner.run(tokens, starts, recompute=0, n_predict=n_predict, store=False, recompute_at=rule,
+                           ratio=ratio, gate=g)
+            run.answers[label(rule, ratio, g)] = answer(b, cold.tokens, reusable, whole)
+        runs.append(run)
+        progress(f"  {corpus_name}: prompt {index + 1}/{len(prompts)}")
+    return runs
+
+
+def summarise(corpus_name: str, runs: Sequence[PromptRun]) -> list[QualityRow]:
+    cold_ttft = statistics.fmean(r.answers["cold"].ttft_ms for r in runs)
+    cold_facts = sum(r.answers["cold"].fact for r in runs)
+    rows = []
+    for setting in runs[0].answers:
+        answers = [r.answers[setting] for r in runs]
+        ttft = statistics.fmean(a.ttft_ms for a in answers)
+        rule, _, rest = setting.partition(" ")
+        ratio = float(rest.split()[0]) if rest else 0.0
+        rows.append(QualityRow(corpus_name, setting, rule if rest else "", ratio, len(answers), ttft,
+                               cold_ttft / ttft if ttft else 0.0, sum(a.fact for a in answers), cold_facts,
+                               sum(a.same for a in answers), statistics.fmean(a.recomputed_share for a in answers),
+                               statistics.fmean(a.selection_ms for a in answers), sum(a.fell_back for a in answers)))
+    return rows
+
+
+def gate_table(runs: Sequence[PromptRun], setting: str, gates: Sequence[float] = GATES) -> list[dict]:
+    """For each threshold, from the setting's measured drift: the prompts that would fall back (their answer
+    then prefix reuse's), and on the others blend's facts against cold's on the same prompts."""
+    out = []
+    for g in gates:
+        passed = [r for r in runs if (r.answers[setting].drift or 0.0) <= g]
+        fell = [r for r in runs if r not in passed]
+        out.append({"gate": g, "fall_back": len(fell), "prompts": len(runs),
+                    "passed_facts": sum(r.answers[setting].fact for r in passed),
+                    "passed_cold_facts": sum(r.answers["cold"].fact for r in passed),
+                    "gated_facts": (sum(r.answers[setting].fact for r in passed)
+                                    + sum(r.answers["prefix"].fact for r in fell)),
+                    "cold_facts": sum(r.answers["cold"].fact for r in runs)})
+    return out
+
+
+def recommend(rows: Sequence[QualityRow], slack: int = 2) -> QualityRow | None:
+    """The fastest blend setting whose facts are at most `slack` below cold's (per 24 prompts, scaled)."""
+    ok = [r for r in rows if r.rule and r.facts >= r.cold_facts - slack * r.prompts / 24]
+    return min(ok, key=lambda r: r.ttft_ms) if ok else None
+
+
+def format_rows(rows: Sequence[QualityRow]) -> str:
+    lines = [f"{'corpus':<8} {'setting':<24} {'TTFT':>8} {'x cold':>7} {'facts':>7} {'cold':>5} {'= cold':>6} "
+             f"{'recomp':>7} {'select':>7} {'fell':>5}"]
+    for r in rows:
+        lines.append(f"{r.corpus:<8} {r.setting:<24} {r.ttft_ms:>6.0f}ms {r.speedup:>6.2f}x {r.facts:>3}/{r.prompts:<3} "
+                     f"{r.cold_facts:>5} {r.identical:>6} {r.recomputed_share:>6.0%} {r.selection_ms:>5.0f}ms "
+                     f"{r.fell_back:>5}")
+    return "\n".join(lines)
+
+
+def curve_figure(rows: Sequence[QualityRow]):
+    """Fact rate against mean TTFT: per corpus a panel, per rule a line through its ratios, cold and prefix as points."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    corpora = list(dict.fromkeys(r.corpus for r in rows))
+    fig = make_subplots(rows=1, cols=len(corpora), subplot_titles=corpora, shared_yaxes=True)
+    colors = {"end": "#d62728", "start": "#1f77b4", "deviation": "#2ca02c", "": "#444"}
+    for col, corpus in enumerate(corpora, start=1):
+        mine = [r for r in rows if r.corpus == corpus]
+        for rule in RULES:
+            line = sorted((r for r in mine if r.rule == rule and "gate" not in r.setting), key=lambda r: r.ratio)
+            if line:
+                fig.add_trace(go.Scatter(x=[r.ttft_ms for r in line], y=[r.facts / r.prompts for r in line],
+                                         mode="lines+markers+text", name=rule, legendgroup=rule, showlegend=col == 1,
+                                         text=[f"{r.ratio:g}" for r in line], textposition="top center",
+                                         line={"color": colors[rule]}), row=1, col=col)
+        for r in mine:
+            if not r.rule or "gate" in r.setting:
+                fig.add_trace(go.Scatter(x=[r.ttft_ms], y=[r.facts / r.prompts], mode="markers+text",
+                                         name=r.setting, text=[r.setting], textposition="bottom center",
+                                         showlegend=False, marker={"size": 10, "color": colors[""]}), row=1, col=col)
+    fig.update_xaxes(title_text="mean TTFT (ms)", type="log")
+    fig.update_yaxes(title_text="answers stating the fact", tickformat=".0%", row=1, col=1)
+    fig.update_layout(title="Blend: fact rate against TTFT (labels: the share of reused tokens recomputed)",
+                      width=1100, height=520, template="plotly_white")
+    return fig
+
+
+def write_png(html: Path, png: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    from kvbridge.gui.screenshot import CHROMIUM, CHROMIUM_ARGS
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1120, "height": 540})
+            page.goto(html.resolve().as_uri())
+            page.wait_for_selector(".main-svg", timeout=30_000)
+            page.screenshot(path=str(png), full_page=True)
+        finally:
+            browser.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(prog="python -m kvbridge.bench.probes.blend_quality", description=__doc__.split("\n")[0])
+    parser.add_argument("--corpora", default=",".join(CORPORA), help=f"comma-separated: {', '.join(CORPORA)}")
+    parser.add_argument("--prompts", type=int, default=PROMPTS, help="measured prompts per corpus")
+    parser.add_argument("--passages", type=int, default=PASSAGES, help="passages per prompt")
+    parser.add_argument("--rules", default=",".join(RULES), help="comma-separated: end, start, deviation")
+    parser.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS),
+                        help="shares of the reused tokens recomputed, comma-separated")
+    parser.add_argument("--gate", type=float, default=0.0, help="also run the deviation rule gated at this drift")
+    parser.add_argument("--n-predict", type=int, default=N_PREDICT, help="greedy tokens per answer")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument("--png", type=Path, default=None, help="also write the figure as this PNG")
+    args = parser.parse_args(argv)
+    rules = [r.strip() for r in args.rules.split(",") if r.strip()]
+    unknown = [r for r in rules if r not in RULES]
+    if unknown:
+        raise SystemExit(f"--rules: {', '.join(unknown)} unknown; the rules are {', '.join(RULES)}")
+    ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
+    if any(not 0 < r <= 1 for r in ratios):
+        raise SystemExit(f"--ratios must be shares above 0 and at most 1, got {args.ratios}")
+    corpora = [c.strip() for c in args.corpora.split(",") if c.strip()]
+    from kvbridge.backends.llamacpp import LlamaCppBackend
+    from kvbridge.engine.cached_engine import CachedEngine
+
+    base = Settings.from_env()
+    problems = base.validate()
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+        return 2
+    rows, gates, per_prompt = [], {}, {}
+    for name in corpora:
+        load_corpus(name)    # a bad name fails before the model loads
+    with tempfile.TemporaryDirectory(prefix="kvb-blend-quality-") as l2:
+        settings = base.replace(ctx_size=max(base.ctx_size, 4096), l2_dir=l2)
+        with CachedEngine(settings, LlamaCppBackend(settings)) as engine:
+            print(f"blend quality: {engine.backend.describe()}", flush=True)
+            for name in corpora:
+                runs = measure_corpus(engine, name, n_prompts=args.prompts, n_passages=args.passages, rules=rules,
+                                      ratios=ratios, gate=args.gate, n_predict=args.n_predict, seed=args.seed)
+                rows += summarise(name, runs)
+                per_prompt[name] = [asdict(r) for r in runs]
+                if "deviation" in rules:
+                    gates[name] = {label("deviation", r): gate_table(runs, label("deviation", r)) for r in ratios}
+    print(format_rows(rows))
+    best = recommend(rows)
+    print(f"recommended (fastest within 2 in 24 of cold's facts): {best.setting if best else 'none'}")
+    result = {"command": "blend-quality", "settings": {k: (str(v) if isinstance(v, Path) else v)
+                                                        for k, v in vars(args).items()},
+              "rows": [asdict(r) for r in rows], "gates": gates, "recommended": asdict(best) if best else None,
+              "prompts": per_prompt}
+    path = write_result_json(result, base.output_dir, "blend_quality")
+    html = path.with_suffix(".html")
+    curve_figure(rows).write_html(str(html), include_plotlyjs=True)
+    print(f"wrote {path} and {html}")
+    if args.png:
+        write_png(html, args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

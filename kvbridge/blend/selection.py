@@ -1,0 +1,293 @@
+"""The selection pass of KVB_BLEND_RECOMPUTE_AT=deviation: CacheBlend's rule on llama.cpp. Which reused tokens
+to recompute is decided by how far their stored KV deviates from what the prompt itself computes in an early
+layer.
+
+Place in the flow: BlendRunner.place (kvbridge.blend.runner) has placed every stored passage whole -> the
+**selection pass**: the prompt up to its last placed passage is decoded in a context of its own (this
+module's, on the same model file) whose graph stops after the first KVB_BLEND_SELECT_LAYERS layers: a ggml
+eval callback reads each layer's fresh K (after RoPE) and V as llama.cpp computes them, and ends the graph at
+the next layer's first node, so the pass costs about layers / n_layer of a prefill -> **deviation** per
+reused token: |fresh - stored| / |fresh| of K (the stored K rotated by the passage's shift, as llama.cpp's K
+shift rotates it) plus that of V, at the last selected layer -> the runner recomputes the most deviant
+tokens at full depth, up to KVB_BLEND_RECOMPUTE_RATIO of the reused tokens, and the gate reads the
+deviation left in the tokens it keeps (`Selection.drift`).
+
+Why a context of its own: a pass stopped by the callback leaves its cells' later layers unwritten (llama_decode
+still reports success), so it may not share cells with an answer; and an eval callback set on the answer's
+context would be called for every node of every decode. Here the pass's cells are dropped after each prompt.
+
+Layer 0's K is read too: it depends on the token and its position alone, so a shifted passage's stored K,
+rotated here, must equal the fresh one. Where it does not (a RoPE this module does not rotate: M-RoPE, YaRN,
+frequency factors), K is left out and V alone ranks the tokens; the selection says so in its `note`.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from kvbridge.backends.llama_context import BATCH_TOKENS, LlamaContext
+from kvbridge.errors import KVBridgeError
+from kvbridge.formats.llama_state import KVGeometry
+from kvbridge.settings import Settings
+
+CELL_STEP = 512         # the pass's context grows to the prompts it has read, in these steps, up to KVB_CTX_SIZE
+ROTATION_CHECK = 0.02   # layer 0's K of a shifted passage, rotated, must match the fresh one within this (f16: ~1e-3)
+_FLOATS = {0: np.float32, 1: np.float16}   # ggml type ids of the KV types a selection reads
+
+
+class SelectionUnavailable(KVBridgeError):
+    """The selection pass cannot read this model's K and V; the runner falls back to a fixed rule and says so."""
+
+
+class GgmlTensor(ctypes.Structure):
+    """struct ggml_tensor as the pinned ggml lays it out (include/ggml.h): what the eval callback reads."""
+
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
+                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
+                ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64),
+                ("extra", ctypes.c_void_p), ("padding", ctypes.c_char * 8)]
+
+
+def tensor_array(t: GgmlTensor, n_tokens: int) -> np.ndarray:
+    """A float32 tensor of the graph as (n_tokens, row), copied out of ggml's compute buffer."""
+    if t.type != 0:
+        raise SelectionUnavailable(f"graph tensor {t.name.decode(errors='replace')} is ggml type {t.type}, not f32")
+    ne, nb = list(t.ne), list(t.nb)
+    span = sum((n - 1) * s for n, s in zip(ne, nb)) + 4
+    flat = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(t.data))
+    arr = np.lib.stride_tricks.as_strided(flat.view(np.float32) if all(s % 4 == 0 for s in nb) else flat,
+                                          shape=tuple(reversed(ne)), strides=tuple(reversed(nb)))
+    return np.array(arr, dtype=np.float32).reshape(n_tokens, -1)
+
+
+def _layer_of(name: bytes) -> int | None:
+    """The layer a node belongs to by llama.cpp's naming ("Kcur-3", "attn_norm-12"); None for the others."""
+    head, sep, tail = name.rpartition(b"-")
+    return int(tail) if sep and head and tail.isdigit() else None
+
+
+class _Capture:
+    """The eval callback's state for one ubatch: the wanted tensors' data, and the graph stopped after layer
+    `last` (at the first node of a later layer)."""
+
+    def __init__(self, last: int) -> None:
+        self.last = last
+        self.want = {b"Kcur-0", b"Kcur-%d" % last, b"Vcur-%d" % last}
+        self.n_tokens = 0
+        self.got: dict[bytes, np.ndarray] = {}
+        self.stopped = False
+        self.error: Exception | None = None
+
+    def reset(self, n_tokens: int) -> None:
+        self.n_tokens, self.got, self.stopped, self.error = n_tokens, {}, False, None
+
+    def __call__(self, t_ptr, ask, _user) -> bool:
+        try:
+            t = GgmlTensor.from_address(t_ptr)
+            name = t.name
+            layer = _layer_of(name)
+            if ask:
+                return name in self.want or (layer is not None and layer > self.last)
+            if layer is not None and layer > self.last:
+                self.stopped = True
+                return False     # ends the graph here: later layers stay uncomputed in this context
+            # a name may be given twice (K before and after RoPE): the later node, the one the cache stores, wins
+            self.got[name] = tensor_array(t, self.n_tokens)
+            return True
+        except Exception as exc:   # an exception cannot cross into C: stop the graph and report it
+            self.error = exc
+            return False
+
+
+@dataclass(frozen=True)
+class Rope:
+    """How llama.cpp rotates K by position on this model (NORM: adjacent pairs; NEOX: halves)."""
+
+    neox: bool
+    n_rot: int
+    head_dim: int
+    freq_base: float
+    freq_scale: float
+
+    def rotate(self, k: np.ndarray, delta: int) -> np.ndarray:
+        """K rows (n, n_head_kv * head_dim) rotated by `delta` positions, as llama.cpp's K shift does."""
+        if not delta:
+            return k
+        n = k.shape[0]
+        heads = k.reshape(n, -1, self.head_dim).copy()
+        half = self.n_rot // 2
+        theta = self.freq_scale * delta * self.freq_base ** (-2.0 * np.arange(half) / self.n_rot)
+        cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+        if self.neox:
+            x0, x1 = heads[..., :half].copy(), heads[..., half:self.n_rot].copy()
+            heads[..., :half], heads[..., half:self.n_rot] = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+        else:
+            x0, x1 = heads[..., 0:self.n_rot:2].copy(), heads[..., 1:self.n_rot:2].copy()
+            heads[..., 0:self.n_rot:2], heads[..., 1:self.n_rot:2] = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+        return heads.reshape(n, -1)
+
+
+def rope_of(ctx: LlamaContext) -> Rope | None:
+    """The model's RoPE when it is one this module rotates (NORM or NEOX); None otherwise (V alone ranks)."""
+    import llama_cpp
+
+    model = ctx.model
+    kind = llama_cpp.llama_model_rope_type(model)
+    if kind not in (llama_cpp.LLAMA_ROPE_TYPE_NORM, llama_cpp.LLAMA_ROPE_TYPE_NEOX):
+        return None
+
+    def meta(key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+        return buf.value.decode() if n >= 0 else None
+
+    arch = meta("general.architecture") or "llama"
+    head_dim = int(meta(f"{arch}.attention.key_length")
+                   or llama_cpp.llama_model_n_embd(model) // llama_cpp.llama_model_n_head(model))
+    return Rope(neox=kind == llama_cpp.LLAMA_ROPE_TYPE_NEOX,
+                n_rot=int(meta(f"{arch}.rope.dimension_count") or head_dim), head_dim=head_dim,
+                freq_base=float(meta(f"{arch}.rope.freq_base") or 10000.0),
+                freq_scale=float(llama_cpp.llama_model_rope_freq_scale_train(model)))
+
+
+@dataclass
+class PlacedPassage:
+    """A stored passage placed whole: where it stands, where it was computed, and its stored cells."""
+
+    start: int
+    end: int
+    computed_at: int
+    view: object      # kvbridge.formats.llama_chunks.ChunkView
+
+
+@dataclass
+class Selection:
+    positions: np.ndarray      # prompt positions to recompute, ascending
+    scores: np.ndarray         # the deviation of every reused token, passages in order
+    drift: float               # mean deviation left in the reused tokens kept (the selected count as 0)
+    pass_ms: float             # the selection pass (the stopped prefill)
+    score_ms: float            # the deviations and the choice
+    with_k: bool               # K took part (else V alone)
+    note: str = ""
+
+
+def _rows(arrays: list[np.ndarray], layer: int, type_id: int, n: int, v_trans: bool = False) -> np.ndarray:
+    raw = arrays[layer]
+    if v_trans:   # (n_embd, n_cells, el) -> (n_cells, n_embd * el)
+        raw = np.ascontiguousarray(raw.transpose(1, 0, 2)).reshape(n, -1)
+    return raw.view(_FLOATS[type_id]).astype(np.float32)
+
+
+def relative_deviation(stored: np.ndarray, fresh: np.ndarray) -> np.ndarray:
+    """Per row: |stored - fresh| / |fresh| (L2 over the whole row)."""
+    return np.linalg.norm(stored - fresh, axis=1) / np.maximum(np.linalg.norm(fresh, axis=1), 1e-12)
+
+
+class SelectionPass:
+    """A context of the blend runner's model whose decodes stop after `layers` layers, and the choice it informs."""
+
+    def __init__(self, settings: Settings, geometry: KVGeometry, rope: Rope | None, layers: int) -> None:
+        bad = [t for t in (*geometry.k_types, *geometry.v_types) if t not in _FLOATS]
+        if bad:
+            raise SelectionUnavailable("the deviation rule reads f16 or f32 KV, and this cache is quantised "
+                                       "(KVB_CACHE_TYPE_K / KVB_CACHE_TYPE_V)")
+        self.settings = settings
+        self.geometry = geometry
+        self.rope = rope
+        self.layer = max(1, min(layers, geometry.n_layer)) - 1   # the layer compared: the last one computed
+        self._capture = _Capture(self.layer)
+        import llama_cpp
+
+        self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._capture)
+        self.ctx: LlamaContext | None = None
+        self._rotation_ok: bool | None = None if rope is not None else False
+
+    def close(self) -> None:
+        if self.ctx is not None:
+            self.ctx.close()
+            self.ctx = None
+
+    def _context(self, n_tokens: int) -> LlamaContext:
+        if self.ctx is None or self.ctx.n_cells < n_tokens:
+            cells = -(-n_tokens // CELL_STEP) * CELL_STEP
+            if self.ctx is not None:
+                self.ctx.close()
+                self.ctx = None
+            self.ctx = LlamaContext(self.settings, cells, 1, eval_callback=self._callback)
+        return self.ctx
+
+    def fresh(self, tokens: Sequence[int]) -> dict[bytes, np.ndarray]:
+        """The first layers' K (layer 0 and the compared one) and V of `tokens` decoded from position 0."""
+        ctx = self._context(len(tokens))
+        out: dict[bytes, list[np.ndarray]] = {}
+        ctx.seq_rm(0)
+        try:
+            for lo in range(0, len(tokens), BATCH_TOKENS):
+                piece = tokens[lo: lo + BATCH_TOKENS]
+                self._capture.reset(len(piece))
+                code = ctx.decode([(int(t), lo + i, 0, False) for i, t in enumerate(piece)])
+                if self._capture.error is not None:
+                    raise SelectionUnavailable(f"the selection pass could not read the graph: {self._capture.error}")
+                if code != 0:
+                    raise SelectionUnavailable(f"llama_decode returned {code} in the selection pass")
+                missing = self._capture.want - set(self._capture.got)
+                if missing:
+                    raise SelectionUnavailable("the selection pass found no "
+                                               + ", ".join(sorted(m.decode() for m in missing))
+                                               + " in this model's graph")
+                for name, arr in self._capture.got.items():
+                    out.setdefault(name, []).append(arr)
+        finally:
+            ctx.seq_rm(0)
+        return {name: np.concatenate(parts) for name, parts in out.items()}
+
+    def select(self, tokens: Sequence[int], placed: Sequence[PlacedPassage], count: int) -> Selection:
+        """The `count` reused tokens of `placed` whose stored KV deviates most from the prompt's own at the
+        compared layer, and the deviation the rest keep."""
+        t0 = time.perf_counter()
+        fresh = self.fresh(tokens[: max(p.end for p in placed)])
+        t1 = time.perf_counter()
+        g, layer = self.geometry, self.layer
+        k_fresh, v_fresh = fresh[b"Kcur-%d" % layer], fresh[b"Vcur-%d" % layer]
+        if self._rotation_ok is None:   # once per runner: does our rotation reproduce llama.cpp's K shift?
+            k0 = fresh[b"Kcur-0"]
+            worst = max(float(np.median(relative_deviation(
+                self.rope.rotate(_rows(p.view.k, 0, g.k_types[0], p.end - p.start), p.start - p.computed_at),
+                k0[p.start:p.end]))) for p in placed)
+            self._rotation_ok = worst < ROTATION_CHECK
+        with_k = bool(self._rotation_ok)
+        scores = []
+        for p in placed:
+            n = p.end - p.start
+            dv = relative_deviation(_rows(p.view.v, layer, g.v_types[layer], n, g.v_trans), v_fresh[p.start:p.end])
+            if with_k:
+                stored_k = self.rope.rotate(_rows(p.view.k, layer, g.k_types[layer], n), p.start - p.computed_at)
+                dv = dv + relative_deviation(stored_k, k_fresh[p.start:p.end])
+            scores.append(dv)
+        score = np.concatenate(scores)
+        positions = np.concatenate([np.arange(p.start, p.end) for p in placed])
+        count = max(0, min(count, len(score)))
+        chosen = np.sort(np.argsort(-score, kind="stable")[:count])
+        kept = score.copy()
+        kept[chosen] = 0.0
+        note = "" if with_k else ("deviation: V alone ranks the tokens (this model's K rotation is not one the "
+                                  "selection reproduces)")
+        return Selection(positions=positions[chosen], scores=score, drift=float(kept.mean()) if len(kept) else 0.0,
+                         pass_ms=(t1 - t0) * 1000, score_ms=(time.perf_counter() - t1) * 1000, with_k=with_k,
+                         note=note)
+
+
+def runs_of(positions: np.ndarray) -> list[tuple[int, int]]:
+    """Ascending positions as maximal runs (start, stop) of consecutive ones."""
+    out: list[tuple[int, int]] = []
+    for p in positions.tolist():
+        if out and out[-1][1] == p:
+            out[-1] = (out[-1][0], p + 1)
+        else:
+            out.append((p, p + 1))
+    return out
