@@ -51,6 +51,21 @@ def test_a_blend_request_without_passages_runs_as_usual(scheduler):
     assert record.mode == "lmcache" and "ran as lmcache" in record.notes
 
 
+def test_the_deviation_rule_runs_through_the_scheduler(make_module_settings):
+    """KVB_BLEND_RECOMPUTE_AT=deviation on the scheduler's context: the selection pass (a context of its own)
+    picks the tokens, recomputed through the scheduler's free sequences; the record says how many and why."""
+    settings = make_module_settings(ctx_size=2048, sched_kv_cells=4096, sched_max_running=2, sched_cached_prefixes=2,
+                                    n_predict=8, blend_recompute_at="deviation", blend_recompute_ratio=0.2)
+    with Scheduler(settings) as s:
+        s.submit(rag(["p03", "p07", "p09"]), blend=True).result(timeout=300)
+        assert s.drain(60)
+        record = s.submit(rag(["p09", "p03", "p07"]), blend=True).result(timeout=300)
+    assert not record.error, record.error
+    assert "4 of 4 segments reused" in record.notes and "the most deviant by the selection pass" in record.notes
+    assert record.blend_drift is not None and record.blend_drift > 0 and not record.blend_fallback
+    assert record.text and record.prefill_tokens == record.prompt_tokens - record.matched_tokens
+
+
 def test_serve_blends_on_the_header_and_names_a_bad_value():
     pytest.importorskip("openai", reason="the openai SDK is not installed (requirements.txt)")
     import tempfile
