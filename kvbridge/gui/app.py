@@ -156,6 +156,8 @@ def _results_panel(ui: SimpleNamespace) -> None:
         ui.hits_plot = gr.Plot(show_label=False, elem_id="kvb-plot-hits")
     ui.stages_plot = gr.Plot(show_label=False, elem_id="kvb-plot-stages")
     ui.shadow_plot = gr.Plot(show_label=False, visible=False, elem_id="kvb-plot-shadow")
+    # the task's quality against speed, for a scenario that knows the answers (rag)
+    ui.facts_plot = gr.Plot(show_label=False, visible=False, elem_id="kvb-plot-facts")
     ui.table = gr.Dataframe(records_table([]), label="Requests", interactive=False, wrap=False, max_height=420,
                             elem_id="kvb-results-table")
     with gr.Row():
@@ -218,7 +220,7 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
     store_outputs = [ui.store_md, ui.store_plot, ui.tier_choice, ui.server_box, ui.server_md, ui.page_map_plot,
                      ui.events_md, ui.hit_rate_plot, ui.evictions_md]
     results_outputs = [ui.status, ui.run_msg, ui.summary, ui.speedup_plot, ui.summary_plot, ui.ttft_plot,
-                       ui.hits_plot, ui.stages_plot, ui.shadow_plot, ui.table, *store_outputs]
+                       ui.hits_plot, ui.stages_plot, ui.shadow_plot, ui.facts_plot, ui.table, *store_outputs]
 
     def store_values(choose_first_tier: bool = False) -> list[Any]:
         census = store_census(state)   # before stats(), as in _store_panel
@@ -234,8 +236,9 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
     def results_values(view: ResultsView, choose_first_tier: bool = False) -> list[Any]:
         figs = view.figures
         shadow = gr.update(value=figs.get("shadow"), visible=view.has_shadow)
+        facts = gr.update(value=figs.get("facts"), visible=view.has_facts)
         return [engine_status(state), _message(view), view.summary, figs["speedup"], figs["ttft_summary"],
-                figs["ttft_per_request"], figs["hits"], figs["stages"], shadow, view.table,
+                figs["ttft_per_request"], figs["hits"], figs["stages"], shadow, facts, view.table,
                 *store_values(choose_first_tier)]
 
     # engine

@@ -262,6 +262,42 @@ def shadow_figure(records: Sequence[RequestRecord]) -> go.Figure:
                         yaxis={"title": "prompt tokens", "rangemode": "tozero"})
 
 
+FACTS_HINT = ("Shown for scenarios that know the answers (rag): how often each mode's answer states the expected "
+              "fact, against its TTFT.")
+
+
+def judged_records(records: Sequence[RequestRecord]) -> list[RequestRecord]:
+    """The records whose answer can be judged: the scenario knew the fact (record.expected) and the request ran."""
+    return [r for r in records if r.expected and not r.error]
+
+
+def fact_rate_figure(records: Sequence[RequestRecord]) -> go.Figure:
+    """The task's quality against its speed: per mode, the share of answers stating the expected fact
+    (report.holds_fact) at the mode's mean TTFT, one point each, cold included."""
+    from kvbridge.bench.common.report import holds_fact
+
+    title = "Answers stating the fact against TTFT: up and left is better"
+    judged = judged_records(records)
+    if not judged:
+        return _empty(title, FACTS_HINT)
+    fig = go.Figure()
+    for mode in ordered_modes(judged):
+        mine = [r for r in judged if r.mode == mode]
+        holding = sum(holds_fact(r.text, r.expected) for r in mine)
+        mean = statistics.fmean(r.ttft_ms for r in mine)
+        color = MODE_COLORS.get(mode, "#475569")
+        fig.add_trace(go.Scatter(
+            x=[max(mean, 0.01)], y=[100 * holding / len(mine)], mode="markers+text", name=mode,
+            text=[f"{mode} {holding}/{len(mine)}"], textposition="top center", cliponaxis=False,
+            marker={"color": color, "size": 14}, textfont={"size": 13},
+            hovertemplate=(f"{mode}: {holding} of {len(mine)} answers state the expected fact (%{{y:.0f}} %)"
+                           "<br>mean TTFT %{x:.1f} ms<extra></extra>"),
+        ))
+    return _base_layout(fig, title, xaxis={"title": "mean TTFT (ms, log scale)", "type": "log"},
+                        yaxis={"title": "answers stating the fact (%)", "range": [0, 112],   # room for 100 %'s label
+                               "tickvals": [0, 25, 50, 75, 100]})
+
+
 # -- the store --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TierUsage:
@@ -473,6 +509,8 @@ def run_figures(records: Sequence[RequestRecord], store_stats: dict | None = Non
     }
     if any(r.kv_mode == "shadow" for r in records):
         figures["shadow"] = shadow_figure(records)
+    if judged_records(records):   # a scenario that knows the answers (rag): quality against speed
+        figures["facts"] = fact_rate_figure(records)
     if store_stats:
         figures["store"] = store_figure(store_stats)
     return figures

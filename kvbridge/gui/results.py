@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 from kvbridge.gui.handlers import (AppState, Outcome, connecting_message, connecting_now, failure_message,
                                    no_engine_message, wait_for_connect)
 from kvbridge.gui.store_panel import store_stats
-from kvbridge.gui.charts import ModeSummary, mode_summaries, run_figures
+from kvbridge.gui.charts import ModeSummary, judged_records, mode_summaries, run_figures
 from kvbridge.errors import BadSettings, KVBridgeError
 from kvbridge.gui.export import export_run
 from kvbridge.engine.modes import mode_names
@@ -53,6 +53,7 @@ class ResultsView:
     summary: str
     figures: dict[str, go.Figure]
     has_shadow: bool
+    has_facts: bool = False   # the scenario knew the answers (rag): the fact rate against TTFT is drawn
 
 
 def records_table(records: Sequence[RequestRecord], preview_text: bool = True) -> dict[str, list]:
@@ -134,6 +135,7 @@ def results_view(state: AppState, message: str = "", ok: bool = True,
         summary=summary_markdown(records),
         figures=figures,
         has_shadow=any(r.kv_mode == "shadow" for r in records),
+        has_facts=bool(judged_records(records)),
     )
 
 
