@@ -13,14 +13,13 @@ import pytest
 
 from conftest import as_fresh
 from kvbridge.backends.llamacpp import LlamaCppBackend
-from kvbridge.bench.probes.blend_deviation_probe import deviations, edge_rule
+from kvbridge.bench.probes.blend_deviation_probe import cold_and_blend_states, deviations, edge_rule
 from kvbridge.bench.rag import build_prompts, load_corpus
 from kvbridge.blend.result import BlendResult
 from kvbridge.blend.runner import ANSWER
 from kvbridge.blend.selection import GgmlTensor, Rope, _layer_of, runs_of
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.engine.segments import segment_spans
-from kvbridge.formats.llama_state import parse_state
 from kvbridge.settings import Settings
 
 
@@ -78,19 +77,6 @@ def prompt(engine):
     return [int(t) for t in p.tokens], list(p.segments)
 
 
-def _cold_and_blend_states(runner, tokens, starts):
-    ctx = runner.ctx
-    runner.run(tokens, starts, recompute=0, n_predict=1, reuse=False, store=False)
-    cold = parse_state(ctx.save_seq(ANSWER))
-    ctx.seq_rm(ANSWER)
-    result = BlendResult()
-    placement = runner.place(tokens, starts, 0, result)
-    runner._flush(placement.pending, placement.kv_tokens, result, ANSWER)   # applies the K shift
-    blend = parse_state(ctx.save_seq(ANSWER))
-    ctx.seq_rm(ANSWER)
-    return cold, blend
-
-
 def test_selection_picks_the_tokens_a_cold_prefill_says_deviate_most(engine, prompt):
     runner = engine._blend_runner()
     tokens, starts = prompt
@@ -103,12 +89,15 @@ def test_selection_picks_the_tokens_a_cold_prefill_says_deviate_most(engine, pro
     runner._place_fixed(tokens, starts, 0, result, answer=ANSWER, scratch=1, reuse=True, recompute_at="end",
                         run_seqs=(), shifted=placed)
     runner.ctx.seq_rm(ANSWER)
+    prefix = [p for p in placed if p.start == p.computed_at]
+    placed = [p for p in placed if p.start != p.computed_at]
+    assert [(p.start, p.end) for p in prefix] == spans[:2]      # the instruction and first passage, unshifted
     assert [(p.start, p.end) for p in placed] == shifted
-    selection = runner._selector().select(tokens, placed, count)
+    selection = runner._selector().select(tokens, placed, count, prefix)
     assert selection.with_k, "layer 0's K, rotated by the shift, must equal the fresh K (our RoPE is llama.cpp's)"
     assert len(selection.positions) == count and selection.pass_ms > 0
     # the same deviation measured the slow way: a full cold prefill against the blended, shifted cells
-    cold, blend = _cold_and_blend_states(runner, tokens, starts)
+    cold, blend, _ = cold_and_blend_states(runner, tokens, starts)
     dk, dv = deviations(cold, blend, rows)
     layer = runner._selector().layer
     truth = dk[layer] + dv[layer]
@@ -123,6 +112,9 @@ def test_selection_picks_the_tokens_a_cold_prefill_says_deviate_most(engine, pro
         assert len(fixed & truth_top) / count < overlap - 0.2
     # and the deviation the kept tokens carry is what the gate reads: the top ones taken out
     assert 0 < selection.drift < truth.mean()
+    # the instruction and first passage restored in the pass rather than decoded: the same choice
+    decoded = runner._selector().select(tokens, placed, count)
+    assert len(set(decoded.positions.tolist()) & chosen) >= 0.9 * count
 
 
 def test_deviation_rule_recomputes_the_ratio_and_answers(engine, prompt):
@@ -145,16 +137,11 @@ def test_every_shifted_token_recomputed_holds_the_prompts_own_kv(engine, prompt)
     (cold's, up to the rounding of another batch shape), where the shift alone leaves it far off."""
     runner = engine._blend_runner()
     tokens, starts = prompt
-    ctx = runner.ctx
     spans = segment_spans(starts, len(tokens))
     rows = np.concatenate([np.arange(a, b) for a, b in spans[2:-1]])
-    cold, shifted = _cold_and_blend_states(runner, tokens, starts)
-    result = BlendResult()
-    placement = runner.place(tokens, starts, 0, result, recompute_at="deviation", ratio=1.0,
-                             run_seqs=range(2, 10))
-    runner._flush(placement.pending, placement.kv_tokens, result, ANSWER)
-    full = parse_state(ctx.save_seq(ANSWER))
-    ctx.seq_rm(ANSWER)
+    cold, shifted, _ = cold_and_blend_states(runner, tokens, starts)
+    _, full, result = cold_and_blend_states(runner, tokens, starts, recompute_at="deviation", ratio=1.0,
+                                            run_seqs=range(2, 10))
     assert result.recomputed_runs == 1 and full.n_cells == len(tokens)
     last = cold.geometry.n_layer - 1
     dk_full, dv_full = deviations(cold, full, rows)

@@ -16,13 +16,10 @@ names) falls back to the start rule, and the record's notes say so.
 """
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
-from kvbridge.backends.llama_context import BATCH_TOKENS
 from kvbridge.blend.result import BlendResult, Placement
 from kvbridge.blend.selection import PlacedPassage, SelectionPass, SelectionUnavailable, rope_of, runs_of
-from kvbridge.errors import StateTransferError
 
 
 class DeviationPlacement:
@@ -43,12 +40,14 @@ class DeviationPlacement:
         placed: list[PlacedPassage] = []
         placement = self._place_fixed(tokens, starts, 0, result, answer=answer, scratch=scratch, reuse=reuse,
                                       recompute_at="end", run_seqs=(), shifted=placed)
+        prefix = [p for p in placed if p.start == p.computed_at]      # the instruction and first passage
+        placed = [p for p in placed if p.start != p.computed_at]      # the shifted passages
         if not placed:
             return placement
         reused = sum(p.end - p.start for p in placed)
         count = round(ratio * reused) if ratio > 0 else recompute * len(placed)
         try:
-            selection = self._selector().select(tokens, placed, count)
+            selection = self._selector().select(tokens, placed, count, prefix)
         except SelectionUnavailable as exc:
             self._restart(result, answer)
             result.notes.append(f"blend: the deviation rule could not run ({exc}); each passage's first tokens "
@@ -66,7 +65,9 @@ class DeviationPlacement:
             return self._place_fixed(tokens, starts, 0, result, answer=answer, scratch=scratch, reuse=reuse,
                                      recompute_at="end", run_seqs=(), prefix_only=True)
         runs = runs_of(selection.positions)
-        self._recompute_in_place(tokens, runs, answer, run_seqs or (scratch,), result)
+        # each run sees the stored cells around it, as CacheBlend's recomputed tokens attend to the reused KV
+        self._recompute_runs([(a, tokens[a:b]) for a, b in runs], answer, run_seqs or (scratch,), result,
+                             replace=True)
         result.reused_tokens -= len(selection.positions)
         result.recomputed_tokens = len(tokens) - result.reused_tokens
         result.recomputed_runs = len(runs)
@@ -76,34 +77,3 @@ class DeviationPlacement:
         """The answer's sequence emptied for another placement; what was read and spent stays counted."""
         self.ctx.seq_rm(answer)
         result.reused_tokens = result.reused_segments = 0
-
-    def _recompute_in_place(self, tokens: list[int], runs: list[tuple[int, int]], answer: int,
-                            run_seqs: Sequence[int], result: BlendResult) -> None:
-        """Recompute positions [a, b) of each run, whose stored cells stand in `answer`: each run decoded in a
-        sequence of its own sharing `answer`'s cells before it (stored ones included, as CacheBlend's
-        recomputed tokens attend to the reused KV), as few llama_decode calls as the sequences allow; then
-        the run's stored cells are dropped from `answer` and the new ones handed to it."""
-        t = time.perf_counter()
-        ctx = self.ctx
-        runs = list(runs)
-        while runs:
-            group, runs = runs[:len(run_seqs)], runs[len(run_seqs):]
-            entries = []
-            try:
-                for seq, (a, b) in zip(run_seqs, group):
-                    ctx.seq_rm(seq)
-                    ctx.seq_cp_range(answer, seq, 0, a)
-                    entries += [(tokens[p], p, seq, False) for p in range(a, b)]
-                for lo in range(0, len(entries), BATCH_TOKENS):
-                    code = ctx.decode(entries[lo: lo + BATCH_TOKENS])
-                    if code != 0:
-                        raise StateTransferError(f"llama_decode returned {code} for {len(entries)} recomputed blend "
-                                                 f"tokens (no room in the context of {ctx.n_cells} cells?)")
-                for seq, (a, b) in zip(run_seqs, group):
-                    ctx.seq_rm(answer, a, b)
-                    ctx.seq_cp_range(seq, answer, a, b)
-            finally:
-                for seq, _ in zip(run_seqs, group):
-                    ctx.seq_rm(seq)
-        result.prefill_ms += (time.perf_counter() - t) * 1000
-

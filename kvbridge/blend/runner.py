@@ -225,7 +225,8 @@ class BlendRunner(DeviationPlacement):
                      ratio: float = 0.0, shifted: list[PlacedPassage] | None = None,
                      prefix_only: bool = False) -> "Placement":
         """end/start: `recompute` (or `ratio` of each passage) of every stored passage's last or first tokens.
-        `shifted` collects the passages placed at a new position (whole, with recompute 0); prefix_only reuses the instruction
+        `shifted` collects the segments placed whole (with recompute 0): the instruction and first passage where
+        they were computed (start == computed_at), then the passages placed at a new position; prefix_only reuses the instruction
         and the first passage alone (the gate's fallback)."""
         at_end = recompute_at == "end"
         per_passage = (lambda n: round(ratio * n)) if ratio > 0 else (lambda n: recompute)
@@ -240,7 +241,7 @@ class BlendRunner(DeviationPlacement):
         first = (tokens[passages[0][0]:passages[0][1]]
                  if passages and per_passage(passages[0][1] - passages[0][0]) < passages[0][1] - passages[0][0]
                  else None)
-        placed = self._place_instruction(instruction, first, result, answer) if reuse else None
+        placed = self._place_instruction(instruction, first, result, answer, shifted) if reuse else None
         if placed is not None:
             pending_at = len(instruction)
             if placed:
@@ -289,9 +290,11 @@ class BlendRunner(DeviationPlacement):
         return Placement(pending_at, pending, instruction, missing)
 
     def _recompute_runs(self, runs: list[tuple[int, list[int]]], answer: int, run_seqs: Sequence[int],
-                        result: BlendResult) -> None:
+                        result: BlendResult, replace: bool = False) -> None:
         """Decode each run (position, tokens) in a sequence of its own sharing `answer`'s cells before it, as
-        few llama_decode calls as the sequences and the batch allow, then hand the new cells to `answer`."""
+        few llama_decode calls as the sequences and the batch allow, then hand the new cells to `answer`
+        (emptying `runs`). replace: `answer` holds stored cells where the runs go (the deviation rule), which
+        the new ones replace."""
         t = time.perf_counter()
         ctx = self.ctx
         while runs:
@@ -308,6 +311,8 @@ class BlendRunner(DeviationPlacement):
                         raise StateTransferError(f"llama_decode returned {code} for {len(entries)} recomputed blend "
                                                  f"tokens (no room in the context of {ctx.n_cells} cells?)")
                 for seq, (at, run) in zip(run_seqs, group):
+                    if replace:
+                        ctx.seq_rm(answer, at, at + len(run))
                     ctx.seq_cp_range(seq, answer, at, at + len(run))
             finally:    # a failed decode leaves no cells behind in the run sequences
                 for seq, _ in zip(run_seqs, group):
@@ -390,7 +395,7 @@ class BlendRunner(DeviationPlacement):
         return self._get(passage_key(self.namespace, instruction, passage), passage, result)
 
     def _place_instruction(self, instruction: Sequence[int], first_tokens: Sequence[int] | None, result: BlendResult,
-                           answer: int) -> bool | None:
+                           answer: int, placed: list[PlacedPassage] | None = None) -> bool | None:
         """The stored instruction into `answer` at positions 0.., followed in the same load by the first
         passage (`first_tokens`) when it is stored: it was computed right after the instruction, so it needs
         no shift and its KV is cold's. None: the instruction is not stored; else whether the passage came too."""
@@ -408,6 +413,10 @@ class BlendRunner(DeviationPlacement):
         result.handoff_ms += (time.perf_counter() - t1) * 1000
         result.reused_segments += 1 + (first is not None)
         result.reused_tokens += n_cells
+        if placed is not None:   # where they were computed: the selection pass restores them instead of decoding
+            placed.append(PlacedPassage(0, len(instruction), 0, found.view))
+            if first is not None:
+                placed.append(PlacedPassage(len(instruction), n_cells, len(instruction), first.view))
         return first is not None
 
     def _scratch_for(self, n_cells: int) -> np.ndarray:

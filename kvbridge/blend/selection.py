@@ -4,7 +4,9 @@ layer.
 
 Place in the flow: BlendRunner.place (kvbridge.blend.runner) has placed every stored passage whole -> the
 **selection pass**: the prompt up to its last placed passage is decoded in a context of its own (this
-module's, on the same model file) whose graph stops after the first KVB_BLEND_SELECT_LAYERS layers: a ggml
+module's, on the same model file; the instruction and the first passage, which stand where they were
+computed, are restored there from their stored KV, not decoded) whose graph stops after the first
+KVB_BLEND_SELECT_LAYERS layers: a ggml
 eval callback reads each layer's fresh K (after RoPE) and V as llama.cpp computes them, and ends the graph at
 the next layer's first node, so the pass costs about layers / n_layer of a prefill -> **deviation** per
 reused token: |fresh - stored| / |fresh| of K (the stored K rotated by the passage's shift, as llama.cpp's K
@@ -31,6 +33,7 @@ import numpy as np
 
 from kvbridge.backends.llama_context import BATCH_TOKENS, LlamaContext
 from kvbridge.errors import KVBridgeError
+from kvbridge.formats.llama_chunks import assemble_state
 from kvbridge.formats.llama_state import KVGeometry
 from kvbridge.settings import Settings
 
@@ -221,13 +224,19 @@ class SelectionPass:
             self.ctx = LlamaContext(self.settings, cells, 1, eval_callback=self._callback)
         return self.ctx
 
-    def fresh(self, tokens: Sequence[int]) -> dict[bytes, np.ndarray]:
-        """The first layers' K (layer 0 and the compared one) and V of `tokens` decoded from position 0."""
+    def fresh(self, tokens: Sequence[int], prefix: Sequence[PlacedPassage] = ()) -> tuple[int, dict[bytes, np.ndarray]]:
+        """The first layers' K (layer 0 and the compared one) and V of `tokens`, from the position after the
+        segments `prefix` (stored where they were computed, so their KV is the prompt's own: restored, not
+        decoded); (that position, arrays indexed from it)."""
         ctx = self._context(len(tokens))
         out: dict[bytes, list[np.ndarray]] = {}
         ctx.seq_rm(0)
+        start = 0
         try:
-            for lo in range(0, len(tokens), BATCH_TOKENS):
+            if prefix:
+                ctx.load_seq(0, assemble_state(self.geometry, [(p.view, p.view.n_cells) for p in prefix], seq_id=0))
+                start = prefix[-1].end
+            for lo in range(start, len(tokens), BATCH_TOKENS):
                 piece = tokens[lo: lo + BATCH_TOKENS]
                 self._capture.reset(len(piece))
                 code = ctx.decode([(int(t), lo + i, 0, False) for i, t in enumerate(piece)])
@@ -244,13 +253,16 @@ class SelectionPass:
                     out.setdefault(name, []).append(arr)
         finally:
             ctx.seq_rm(0)
-        return {name: np.concatenate(parts) for name, parts in out.items()}
+        return start, {name: np.concatenate(parts) for name, parts in out.items()}
 
-    def select(self, tokens: Sequence[int], placed: Sequence[PlacedPassage], count: int) -> Selection:
-        """The `count` reused tokens of `placed` whose stored KV deviates most from the prompt's own at the
-        compared layer, and the deviation the rest keep."""
+    def select(self, tokens: Sequence[int], placed: Sequence[PlacedPassage], count: int,
+               prefix: Sequence[PlacedPassage] = ()) -> Selection:
+        """The `count` reused tokens of `placed` (shifted passages) whose stored KV deviates most from the
+        prompt's own at the compared layer, and the deviation the rest keep. `prefix`: the stored segments
+        that stand where they were computed, in order from position 0 (restored in the pass, not decoded)."""
         t0 = time.perf_counter()
-        fresh = self.fresh(tokens[: max(p.end for p in placed)])
+        prefix = list(prefix) if prefix and prefix[-1].end <= placed[0].start else []
+        at, fresh = self.fresh(tokens[: max(p.end for p in placed)], prefix)
         t1 = time.perf_counter()
         g, layer = self.geometry, self.layer
         k_fresh, v_fresh = fresh[b"Kcur-%d" % layer], fresh[b"Vcur-%d" % layer]
@@ -258,16 +270,16 @@ class SelectionPass:
             k0 = fresh[b"Kcur-0"]
             worst = max(float(np.median(relative_deviation(
                 self.rope.rotate(_rows(p.view.k, 0, g.k_types[0], p.end - p.start), p.start - p.computed_at),
-                k0[p.start:p.end]))) for p in placed)
+                k0[p.start - at:p.end - at]))) for p in placed)
             self._rotation_ok = worst < ROTATION_CHECK
         with_k = bool(self._rotation_ok)
         scores = []
         for p in placed:
-            n = p.end - p.start
-            dv = relative_deviation(_rows(p.view.v, layer, g.v_types[layer], n, g.v_trans), v_fresh[p.start:p.end])
+            n, lo, hi = p.end - p.start, p.start - at, p.end - at
+            dv = relative_deviation(_rows(p.view.v, layer, g.v_types[layer], n, g.v_trans), v_fresh[lo:hi])
             if with_k:
                 stored_k = self.rope.rotate(_rows(p.view.k, layer, g.k_types[layer], n), p.start - p.computed_at)
-                dv = dv + relative_deviation(stored_k, k_fresh[p.start:p.end])
+                dv = dv + relative_deviation(stored_k, k_fresh[lo:hi])
             scores.append(dv)
         score = np.concatenate(scores)
         positions = np.concatenate([np.arange(p.start, p.end) for p in placed])

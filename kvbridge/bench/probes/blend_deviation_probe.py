@@ -107,17 +107,24 @@ class PromptDeviation:
     fields: dict = field(default_factory=dict)
 
 
-def measure_prompt(runner: BlendRunner, tokens: list[int], starts: Sequence[int]) -> PromptDeviation:
+def cold_and_blend_states(runner: BlendRunner, tokens: list[int], starts: Sequence[int],
+                          **place) -> tuple[ParsedState, ParsedState, BlendResult]:
+    """The answer sequence's state after a cold prefill, and after blend's placement (`place`: its keywords,
+    default nothing recomputed) with the question decoded, which applies llama.cpp's pending K shift."""
     ctx = runner.ctx
     runner.run(tokens, starts, recompute=0, n_predict=1, reuse=False, store=False)
     cold = parse_state(ctx.save_seq(ANSWER))
     ctx.seq_rm(ANSWER)
     result = BlendResult()
-    placement = runner.place(tokens, starts, 0, result)
-    # decoding what is left (the question) applies llama.cpp's pending K shift to the placed cells
+    placement = runner.place(tokens, starts, 0, result, **place)
     runner._flush(placement.pending, placement.kv_tokens, result, ANSWER)
     blend = parse_state(ctx.save_seq(ANSWER))
     ctx.seq_rm(ANSWER)
+    return cold, blend, result
+
+
+def measure_prompt(runner: BlendRunner, tokens: list[int], starts: Sequence[int]) -> PromptDeviation:
+    cold, blend, result = cold_and_blend_states(runner, tokens, starts)
     spans = segment_spans(starts, len(tokens))
     if blend.n_cells != len(tokens) or cold.n_cells != len(tokens):
         raise RuntimeError(f"expected {len(tokens)} cells, cold {cold.n_cells}, blended {blend.n_cells}")
