@@ -45,7 +45,7 @@ def test_segments_keep_one_bos_and_drop_the_separator():
 @pytest.fixture(scope="module")
 def shared_engine(make_module_settings):
     """One engine for the module (one model load): each test gets it through `engine`, as a fresh one."""
-    settings = make_module_settings(ctx_size=4096, n_predict=8, blend_recompute_tokens=8)
+    settings = make_module_settings(ctx_size=4096, n_predict=8, blend_recompute_tokens=8, blend_recompute_ratio=0.0)
     with CachedEngine(settings, LlamaCppBackend(settings)) as e:
         yield e
 

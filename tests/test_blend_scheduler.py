@@ -25,7 +25,7 @@ def scheduler(make_module_settings):
     """One scheduler for both tests (one model load): the request without passages stores nothing a
     blend request finds, so either test may run first."""
     settings = make_module_settings(ctx_size=2048, sched_kv_cells=4096, sched_max_running=2, sched_cached_prefixes=2,
-                             n_predict=8, blend_recompute_tokens=8)
+                             n_predict=8, blend_recompute_tokens=8, blend_recompute_ratio=0.0)
     with Scheduler(settings) as s:
         yield s
 

@@ -38,7 +38,8 @@ def run_blend(engine, request: ModeRequest) -> None:
     recompute = settings.blend_recompute_tokens
     result = runner.run(p.tokens, p.segments, recompute=recompute, n_predict=request.n_predict,
                         temperature=request.temperature, on_text=request.on_text, t0=request.t0,
-                        recompute_at=settings.blend_recompute_at)
+                        recompute_at=settings.blend_recompute_at, ratio=settings.blend_recompute_ratio,
+                        gate=settings.blend_gate)
     result.fill_record(record, len(p.segments), recompute, settings.blend_recompute_at,
                        settings.blend_recompute_ratio)
     record.ttft_ms = result.ttft_ms

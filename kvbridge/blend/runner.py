@@ -145,7 +145,7 @@ class BlendRunner(DeviationPlacement):
     def run(self, tokens: Sequence[int], starts: Sequence[int], *, recompute: int, n_predict: int,
             temperature: float = 0.0, seed: int | None = None, reuse: bool = True, store: bool = True,
             on_text: Callable[[str], None] | None = None, t0: float | None = None,
-            recompute_at: str = "end", ratio: float | None = None, gate: float | None = None,
+            recompute_at: str = "end", ratio: float = 0.0, gate: float = 0.0,
             prefix_only: bool = False) -> BlendResult:
         """Answer `tokens` (segments beginning at `starts`: instruction, passages, question).
 
@@ -160,9 +160,7 @@ class BlendRunner(DeviationPlacement):
         spans = segment_spans(starts, len(tokens))
         room = need + max(b - a for a, b in spans)
         if recompute_at == "deviation" and not prefix_only:
-            share = self.settings.blend_recompute_ratio if ratio is None else ratio
-            room += (-(-int(share * 1000) * len(tokens) // 1000) if share > 0
-                     else recompute * max(0, len(spans) - 3))
+            room += -(-int(ratio * 1000) * len(tokens) // 1000) if ratio > 0 else recompute * max(0, len(spans) - 3)
         if room > self.ctx.n_cells and self._own_context and self.ctx.n_cells < self.max_cells:
             self._grow(min(room, self.max_cells))
         if need > self.ctx.n_cells:
@@ -190,8 +188,8 @@ class BlendRunner(DeviationPlacement):
 
     def place(self, tokens: list[int], starts: Sequence[int], recompute: int, result: BlendResult, *,
               answer: int = ANSWER, scratch: int = SCRATCH, reuse: bool = True,
-              recompute_at: str = "end", run_seqs: Sequence[int] = (), ratio: float | None = None,
-              gate: float | None = None) -> "Placement":
+              recompute_at: str = "end", run_seqs: Sequence[int] = (), ratio: float = 0.0,
+              gate: float = 0.0) -> "Placement":
         """Fill the empty sequence `answer` left to right: the stored instruction (with the first passage when
         it is stored: it stands where it was computed, so its KV is cold's and nothing of it is recomputed),
         then for each later passage its stored cells and `recompute` of its tokens decoded in context: its
@@ -205,16 +203,14 @@ class BlendRunner(DeviationPlacement):
         weight once: ~28 ms here for a few tokens). They then see the stored cells of the passages before
         them, not those passages' recomputed tokens.
 
-        `ratio` (default KVB_BLEND_RECOMPUTE_RATIO), when above 0, wins over `recompute`: that share of each
-        reused passage's tokens (end, start), or of all reused tokens (deviation). "deviation" places every
-        stored passage whole, asks the selection pass which tokens deviate most (kvbridge.blend.selection),
-        and recomputes those in context; with `gate` (default KVB_BLEND_GATE) above 0, a prompt whose kept
-        tokens deviate more than it is placed as prefix reuse instead (result.fell_back)."""
+        `ratio` (a request passes KVB_BLEND_RECOMPUTE_RATIO), when above 0, wins over `recompute`: that share
+        of each reused passage's tokens (end, start), or of all reused tokens (deviation). "deviation" places
+        every stored passage whole, asks the selection pass which tokens deviate most
+        (kvbridge.blend.selection), and recomputes those in context; with `gate` (KVB_BLEND_GATE) above 0, a
+        prompt whose kept tokens deviate more than it is placed as prefix reuse instead (result.fell_back)."""
         if recompute_at not in RECOMPUTE_AT:
             raise ValueError(f"recompute_at must be one of {RECOMPUTE_AT}, got {recompute_at!r}")
-        ratio = self.settings.blend_recompute_ratio if ratio is None else ratio
         if recompute_at == "deviation":
-            gate = self.settings.blend_gate if gate is None else gate
             return self._place_deviation(tokens, starts, recompute, result, answer=answer, scratch=scratch,
                                          reuse=reuse, run_seqs=run_seqs, ratio=ratio, gate=gate)
         return self._place_fixed(tokens, starts, recompute, result, answer=answer, scratch=scratch, reuse=reuse,

@@ -72,7 +72,8 @@ class BlendPlacer:
         try:
             placement = runner.place(request.prompt, request.segments, self.settings.blend_recompute_tokens, result,
                                      answer=request.seq, scratch=scratch,
-                                     recompute_at=self.settings.blend_recompute_at, run_seqs=runs)
+                                     recompute_at=self.settings.blend_recompute_at, run_seqs=runs,
+                                     ratio=self.settings.blend_recompute_ratio, gate=self.settings.blend_gate)
         except KVBridgeError as exc:
             self._ctx.seq_rm(request.seq)
             self.journal.counters["restore_failed"] += 1

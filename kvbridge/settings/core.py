@@ -88,7 +88,7 @@ class Settings:
     blend_separator: str = "[KVB_SEP]"   # cuts a prompt into instruction, passages, question (in every mode)
     blend_recompute_tokens: int = 4      # tokens of each reused passage after the first recomputed in context (Research §16)
     blend_recompute_at: str = "end"      # which ones: "end" (its last tokens), "start" (its first, as EPIC) or "deviation"
-    blend_recompute_ratio: float = 0.0   # above 0: that share of the reused tokens instead (wins over the token count)
+    blend_recompute_ratio: float = 0.05  # above 0: that share of the reused tokens instead (wins over the token count)
     blend_select_layers: int = 3         # deviation: layers the selection pass computes (compares at the last)
     blend_gate: float = 0.0              # deviation: above 0, a prompt whose kept tokens deviate more runs as prefix reuse
     # the scheduler (kvbridge.scheduler): many requests on one llama.cpp context

@@ -121,7 +121,7 @@ def measure_corpus(engine, corpus_name: str, *, n_prompts: int = PROMPTS, n_pass
         run.answers["shift"] = answer(shift, cold.tokens, reusable, whole)
         s = engine.settings     # the settings' own blend: what `bench --scenario rag` and serve run
         own = runner.run(tokens, starts, recompute=s.blend_recompute_tokens, n_predict=n_predict, store=False,
-                         recompute_at=s.blend_recompute_at)
+                         recompute_at=s.blend_recompute_at, ratio=s.blend_recompute_ratio, gate=s.blend_gate)
         run.answers["settings"] = answer(own, cold.tokens, reusable, whole)
         for rule, ratio, g in variants:
             b = runner.run(tokens, starts, recompute=0, n_predict=n_predict, store=False, recompute_at=rule,
