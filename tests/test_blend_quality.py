@@ -62,3 +62,10 @@ def test_one_real_prompt_through_every_row(make_module_settings):
     assert [r.setting for r in rows][:3] == ["cold", "prefix", "shift"]
     assert rows[0].speedup == 1.0
     assert len(curve_figure(rows).data) >= 4
+
+
+def test_the_screenshot_tool_names_a_missing_html_page(tmp_path, capsys):
+    from kvbridge.gui.screenshot import main
+
+    assert main(["--html", str(tmp_path / "absent.html"), "--out", str(tmp_path / "x.png")]) == 2
+    assert "absent.html is not a file" in capsys.readouterr().err

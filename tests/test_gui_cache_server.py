@@ -16,7 +16,7 @@ from kvbridge.cache_server.remote_store import RemoteStore
 from kvbridge.cache_server.server import CacheServer
 from kvbridge.gui import handlers as h
 from kvbridge.gui import store_panel as sp
-from kvbridge.gui.charts import PAGE_MAP_MAX_CELLS, PAGE_STATES, page_map_figure
+from kvbridge.gui.page_map_chart import PAGE_MAP_MAX_CELLS, PAGE_STATES, page_map_figure
 from kvbridge.gui.server_panel import ENABLE_EVENTS, KV_EVENTS_MODULE, pressure_line, server_view
 from kvbridge.store import ObjectMeta, TieredStore
 

@@ -89,6 +89,22 @@ def take_screenshot(out: Path, window: dict[str, int] = WINDOW, chromium: Path =
     return message
 
 
+def html_to_png(html: Path, out: Path, window: dict[str, int] = WINDOW, chromium: Path = CHROMIUM) -> None:
+    """A saved HTML page (a bench's plotly figure) drawn in Chromium and saved as a PNG."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport=window)
+            page.goto(html.resolve().as_uri())
+            page.wait_for_selector(".main-svg", timeout=30_000)   # plotly has drawn
+            out.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(out), full_page=True)
+        finally:
+            browser.close()
+
+
 def missing_prerequisites(chromium: Path) -> list[str]:
     """What must be installed first, in words; empty when everything is there."""
     missing = []
@@ -117,11 +133,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chromium", type=Path, default=CHROMIUM, help="the browser to drive (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=1200,
                         help="seconds the connect and the run may each take (default: %(default)s)")
+    parser.add_argument("--html", type=Path, default=None,
+                        help="instead of the GUI, draw this saved HTML page (a bench's figure) and save it as --out")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.html is not None:
+        if not args.html.is_file():
+            print(f"--html: {args.html} is not a file", file=sys.stderr)
+            return 2
+        html_to_png(args.html, args.out, {"width": args.width, "height": args.height}, args.chromium)
+        print(f"Saved {args.out}")
+        return 0
     missing = missing_prerequisites(args.chromium)
     if missing:
         print("Cannot take the screenshot:\n" + "\n".join(f"- {m}" for m in missing), file=sys.stderr)

@@ -20,7 +20,8 @@ import msgspec
 import plotly.graph_objects as go
 
 from kvbridge.cache_server.protocol import ServerModuleCallRequest
-from kvbridge.gui.charts import format_bytes, page_map_figure
+from kvbridge.gui.charts import format_bytes
+from kvbridge.gui.page_map_chart import page_map_figure
 
 log = logging.getLogger(__name__)
 

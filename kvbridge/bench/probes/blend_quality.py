@@ -18,8 +18,9 @@ The gate's table reads the deviation rule's per-prompt drift (kvbridge.blend.sel
 tokens carry): for each threshold, how many prompts would fall back, and on the others, blend's fact count
 against cold's on the same prompts. A run with --gate also runs the gated setting itself.
 
-Written: the JSON result, an HTML figure (plotly: fact rate against TTFT, one line per rule through its
-ratios, cold and prefix reuse as points) and, with --png, that figure as a PNG (Chromium via Playwright).
+Written: the JSON result and an HTML figure (plotly: fact rate against TTFT, one line per rule through its
+ratios, cold and prefix reuse as points); `python -m kvbridge.gui.screenshot --html FILE --out PNG` draws it
+as a PNG.
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ import statistics
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Sequence
 
 from kvbridge.bench.common.report import holds_fact, write_result_json
@@ -232,22 +232,6 @@ def curve_figure(rows: Sequence[QualityRow]):
     return fig
 
 
-def write_png(html: Path, png: Path) -> None:
-    from playwright.sync_api import sync_playwright
-
-    from kvbridge.gui.screenshot import CHROMIUM, CHROMIUM_ARGS
-
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1120, "height": 540})
-            page.goto(html.resolve().as_uri())
-            page.wait_for_selector(".main-svg", timeout=30_000)
-            page.screenshot(path=str(png), full_page=True)
-        finally:
-            browser.close()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="python -m kvbridge.bench.probes.blend_quality", description=__doc__.split("\n")[0])
     parser.add_argument("--corpora", default=",".join(CORPORA), help=f"comma-separated: {', '.join(CORPORA)}")
@@ -259,7 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gate", type=float, default=0.0, help="also run the deviation rule gated at this drift")
     parser.add_argument("--n-predict", type=int, default=N_PREDICT, help="greedy tokens per answer")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    parser.add_argument("--png", type=Path, default=None, help="also write the figure as this PNG")
     args = parser.parse_args(argv)
     rules = [r.strip() for r in args.rules.split(",") if r.strip()]
     unknown = [r for r in rules if r not in RULES]
@@ -300,17 +283,13 @@ def main(argv: list[str] | None = None) -> int:
         if r.setting == best:
             print(f"  {r.corpus}: {r.facts}/{r.prompts} against cold's {r.cold_facts}, {r.speedup:.2f}x, "
                   f"{r.recomputed_share:.0%} recomputed: {'meets' if meets_target(r) else 'misses'} the target")
-    result = {"command": "blend-quality", "settings": {k: (str(v) if isinstance(v, Path) else v)
-                                                        for k, v in vars(args).items()},
+    result = {"command": "blend-quality", "settings": vars(args),
               "rows": [asdict(r) for r in rows], "gates": gates, "recommended": best, "target_met": met,
               "prompts": per_prompt}
     path = write_result_json(result, base.output_dir, "blend_quality")
     html = path.with_suffix(".html")
     curve_figure(rows).write_html(str(html), include_plotlyjs=True)
-    print(f"wrote {path} and {html}")
-    if args.png:
-        write_png(html, args.png)
-        print(f"wrote {args.png}")
+    print(f"wrote {path} and {html} (as a PNG: python -m kvbridge.gui.screenshot --html {html} --out FILE.png)")
     return 0
 
 
