@@ -39,7 +39,7 @@ from kvbridge.settings import Settings
 
 CELL_STEP = 512         # the pass's context grows to the prompts it has read, in these steps, up to KVB_CTX_SIZE
 ROTATION_CHECK = 0.02   # layer 0's K of a shifted passage, rotated, must match the fresh one within this (f16: ~1e-3)
-_FLOATS = {0: np.float32, 1: np.float16}   # ggml type ids of the KV types a selection reads
+FLOAT_TYPES = {0: np.float32, 1: np.float16}   # ggml type ids of the KV types a selection (and the probe) reads
 
 
 class SelectionUnavailable(KVBridgeError):
@@ -62,9 +62,8 @@ def tensor_array(t: GgmlTensor, n_tokens: int) -> np.ndarray:
         raise SelectionUnavailable(f"graph tensor {t.name.decode(errors='replace')} is ggml type {t.type}, not f32")
     ne, nb = list(t.ne), list(t.nb)
     span = sum((n - 1) * s for n, s in zip(ne, nb)) + 4
-    flat = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(t.data))
-    arr = np.lib.stride_tricks.as_strided(flat.view(np.float32) if all(s % 4 == 0 for s in nb) else flat,
-                                          shape=tuple(reversed(ne)), strides=tuple(reversed(nb)))
+    flat = np.ctypeslib.as_array((ctypes.c_float * (span // 4)).from_address(t.data))
+    arr = np.lib.stride_tricks.as_strided(flat, shape=tuple(reversed(ne)), strides=tuple(reversed(nb)))
     return np.array(arr, dtype=np.float32).reshape(n_tokens, -1)
 
 
@@ -183,7 +182,7 @@ def _rows(arrays: list[np.ndarray], layer: int, type_id: int, n: int, v_trans: b
     raw = arrays[layer]
     if v_trans:   # (n_embd, n_cells, el) -> (n_cells, n_embd * el)
         raw = np.ascontiguousarray(raw.transpose(1, 0, 2)).reshape(n, -1)
-    return raw.view(_FLOATS[type_id]).astype(np.float32)
+    return raw.view(FLOAT_TYPES[type_id]).astype(np.float32)
 
 
 def relative_deviation(stored: np.ndarray, fresh: np.ndarray) -> np.ndarray:
@@ -195,7 +194,7 @@ class SelectionPass:
     """A context of the blend runner's model whose decodes stop after `layers` layers, and the choice it informs."""
 
     def __init__(self, settings: Settings, geometry: KVGeometry, rope: Rope | None, layers: int) -> None:
-        bad = [t for t in (*geometry.k_types, *geometry.v_types) if t not in _FLOATS]
+        bad = [t for t in (*geometry.k_types, *geometry.v_types) if t not in FLOAT_TYPES]
         if bad:
             raise SelectionUnavailable("the deviation rule reads f16 or f32 KV, and this cache is quantised "
                                        "(KVB_CACHE_TYPE_K / KVB_CACHE_TYPE_V)")

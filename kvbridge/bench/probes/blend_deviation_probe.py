@@ -34,6 +34,7 @@ from kvbridge.bench.common.report import write_result_json
 from kvbridge.bench.rag import DEFAULT_SEED, build_prompts, load_corpus
 from kvbridge.blend.result import BlendResult
 from kvbridge.blend.runner import ANSWER, BlendRunner
+from kvbridge.blend.selection import FLOAT_TYPES as _FLOATS, relative_deviation
 from kvbridge.engine.segments import segment_spans
 from kvbridge.formats.llama_state import ParsedState, parse_state
 from kvbridge.settings import Settings
@@ -43,7 +44,6 @@ SHARE = 0.15          # CacheBlend recomputes ~15 % of the reused tokens
 EDGE = 8              # "first/last tokens" of a passage
 FIFTHS = 5
 
-_FLOATS = {0: np.float32, 1: np.float16}   # ggml type ids of unquantised KV this probe reads
 
 
 def layer_rows(state: ParsedState, layer: int) -> tuple[np.ndarray, np.ndarray]:
@@ -58,11 +58,6 @@ def layer_rows(state: ParsedState, layer: int) -> tuple[np.ndarray, np.ndarray]:
         v = np.ascontiguousarray(v.transpose(1, 0, 2)).reshape(state.n_cells, -1)
     v = v.view(_FLOATS[v_type]).astype(np.float32)
     return k, v
-
-
-def relative_deviation(blend: np.ndarray, cold: np.ndarray) -> np.ndarray:
-    """Per row: |blend - cold| / |cold| (L2 over the whole row)."""
-    return np.linalg.norm(blend - cold, axis=1) / np.maximum(np.linalg.norm(cold, axis=1), 1e-12)
 
 
 def deviations(cold: ParsedState, blend: ParsedState, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

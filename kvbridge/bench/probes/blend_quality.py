@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 from kvbridge.bench.common.report import holds_fact, write_result_json
-from kvbridge.bench.rag import CORPORA, DEFAULT_SEED, build_prompts, load_corpus, warmup_prompts
+from kvbridge.bench.probes.blend_bench import warm_up
+from kvbridge.bench.rag import CORPORA, DEFAULT_SEED, build_prompts, load_corpus
 from kvbridge.settings import Settings
 from kvbridge.settings.cmdline import Parser
 
@@ -81,13 +82,6 @@ def label(rule: str, ratio: float, gate: float = 0.0) -> str:
     return f"{rule} {ratio:g}" + (f" gate {gate:g}" if gate else "")
 
 
-def warm(engine, runner, corpus: dict, n_passages: int, seed: int) -> None:
-    """Every passage stored, each computed in a warm-up prompt (after the instruction, as blend stores it)."""
-    for prompt in warmup_prompts(corpus, engine.settings.blend_separator, n_passages, seed):
-        p = engine.prepare(prompt.messages)
-        runner.run(p.tokens, p.segments, recompute=0, n_predict=1, store=True)
-
-
 def measure_corpus(engine, corpus_name: str, *, n_prompts: int = PROMPTS, n_passages: int = PASSAGES,
                    rules: Sequence[str] = RULES, ratios: Sequence[float] = RATIOS, gate: float = 0.0,
                    n_predict: int = N_PREDICT, seed: int = DEFAULT_SEED, progress=print) -> list[PromptRun]:
@@ -95,7 +89,7 @@ def measure_corpus(engine, corpus_name: str, *, n_prompts: int = PROMPTS, n_pass
     corpus = load_corpus(corpus_name)
     prompts = build_prompts(corpus, engine.settings.blend_separator, n_prompts=n_prompts, n_passages=n_passages,
                             seed=seed)
-    warm(engine, runner, corpus, n_passages, seed)
+    warm_up(engine, runner, corpus, n_passages, seed, prompts)   # every passage stored, each after the instruction
     variants = [(rule, ratio, 0.0) for rule in rules for ratio in ratios]
     if gate:
         variants += [("deviation", ratio, gate) for ratio in ratios]
