@@ -245,16 +245,6 @@ def test_a_prompt_without_passages_runs_as_lmcache_and_says_so(engine):
     assert record.mode == "lmcache" and "ran as lmcache" in record.notes and not record.error
 
 
-def test_a_sliding_window_model_is_refused_with_a_message(make_settings):
-    gemma = EMBEDDED_MODELS["gemma3-270m"]
-    if not gemma.path.is_file():
-        pytest.skip(f"{gemma.path} missing: run ./scripts/setup.sh (it fetches every embedded model)")
-    settings = make_settings(model="gemma3-270m", ctx_size=2048, n_predict=4)
-    with CachedEngine(settings, LlamaCppBackend(settings)) as engine:
-        record = engine.infer(rag(engine, ["p01", "p02"]), "blend")
-    assert "blend mode does not run" in record.error and "sliding-window" in record.error
-
-
 def test_rag_prompts_are_seeded_and_hold_the_answering_passage():
     corpus = load_corpus()
     a = build_prompts(corpus, SEP, n_prompts=6, n_passages=4, seed=5)

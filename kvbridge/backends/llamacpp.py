@@ -119,9 +119,18 @@ class LlamaCppBackend(Backend):
 
     # prompts -------------------------------------------------------------------------------
     def render(self, messages: Sequence[Message]) -> str:
+        return self._chat_template().render(messages)
+
+    @property
+    def has_chat_template(self) -> bool:
+        """The model's GGUF carries a chat template (a base model's, Gemma 3 270M's here, does not: chat falls
+        back to ChatML, which such a model only continues)."""
+        return self._chat_template().has_template
+
+    def _chat_template(self) -> ChatTemplate:
         if self._template is None:
             self._template = template_of_llama(self._llm, self.counters, (self.model_path or Path("model")).name)
-        return self._template.render(messages)
+        return self._template
 
     def tokenize(self, text: str) -> list[int]:
         return self._llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)

@@ -58,6 +58,18 @@ class RagPrompt:
     question_id: str
     passage_ids: tuple[str, ...]   # in the prompt's order
     answer: str
+    completion: str = ""           # the prompt as plain text, for a model without a chat template
+
+    @property
+    def request(self) -> str | tuple[dict, ...]:
+        """What the engine is asked: the completion text when there is one, else the chat messages."""
+        return self.completion or self.messages
+
+
+def wants_completion(engine) -> bool:
+    """True when the engine's model carries no chat template (a base model: it continues a chat prompt rather
+    than answering it), so RAG prompts are plain text ending in "Answer:"."""
+    return getattr(engine.backend, "has_chat_template", True) is False
 
 
 def corpus_path(path_or_name: str | Path = DEFAULT_CORPUS) -> Path:
@@ -111,9 +123,23 @@ def rag_messages(corpus: dict, passage_ids: Sequence[str], question: str, separa
     return ({"role": "system", "content": corpus["instruction"]}, {"role": "user", "content": user})
 
 
+def rag_completion(corpus: dict, passage_ids: Sequence[str], question: str, separator: str) -> str:
+    """The same prompt as plain text for a base model: the instruction, the passages, the question and
+    "Answer:", cut by the separator where the chat form is."""
+    system, user = rag_messages(corpus, passage_ids, question, separator)
+    return f"{system['content']}\n\n{user['content']}\nAnswer:"
+
+
+def _prompt(corpus: dict, chosen: Sequence[str], q: dict, separator: str, label: str, completion: bool) -> RagPrompt:
+    return RagPrompt(rag_messages(corpus, chosen, q["question"], separator), label, q["id"], tuple(chosen),
+                     q["answer"], rag_completion(corpus, chosen, q["question"], separator) if completion else "")
+
+
 def build_prompts(corpus: dict, separator: str, *, n_prompts: int = DEFAULT_PROMPTS,
-                  n_passages: int = DEFAULT_PASSAGES, seed: int = DEFAULT_SEED) -> list[RagPrompt]:
-    """Measured prompts: question i with its passage and n_passages - 1 others, shuffled."""
+                  n_passages: int = DEFAULT_PASSAGES, seed: int = DEFAULT_SEED,
+                  completion: bool = False) -> list[RagPrompt]:
+    """Measured prompts: question i with its passage and n_passages - 1 others, shuffled (completion: each
+    also as plain text, RagPrompt.request, for a model without a chat template)."""
     passages = [p["id"] for p in corpus["passages"]]
     if not 1 <= n_passages <= len(passages):
         raise BadSettings(f"a RAG prompt holds 1 to {len(passages)} passages, not {n_passages}")
@@ -127,13 +153,12 @@ def build_prompts(corpus: dict, separator: str, *, n_prompts: int = DEFAULT_PROM
         others = rng.sample([p for p in passages if p != q["passage"]], n_passages - 1)
         chosen = others + [q["passage"]]
         rng.shuffle(chosen)
-        prompts.append(RagPrompt(rag_messages(corpus, chosen, q["question"], separator),
-                                 f"{q['id']}: {q['question']}", q["id"], tuple(chosen), q["answer"]))
+        prompts.append(_prompt(corpus, chosen, q, separator, f"{q['id']}: {q['question']}", completion))
     return prompts
 
 
 def warmup_prompts(corpus: dict, separator: str, n_passages: int = DEFAULT_PASSAGES,
-                   seed: int = DEFAULT_SEED) -> list[RagPrompt]:
+                   seed: int = DEFAULT_SEED, completion: bool = False) -> list[RagPrompt]:
     """Prompts that together hold every passage once (the last one topped up from the start)."""
     passages = [p["id"] for p in corpus["passages"]]
     order = passages[:]
@@ -143,8 +168,7 @@ def warmup_prompts(corpus: dict, separator: str, n_passages: int = DEFAULT_PASSA
     for lo in range(0, len(order), n_passages):
         group = order[lo: lo + n_passages]
         group += [p for p in order if p not in group][: n_passages - len(group)]
-        out.append(RagPrompt(rag_messages(corpus, group, question["question"], separator),
-                             f"warm-up {lo // n_passages + 1}", question["id"], tuple(group), question["answer"]))
+        out.append(_prompt(corpus, group, question, separator, f"warm-up {lo // n_passages + 1}", completion))
     return out
 
 
@@ -156,20 +180,21 @@ def run_rag(engine, modes: Sequence[str], *, n_prompts: int | None = None, n_pas
     path); records carry scenario "rag"."""
     texts = load_corpus(corpus)
     separator = engine.settings.blend_separator
+    engine.start()
+    completion = wants_completion(engine)
     prompts = build_prompts(texts, separator, n_prompts=n_prompts or DEFAULT_PROMPTS, n_passages=n_passages,
-                            seed=seed)
-    warm = warmup_prompts(texts, separator, n_passages, seed)
+                            seed=seed, completion=completion)
+    warm = warmup_prompts(texts, separator, n_passages, seed, completion)
     warm_modes = [m for m in ("lmcache", "blend") if m in modes]
     total = len(warm) * len(warm_modes) + len(prompts) * len(modes)
     done = 0
-    engine.start()
     for mode in warm_modes:
         for prompt in warm:
             if stop_event is not None and stop_event.is_set():
                 return
             if progress is not None:
                 progress(done, total, f"{mode}: {prompt.label}")
-            record = engine.infer(prompt.messages, mode, n_predict, scenario="rag", label=prompt.label)
+            record = engine.infer(prompt.request, mode, n_predict, scenario="rag", label=prompt.label)
             if record.error:
                 yield record   # a blend refusal or a broken engine: the run says so instead of hiding it
                 return
@@ -181,7 +206,7 @@ def run_rag(engine, modes: Sequence[str], *, n_prompts: int | None = None, n_pas
                 return
             if progress is not None:
                 progress(done, total, f"{mode}: {prompt.label}")
-            record = engine.infer(prompt.messages, mode, n_predict, scenario="rag", label=prompt.label,
+            record = engine.infer(prompt.request, mode, n_predict, scenario="rag", label=prompt.label,
                                   request_index=index)
             record.expected = prompt.answer
             yield record

@@ -103,18 +103,20 @@ class BlendRunner(DeviationPlacement):
             raise BlendRefused(f"blend mode does not run {name}: its recurrent state after a passage depends on "
                                "everything before the passage, so a stored passage cannot be placed after another "
                                "instruction; use lmcache, which restores this model's prefixes exactly")
-        if traits is not None and traits.n_swa:
-            raise BlendRefused(f"blend mode does not run {name} yet: its sliding-window cache would need the window "
-                               "rows of every stored passage; use cold, native or lmcache with this model")
         if not self.ctx.can_shift():
             raise BlendRefused(f"blend mode needs llama.cpp to move cached tokens to new positions, and {name}'s "
                                "KV cache cannot (llama_memory_can_shift is false); use lmcache with this model")
 
     def _probe(self) -> KVGeometry:
-        """The plain layout (a sliding-window model was refused above) proven on a probe in the scratch sequence."""
+        """The layout (plain, or a sliding-window model's two caches) proven on a probe in the scratch sequence."""
+        from kvbridge.backends.model_traits import traits_of_model
+
         name = self.ctx.model_path.name
+        traits = traits_of_model(self.ctx.model)
+        support = KVSupport("sliding-window", window=traits.n_swa) if traits is not None and traits.n_swa \
+            else KVSupport("plain")
         try:
-            return probe_geometry(None, KVSupport("plain"), lambda: probe_state_on_sequence(self.ctx, SCRATCH, PROBE))
+            return probe_geometry(None, support, lambda: probe_state_on_sequence(self.ctx, SCRATCH, PROBE))
         except LayoutError as exc:
             raise BlendRefused(f"blend mode does not understand {name}'s KV layout: {exc}") from exc
 
@@ -464,7 +466,7 @@ class BlendRunner(DeviationPlacement):
             try:
                 if not is_instruction:
                     self._decode(scratch, segment, n_instr, want_logits=False)
-                parsed = parse_state(ctx.save_seq(scratch))
+                parsed = self._window_rows(parse_state(ctx.save_seq(scratch), window=self.geometry.window), scratch)
                 lo = 0 if is_instruction else n_instr
                 payload = encode_chunk(parsed, lo, lo + len(segment), segment)
             except (LayoutError, StateTransferError) as exc:
@@ -475,6 +477,28 @@ class BlendRunner(DeviationPlacement):
             what = "instruction" if is_instruction else "passage"
             if self.store.put(key, payload, passage_meta(self.namespace, segment, f"blend {what}")):
                 result.stored_segments += 1
+
+
+    def _window_rows(self, parsed, seq: int):
+        """A sliding-window model: `parsed` (seq's state) with its windowed layers' rows reaching back to
+        position 0. llama.cpp writes only the last window's cells of that cache, though the full-size cache
+        (swa_full) keeps every row; the earlier windows are read through a free run sequence
+        (LlamaContext.save_window). Without one, the rows stay as they are and a passage they do not
+        cover is not stored (encode_chunk refuses it: the record's notes say so)."""
+        from kvbridge.formats.llama_state import parse_window_rows, with_window_rows
+
+        g = self.geometry
+        spare = SCRATCH + 1
+        if not g.window or parsed.window_start == 0 or not self._own_context:
+            return parsed
+        rows, end = [], parsed.window_start
+        while end > 0:
+            part = parse_window_rows(self.ctx.save_window(seq, spare, end), g)
+            if part.n_cells == 0 or part.first_pos >= end:
+                break
+            rows.append(part)
+            end = part.first_pos
+        return with_window_rows(parsed, rows)
 
 
 class _Scratch:

@@ -18,9 +18,13 @@ Why a context of its own: a pass stopped by the callback leaves its cells' later
 still reports success), so it may not share cells with an answer; and an eval callback set on the answer's
 context would be called for every node of every decode. Here the pass's cells are dropped after each prompt.
 
-Layer 0's K is read too: it depends on the token and its position alone, so a shifted passage's stored K,
-rotated here, must equal the fresh one. Where it does not (a RoPE this module does not rotate: M-RoPE, YaRN,
-frequency factors), K is left out and V alone ranks the tokens; the selection says so in its `note`.
+Calibrated once per pass, on a short probe decoded at position 0 and again further on: which layer of the
+stored state holds the compared layer (a sliding-window model's state writes its global layers' cache first,
+then the sliding-window layers': Gemma 3's layer 2 is not the state's third), and which RoPE base rotates it
+(Gemma 3's sliding-window layers rotate with base 10,000, its global ones with the GGUF's 1,000,000). Layer 0's
+K depends on the token and its position alone, so the probe's K at the later position must equal its K at 0
+rotated here. Where it does not (a RoPE this module does not rotate: M-RoPE, YaRN, frequency factors), K is
+left out and V alone ranks the tokens; the selection says so in its `note`.
 """
 from __future__ import annotations
 
@@ -39,6 +43,9 @@ from kvbridge.settings import Settings
 
 CELL_STEP = 512         # the pass's context grows to the prompts it has read, in these steps, up to KVB_CTX_SIZE
 ROTATION_CHECK = 0.02   # layer 0's K of a shifted passage, rotated, must match the fresh one within this (f16: ~1e-3)
+LAYER_MATCH = 0.01      # a stored layer holds the probe's fresh K and V within f16 rounding (~5e-4)
+PROBE = "The selection pass reads each layer's keys and values as llama.cpp computes them, then stops."
+PROBE_SHIFT = 97        # the probe's second position: far enough that a wrong base rotates visibly
 FLOAT_TYPES = {0: np.float32, 1: np.float16}   # ggml type ids of the KV types a selection (and the probe) reads
 
 
@@ -115,15 +122,23 @@ class Rope:
     head_dim: int
     freq_base: float
     freq_scale: float
+    swa_base: float = 10000.0   # a sliding-window layer's base (llama.cpp's for Gemma 3 unless the GGUF says)
 
-    def rotate(self, k: np.ndarray, delta: int) -> np.ndarray:
-        """K rows (n, n_head_kv * head_dim) rotated by `delta` positions, as llama.cpp's K shift does."""
+    def bases(self) -> list[tuple[float, float]]:
+        """The (base, scale) pairs a layer may rotate with: the model's, or a sliding-window layer's (unscaled)."""
+        return list(dict.fromkeys([(self.freq_base, self.freq_scale), (self.swa_base, 1.0),
+                                   (self.swa_base, self.freq_scale)]))
+
+    def rotate(self, k: np.ndarray, delta: int, base: tuple[float, float] | None = None) -> np.ndarray:
+        """K rows (n, n_head_kv * head_dim) rotated by `delta` positions, as llama.cpp's K shift does; `base`:
+        a layer's own (freq_base, freq_scale) where it differs from the model's (a sliding-window layer's)."""
         if not delta:
             return k
+        freq_base, freq_scale = base or (self.freq_base, self.freq_scale)
         n = k.shape[0]
         heads = k.reshape(n, -1, self.head_dim).copy()
         half = self.n_rot // 2
-        theta = self.freq_scale * delta * self.freq_base ** (-2.0 * np.arange(half) / self.n_rot)
+        theta = freq_scale * delta * freq_base ** (-2.0 * np.arange(half) / self.n_rot)
         cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
         if self.neox:
             x0, x1 = heads[..., :half].copy(), heads[..., half:self.n_rot].copy()
@@ -151,10 +166,12 @@ def rope_of(ctx: LlamaContext) -> Rope | None:
     arch = meta("general.architecture") or "llama"
     head_dim = int(meta(f"{arch}.attention.key_length")
                    or llama_cpp.llama_model_n_embd(model) // llama_cpp.llama_model_n_head(model))
+    swa_base = meta(f"{arch}.rope.freq_base_swa")
     return Rope(neox=kind == llama_cpp.LLAMA_ROPE_TYPE_NEOX,
                 n_rot=int(meta(f"{arch}.rope.dimension_count") or head_dim), head_dim=head_dim,
                 freq_base=float(meta(f"{arch}.rope.freq_base") or 10000.0),
-                freq_scale=float(llama_cpp.llama_model_rope_freq_scale_train(model)))
+                freq_scale=float(llama_cpp.llama_model_rope_freq_scale_train(model)),
+                swa_base=float(swa_base) if swa_base else 10000.0)
 
 
 @dataclass
@@ -165,6 +182,12 @@ class PlacedPassage:
     end: int
     computed_at: int
     view: object      # kvbridge.formats.llama_chunks.ChunkView
+
+
+@dataclass(frozen=True)
+class _Calibration:
+    index: dict[int, int]                                  # model layer -> the stored state's layer holding it
+    rotation: dict[int, tuple[float, float]] | None        # model layer -> (freq_base, freq_scale); None: V alone
 
 
 @dataclass
@@ -207,7 +230,7 @@ class SelectionPass:
 
         self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._capture)
         self.ctx: LlamaContext | None = None
-        self._rotation_ok: bool | None = None if rope is not None else False
+        self._calibrated: _Calibration | None = None
 
     def close(self) -> None:
         if self.ctx is not None:
@@ -223,6 +246,68 @@ class SelectionPass:
             self.ctx = LlamaContext(self.settings, cells, 1, eval_callback=self._callback)
         return self.ctx
 
+    def _decode(self, ctx: LlamaContext, tokens: Sequence[int], at: int) -> dict[bytes, np.ndarray]:
+        """Decode `tokens` at positions at.. of sequence 0 (one ubatch) and return what the callback read."""
+        self._capture.reset(len(tokens))
+        code = ctx.decode([(int(t), at + i, 0, False) for i, t in enumerate(tokens)])
+        if self._capture.error is not None:
+            raise SelectionUnavailable(f"the selection pass could not read the graph: {self._capture.error}")
+        if code != 0:
+            raise SelectionUnavailable(f"llama_decode returned {code} in the selection pass")
+        missing = self._capture.want - set(self._capture.got)
+        if missing:
+            raise SelectionUnavailable("the selection pass found no " + ", ".join(sorted(m.decode() for m in missing))
+                                       + " in this model's graph")
+        return dict(self._capture.got)
+
+    def calibration(self) -> "_Calibration":
+        """Once per pass (PROBE at position 0, then at PROBE_SHIFT): the stored layers that hold model layers 0
+        and `layer`, and the (base, scale) each rotates with; rotation None where no candidate reproduces
+        llama.cpp's K at the later position (then V alone ranks)."""
+        if self._calibrated is not None:
+            return self._calibrated
+        from kvbridge.formats.llama_state import parse_state
+
+        ctx = self._context(CELL_STEP)
+        probe = ctx.tokenize(PROBE)[:BATCH_TOKENS]
+        g, layers = self.geometry, (0, self.layer)
+        ctx.seq_rm(0)
+        try:
+            at0 = self._decode(ctx, probe, 0)
+            state = parse_state(ctx.save_seq(0), window=g.window)
+            ctx.seq_rm(0)
+            later = self._decode(ctx, probe, PROBE_SHIFT)
+        finally:
+            ctx.seq_rm(0)
+        n = len(probe)
+        index = {}
+        for il in layers:
+            k, v = at0[b"Kcur-%d" % il], at0[b"Vcur-%d" % il] if il == self.layer else None
+            # the stored layer whose K (and V) are this layer's fresh ones, f16-rounded; -1: none
+            fits = [j for j in range(g.n_layer) if g.k_rows[j] == k.shape[1] * np.dtype(FLOAT_TYPES[g.k_types[j]]).itemsize
+                    and float(np.median(relative_deviation(_rows(state.k, j, g.k_types[j], n), k))) < LAYER_MATCH
+                    and (v is None or float(np.median(relative_deviation(
+                        _rows(state.v, j, g.v_types[j], n, g.v_trans), v))) < LAYER_MATCH)]
+            if len(fits) != 1:
+                raise SelectionUnavailable(f"the selection pass found {len(fits)} stored layers holding layer "
+                                           f"{il}'s K and V, not one")
+            index[il] = fits[0]
+        rotation: dict[int, tuple[float, float]] | None = None
+        if self.rope is not None:
+            rotation = {}
+            for il in layers:
+                k0, k1 = at0[b"Kcur-%d" % il], later[b"Kcur-%d" % il]
+                # deeper layers carry the rounding of attention at other positions: the best base, checked on layer 0
+                best = min(self.rope.bases(), key=lambda b: float(np.median(relative_deviation(
+                    self.rope.rotate(k0, PROBE_SHIFT, b), k1))))
+                err = float(np.median(relative_deviation(self.rope.rotate(k0, PROBE_SHIFT, best), k1)))
+                if err >= (ROTATION_CHECK if il == 0 else 5 * ROTATION_CHECK):
+                    rotation = None
+                    break
+                rotation[il] = best
+        self._calibrated = _Calibration(index=index, rotation=rotation)
+        return self._calibrated
+
     def fresh(self, tokens: Sequence[int], prefix: Sequence[PlacedPassage] = ()) -> tuple[int, dict[bytes, np.ndarray]]:
         """The first layers' K (layer 0 and the compared one) and V of `tokens`, from the position after the
         segments `prefix` (stored where they were computed, so their KV is the prompt's own: restored, not
@@ -236,19 +321,7 @@ class SelectionPass:
                 ctx.load_seq(0, assemble_state(self.geometry, [(p.view, p.view.n_cells) for p in prefix], seq_id=0))
                 start = prefix[-1].end
             for lo in range(start, len(tokens), BATCH_TOKENS):
-                piece = tokens[lo: lo + BATCH_TOKENS]
-                self._capture.reset(len(piece))
-                code = ctx.decode([(int(t), lo + i, 0, False) for i, t in enumerate(piece)])
-                if self._capture.error is not None:
-                    raise SelectionUnavailable(f"the selection pass could not read the graph: {self._capture.error}")
-                if code != 0:
-                    raise SelectionUnavailable(f"llama_decode returned {code} in the selection pass")
-                missing = self._capture.want - set(self._capture.got)
-                if missing:
-                    raise SelectionUnavailable("the selection pass found no "
-                                               + ", ".join(sorted(m.decode() for m in missing))
-                                               + " in this model's graph")
-                for name, arr in self._capture.got.items():
+                for name, arr in self._decode(ctx, tokens[lo: lo + BATCH_TOKENS], lo).items():
                     out.setdefault(name, []).append(arr)
         finally:
             ctx.seq_rm(0)
@@ -260,24 +333,20 @@ class SelectionPass:
         prompt's own at the compared layer, and the deviation the rest keep. `prefix`: the stored segments
         that stand where they were computed, in order from position 0 (restored in the pass, not decoded)."""
         t0 = time.perf_counter()
+        cal = self.calibration()
         prefix = list(prefix) if prefix and prefix[-1].end <= placed[0].start else []
         at, fresh = self.fresh(tokens[: max(p.end for p in placed)], prefix)
         t1 = time.perf_counter()
-        g, layer = self.geometry, self.layer
+        g, layer, j = self.geometry, self.layer, cal.index[self.layer]
         k_fresh, v_fresh = fresh[b"Kcur-%d" % layer], fresh[b"Vcur-%d" % layer]
-        if self._rotation_ok is None:   # once per runner: does our rotation reproduce llama.cpp's K shift?
-            k0 = fresh[b"Kcur-0"]
-            worst = max(float(np.median(relative_deviation(
-                self.rope.rotate(_rows(p.view.k, 0, g.k_types[0], p.end - p.start), p.start - p.computed_at),
-                k0[p.start - at:p.end - at]))) for p in placed)
-            self._rotation_ok = worst < ROTATION_CHECK
-        with_k = bool(self._rotation_ok)
+        with_k = cal.rotation is not None
         scores = []
         for p in placed:
             n, lo, hi = p.end - p.start, p.start - at, p.end - at
-            dv = relative_deviation(_rows(p.view.v, layer, g.v_types[layer], n, g.v_trans), v_fresh[lo:hi])
+            dv = relative_deviation(_rows(p.view.v, j, g.v_types[j], n, g.v_trans), v_fresh[lo:hi])
             if with_k:
-                stored_k = self.rope.rotate(_rows(p.view.k, layer, g.k_types[layer], n), p.start - p.computed_at)
+                stored_k = self.rope.rotate(_rows(p.view.k, j, g.k_types[j], n), p.start - p.computed_at,
+                                            cal.rotation[layer])
                 dv = dv + relative_deviation(stored_k, k_fresh[lo:hi])
             scores.append(dv)
         score = np.concatenate(scores)

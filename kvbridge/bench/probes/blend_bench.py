@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvbridge.bench.rag import DEFAULT_SEED, build_prompts, load_corpus, warmup_prompts
+from kvbridge.bench.rag import DEFAULT_SEED, build_prompts, load_corpus, warmup_prompts, wants_completion
 from kvbridge.bench.common.report import holds_fact, write_result_json
 from kvbridge.blend.passages import FoundPassage
 from kvbridge.blend.result import BlendResult
@@ -84,12 +84,12 @@ def warm_up(engine, runner, corpus: dict, n_passages: int, seed: int, measured: 
     every warm-up prompt ("all", the default), or only those holding a passage of a measured prompt
     ("measured", a quick run's size). A passage is stored by the first warm-up prompt holding it, which
     "measured" keeps, so the measured prompts find the same stored KV either way."""
-    prompts = warmup_prompts(corpus, engine.settings.blend_separator, n_passages, seed)
+    prompts = warmup_prompts(corpus, engine.settings.blend_separator, n_passages, seed, wants_completion(engine))
     if how == "measured":
         needed = {pid for prompt in measured for pid in prompt.passage_ids}
         prompts = [prompt for prompt in prompts if needed & set(prompt.passage_ids)]
     for prompt in prompts:
-        p = engine.prepare(prompt.messages)
+        p = engine.prepare(prompt.request)
         runner.run(p.tokens, p.segments, recompute=0, n_predict=1, store=True)   # prefills only what is not stored
 
 
@@ -101,13 +101,14 @@ def measure_curve(engine, passages: list[int], recompute: list[int], n_prompts: 
     sep = engine.settings.blend_separator
     rows: list[CurveRow] = []
     for n_passages in passages:
-        prompts = build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages, seed=seed)
+        prompts = build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages, seed=seed,
+                                completion=wants_completion(engine))
         warm_up(engine, runner, corpus, n_passages, seed, prompts, warm)
         variants = [(r, where) for where in at for r in recompute if r or where == at[0]]   # 0 is one variant
         per_r: dict[tuple[int, str], list] = {v: [] for v in variants}
         colds, cold_facts = [], []
         for index, prompt in enumerate(prompts):
-            p = engine.prepare(prompt.messages)
+            p = engine.prepare(prompt.request)
             cold = runner.run(p.tokens, p.segments, recompute=0, n_predict=n_predict, reuse=False, store=False)
             colds.append(cold.ttft_ms)
             cold_facts.append(holds_fact(cold.text, prompt.answer))
@@ -137,11 +138,12 @@ def measure_restore_cost(engine, n_prompts: int, seed: int = DEFAULT_SEED, n_pas
     ctx = runner.ctx
     corpus = load_corpus()
     sep = engine.settings.blend_separator
-    prompts = build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages, seed=seed)
+    prompts = build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages, seed=seed,
+                            completion=wants_completion(engine))
     warm_up(engine, runner, corpus, n_passages, seed, prompts, warm)
     blend_ms, exact_ms, n_bytes = [], [], []
     for prompt in prompts:
-        p = engine.prepare(prompt.messages)
+        p = engine.prepare(prompt.request)
         q_start = p.segments[-1]
         question = list(p.tokens[q_start:])
         # the exact prefix of the same cells, as lmcache would restore it: one stored object
@@ -203,8 +205,9 @@ def measure_cache_reuse(engine, n_prompts: int, n_predict: int, seed: int = DEFA
             return resp.json()
 
         corpus = load_corpus()
-        prompts = [engine.prepare(p.messages) for p in build_prompts(corpus, s.blend_separator, n_prompts=n_prompts + 1,
-                                                                     n_passages=n_passages, seed=seed)]
+        asked = build_prompts(corpus, s.blend_separator, n_prompts=n_prompts + 1, n_passages=n_passages, seed=seed,
+                              completion=wants_completion(engine))
+        prompts = [engine.prepare(p.request) for p in asked]
         complete(prompts[0].tokens, False)    # the slot holds the prompt before the first measured one
         rows = []
         for p in prompts[1:]:
@@ -274,7 +277,8 @@ def measure_ceiling(engine, n_prompts: int, n_predict: int, seed: int = DEFAULT_
     try:
         corpus = load_corpus()
         sep = settings.blend_separator
-        prompts = build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages, seed=seed)
+        prompts = build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages, seed=seed,
+                                completion=wants_completion(engine))
         warm_up(engine, runner, corpus, n_passages, seed, prompts, warm)
         default = settings.blend_recompute_tokens
         names = ("pure shift", f"default ({default} at each passage's end)", "the last half of every passage",
@@ -282,7 +286,7 @@ def measure_ceiling(engine, n_prompts: int, n_predict: int, seed: int = DEFAULT_
         rows: dict[str, list] = {name: [] for name in names}
         colds, cold_facts = [], []
         for prompt in prompts:
-            p = engine.prepare(prompt.messages)
+            p = engine.prepare(prompt.request)
             tokens, starts = [int(t) for t in p.tokens], list(p.segments)
             spans = segment_spans(starts, len(tokens))
             half = min(b - a for a, b in spans[1:-1]) // 2

@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from kvbridge.bench.common.report import write_result_json
-from kvbridge.bench.rag import DEFAULT_SEED, build_prompts, load_corpus
+from kvbridge.bench.rag import DEFAULT_SEED, build_prompts, load_corpus, wants_completion
 from kvbridge.blend.result import BlendResult
 from kvbridge.blend.runner import ANSWER, BlendRunner
 from kvbridge.blend.selection import FLOAT_TYPES as _FLOATS, relative_deviation
@@ -202,10 +202,10 @@ def measure(engine, n_prompts: int, n_passages: int, seed: int = DEFAULT_SEED,
     runner = engine._blend_runner()
     corpus = load_corpus()
     prompts = build_prompts(corpus, engine.settings.blend_separator, n_prompts=n_prompts, n_passages=n_passages,
-                            seed=seed)
+                            seed=seed, completion=wants_completion(engine))
     measured = []
     for i, prompt in enumerate(prompts):
-        p = engine.prepare(prompt.messages)
+        p = engine.prepare(prompt.request)
         # store what is not stored yet: each segment from its own prefill after the instruction, as blend stores
         # it, so which prompt stores a passage does not change its stored KV
         runner.run(p.tokens, p.segments, recompute=0, n_predict=1)

@@ -32,7 +32,7 @@ from typing import Sequence
 
 from kvbridge.bench.common.report import holds_fact, write_result_json
 from kvbridge.bench.probes.blend_bench import warm_up
-from kvbridge.bench.rag import CORPORA, DEFAULT_SEED, build_prompts, load_corpus
+from kvbridge.bench.rag import CORPORA, DEFAULT_SEED, build_prompts, load_corpus, wants_completion
 from kvbridge.settings import Settings
 from kvbridge.settings.cmdline import Parser
 
@@ -88,14 +88,14 @@ def measure_corpus(engine, corpus_name: str, *, n_prompts: int = PROMPTS, n_pass
     runner = engine._blend_runner()
     corpus = load_corpus(corpus_name)
     prompts = build_prompts(corpus, engine.settings.blend_separator, n_prompts=n_prompts, n_passages=n_passages,
-                            seed=seed)
+                            seed=seed, completion=wants_completion(engine))
     warm_up(engine, runner, corpus, n_passages, seed, prompts)   # every passage stored, each after the instruction
     variants = [(rule, ratio, 0.0) for rule in rules for ratio in ratios]
     if gate:
         variants += [("deviation", ratio, gate) for ratio in ratios]
     runs = []
     for index, prompt in enumerate(prompts):
-        p = engine.prepare(prompt.messages)
+        p = engine.prepare(prompt.request)
         tokens, starts = [int(t) for t in p.tokens], list(p.segments)
 
         def answer(result, cold_tokens, reusable: int, whole: int) -> Answer:
