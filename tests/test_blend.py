@@ -18,11 +18,10 @@ from conftest import as_fresh, needs_model
 from kvbridge.blend.passages import PASSAGE_KIND, blend_namespace, passage_key
 from kvbridge.blend.runner import ANSWER, SCRATCH
 from kvbridge.engine.segments import segment_spans, tokenize_segments
-from kvbridge.bench.rag import build_prompts, load_corpus, rag_messages
+from kvbridge.bench.rag import build_prompts, load_corpus, rag_messages, wants_completion
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.formats.llama_state import parse_state
 from kvbridge.backends.llamacpp import LlamaCppBackend
-from kvbridge.settings.models import EMBEDDED_MODELS
 
 SEP = "[KVB_SEP]"
 K0_TOLERANCE = 1.6e-2   # layer 0, |K shifted - K prefilled at delta|: two f16 steps at |K| of 8-16
@@ -254,6 +253,19 @@ def test_rag_prompts_are_seeded_and_hold_the_answering_passage():
     for prompt in a:
         assert len(set(prompt.passage_ids)) == 4 and gold[prompt.question_id] in prompt.passage_ids
         assert prompt.messages[1]["content"].count(SEP) == 5
+        assert prompt.request == prompt.messages and not prompt.completion
+
+
+def test_a_model_without_a_chat_template_is_asked_in_completion_form(engine):
+    """SmolLM2-Instruct carries a chat template (chat messages); a base model's GGUF (Gemma 3 270M's here, whose
+    engine test_blend_gemma checks) does not, and a ChatML prompt only gets continued: plain text ending in
+    "Answer:", cut by the separator exactly where the chat form is."""
+    assert not wants_completion(engine)
+    corpus = load_corpus()
+    prompt = build_prompts(corpus, SEP, n_prompts=1, n_passages=4, seed=5, completion=True)[0]
+    assert prompt.request == prompt.completion and prompt.completion.endswith("\nAnswer:")
+    assert prompt.completion.count(SEP) == 5 and prompt.completion.startswith(corpus["instruction"])
+    assert prompt.messages == build_prompts(corpus, SEP, n_prompts=1, n_passages=4, seed=5)[0].messages
 
 
 def test_the_rag_scenario_compares_blend_with_cold_on_shuffled_passages(engine):

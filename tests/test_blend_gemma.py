@@ -12,7 +12,7 @@ import pytest
 
 from conftest import as_fresh, needs_model
 from kvbridge.backends.llamacpp import LlamaCppBackend
-from kvbridge.bench.rag import load_corpus, rag_completion
+from kvbridge.bench.rag import load_corpus, rag_completion, wants_completion
 from kvbridge.blend.passages import blend_namespace, passage_key
 from kvbridge.blend.result import BlendResult
 from kvbridge.blend.runner import ANSWER, SCRATCH
@@ -64,6 +64,7 @@ def caches(data, delta: int = 0):
 
 def test_gemma_runs_blend_and_reuses_its_passages_anywhere(fresh):
     engine = fresh
+    assert wants_completion(engine)    # a base model: RAG prompts in completion form (kvbridge.bench.rag)
     assert engine._blend_runner().geometry.window == 512
     first = engine.infer(rag(engine, ["p02", "p05"]), "blend")
     assert not first.error, first.error
@@ -169,3 +170,21 @@ def test_the_deviation_rule_runs_on_gemma_with_k_and_v(fresh):
     assert shift.reused_tokens - dev.reused_tokens == round(0.15 * shifted)
     assert dev.selection_ms > 0 and dev.drift is not None and dev.tokens
     assert not any("V alone" in n for n in dev.notes), dev.notes
+
+
+def test_the_scheduler_blends_gemma_too(make_settings):
+    """The same through the scheduler: its context's sliding-window cache, its own sequences for the placement."""
+    from kvbridge.scheduler import Scheduler
+
+    settings = make_settings(model="gemma3-270m", ctx_size=2048, sched_kv_cells=4096, sched_max_running=2,
+                             sched_cached_prefixes=2, n_predict=6, blend_recompute_ratio=0.05)
+    with Scheduler(settings) as scheduler:
+        sep = settings.blend_separator
+        corpus = load_corpus()
+        question = "What is the steepest gradient on the line?"
+        first = scheduler.submit(rag_completion(corpus, ["p02", "p05"], question, sep), blend=True).result(timeout=300)
+        assert first.mode == "blend" and not first.error and "0 of 3 segments reused" in first.notes
+        assert scheduler.drain(60)
+        second = scheduler.submit(rag_completion(corpus, ["p05", "p02"], question, sep), blend=True).result(timeout=300)
+    assert not second.error and "3 of 3 segments reused" in second.notes and second.text
+    assert second.matched_tokens > 0.8 * second.prompt_tokens

@@ -69,7 +69,7 @@ class RagPrompt:
 def wants_completion(engine) -> bool:
     """True when the engine's model carries no chat template (a base model: it continues a chat prompt rather
     than answering it), so RAG prompts are plain text ending in "Answer:"."""
-    return getattr(engine.backend, "has_chat_template", True) is False
+    return getattr(getattr(engine, "backend", None), "has_chat_template", True) is False
 
 
 def corpus_path(path_or_name: str | Path = DEFAULT_CORPUS) -> Path:

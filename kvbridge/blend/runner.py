@@ -26,8 +26,11 @@ lead into what follows, halved the divergence from cold here (Docs/Research.md Â
 by design: the namespace carries `blend=`, the record's mode is `blend` and its notes say what was
 reused and recomputed.
 
-A model whose cache cannot move cells (llama_memory_can_shift false) is refused, and so, for now, is
-a sliding-window model: its stored passages would need the window rows of every position.
+A model whose cache cannot move cells (llama_memory_can_shift false) or whose state is recurrent is
+refused. A sliding-window model (Gemma 3) runs: its context keeps a full-size sliding-window cache
+(swa_full), a stored passage holds both caches' rows of every one of its positions (_window_rows reads
+the ones llama.cpp leaves out of a state, the window before the last), and llama.cpp's K shift moves
+both caches, each layer rotated with its own RoPE base.
 Sequences: 0 holds the answer's context, 1 is the scratch sequence, and an own context has RUN_SEQS
 more for the recomputed tokens. One thread at a time.
 """

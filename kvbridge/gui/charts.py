@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 from kvbridge.engine.modes import mode_names
 from kvbridge.engine.records import RequestRecord
 
-MODE_COLORS = {"cold": "#94a3b8", "native": "#10b981", "lmcache": "#2563eb"}
+MODE_COLORS = {"cold": "#94a3b8", "native": "#10b981", "lmcache": "#2563eb", "blend": "#d97706"}
 # Tier names and their order come from the store (records' `tier`, stats()["tiers"]); colours go by
 # position in that order, so a new tier (a remote L3) needs no entry here.
 TIER_PALETTE = ("#2563eb", "#8b5cf6", "#0d9488", "#d97706", "#db2777")

@@ -111,7 +111,6 @@ def measure_corpus(engine, corpus_name: str, *, n_prompts: int = PROMPTS, n_pass
         run = PromptRun(prompt.label)
         run.answers["cold"] = Answer(cold.ttft_ms, holds_fact(cold.text, prompt.answer), True, 1.0)
         run.answers["prefix"] = answer(prefix, cold.tokens, reusable, whole)
-        run.answers["prefix"].recomputed_share = 1.0
         run.answers["shift"] = answer(shift, cold.tokens, reusable, whole)
         s = engine.settings     # the settings' own blend: what `bench --scenario rag` and serve run
         own = runner.run(tokens, starts, recompute=s.blend_recompute_tokens, n_predict=n_predict, store=False,
@@ -197,8 +196,9 @@ def format_rows(rows: Sequence[QualityRow]) -> str:
     return "\n".join(lines)
 
 
-def curve_figure(rows: Sequence[QualityRow]):
-    """Fact rate against mean TTFT: per corpus a panel, per rule a line through its ratios, cold and prefix as points."""
+def curve_figure(rows: Sequence[QualityRow], model: str = ""):
+    """Fact rate against mean TTFT: per corpus a panel, per rule a line through its ratios, cold and prefix as points;
+    `model` names the model in the title."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -221,7 +221,8 @@ def curve_figure(rows: Sequence[QualityRow]):
                                          showlegend=False, marker={"size": 10, "color": colors[""]}), row=1, col=col)
     fig.update_xaxes(title_text="mean TTFT (ms)", type="log")
     fig.update_yaxes(title_text="answers stating the fact", tickformat=".0%", row=1, col=1)
-    fig.update_layout(title="Blend: fact rate against TTFT (labels: the share of reused tokens recomputed)",
+    fig.update_layout(title=f"Blend{' on ' + model if model else ''}: fact rate against TTFT (labels: the share of "
+                            "reused tokens recomputed)",
                       width=1100, height=520, template="plotly_white")
     return fig
 
@@ -261,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = base.replace(ctx_size=max(base.ctx_size, 4096), l2_dir=l2)
         with CachedEngine(settings, LlamaCppBackend(settings)) as engine:
             print(f"blend quality: {engine.backend.describe()}", flush=True)
+            model = engine.backend.model_path.name if getattr(engine.backend, "model_path", None) else ""
             for name in corpora:
                 runs = measure_corpus(engine, name, n_prompts=args.prompts, n_passages=args.passages, rules=rules,
                                       ratios=ratios, gate=args.gate, n_predict=args.n_predict, seed=args.seed)
@@ -277,12 +279,12 @@ def main(argv: list[str] | None = None) -> int:
         if r.setting == best:
             print(f"  {r.corpus}: {r.facts}/{r.prompts} against cold's {r.cold_facts}, {r.speedup:.2f}x, "
                   f"{r.recomputed_share:.0%} recomputed: {'meets' if meets_target(r) else 'misses'} the target")
-    result = {"command": "blend-quality", "settings": vars(args),
+    result = {"command": "blend-quality", "model": model, "settings": vars(args),
               "rows": [asdict(r) for r in rows], "gates": gates, "recommended": best, "target_met": met,
               "prompts": per_prompt}
     path = write_result_json(result, base.output_dir, "blend_quality")
     html = path.with_suffix(".html")
-    curve_figure(rows).write_html(str(html), include_plotlyjs=True)
+    curve_figure(rows, model).write_html(str(html), include_plotlyjs=True)
     print(f"wrote {path} and {html} (as a PNG: python -m kvbridge.gui.screenshot --html {html} --out FILE.png)")
     return 0
 
