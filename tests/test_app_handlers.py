@@ -347,6 +347,24 @@ def test_live_run_streams_records_and_keeps_them_on_failure(live_state, no_settl
 
 @pytest.mark.live
 @needs_model
+def test_live_rag_run_asks_about_the_corpus_picked(tmp_path, no_settle):
+    from kvbridge.bench.rag import load_corpus
+
+    settings = small_settings(tmp_path, KVB_CTX_SIZE="2048")   # 4 passages: ~1.1k tokens
+    state = h.AppState(settings, env_path=tmp_path / ".env")
+    assert h.connect_engine(state, "llamacpp", h.form_values(settings)).ok
+    try:
+        clinic = {q["answer"] for q in load_corpus("clinic")["questions"]}
+        views = list(r.run_stream(state, "rag", ["cold"], 1, None, corpus="clinic"))
+        assert all(v.ok for v in views), [v.message for v in views if not v.ok]
+        assert [x.expected in clinic for x in state.records] == [True]
+        assert state.run_meta["corpus"] == "clinic"
+    finally:
+        h.disconnect_engine(state)
+
+
+@pytest.mark.live
+@needs_model
 def test_live_stop_and_busy(live_state, no_settle):
     views = []
     for view in r.run_stream(live_state, "doc-qa", ["cold"], 3, "input/garden.md"):   # short cold prefills

@@ -145,6 +145,19 @@ def drive_the_page(page, server) -> None:
         assert len(list(csv.DictReader(f))) == 3 * N_REQUESTS
     assert "Plotly" in exported[".html"].read_text(encoding="utf-8")
 
+    # The RAG scenario asks about a corpus, not a document: the page swaps the pickers, and back again.
+    page.click("#kvb-scenario input")
+    page.get_by_role("option", name="RAG with shuffled passages").click()
+    expect(page.locator("#kvb-corpus")).to_be_visible()
+    expect(page.locator("#kvb-document")).to_be_hidden()
+    page.click("#kvb-corpus input")
+    expect(page.get_by_role("option", name="clinic")).to_be_visible()
+    page.keyboard.press("Escape")
+    page.click("#kvb-scenario input")
+    page.get_by_role("option", name="Document Q&A").click()
+    expect(page.locator("#kvb-document")).to_be_visible()
+    expect(page.locator("#kvb-corpus")).to_be_hidden()
+
     # Store panel: the tier list is the store's own (L1 first); Clear asks first; Restart engine keeps the store.
     page.click("#kvb-clear")
     expect(page.get_by_text("Really clear L1?")).to_be_visible()

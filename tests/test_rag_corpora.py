@@ -119,3 +119,11 @@ def test_bench_takes_a_corpus_option():
     assert args.corpus == "clinic"
     assert build_parser().parse_args(["bench", "--scenario", "rag"]).corpus is None
     assert ScenarioOptions(corpus="clinic").corpus == "clinic" and ScenarioOptions().corpus is None
+
+
+def test_the_blend_bench_refuses_an_unknown_corpus_by_name_before_loading_the_model():
+    from kvbridge.bench.probes import blend_bench
+
+    with pytest.raises(SystemExit) as exc:
+        blend_bench.main(["--corpus", "nosuch"])
+    assert "--corpus" in str(exc.value) and "railway, clinic" in str(exc.value)

@@ -28,7 +28,7 @@ reused and recomputed.
 
 A model whose cache cannot move cells (llama_memory_can_shift false) or whose state is recurrent is
 refused. A sliding-window model (Gemma 3) runs: its context keeps a full-size sliding-window cache
-(swa_full), a stored passage holds both caches' rows of every one of its positions (_window_rows reads
+(swa_full), a stored passage holds both caches' rows of every one of its positions (kvbridge.blend.storing reads
 the ones llama.cpp leaves out of a state, the window before the last), and llama.cpp's K shift moves
 both caches, each layer rotated with its own RoPE base.
 Sequences: 0 holds the answer's context, 1 is the scratch sequence, and an own context has RUN_SEQS
@@ -44,17 +44,17 @@ import numpy as np
 
 from kvbridge.backends.llama_context import BATCH_TOKENS, LlamaContext, Sampler
 from kvbridge.backends.text_decoding import Utf8Decoder
-from kvbridge.blend.passages import (FoundPassage, blend_namespace, check_passage, instruction_key, passage_key,
-                                     passage_meta)
+from kvbridge.blend.passages import FoundPassage, blend_namespace, check_passage, instruction_key, passage_key
 from kvbridge.blend.result import BlendResult, Placement
 from kvbridge.blend.deviation import DeviationPlacement
+from kvbridge.blend.storing import PassageStoring
 from kvbridge.blend.selection import PlacedPassage, SelectionPass
 from kvbridge.engine.layout import probe_geometry, probe_state_on_sequence
 from kvbridge.engine.segments import segment_spans
 from kvbridge.errors import KVBridgeError, StateTransferError
 from kvbridge.formats.architectures import KVSupport
-from kvbridge.formats.llama_chunks import assemble_state, assembled_size, encode_chunk
-from kvbridge.formats.llama_state import KVGeometry, LayoutError, parse_state
+from kvbridge.formats.llama_chunks import assemble_state, assembled_size
+from kvbridge.formats.llama_state import KVGeometry, LayoutError
 from kvbridge.settings import Settings
 
 ANSWER, SCRATCH = 0, 1
@@ -77,7 +77,7 @@ class BlendRefused(KVBridgeError):
     """This model or engine cannot run blend mode; the message says why, for a person."""
 
 
-class BlendRunner(DeviationPlacement):
+class BlendRunner(DeviationPlacement, PassageStoring):
     def __init__(self, settings: Settings, store, namespace: str, *, n_cells: int | None = None,
                  context: LlamaContext | None = None, geometry: KVGeometry | None = None) -> None:
         """Own context (two sequences, grown to the prompts' size up to `n_cells`, default KVB_CTX_SIZE), or a
@@ -188,7 +188,7 @@ class BlendRunner(DeviationPlacement):
         self._generate(result, logits, len(tokens), n_predict, temperature, seed, on_text, t0)
         result.total_ms = (time.perf_counter() - t0) * 1000
         if store:
-            self.store_missing(tokens, placement, result)
+            self.store_missing(tokens, placement, result, answer=ANSWER, scratch=SCRATCH)
         return result
 
     def place(self, tokens: list[int], starts: Sequence[int], recompute: int, result: BlendResult, *,
@@ -447,61 +447,6 @@ class BlendRunner(DeviationPlacement):
         ctx.seq_cp_range(scratch, answer, start + lo, start + hi)
         ctx.seq_rm(scratch)
         result.handoff_ms += (time.perf_counter() - t1) * 1000
-
-    def store_missing(self, tokens: list[int], placement: "Placement", result: BlendResult, *,
-                      answer: int = ANSWER, scratch: int = SCRATCH) -> None:
-        """Each segment prefilled for this answer, stored from its own prefill after the instruction
-        (off the TTFT path): the instruction's cells are shared from `answer`, the passage decoded after
-        them in `scratch`, and the passage's cells cut from that state."""
-        ctx, instruction = self.ctx, placement.instruction
-        n_instr = len(instruction)
-        for start, end in placement.missing:
-            is_instruction = start == 0
-            segment = tokens[start:end]
-            if is_instruction:
-                key = instruction_key(self.namespace, instruction)
-            else:
-                key = passage_key(self.namespace, instruction, segment)
-            if self.store.contains(key, namespace=self.namespace):
-                continue   # stored by an earlier prompt, or twice in this one
-            ctx.seq_rm(scratch)
-            ctx.seq_cp_range(answer, scratch, 0, n_instr)
-            try:
-                if not is_instruction:
-                    self._decode(scratch, segment, n_instr, want_logits=False)
-                parsed = self._window_rows(parse_state(ctx.save_seq(scratch), window=self.geometry.window), scratch)
-                lo = 0 if is_instruction else n_instr
-                payload = encode_chunk(parsed, lo, lo + len(segment), segment)
-            except (LayoutError, StateTransferError) as exc:
-                result.notes.append(f"blend: a segment was not stored ({exc})")
-                continue
-            finally:
-                ctx.seq_rm(scratch)
-            what = "instruction" if is_instruction else "passage"
-            if self.store.put(key, payload, passage_meta(self.namespace, segment, f"blend {what}")):
-                result.stored_segments += 1
-
-
-    def _window_rows(self, parsed, seq: int):
-        """A sliding-window model: `parsed` (seq's state) with its windowed layers' rows reaching back to
-        position 0. llama.cpp writes only the last window's cells of that cache, though the full-size cache
-        (swa_full) keeps every row; the earlier windows are read through a free run sequence
-        (LlamaContext.save_window). Without one, the rows stay as they are and a passage they do not
-        cover is not stored (encode_chunk refuses it: the record's notes say so)."""
-        from kvbridge.formats.llama_state import parse_window_rows, with_window_rows
-
-        g = self.geometry
-        spare = SCRATCH + 1
-        if not g.window or parsed.window_start == 0 or not self._own_context:
-            return parsed
-        rows, end = [], parsed.window_start
-        while end > 0:
-            part = parse_window_rows(self.ctx.save_window(seq, spare, end), g)
-            if part.n_cells == 0 or part.first_pos >= end:
-                break
-            rows.append(part)
-            end = part.first_pos
-        return with_window_rows(parsed, rows)
 
 
 class _Scratch:

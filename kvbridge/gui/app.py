@@ -28,8 +28,8 @@ from kvbridge.gui.store_panel import (
     tier_hit_rates,
 )
 from kvbridge.gui.results import (
-    ResultsView, document_choices, export_results, free_prompt, records_table, request_stop, results_view,
-    run_stream, scenario_choices, scenario_description,
+    RAG_SCENARIO, ResultsView, corpus_choices, document_choices, export_results, free_prompt, records_table,
+    request_stop, results_view, run_stream, scenario_choices, scenario_description,
 )
 from kvbridge.gui.charts import store_figure, tier_hit_rate_figure
 from kvbridge.gui.lab import LabSession
@@ -137,7 +137,12 @@ def _scenario_panel(ui: SimpleNamespace, state: AppState) -> None:
                                   elem_id="kvb-n-requests")
         docs = _safe_documents(state)
         ui.document = gr.Dropdown(docs, value=docs[0] if docs else None, label="Document",
-                                  info="Built-in documents and files in input/.", elem_id="kvb-document")
+                                  info="Built-in documents and files in input/.", elem_id="kvb-document",
+                                  visible=first != RAG_SCENARIO)
+        corpora = corpus_choices()
+        ui.corpus = gr.Dropdown(corpora, value=corpora[0], label="Corpus",
+                                info="The handbook the RAG questions are asked about (bench --corpus).",
+                                elem_id="kvb-corpus", visible=first == RAG_SCENARIO)
     with gr.Row():
         ui.run_btn = gr.Button("Run", variant="primary", elem_id="kvb-run")
         ui.stop_btn = gr.Button("Stop", variant="stop", elem_id="kvb-stop")
@@ -260,17 +265,21 @@ def _wire(ui: SimpleNamespace, state: AppState, demo: gr.Blocks) -> None:
     ui.save_btn.click(on_save, [ui.engine_radio, *field_inputs], ui.engine_msg)
 
     # runs, streamed: one update per request; Stop bypasses the queue so it works mid-run
-    def on_run(key: str, modes: list[str], n: Any, doc: str | None, progress=gr.Progress()):
-        for view in run_stream(state, key, modes, n, doc, progress=progress):
+    def on_run(key: str, modes: list[str], n: Any, doc: str | None, corpus: str | None, progress=gr.Progress()):
+        for view in run_stream(state, key, modes, n, doc, progress=progress, corpus=corpus):
             yield results_values(view)
 
     def on_export() -> list[Any]:
         outcome, paths = export_results(state)
         return [_message(outcome), gr.update(value=paths or None, visible=bool(paths))]
 
-    ui.scenario.change(lambda key: [scenario_description(key), _default_requests(key)], ui.scenario,
-                       [ui.description, ui.n_requests], queue=False)
-    ui.run_btn.click(on_run, [ui.scenario, ui.modes, ui.n_requests, ui.document], results_outputs,
+    def on_scenario(key: str) -> list[Any]:
+        # the rag scenario asks about a corpus, not a document: the page shows the picker the scenario reads
+        return [scenario_description(key), _default_requests(key), gr.update(visible=key != RAG_SCENARIO),
+                gr.update(visible=key == RAG_SCENARIO)]
+
+    ui.scenario.change(on_scenario, ui.scenario, [ui.description, ui.n_requests, ui.document, ui.corpus], queue=False)
+    ui.run_btn.click(on_run, [ui.scenario, ui.modes, ui.n_requests, ui.document, ui.corpus], results_outputs,
                      concurrency_limit=1, show_progress_on=[ui.run_progress])
     ui.stop_btn.click(lambda: _message(request_stop(state)), None, ui.run_msg, queue=False)
     ui.export_btn.click(on_export, None, [ui.export_msg, ui.export_files])

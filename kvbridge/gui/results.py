@@ -25,6 +25,9 @@ from kvbridge.engine.records import RECORD_FIELDS, RequestRecord
 from kvbridge.bench.common.report import summarize
 from kvbridge.bench.common.runner import run_scenario
 from kvbridge.bench.common.scenarios import get_scenario, list_documents, scenario_specs
+from kvbridge.bench.rag import CORPORA, DEFAULT_CORPUS
+
+RAG_SCENARIO = "rag"   # the scenario whose corpus the page picks (kvbridge.bench.common.scenarios)
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +156,11 @@ def scenario_choices() -> list[tuple[str, str]]:
     return [(s.title, s.key) for s in scenario_specs()]
 
 
+def corpus_choices() -> list[str]:
+    """The corpora the rag scenario knows (kvbridge.bench.rag.CORPORA), the default first."""
+    return [DEFAULT_CORPUS] + [name for name in CORPORA if name != DEFAULT_CORPUS]
+
+
 def scenario_description(key: str | None) -> str:
     try:
         scenario = get_scenario(key or "")
@@ -198,11 +206,14 @@ def check_run_request(state: AppState, modes: Sequence[str], n_requests: Any) ->
     return problems
 
 
-def run_meta(state: AppState, scenario: str, modes: Sequence[str], n_requests: int | None, document: str | None) -> dict:
+def run_meta(state: AppState, scenario: str, modes: Sequence[str], n_requests: int | None, document: str | None,
+             corpus: str | None = None) -> dict:
     """What the export says about the run: engine, scenario, store settings. Nothing secret."""
     engine, s = state.engine, state.settings
     meta = {"scenario": scenario, "modes": ",".join(modes), "n_requests": n_requests or "scenario default",
             "document": document or "built-in", "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if scenario == RAG_SCENARIO:
+        meta["corpus"] = corpus or DEFAULT_CORPUS
     if engine is not None:
         meta.update(engine=engine.backend.key, location=engine.backend.describe(),
                     kv_mode=engine.backend.kv_mode, namespace=engine.namespace)
@@ -225,9 +236,11 @@ def run_stream(
     n_requests: Any = None,
     document: str | None = None,
     progress: ProgressFn | None = None,
+    corpus: str | None = None,
 ) -> Iterator[ResultsView]:
     """Run a scenario and yield the updated view after every request; errors end the run, not the page.
-    Pressed while the engine connects on start, it waits for that connect first."""
+    Pressed while the engine connects on start, it waits for that connect first. `corpus`: the rag scenario's
+    (a name in kvbridge.bench.rag.CORPORA; None: its default)."""
     if connecting_now(state):
         yield results_view(state, f"Waiting for the engine: {connecting_message(state)} The run starts when it is up.")
         wait_for_connect(state)
@@ -244,14 +257,14 @@ def run_stream(
     try:
         state.stop_event.clear()
         text = document_text(state, document)
-        meta = run_meta(state, scenario, modes, n, document)
+        meta = run_meta(state, scenario, modes, n, document, corpus)
         yield results_view(state, f"Running **{scenario}** in {', '.join(modes)}…")
         on_progress = None if progress is None else (
             lambda done, total, what: progress((done, total), desc=what, unit="requests"))
         figures: dict[str, go.Figure] | None = None   # the charts last shown, while they are fresh enough
         drawn_at = time.monotonic()
         for record in run_scenario(state.engine, scenario, modes, n_requests=n, document=text,
-                                   progress=on_progress, stop_event=state.stop_event):
+                                   progress=on_progress, stop_event=state.stop_event, corpus=corpus):
             new_records.append(record)
             if len(new_records) == 1:  # the new run replaces the old results only now
                 state.records, state.run_meta = new_records, meta

@@ -1,7 +1,7 @@
 """Blend quality and cost: the curve over recomputed tokens per passage, 2 to 8 passages, and what a shift costs.
 
     python -m kvbridge.bench.probes.blend_bench                       # 2,4,6,8 passages x 0,4,8,16,32 recomputed, 12 prompts
-    python -m kvbridge.bench.probes.blend_bench --passages 4 --recompute 0,16 --prompts 6
+    python -m kvbridge.bench.probes.blend_bench --passages 4 --recompute 0,16 --prompts 6 --corpus clinic
 
 Place in the flow: the RAG corpus (kvbridge.bench.rag) -> a warm-up that stores every passage ->
 per prompt, in one context (the blend runner's, so both sides share every rounding): **cold** (every
@@ -34,11 +34,13 @@ from typing import Sequence
 
 import numpy as np
 
-from kvbridge.bench.rag import DEFAULT_SEED, build_prompts, load_corpus, warmup_prompts, wants_completion
+from kvbridge.bench.rag import (CORPORA, DEFAULT_CORPUS, DEFAULT_SEED, build_prompts, load_corpus, wants_completion,
+                               warmup_prompts)
 from kvbridge.bench.common.report import holds_fact, write_result_json
 from kvbridge.blend.passages import FoundPassage
 from kvbridge.blend.result import BlendResult
 from kvbridge.blend.runner import ANSWER, SCRATCH, BlendRunner
+from kvbridge.errors import BadSettings
 from kvbridge.engine.segments import segment_spans
 from kvbridge.formats.llama_chunks import assemble_state, decode_chunk, encode_chunk
 from kvbridge.formats.llama_state import parse_state
@@ -95,9 +97,9 @@ def warm_up(engine, runner, corpus: dict, n_passages: int, seed: int, measured: 
 
 def measure_curve(engine, passages: list[int], recompute: list[int], n_prompts: int, n_predict: int,
                   seed: int = DEFAULT_SEED, progress=print, at: tuple[str, ...] = ("end", "start"),
-                  warm: str = "all") -> list[CurveRow]:
+                  warm: str = "all", corpus_name: str = DEFAULT_CORPUS) -> list[CurveRow]:
     runner = engine._blend_runner()
-    corpus = load_corpus()
+    corpus = load_corpus(corpus_name)
     sep = engine.settings.blend_separator
     rows: list[CurveRow] = []
     for n_passages in passages:
@@ -132,11 +134,11 @@ def measure_curve(engine, passages: list[int], recompute: list[int], n_prompts: 
 
 
 def measure_restore_cost(engine, n_prompts: int, seed: int = DEFAULT_SEED, n_passages: int = 4,
-                         warm: str = "all") -> dict:
+                         warm: str = "all", corpus_name: str = DEFAULT_CORPUS) -> dict:
     """Blended placement (recompute 0) against an exact prefix restore of the same cells, both + the question."""
     runner, store = engine._blend_runner(), engine.store
     ctx = runner.ctx
-    corpus = load_corpus()
+    corpus = load_corpus(corpus_name)
     sep = engine.settings.blend_separator
     prompts = build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages, seed=seed,
                             completion=wants_completion(engine))
@@ -175,7 +177,7 @@ def measure_restore_cost(engine, n_prompts: int, seed: int = DEFAULT_SEED, n_pas
 
 
 def measure_cache_reuse(engine, n_prompts: int, n_predict: int, seed: int = DEFAULT_SEED, n_passages: int = 4,
-                        chunk: int = 16) -> dict:
+                        chunk: int = 16, corpus_name: str = DEFAULT_CORPUS) -> dict:
     """llama-server's own answer to the same prompts: `--cache-reuse N` shifts chunks of the slot's previous
     prompt that reappear in the next one, recomputing nothing. Per measured prompt, with the slot holding
     the previous prompt: its answer with cache_prompt (the reuse), then without (the server's cold answer),
@@ -204,7 +206,7 @@ def measure_cache_reuse(engine, n_prompts: int, n_predict: int, seed: int = DEFA
             resp.raise_for_status()
             return resp.json()
 
-        corpus = load_corpus()
+        corpus = load_corpus(corpus_name)
         asked = build_prompts(corpus, s.blend_separator, n_prompts=n_prompts + 1, n_passages=n_passages, seed=seed,
                               completion=wants_completion(engine))
         prompts = [engine.prepare(p.request) for p in asked]
@@ -265,7 +267,7 @@ def place_exact(runner: BlendRunner, tokens: list[int], starts: Sequence[int], c
 
 
 def measure_ceiling(engine, n_prompts: int, n_predict: int, seed: int = DEFAULT_SEED, n_passages: int = 4,
-                    warm: str = "all") -> dict:
+                    warm: str = "all", corpus_name: str = DEFAULT_CORPUS) -> dict:
     """How far recomputing tokens can take blend: against cold, a pure shift, the default, the last half of
     every passage recomputed in context (one run per passage, its tokens seeing each other), the passage that
     answers (relevant_passage) recomputed whole, and cold's own KV placed by blend's placement (the
@@ -275,7 +277,7 @@ def measure_ceiling(engine, n_prompts: int, n_predict: int, seed: int = DEFAULT_
     whole = WholePassageRunner(settings, engine.store, engine.namespace, n_cells=max(settings.ctx_size, 4096))
     runner = engine._blend_runner()
     try:
-        corpus = load_corpus()
+        corpus = load_corpus(corpus_name)
         sep = settings.blend_separator
         prompts = build_prompts(corpus, sep, n_prompts=n_prompts, n_passages=n_passages, seed=seed,
                                 completion=wants_completion(engine))
@@ -353,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--at", default="end,start", help="which tokens of each passage are recomputed: end, start or both")
     parser.add_argument("--n-predict", type=int, default=16, help="greedy tokens per answer")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument("--corpus", default=DEFAULT_CORPUS,
+                        help=f"the RAG corpus: {', '.join(CORPORA)}, or a path to one of the same schema")
     parser.add_argument("--no-restore-cost", action="store_true", help="skip the restore-cost measurement")
     parser.add_argument("--ceiling", action="store_true",
                         help="also measure how far recompute can go (the largest --passages): the last half of every passage, "
@@ -365,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="warm up with every passage of the corpus (all), or only with the warm-up prompts "
                              "holding a measured prompt's passage (measured: the same rows, a quicker run)")
     args = parser.parse_args(argv)
+    try:
+        load_corpus(args.corpus)    # a bad name or file fails before the model loads
+    except BadSettings as exc:
+        raise SystemExit(f"--corpus: {exc}") from None
     passages, recompute = _ints(args.passages, "passages"), _ints(args.recompute, "recompute")
     if args.cache_reuse_passages < 1:
         raise SystemExit(f"--cache-reuse-passages needs at least 1 passage, got {args.cache_reuse_passages}")
@@ -384,23 +392,25 @@ def main(argv: list[str] | None = None) -> int:
         with CachedEngine(settings, LlamaCppBackend(settings)) as engine:
             print(f"blend bench: {engine.backend.describe()}, {args.prompts} prompts per row", flush=True)
             rows = measure_curve(engine, passages, recompute, args.prompts, args.n_predict, args.seed, at=at,
-                                 warm=args.warm_up)
+                                 warm=args.warm_up, corpus_name=args.corpus)
             print(format_curve(rows))
             cost = (None if args.no_restore_cost
-                    else measure_restore_cost(engine, min(args.prompts, 6), args.seed, warm=args.warm_up))
+                    else measure_restore_cost(engine, min(args.prompts, 6), args.seed, warm=args.warm_up,
+                                              corpus_name=args.corpus))
             if cost:
                 print(f"\nrestore cost, {cost['passages']} passages, nothing recomputed: blended "
                       f"{cost['blend_restore_ms']:.1f} ms against an exact prefix restore of the same cells "
                       f"{cost['exact_restore_ms']:.1f} ms ({cost['restored_mb']:.1f} MB): {cost['ratio']:.2f}x "
                       f"(question decode {cost['question_decode_ms']:.1f} ms taken off both)")
             ceiling = (measure_ceiling(engine, args.prompts, args.n_predict, args.seed, n_passages=max(passages),
-                                       warm=args.warm_up) if args.ceiling else None)
+                                       warm=args.warm_up, corpus_name=args.corpus) if args.ceiling else None)
             if ceiling:
                 print(format_ceiling(ceiling))
             peer = None
             if args.cache_reuse > 0:
                 peer = measure_cache_reuse(engine, args.prompts, args.n_predict, args.seed,
-                                           n_passages=args.cache_reuse_passages, chunk=args.cache_reuse)
+                                           n_passages=args.cache_reuse_passages, chunk=args.cache_reuse,
+                                           corpus_name=args.corpus)
                 if "skipped" in peer:
                     print(f"\nllama-server --cache-reuse: skipped, {peer['skipped']}")
                 else:
@@ -411,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"against {peer['cold_prompt_ms']:.0f} ms cold")
     result = {"command": "blend-bench", "settings": {"passages": passages, "recompute": recompute, "at": at,
                                                      "prompts": args.prompts, "n_predict": args.n_predict,
-                                                     "warm_up": args.warm_up},
+                                                     "warm_up": args.warm_up, "corpus": args.corpus},
               "curve": [asdict(r) for r in rows], "restore_cost": cost, "ceiling": ceiling,
               "llama_server_cache_reuse": peer}
     path = write_result_json(result, base.output_dir, "blend")
