@@ -15,7 +15,7 @@ from kvbridge.backends.llamacpp import LlamaCppBackend
 from kvbridge.bench.rag import load_corpus, rag_completion, wants_completion
 from kvbridge.blend.passages import blend_namespace, passage_key
 from kvbridge.blend.result import BlendResult
-from kvbridge.blend.runner import ANSWER, SCRATCH
+from kvbridge.blend.runner import ANSWER, SCRATCH, BlendRefused
 from kvbridge.engine.cached_engine import CachedEngine
 from kvbridge.engine.segments import segment_spans
 from kvbridge.formats.llama_state import _read_cache, _read_header, _Reader, parse_state
@@ -188,3 +188,47 @@ def test_the_scheduler_blends_gemma_too(make_settings):
         second = scheduler.submit(rag_completion(corpus, ["p05", "p02"], question, sep), blend=True).result(timeout=300)
     assert not second.error and "3 of 3 segments reused" in second.notes and second.text
     assert second.matched_tokens > 0.8 * second.prompt_tokens
+
+
+def test_the_placement_keeps_every_cell_it_placed_where_the_window_is_small(make_settings):
+    """The zoo's gemma3 (random weights, a window of 32): as one passage after another is placed, the answer's
+    window passes the earlier cells, and llama.cpp reuses a cell only one sequence holds once that sequence's
+    window passed it (llama_kv_cache::find_slot) for the next passage's load. A token recomputed in context, at a
+    position before the answer's last, still needs them: the placement holds them (kvbridge.blend.runner.PIN), so
+    the answer's sliding-window cache still has every position when the placement ends (without: 551 of 1,059
+    positions were gone), and nothing stays held after it."""
+    import llama_cpp
+
+    from kvbridge.blend.runner import PIN
+    from kvbridge.models import zoo_model
+
+    settings = make_settings(model_path=str(zoo_model("gemma3")), ctx_size=2048, n_predict=4,
+                             blend_recompute_ratio=0.0)
+    with CachedEngine(settings, LlamaCppBackend(settings)) as engine:
+        runner = engine._blend_runner()
+        assert runner.geometry.window == 32
+        prompt = engine.prepare(rag_completion(load_corpus(), ["p02", "p05", "p04", "p09"], "Who?",
+                                               settings.blend_separator))
+        tokens, starts = [int(t) for t in prompt.tokens], list(prompt.segments)
+        runner.run(tokens, starts, recompute=0, n_predict=1, reuse=False, store=True)
+        memory = runner.ctx.memory
+        for rule in ("end", "deviation"):
+            runner.ctx.seq_rm(ANSWER)
+            result = BlendResult()
+            placement = runner.place(tokens, starts, 0, result, recompute_at=rule, ratio=0.3, run_seqs=range(2, 50),
+                                     pin=PIN)
+            assert result.reused_segments == 5 and result.recomputed_tokens > 0.2 * len(tokens)
+            assert llama_cpp.llama_memory_seq_pos_min(memory, ANSWER) == 0, rule
+            assert llama_cpp.llama_memory_seq_pos_max(memory, ANSWER) == placement.kv_tokens - 1
+            assert llama_cpp.llama_memory_seq_pos_max(memory, PIN) == -1      # released
+        runner.ctx.seq_rm(ANSWER)
+        with pytest.raises(BlendRefused, match="pin"):
+            runner.place(tokens, starts, 0, BlendResult(), run_seqs=range(2, 50))
+        # new passages stored after an answer whose window long passed the instruction's cells (llama.cpp reused
+        # them): each segment is decoded afresh, and every one is stored
+        one = engine.prepare(rag_completion(load_corpus(), ["p07"], "Who?", settings.blend_separator))
+        runner.run(list(one.tokens), list(one.segments), recompute=0, n_predict=4, reuse=False)
+        runner.run(list(one.tokens), list(one.segments), recompute=0, n_predict=4, store=False)
+        other = engine.prepare(rag_completion(load_corpus(), ["p11", "p12", "p07"], "Who?", settings.blend_separator))
+        stored = runner.run(list(other.tokens), list(other.segments), recompute=0, n_predict=4)   # instruction restored
+        assert stored.stored_segments == 2 and not stored.notes, stored.notes

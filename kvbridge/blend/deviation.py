@@ -23,7 +23,7 @@ from kvbridge.blend.selection import PlacedPassage, SelectionPass, SelectionUnav
 
 
 class DeviationPlacement:
-    """BlendRunner's deviation rule; the runner provides ctx, settings, geometry, _scratch and _place_fixed."""
+    """BlendRunner's deviation rule; the runner provides ctx, settings, geometry, _scratch, _pin and _place_fixed."""
 
     def _selector(self) -> SelectionPass:
         """The selection pass, made on first use and shared with the runners made by under()."""
@@ -76,4 +76,6 @@ class DeviationPlacement:
     def _restart(self, result: BlendResult, answer: int) -> None:
         """The answer's sequence emptied for another placement; what was read and spent stays counted."""
         self.ctx.seq_rm(answer)
+        if self._pin is not None:
+            self.ctx.seq_rm(self._pin)
         result.reused_tokens = result.reused_segments = 0

@@ -71,6 +71,11 @@ CELL_STEP = 512
 # deviation rule's runs (consecutive chosen tokens) are many more: they take every sequence an own context has.
 RUN_SEQS = 8
 DEVIATION_SEQS = 48
+# A sliding-window model's placement holds every cell it placed in this sequence as well as in the answer's: llama.cpp
+# reuses a cell that only one sequence holds once that sequence's window has passed it (llama_kv_cache::find_slot),
+# and a recomputed token, a passage decoded in place, sits at a position before the answer's last one, whose window
+# still needs those cells. An own context's last sequence; the scheduler lends one.
+PIN = 2 + DEVIATION_SEQS
 
 
 class BlendRefused(KVBridgeError):
@@ -87,9 +92,10 @@ class BlendRunner(DeviationPlacement, PassageStoring):
         self.namespace = blend_namespace(namespace)
         self.max_cells = n_cells or settings.ctx_size
         self.ctx = context if context is not None else LlamaContext(settings, min(self.max_cells, CELL_STEP),
-                                                                         2 + DEVIATION_SEQS)
+                                                                         PIN + 1)
         self._own_context = context is None
         self._scratch = _Scratch()   # shared with the runners made by under()
+        self._pin: int | None = None   # while a sliding-window model's placement runs (place)
         try:
             self._refuse_unshiftable()
             self.geometry = geometry if geometry is not None else self._probe()
@@ -142,7 +148,7 @@ class BlendRunner(DeviationPlacement, PassageStoring):
         """A new own context of the next CELL_STEP above `need` cells (at most max_cells); nothing in the old
         one outlives a request, and the geometry does not depend on the size."""
         cells = min(self.max_cells, -(-need // CELL_STEP) * CELL_STEP)
-        grown = LlamaContext(self.settings, cells, 2 + DEVIATION_SEQS)
+        grown = LlamaContext(self.settings, cells, PIN + 1)
         self.ctx.close()
         self.ctx = grown
 
@@ -180,7 +186,8 @@ class BlendRunner(DeviationPlacement, PassageStoring):
                                           recompute_at="end", run_seqs=(), prefix_only=True)
         else:
             placement = self.place(tokens, starts, recompute, result, reuse=reuse, recompute_at=recompute_at,
-                                   run_seqs=run_seqs, ratio=ratio, gate=gate)
+                                   run_seqs=run_seqs, ratio=ratio, gate=gate,
+                                   pin=PIN if self._own_context else None)
         t = time.perf_counter()
         logits = self._decode(ANSWER, placement.pending, placement.kv_tokens, want_logits=True)
         result.prefill_ms += (time.perf_counter() - t) * 1000
@@ -194,7 +201,7 @@ class BlendRunner(DeviationPlacement, PassageStoring):
     def place(self, tokens: list[int], starts: Sequence[int], recompute: int, result: BlendResult, *,
               answer: int = ANSWER, scratch: int = SCRATCH, reuse: bool = True,
               recompute_at: str = "end", run_seqs: Sequence[int] = (), ratio: float = 0.0,
-              gate: float = 0.0) -> "Placement":
+              gate: float = 0.0, pin: int | None = None) -> "Placement":
         """Fill the empty sequence `answer` left to right: the stored instruction (with the first passage when
         it is stored: it stands where it was computed, so its KV is cold's and nothing of it is recomputed),
         then for each later passage its stored cells and `recompute` of its tokens decoded in context: its
@@ -212,14 +219,30 @@ class BlendRunner(DeviationPlacement, PassageStoring):
         of each reused passage's tokens (end, start), or of all reused tokens (deviation). "deviation" places
         every stored passage whole, asks the selection pass which tokens deviate most
         (kvbridge.blend.selection), and recomputes those in context; with `gate` (KVB_BLEND_GATE) above 0, a
-        prompt whose kept tokens deviate more than it is placed as prefix reuse instead (result.fell_back)."""
+        prompt whose kept tokens deviate more than it is placed as prefix reuse instead (result.fell_back).
+
+        `pin` (an empty sequence): a sliding-window model's placement holds every placed cell there too (PIN says
+        why); it is emptied again before this returns. A sliding-window model needs one."""
         if recompute_at not in RECOMPUTE_AT:
             raise ValueError(f"recompute_at must be one of {RECOMPUTE_AT}, got {recompute_at!r}")
-        if recompute_at == "deviation":
-            return self._place_deviation(tokens, starts, recompute, result, answer=answer, scratch=scratch,
-                                         reuse=reuse, run_seqs=run_seqs, ratio=ratio, gate=gate)
-        return self._place_fixed(tokens, starts, recompute, result, answer=answer, scratch=scratch, reuse=reuse,
-                                 recompute_at=recompute_at, run_seqs=run_seqs, ratio=ratio)
+        if self.geometry.window and pin is None:
+            raise BlendRefused("a sliding-window model's blend placement needs a sequence to hold its cells (pin)")
+        self._pin = pin if self.geometry.window else None
+        try:
+            if recompute_at == "deviation":
+                return self._place_deviation(tokens, starts, recompute, result, answer=answer, scratch=scratch,
+                                             reuse=reuse, run_seqs=run_seqs, ratio=ratio, gate=gate)
+            return self._place_fixed(tokens, starts, recompute, result, answer=answer, scratch=scratch, reuse=reuse,
+                                     recompute_at=recompute_at, run_seqs=run_seqs, ratio=ratio)
+        finally:
+            if self._pin is not None:
+                self.ctx.seq_rm(self._pin)
+            self._pin = None
+
+    def _held(self, answer: int, lo: int, hi: int) -> None:
+        """The answer's cells at positions lo..hi-1, just placed, held by the pin sequence too (PIN)."""
+        if self._pin is not None and hi > lo:
+            self.ctx.seq_cp_range(answer, self._pin, lo, hi)
 
     def _place_fixed(self, tokens: list[int], starts: Sequence[int], recompute: int, result: BlendResult, *,
                      answer: int, scratch: int, reuse: bool, recompute_at: str, run_seqs: Sequence[int],
@@ -314,7 +337,10 @@ class BlendRunner(DeviationPlacement, PassageStoring):
                 for seq, (at, run) in zip(run_seqs, group):
                     if replace:
                         ctx.seq_rm(answer, at, at + len(run))
+                        if self._pin is not None:
+                            ctx.seq_rm(self._pin, at, at + len(run))
                     ctx.seq_cp_range(seq, answer, at, at + len(run))
+                    self._held(answer, at, at + len(run))
             finally:    # a failed decode leaves no cells behind in the run sequences
                 for seq, _ in zip(run_seqs, group):
                     ctx.seq_rm(seq)
@@ -324,6 +350,7 @@ class BlendRunner(DeviationPlacement, PassageStoring):
         if pending:
             t = time.perf_counter()
             self._decode(answer, pending, at, want_logits=False)
+            self._held(answer, at, at + len(pending))
             result.prefill_ms += (time.perf_counter() - t) * 1000
 
     def _decode(self, seq: int, tokens: Sequence[int], at: int, *, want_logits: bool) -> np.ndarray | None:
@@ -410,6 +437,7 @@ class BlendRunner(DeviationPlacement, PassageStoring):
         state = assemble_state(self.geometry, pieces, seq_id=answer, out=self._scratch_for(n_cells))
         t1 = time.perf_counter()
         self.ctx.load_seq(answer, state)
+        self._held(answer, 0, n_cells)
         result.assemble_ms += (t1 - t) * 1000
         result.handoff_ms += (time.perf_counter() - t1) * 1000
         result.reused_segments += 1 + (first is not None)
@@ -445,6 +473,7 @@ class BlendRunner(DeviationPlacement, PassageStoring):
         if delta:
             ctx.seq_add(scratch, computed_at, computed_at + n, delta)
         ctx.seq_cp_range(scratch, answer, start + lo, start + hi)
+        self._held(answer, start + lo, start + hi)
         ctx.seq_rm(scratch)
         result.handoff_ms += (time.perf_counter() - t1) * 1000
 

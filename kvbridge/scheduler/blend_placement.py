@@ -57,13 +57,16 @@ class BlendPlacer:
         from kvbridge.blend.result import BlendResult
         from kvbridge.blend.runner import RUN_SEQS
 
-        if not self.pool.free:
+        # a sliding-window model's placement also holds its cells in a sequence of their own (kvbridge.blend.runner.PIN)
+        windowed = bool(self.geometry is not None and self.geometry.window)
+        if len(self.pool.free) < 1 + windowed:
             request.record.add_note("blend: no free sequence to place passages through; computed in full")
             MissExplainer.fixed("refused", "blend: no free sequence to place the stored passages through (every one "
                                 "of KVB_SCHED_MAX_RUNNING + KVB_SCHED_CACHED_PREFIXES is taken); computed in full"
                                 ).apply(request.record)
             return 0, "none"
         scratch = self.pool.borrow()
+        pin = self.pool.borrow() if windowed else None
         # more free sequences, when there are, let every passage's recomputed tokens go into one decode
         later_passages = max(0, len(request.segments) - 3)
         runs = [self.pool.borrow() for _ in range(min(len(self.pool.free), later_passages, RUN_SEQS))]
@@ -73,7 +76,8 @@ class BlendPlacer:
             placement = runner.place(request.prompt, request.segments, self.settings.blend_recompute_tokens, result,
                                      answer=request.seq, scratch=scratch,
                                      recompute_at=self.settings.blend_recompute_at, run_seqs=runs,
-                                     ratio=self.settings.blend_recompute_ratio, gate=self.settings.blend_gate)
+                                     ratio=self.settings.blend_recompute_ratio, gate=self.settings.blend_gate,
+                                     pin=pin)
         except KVBridgeError as exc:
             self._ctx.seq_rm(request.seq)
             self.journal.counters["restore_failed"] += 1
@@ -82,7 +86,7 @@ class BlendPlacer:
             MissExplainer.fixed("refused", f"blend: the placement failed ({exc}); computed in full").apply(request.record)
             return 0, "none"
         finally:
-            for seq in [scratch, *runs]:
+            for seq in [scratch, *runs] + ([pin] if pin is not None else []):
                 self.pool.give_back(seq)
         kv = placement.kv_tokens
         if kv:

@@ -33,7 +33,7 @@ import numpy as np
 from kvbridge.bench.common.report import write_result_json
 from kvbridge.bench.rag import DEFAULT_SEED, build_prompts, load_corpus, wants_completion
 from kvbridge.blend.result import BlendResult
-from kvbridge.blend.runner import ANSWER, BlendRunner
+from kvbridge.blend.runner import ANSWER, PIN, BlendRunner
 from kvbridge.blend.selection import FLOAT_TYPES as _FLOATS, relative_deviation
 from kvbridge.engine.segments import segment_spans
 from kvbridge.formats.llama_state import ParsedState, parse_state
@@ -111,7 +111,7 @@ def cold_and_blend_states(runner: BlendRunner, tokens: list[int], starts: Sequen
     cold = parse_state(ctx.save_seq(ANSWER))
     ctx.seq_rm(ANSWER)
     result = BlendResult()
-    placement = runner.place(tokens, starts, 0, result, **place)
+    placement = runner.place(tokens, starts, 0, result, **{"pin": PIN, **place})
     runner._flush(placement.pending, placement.kv_tokens, result, ANSWER)
     blend = parse_state(ctx.save_seq(ANSWER))
     ctx.seq_rm(ANSWER)
