@@ -86,7 +86,8 @@ class _Capture:
 
     def __init__(self, last: int) -> None:
         self.last = last
-        self.want = {b"Kcur-0", b"Kcur-%d" % last, b"Vcur-%d" % last}
+        self.compared = {b"Kcur-%d" % last, b"Vcur-%d" % last}
+        self.want = self.compared   # the calibration's probe also wants layer 0's K (SelectionPass.calibration)
         self.n_tokens = 0
         self.got: dict[bytes, np.ndarray] = {}
         self.stopped = False
@@ -230,7 +231,7 @@ class SelectionPass:
 
         self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._capture)
         self.ctx: LlamaContext | None = None
-        self._calibrated: _Calibration | None = None
+        self._calibrated: _Calibration | SelectionUnavailable | None = None   # a failure is kept too
 
     def close(self) -> None:
         if self.ctx is not None:
@@ -264,14 +265,25 @@ class SelectionPass:
         """Once per pass (PROBE at position 0, then at PROBE_SHIFT): the stored layers that hold model layers 0
         and `layer`, and the (base, scale) each rotates with; rotation None where no candidate reproduces
         llama.cpp's K at the later position (then V alone ranks)."""
+        if isinstance(self._calibrated, SelectionUnavailable):
+            raise self._calibrated
         if self._calibrated is not None:
             return self._calibrated
+        try:
+            self._calibrated = self._calibrate()
+        except SelectionUnavailable as exc:
+            self._calibrated = exc
+            raise
+        return self._calibrated
+
+    def _calibrate(self) -> "_Calibration":
         from kvbridge.formats.llama_state import parse_state
 
         ctx = self._context(CELL_STEP)
         probe = ctx.tokenize(PROBE)[:BATCH_TOKENS]
         g, layers = self.geometry, (0, self.layer)
         ctx.seq_rm(0)
+        self._capture.want = self._capture.compared | {b"Kcur-0"}
         try:
             at0 = self._decode(ctx, probe, 0)
             state = parse_state(ctx.save_seq(0), window=g.window)
@@ -279,6 +291,7 @@ class SelectionPass:
             later = self._decode(ctx, probe, PROBE_SHIFT)
         finally:
             ctx.seq_rm(0)
+            self._capture.want = self._capture.compared
         n = len(probe)
         index = {}
         for il in layers:
@@ -305,11 +318,10 @@ class SelectionPass:
                     rotation = None
                     break
                 rotation[il] = best
-        self._calibrated = _Calibration(index=index, rotation=rotation)
-        return self._calibrated
+        return _Calibration(index=index, rotation=rotation)
 
     def fresh(self, tokens: Sequence[int], prefix: Sequence[PlacedPassage] = ()) -> tuple[int, dict[bytes, np.ndarray]]:
-        """The first layers' K (layer 0 and the compared one) and V of `tokens`, from the position after the
+        """The compared layer's K and V of `tokens`, from the position after the
         segments `prefix` (stored where they were computed, so their KV is the prompt's own: restored, not
         decoded); (that position, arrays indexed from it)."""
         ctx = self._context(len(tokens))
